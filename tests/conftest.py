@@ -1,0 +1,25 @@
+import pytest
+import torch
+
+from kimiserve.config import ModelConfig, load_preset
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+def tiny_linear_config() -> ModelConfig:
+    """A tiny Kimi-Linear-shaped model: softplus gate, low-rank output gate, no q-LoRA, plain MoE, SiLU,
+    no indexer, no attention residuals, bf16 experts."""
+    return load_preset("tiny").replace(
+        architecture="KimiLinearForCausalLM", gate_lower_bound=None, kda_full_rank_output_gate=False,
+        q_lora_rank=None, mla_use_output_gate=False, index_n_heads=None, index_head_dim=None, index_topk=None,
+        hidden_act="silu", routed_expert_hidden_size=None, latent_moe_use_norm=False, num_shared_experts=1,
+        routed_scaling_factor=2.446, attn_res_block_size=None, routed_experts_mxfp4=False, extra={},
+    )
+
+
+def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt().clamp_min(1e-30))
