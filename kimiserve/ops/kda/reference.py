@@ -1,0 +1,134 @@
+"""Kimi Delta Attention (KDA): gate, recurrent form and chunked form, in pure torch.
+
+Shapes follow fla: q, k [B, T, H, K]; v [B, T, H, V]; g (log decay, <= 0) [B, T, H, K];
+beta [B, T, H]; state [B, H, K, V]. Per step and head:
+
+    S <- Diag(exp g_t) S
+    S <- S + beta_t k_t (v_t - S^T k_t)^T
+    o_t = S^T (scale q_t)
+
+q and k are expected L2-normalised by the caller. The state is kept in fp32 (fp64 inputs stay
+fp64); outputs come back in v's dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kimiserve.ops.dtypes import compute_dtype
+
+
+def kda_gate(
+    f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float | None
+) -> torch.Tensor:
+    """Per-channel log decay from the gate projection f [..., H, K].
+
+    K3 (lower_bound set): g = lower_bound * sigmoid(exp(A_log[h]) * (f + dt_bias)), in (lower_bound, 0).
+    Kimi-Linear (None):   g = -exp(A_log[h]) * softplus(f + dt_bias).
+    A_log: [H]; dt_bias: [H * K]. Returned in the compute dtype (fp32 or wider).
+    """
+    dt = compute_dtype(f)
+    H, K = f.shape[-2], f.shape[-1]
+    a = torch.exp(A_log.to(dt)).view(H, 1)
+    x = f.to(dt) + dt_bias.to(dt).view(H, K)
+    if lower_bound is not None:
+        return lower_bound * torch.sigmoid(a * x)
+    return -a * F.softplus(x)
+
+
+def _check(q, k, v, g, beta, initial_state):
+    B, T, H, K = q.shape
+    if k.shape != q.shape or g.shape != q.shape:
+        raise ValueError(f"q, k, g must share a shape, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(g.shape)}")
+    if v.shape[:3] != (B, T, H) or beta.shape != (B, T, H):
+        raise ValueError(f"v must be [B, T, H, V] and beta [B, T, H] with B, T, H = {B, T, H}")
+    if initial_state is not None and initial_state.shape != (B, H, K, v.shape[-1]):
+        raise ValueError(f"initial_state must be {(B, H, K, v.shape[-1])}, got {tuple(initial_state.shape)}")
+
+
+def recurrent_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-by-token KDA. Returns (o [B, T, H, V] in v's dtype, final state [B, H, K, V])."""
+    _check(q, k, v, g, beta, initial_state)
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    dt = compute_dtype(q, k, v, g, beta, initial_state)
+    out_dtype = v.dtype
+    scale = K ** -0.5 if scale is None else scale
+    q, k, v, g, beta = (t.to(dt) for t in (q, k, v, g, beta))
+    S = q.new_zeros(B, H, K, V) if initial_state is None else initial_state.to(dt).clone()
+    o = q.new_empty(B, T, H, V)
+    for t in range(T):
+        S = S * torch.exp(g[:, t]).unsqueeze(-1)
+        k_t = k[:, t]
+        residual = v[:, t] - torch.einsum("bhkv,bhk->bhv", S, k_t)
+        S = S + (beta[:, t, :, None, None] * k_t.unsqueeze(-1)) * residual.unsqueeze(-2)
+        o[:, t] = torch.einsum("bhkv,bhk->bhv", S, q[:, t] * scale)
+    return o.to(out_dtype), S
+
+
+def chunk_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunk-parallel KDA (WY form), equal to `recurrent_kda` up to rounding.
+
+    Inside a chunk with cumulative log decay G_i (per channel) and entry state S0, the per-step
+    deltas D_i = beta_i (v_i - S'_i^T k_i) solve (I + A) D = diag(beta) (V - (exp(G) * K) S0), with
+    A_ij = beta_i sum_c k_ic k_jc exp(G_ic - G_jc) for j < i. Then
+    o_i = scale (exp(G_i) * q_i)^T S0 + scale sum_{j<=i} (q_i . (exp(G_i - G_j) * k_j)) D_j and
+    S_C = exp(G_C) * S0 + sum_j (exp(G_C - G_j) * k_j) D_j^T. Decays enter only as exp of
+    differences G_i - G_j <= 0, so nothing overflows however strong the decay.
+    """
+    _check(q, k, v, g, beta, initial_state)
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    C = chunk_size
+    dt = compute_dtype(q, k, v, g, beta, initial_state)
+    out_dtype = v.dtype
+    scale = K ** -0.5 if scale is None else scale
+    pad = (-T) % C
+    # zero-padded steps have k = 0 and g = 0: they leave the state untouched
+    q, k, v, g = (F.pad(t.to(dt), (0, 0, 0, 0, 0, pad)) for t in (q, k, v, g))
+    beta = F.pad(beta.to(dt), (0, 0, 0, pad))
+    N = (T + pad) // C
+    q, k, g = (t.view(B, N, C, H, K).permute(0, 3, 1, 2, 4) for t in (q, k, g))  # [B, H, N, C, K]
+    v = v.view(B, N, C, H, V).permute(0, 3, 1, 2, 4)
+    beta = beta.view(B, N, C, H).permute(0, 3, 1, 2)  # [B, H, N, C]
+
+    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+    strict = causal.clone().fill_diagonal_(False)
+    eye = torch.eye(C, dtype=dt, device=q.device)
+    S = q.new_zeros(B, H, K, V) if initial_state is None else initial_state.to(dt).clone()
+    o = torch.empty_like(v)
+    for n in range(N):
+        q_c, k_c, v_c, b_c = q[:, :, n] * scale, k[:, :, n], v[:, :, n], beta[:, :, n]
+        G = g[:, :, n].cumsum(dim=-2)  # [B, H, C, K]
+        diff = (G.unsqueeze(-2) - G.unsqueeze(-3)).masked_fill(~causal[..., None], float("-inf"))
+        decay = torch.exp(diff)  # [B, H, C(i), C(j), K], exp(G_i - G_j) for j <= i, else 0
+        A = torch.einsum("bhik,bhijk,bhjk->bhij", k_c, decay, k_c) * b_c.unsqueeze(-1)
+        A = A.masked_fill(~strict, 0.0)
+        rhs = torch.cat([b_c.unsqueeze(-1) * v_c, b_c.unsqueeze(-1) * (torch.exp(G) * k_c)], dim=-1)
+        UW = torch.linalg.solve_triangular(eye + A, rhs, upper=False, unitriangular=True)
+        U, W = UW[..., :V], UW[..., V:]
+        D = U - W @ S  # [B, H, C, V]
+        Aqk = torch.einsum("bhik,bhijk,bhjk->bhij", q_c, decay, k_c)
+        o[:, :, n] = (torch.exp(G) * q_c) @ S + Aqk @ D
+        G_last = G[:, :, -1:]  # [B, H, 1, K]
+        S = torch.exp(G_last).transpose(-1, -2) * S + (torch.exp(G_last - G) * k_c).transpose(-1, -2) @ D
+    o = o.permute(0, 2, 3, 1, 4).reshape(B, N * C, H, V)[:, :T]
+    return o.to(out_dtype), S

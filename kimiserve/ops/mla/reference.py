@@ -1,0 +1,50 @@
+"""Multi-head latent attention over cached latents, expanded and absorbed forms.
+
+Per token the cache holds c (kv_lora_rank values, normed) and k_pe (qk_rope_head_dim values,
+shared by all heads, never rotated: the model is NoPE). kv_b_proj maps c to per-head k_nope and
+v: w_kc [H, dn, L], w_vc [H, dv, L]. `mask` [B, T, S] says which keys each query reads (causal
+and, with an indexer, the selected top-k).
+"""
+
+import torch
+
+from kimiserve.ops.dtypes import compute_dtype
+
+
+def split_kv_b(kv_b_weight: torch.Tensor, num_heads: int, qk_nope_head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """kv_b_proj.weight [H * (dn + dv), L] -> (w_kc [H, dn, L], w_vc [H, dv, L])."""
+    w = kv_b_weight.view(num_heads, -1, kv_b_weight.shape[-1])
+    return w[:, :qk_nope_head_dim], w[:, qk_nope_head_dim:]
+
+
+def _softmax_masked(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return torch.softmax(logits.masked_fill(~mask.unsqueeze(1), float("-inf")), dim=-1)
+
+
+def mla_expanded(q_nope, q_pe, c, k_pe, w_kc, w_vc, scale: float, mask: torch.Tensor) -> torch.Tensor:
+    """Attention with per-head keys and values materialised from the latent.
+
+    q_nope [B, T, H, dn], q_pe [B, T, H, dr], c [B, S, L], k_pe [B, S, dr] -> [B, T, H, dv] (q's dtype).
+    """
+    dt = compute_dtype(q_nope, c, w_kc)
+    c = c.to(dt)
+    k_nope = torch.einsum("bsl,hdl->bshd", c, w_kc.to(dt))
+    v = torch.einsum("bsl,hdl->bshd", c, w_vc.to(dt))
+    logits = torch.einsum("bthd,bshd->bhts", q_nope.to(dt), k_nope)
+    logits = logits + torch.einsum("bthr,bsr->bhts", q_pe.to(dt), k_pe.to(dt))
+    probs = _softmax_masked(logits * scale, mask)
+    return torch.einsum("bhts,bshd->bthd", probs, v).to(q_nope.dtype)
+
+
+def mla_absorbed(q_nope, q_pe, c, k_pe, w_kc, w_vc, scale: float, mask: torch.Tensor) -> torch.Tensor:
+    """The same attention computed in latent space: q is absorbed into w_kc, w_vc applied after.
+
+    This is the decode form: it reads only the cached latents (c, k_pe) of the selected tokens.
+    """
+    dt = compute_dtype(q_nope, c, w_kc)
+    q_latent = torch.einsum("bthd,hdl->bthl", q_nope.to(dt), w_kc.to(dt))
+    logits = torch.einsum("bthl,bsl->bhts", q_latent, c.to(dt))
+    logits = logits + torch.einsum("bthr,bsr->bhts", q_pe.to(dt), k_pe.to(dt))
+    probs = _softmax_masked(logits * scale, mask)
+    out_latent = torch.einsum("bhts,bsl->bthl", probs, c.to(dt))
+    return torch.einsum("bthl,hdl->bthd", out_latent, w_vc.to(dt)).to(q_nope.dtype)

@@ -1,0 +1,53 @@
+"""MXFP4 (OCP microscaling FP4) quantise/dequantise, as compressed-tensors packs it.
+
+A group of 32 values along the last dim shares one ue8m0 scale byte (value 2^(byte - 127)); each
+value is an e2m1 code (bit 3 sign, bits 0-2 index [0, .5, 1, 1.5, 2, 3, 4, 6]); two codes per
+byte, element 2i in the low nibble. The scale exponent is floor(log2 amax), plus one when amax's
+significand is >= 1.75, minus 2 (e2m1's largest exponent); values saturate at +-6 and round to
+the nearest code, ties to the even code.
+"""
+
+import torch
+
+MXFP4_GROUP = 32
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+# boundaries between neighbouring codes; a value exactly on one goes to the even code
+_BOUNDS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+
+
+def _e2m1_code(x: torch.Tensor) -> torch.Tensor:
+    mag = x.abs()
+    code = torch.zeros_like(mag, dtype=torch.uint8)
+    for b, bound in enumerate(_BOUNDS):
+        code += (mag >= bound if b % 2 else mag > bound).to(torch.uint8)
+    return code | (torch.signbit(x).to(torch.uint8) << 3)
+
+
+def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [..., K] (K divisible by 32) -> (packed uint8 [..., K/2], scales uint8 [..., K/32])."""
+    if w.shape[-1] % MXFP4_GROUP:
+        raise ValueError(f"MXFP4 needs the last dim divisible by {MXFP4_GROUP}, got {w.shape[-1]}")
+    wf = w.float()
+    if not torch.isfinite(wf).all():
+        raise ValueError("MXFP4 quantisation got NaN or Inf values")
+    groups = wf.view(*wf.shape[:-1], -1, MXFP4_GROUP)
+    amax = groups.abs().amax(-1)
+    mantissa, exponent = torch.frexp(amax)  # amax = mantissa * 2^exponent, mantissa in [0.5, 1)
+    e = exponent - 1 + (mantissa >= 0.875).to(exponent.dtype) - 2  # significand >= 1.75 rounds up
+    biased = torch.where(amax > 0, e + 127, torch.zeros_like(e)).clamp(0, 254)
+    scale = torch.exp2(biased.float() - 127).unsqueeze(-1)
+    codes = _e2m1_code((groups / scale).clamp(-6.0, 6.0)).view(*wf.shape[:-1], -1, 2)
+    packed = codes[..., 0] | (codes[..., 1] << 4)
+    return packed.contiguous(), biased.to(torch.uint8)
+
+
+def dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Inverse of `quantize_mxfp4`: packed [..., K/2], scales [..., K/32] -> [..., K] in dtype."""
+    if packed.shape[-1] * 2 != scales.shape[-1] * MXFP4_GROUP or packed.shape[:-1] != scales.shape[:-1]:
+        raise ValueError(f"packed {tuple(packed.shape)} and scales {tuple(scales.shape)} do not describe one tensor")
+    lut = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=packed.device)
+    lut = torch.cat([lut, -lut])
+    codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).view(*packed.shape[:-1], -1).long()
+    values = lut[codes].view(*packed.shape[:-1], -1, MXFP4_GROUP)
+    scale = torch.exp2(scales.float() - 127).unsqueeze(-1)
+    return (values * scale).view(*packed.shape[:-1], -1).to(dtype)
