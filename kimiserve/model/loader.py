@@ -1,0 +1,145 @@
+"""Checkpoints in the release format: sharded safetensors + model.safetensors.index.json.
+
+One table, `checkpoint_layout`, says which checkpoint tensor feeds which parameter (and which
+expert slice of it); the writer and the loader both walk it, so they cannot disagree. Each
+parameter carries its own `weight_loader`, the place where tensor-parallel sharding will go.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from kimiserve.config import ModelConfig, PRESET_NAMES, load_preset
+from kimiserve.model.model import KimiForCausalLM, build_model
+
+INDEX_FILE = "model.safetensors.index.json"
+# tensors of a release that the text model does not use
+IGNORED = re.compile(r"^(vision_tower\.|mm_projector\.|multi_modal_projector\.)|rotary_emb\.")
+
+
+@dataclass
+class Entry:
+    """One checkpoint tensor and the parameter (slice) it loads into."""
+
+    name: str
+    param_name: str
+    expert: int | None = None
+    to_checkpoint: Callable[[torch.Tensor], torch.Tensor] = lambda t: t
+
+
+def _a_log_writer(config: ModelConfig) -> Callable[[torch.Tensor], torch.Tensor]:
+    if config.is_k3:  # K3 releases zero-pad A_log to a multiple of 128 entries
+        return lambda t: torch.nn.functional.pad(t, (0, (-t.numel()) % 128))
+    return lambda t: t.view(1, 1, -1, 1)  # Kimi-Linear: [1, 1, H, 1]
+
+
+def checkpoint_layout(model: KimiForCausalLM) -> Iterator[Entry]:
+    config = model.config
+    prefix = config.weight_prefix
+    for pname, param in model.named_parameters():
+        if pname.startswith("model.") and ".experts." in pname:
+            base, leaf = pname.rsplit(".", 1)  # leaf: w1 | w1_packed | w1_scale
+            proj, _, kind = leaf.partition("_")
+            suffix = {"": "weight", "packed": "weight_packed", "scale": "weight_scale"}[kind]
+            for e in range(param.shape[0]):
+                yield Entry(f"{prefix}{base}.{e}.{proj}.{suffix}", pname, e)
+        elif pname.endswith(".A_log"):
+            yield Entry(prefix + pname, pname, to_checkpoint=_a_log_writer(config))
+        elif "conv1d" in pname:
+            yield Entry(prefix + pname, pname, to_checkpoint=lambda t: t.unsqueeze(1))
+        else:
+            yield Entry(prefix + pname, pname)
+
+
+def save_checkpoint(model: KimiForCausalLM, folder: str | os.PathLike, max_shard_bytes: int = 2 << 30) -> list[str]:
+    """Write config.json, the safetensors shards and the index. Returns the shard file names."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    params = dict(model.named_parameters())
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    sizes = [0]
+    for entry in checkpoint_layout(model):
+        param = params[entry.param_name]
+        tensor = param.data if entry.expert is None else param.data[entry.expert]
+        tensor = entry.to_checkpoint(tensor).contiguous().clone()
+        nbytes = tensor.numel() * tensor.element_size()
+        if sizes[-1] and sizes[-1] + nbytes > max_shard_bytes:
+            shards.append({})
+            sizes.append(0)
+        shards[-1][entry.name] = tensor
+        sizes[-1] += nbytes
+    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    weight_map = {}
+    for fname, shard in zip(names, shards):
+        save_file(shard, str(folder / fname), metadata={"format": "pt"})
+        weight_map.update({k: fname for k in shard})
+    with open(folder / INDEX_FILE, "w") as f:
+        json.dump({"metadata": {"total_size": sum(sizes)}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
+    with open(folder / "config.json", "w") as f:
+        json.dump(model.config.to_hf_config(), f, indent=2)
+    return names
+
+
+def _checkpoint_files(folder: Path) -> dict[str, str]:
+    """Tensor name -> shard file, from the index (or the single model.safetensors)."""
+    index = folder / INDEX_FILE
+    if index.is_file():
+        with open(index) as f:
+            return json.load(f)["weight_map"]
+    single = folder / "model.safetensors"
+    if single.is_file():
+        with safe_open(str(single), framework="pt") as f:
+            return {k: single.name for k in f.keys()}
+    raise ValueError(f"{folder} has neither {INDEX_FILE} nor model.safetensors")
+
+
+def load_weights(model: KimiForCausalLM, folder: str | os.PathLike) -> None:
+    """Fill every parameter of `model` from the checkpoint in `folder` (memory-mapped reads).
+
+    Raises ValueError naming missing tensors, unexpected tensors and shape mismatches.
+    """
+    folder = Path(folder)
+    layout = {e.name: e for e in checkpoint_layout(model)}
+    params = dict(model.named_parameters())
+    weight_map = _checkpoint_files(folder)
+    unexpected = [n for n in weight_map if n not in layout and not IGNORED.search(n.removeprefix(model.config.weight_prefix))]
+    if unexpected:
+        shown = ", ".join(sorted(unexpected)[:8])
+        raise ValueError(f"{len(unexpected)} checkpoint tensors match no parameter of this config: {shown}")
+    missing = sorted(set(layout) - set(weight_map))
+    if missing:
+        shown = ", ".join(missing[:8])
+        raise ValueError(f"checkpoint {folder} lacks {len(missing)} tensors the model needs: {shown}")
+    by_file: dict[str, list[str]] = {}
+    for name, fname in weight_map.items():
+        if name in layout:
+            by_file.setdefault(fname, []).append(name)
+    for fname, names in sorted(by_file.items()):
+        with safe_open(str(folder / fname), framework="pt") as f:
+            for name in names:
+                entry = layout[name]
+                param = params[entry.param_name]
+                tensor = f.get_tensor(name)
+                if entry.expert is None:
+                    param.weight_loader(param, tensor, name)
+                else:
+                    param.weight_loader(param, tensor, name, entry.expert)
+
+
+def load_model(model: str | os.PathLike, dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> KimiForCausalLM:
+    """A preset name (random weights from `seed`) or a model folder (weights from its checkpoint)."""
+    if str(model) in PRESET_NAMES:
+        return build_model(load_preset(str(model)), dtype, seed)
+    config = ModelConfig.from_pretrained(model)
+    net = build_model(config, dtype, seed=None)
+    load_weights(net, model)
+    return net
