@@ -55,5 +55,5 @@ def generate(
             if token == tokenizer.eos_token_id:
                 break
             new.append(token)
-        outputs.append(tokenizer.decode(new))
+        outputs.append(tokenizer.decode(new, skip_special_tokens=True))
     return outputs

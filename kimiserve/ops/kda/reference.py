@@ -37,7 +37,8 @@ def kda_gate(
     return -a * F.softplus(x)
 
 
-def _check(q, k, v, g, beta, initial_state):
+def _prepare(q, k, v, g, beta, initial_state, scale):
+    """Check shapes; return (compute dtype, output dtype, scale)."""
     B, T, H, K = q.shape
     if k.shape != q.shape or g.shape != q.shape:
         raise ValueError(f"q, k, g must share a shape, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(g.shape)}")
@@ -45,6 +46,7 @@ def _check(q, k, v, g, beta, initial_state):
         raise ValueError(f"v must be [B, T, H, V] and beta [B, T, H] with B, T, H = {B, T, H}")
     if initial_state is not None and initial_state.shape != (B, H, K, v.shape[-1]):
         raise ValueError(f"initial_state must be {(B, H, K, v.shape[-1])}, got {tuple(initial_state.shape)}")
+    return compute_dtype(q, k, v, g, beta, initial_state), v.dtype, K ** -0.5 if scale is None else scale
 
 
 def recurrent_kda(
@@ -57,12 +59,9 @@ def recurrent_kda(
     initial_state: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Token-by-token KDA. Returns (o [B, T, H, V] in v's dtype, final state [B, H, K, V])."""
-    _check(q, k, v, g, beta, initial_state)
+    dt, out_dtype, scale = _prepare(q, k, v, g, beta, initial_state, scale)
     B, T, H, K = q.shape
     V = v.shape[-1]
-    dt = compute_dtype(q, k, v, g, beta, initial_state)
-    out_dtype = v.dtype
-    scale = K ** -0.5 if scale is None else scale
     q, k, v, g, beta = (t.to(dt) for t in (q, k, v, g, beta))
     S = q.new_zeros(B, H, K, V) if initial_state is None else initial_state.to(dt).clone()
     o = q.new_empty(B, T, H, V)
@@ -94,13 +93,10 @@ def chunk_kda(
     S_C = exp(G_C) * S0 + sum_j (exp(G_C - G_j) * k_j) D_j^T. Decays enter only as exp of
     differences G_i - G_j <= 0, so nothing overflows however strong the decay.
     """
-    _check(q, k, v, g, beta, initial_state)
+    dt, out_dtype, scale = _prepare(q, k, v, g, beta, initial_state, scale)
     B, T, H, K = q.shape
     V = v.shape[-1]
     C = chunk_size
-    dt = compute_dtype(q, k, v, g, beta, initial_state)
-    out_dtype = v.dtype
-    scale = K ** -0.5 if scale is None else scale
     pad = (-T) % C
     # zero-padded steps have k = 0 and g = 0: they leave the state untouched
     q, k, v, g = (F.pad(t.to(dt), (0, 0, 0, 0, 0, pad)) for t in (q, k, v, g))

@@ -56,16 +56,14 @@ def experts_forward(
 ) -> torch.Tensor:
     """sum_j weights[n, j] * expert_{ids[n, j]}(x[n]) for every token n.
 
-    expert_fn(e, tokens) runs expert e on a batch of rows. Outputs are combined in fp32 and
-    returned in x's dtype.
+    x: [N, h]; expert_fn(e, rows) runs expert e on rows of x (h -> h). Outputs are combined in
+    fp32 and returned in x's dtype.
     """
-    out = torch.zeros(x.shape[0], x.shape[1] if x.dim() > 1 else 0, dtype=torch.float32, device=x.device)
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for e in range(num_experts):
         token_idx, slot = torch.nonzero(ids == e, as_tuple=True)
         if token_idx.numel() == 0:
             continue
         y = expert_fn(e, x[token_idx])
-        if out.shape[1] != y.shape[-1]:
-            out = torch.zeros(x.shape[0], y.shape[-1], dtype=torch.float32, device=x.device)
         out.index_add_(0, token_idx, y.float() * weights[token_idx, slot].unsqueeze(-1).float())
     return out.to(x.dtype)
