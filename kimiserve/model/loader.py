@@ -135,11 +135,13 @@ def load_weights(model: KimiForCausalLM, folder: str | os.PathLike) -> None:
                     param.weight_loader(param, tensor, name, entry.expert)
 
 
-def load_model(model: str | os.PathLike, dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> KimiForCausalLM:
+def load_model(
+    model: str | os.PathLike, dtype: torch.dtype = torch.bfloat16, seed: int = 0, device: str | torch.device = "cpu"
+) -> KimiForCausalLM:
     """A preset name (random weights from `seed`) or a model folder (weights from its checkpoint)."""
     if str(model) in PRESET_NAMES:
-        return build_model(load_preset(str(model)), dtype, seed)
+        return build_model(load_preset(str(model)), dtype, seed, device)
     config = ModelConfig.from_pretrained(model)
-    net = build_model(config, dtype, seed=None)
+    net = build_model(config, dtype, seed=None, device=device)
     load_weights(net, model)
     return net

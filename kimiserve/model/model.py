@@ -117,12 +117,17 @@ def init_random_weights(model: KimiForCausalLM, seed: int = 0) -> KimiForCausalL
     """Deterministic random weights of sensible scale (for tests, benchmarks and checkpoints).
 
     Routed MXFP4 experts are drawn in float and quantised, so a checkpoint written from the model
-    holds exactly the model's weights.
+    holds exactly the model's weights. Values are drawn on the parameters' device: the same seed
+    gives the same weights on the same kind of device.
     """
-    gen = torch.Generator().manual_seed(seed)
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(seed)
 
     def normal(shape, std):
-        return torch.randn(shape, generator=gen) * std
+        return torch.randn(shape, generator=gen, device=device) * std
+
+    def uniform(shape):
+        return torch.rand(shape, generator=gen, device=device)
 
     for name, param in model.named_parameters():
         leaf = name.rsplit(".", 1)[-1]
@@ -137,12 +142,12 @@ def init_random_weights(model: KimiForCausalLM, seed: int = 0) -> KimiForCausalL
             packed.data, param.data = quantize_mxfp4(w)
             continue
         if leaf == "A_log":
-            value = torch.log(torch.rand(shape, generator=gen) * 15 + 1)
+            value = torch.log(uniform(shape) * 15 + 1)
         elif leaf == "dt_bias":
-            dt = torch.exp(torch.rand(shape, generator=gen) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3))
+            dt = torch.exp(uniform(shape) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3))
             value = dt + torch.log(-torch.expm1(-dt))  # inverse softplus
         elif "conv1d" in name:
-            value = (torch.rand(shape, generator=gen) * 2 - 1) * shape[-1] ** -0.5
+            value = (uniform(shape) * 2 - 1) * shape[-1] ** -0.5
         elif name.endswith("e_score_correction_bias") or name.endswith("k_norm.bias"):
             value = normal(shape, 0.05)
         elif name.endswith("embed_tokens.weight"):
@@ -157,8 +162,11 @@ def init_random_weights(model: KimiForCausalLM, seed: int = 0) -> KimiForCausalL
     return model
 
 
-def build_model(config: ModelConfig, dtype: torch.dtype = torch.bfloat16, seed: int | None = 0) -> KimiForCausalLM:
-    """A model with random weights from `seed` (None leaves them uninitialised, for a loader to fill)."""
-    model = KimiForCausalLM(config, dtype)
+def build_model(
+    config: ModelConfig, dtype: torch.dtype = torch.bfloat16, seed: int | None = 0, device: str | torch.device = "cpu"
+) -> KimiForCausalLM:
+    """A model on `device` with random weights from `seed` (None: uninitialised, for a loader to fill)."""
+    with torch.device(device):
+        model = KimiForCausalLM(config, dtype)
     model.eval()
     return init_random_weights(model, seed) if seed is not None else model
