@@ -5,19 +5,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kimiserve.model.layers import make_param
+from kimiserve.model.layers import Weights
 from kimiserve.ops.attn_res.reference import attn_res_read
-
-
-class _Weight(nn.Module):
-    def __init__(self, *shape: int, dtype: torch.dtype):
-        super().__init__()
-        self.weight = make_param(*shape, dtype=dtype)
 
 
 def read_site_modules(hidden: int, dtype: torch.dtype) -> tuple[nn.Module, nn.Module]:
     """(`*_res_norm` with weight [d], `*_res_proj` with weight [1, d]) as the checkpoint names them."""
-    return _Weight(hidden, dtype=dtype), _Weight(1, hidden, dtype=dtype)
+    return Weights(hidden, dtype=dtype), Weights(1, hidden, dtype=dtype)
 
 
 def read(running: torch.Tensor, blocks: list[torch.Tensor], norm: nn.Module, proj: nn.Module, eps: float) -> torch.Tensor:

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from kimiserve.config import ModelConfig
-from kimiserve.model.layers import Linear, default_weight_loader, make_param
+from kimiserve.model.layers import Linear, Weights, default_weight_loader, make_param
 from kimiserve.ops.conv.reference import causal_conv1d
 from kimiserve.ops.kda.reference import chunk_kda, kda_gate
 from kimiserve.ops.norm.reference import gated_rms_norm, l2_normalize
@@ -37,7 +37,7 @@ class KimiDeltaAttention(nn.Module):
         self.lower_bound = config.gate_lower_bound
         self.q_proj, self.k_proj, self.v_proj = (Linear(d, P, dtype) for _ in range(3))
         self.q_conv1d, self.k_conv1d, self.v_conv1d = (
-            _Conv(P, config.kda_conv_size) for _ in range(3)
+            Weights(P, config.kda_conv_size, dtype=torch.float32, loader=load_conv) for _ in range(3)
         )
         self.f_a_proj = Linear(d, K, dtype)
         self.f_b_proj = Linear(K, P, dtype)
@@ -49,7 +49,7 @@ class KimiDeltaAttention(nn.Module):
         else:
             self.g_a_proj = Linear(d, K, dtype)
             self.g_b_proj = Linear(K, P, dtype)
-        self.o_norm = _Vector(K)
+        self.o_norm = Weights(K, dtype=torch.float32)
         self.o_proj = Linear(P, d, dtype)
 
     def output_gate(self, x: torch.Tensor) -> torch.Tensor:
@@ -72,14 +72,3 @@ class KimiDeltaAttention(nn.Module):
         o = gated_rms_norm(o, heads(self.output_gate(x)), self.o_norm.weight, self.eps)
         return self.o_proj(o.reshape(B, T, H * K))
 
-
-class _Conv(nn.Module):
-    def __init__(self, channels: int, kernel: int):
-        super().__init__()
-        self.weight = make_param(channels, kernel, dtype=torch.float32, loader=load_conv)
-
-
-class _Vector(nn.Module):
-    def __init__(self, size: int):
-        super().__init__()
-        self.weight = make_param(size, dtype=torch.float32)

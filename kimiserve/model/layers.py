@@ -26,6 +26,16 @@ def make_param(*shape: int, dtype: torch.dtype, loader: WeightLoader | None = No
     return param
 
 
+class Weights(nn.Module):
+    """Holds a `weight` (and optionally a `bias`) so checkpoint names read `<module>.weight`."""
+
+    def __init__(self, *shape: int, dtype: torch.dtype, loader: WeightLoader | None = None, bias: bool = False):
+        super().__init__()
+        self.weight = make_param(*shape, dtype=dtype, loader=loader)
+        if bias:
+            self.bias = make_param(*shape, dtype=dtype)
+
+
 class Linear(nn.Module):
     """y = x W^T, no bias; W is [out, in] as in the checkpoint."""
 

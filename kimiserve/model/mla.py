@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from kimiserve.config import ModelConfig
-from kimiserve.model.layers import Linear, RMSNorm, make_param
+from kimiserve.model.layers import Linear, RMSNorm, Weights
 from kimiserve.ops.indexer.reference import indexer_scores
 from kimiserve.ops.mla.reference import mla_absorbed, split_kv_b
 from kimiserve.ops.norm.reference import layer_norm
@@ -30,9 +30,7 @@ class Indexer(nn.Module):
         self.num_heads, self.head_dim, self.topk = Hi, D, config.index_topk
         self.wq_b = Linear(config.q_lora_rank or d, Hi * D, dtype)
         self.wk = Linear(d, D, dtype)
-        self.k_norm = nn.Module()
-        self.k_norm.weight = make_param(D, dtype=dtype)
-        self.k_norm.bias = make_param(D, dtype=dtype)
+        self.k_norm = Weights(D, dtype=dtype, bias=True)  # LayerNorm
         self.weights_proj = Linear(d, Hi, dtype)
 
     def keys(self, x: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,7 @@ from torch import nn
 from kimiserve.config import ModelConfig
 from kimiserve.model import attn_res
 from kimiserve.model.kda import KimiDeltaAttention
-from kimiserve.model.layers import Linear, RMSNorm, make_param
+from kimiserve.model.layers import Linear, RMSNorm, Weights
 from kimiserve.model.mla import MLAAttention
 from kimiserve.model.moe import MLP, SparseMoE
 from kimiserve.ops.quant.reference import quantize_mxfp4
@@ -67,8 +67,7 @@ class KimiModel(nn.Module):
         super().__init__()
         self.config = config
         d = config.hidden_size
-        self.embed_tokens = nn.Module()
-        self.embed_tokens.weight = make_param(config.vocab_size, d, dtype=dtype)
+        self.embed_tokens = Weights(config.vocab_size, d, dtype=dtype)
         self.layers = nn.ModuleList(DecoderLayer(config, i, dtype) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(d, config.rms_norm_eps, dtype)
         if config.attn_res_block_size is not None:
