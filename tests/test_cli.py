@@ -82,3 +82,9 @@ def test_console_script_generates():
     exe = [sys.executable, "-m", "kimiserve.entrypoints.cli"]
     res = subprocess.run([*exe, "generate", "--model", "tiny", "--max-tokens", "4", "Hello, Kimi"], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0 and res.stdout.startswith("'Hello, Kimi' -> ")
+
+
+def test_readme_quotes_the_current_inspect_output(capsys):
+    readme = (__import__("pathlib").Path(__file__).parent.parent / "README.md").read_text()
+    code, out, _ = run_cli(capsys, "inspect", "--model", "kimi-k3.1-pro")
+    assert code == 0 and out.strip() in readme
