@@ -22,8 +22,7 @@ class DecoderLayer(nn.Module):
         d = config.hidden_size
         self.layer, self.eps = layer, config.rms_norm_eps
         self.block_size = config.attn_res_block_size
-        self.is_mla = config.is_mla_layer(layer)
-        self.self_attn = MLAAttention(config, dtype) if self.is_mla else KimiDeltaAttention(config, dtype)
+        self.self_attn = MLAAttention(config, dtype) if config.is_mla_layer(layer) else KimiDeltaAttention(config, dtype)
         if config.is_moe_layer(layer):
             self.block_sparse_moe = SparseMoE(config, dtype)
         else:
@@ -153,9 +152,7 @@ def init_random_weights(model: KimiForCausalLM, seed: int = 0) -> KimiForCausalL
             value = normal(shape, 1.0)
         elif len(shape) == 1:  # norm gains
             value = 1.0 + normal(shape, 0.05)
-        elif len(shape) == 3:  # float routed experts [E, out, in]
-            value = normal(shape, shape[-1] ** -0.5)
-        else:  # [out, in] projections, including [1, d] attention-residual queries
+        else:  # [out, in] projections ([1, d] attention-residual queries, [E, out, in] float experts)
             value = normal(shape, shape[-1] ** -0.5)
         param.data.copy_(value)
     return model
