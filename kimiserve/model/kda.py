@@ -1,4 +1,4 @@
-"""Kimi Delta Attention layer (full-sequence form)."""
+"""Kimi Delta Attention layer: full-sequence form and paged (serving) form with state pages."""
 
 from __future__ import annotations
 
@@ -6,9 +6,10 @@ import torch
 from torch import nn
 
 from kimiserve.config import ModelConfig
+from kimiserve.model.batch import ForwardBatch
 from kimiserve.model.layers import Linear, Weights, default_weight_loader, make_param
 from kimiserve.ops.conv.reference import causal_conv1d
-from kimiserve.ops.kda.reference import chunk_kda, kda_gate
+from kimiserve.ops.kda.reference import chunk_kda, kda_gate, recurrent_kda
 from kimiserve.ops.norm.reference import gated_rms_norm, l2_normalize
 
 
@@ -29,8 +30,9 @@ def load_conv(param: nn.Parameter, loaded: torch.Tensor, name: str) -> None:
 
 
 class KimiDeltaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, cache_index: int = 0):
         super().__init__()
+        self.cache_index = cache_index  # which KDA layer's state page of a sequence this is
         d, H, K = config.hidden_size, config.kda_num_heads, config.kda_head_dim
         P = H * K
         self.num_heads, self.head_dim, self.eps = H, K, config.rms_norm_eps
@@ -57,18 +59,53 @@ class KimiDeltaAttention(nn.Module):
             return self.g_proj(x)
         return self.g_b_proj(self.g_a_proj(x))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [B, T, d] -> [B, T, d], from a zero state."""
+    def forward(self, x: torch.Tensor, ctx: object = None) -> torch.Tensor:
+        """x [B, T, d] -> [B, T, d]: full sequences from a zero state, or (ctx a ForwardBatch) packed
+        serving tokens continuing from each sequence's state page. Other contexts do not concern KDA."""
         B, T, _ = x.shape
         H, K = self.num_heads, self.head_dim
         heads = lambda t: t.view(B, T, H, K)
-        q, _ = causal_conv1d(self.q_proj(x), self.q_conv1d.weight)
-        k, _ = causal_conv1d(self.k_proj(x), self.k_conv1d.weight)
-        v, _ = causal_conv1d(self.v_proj(x), self.v_conv1d.weight)
-        q, k, v = l2_normalize(heads(q)), l2_normalize(heads(k)), heads(v)
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         g = kda_gate(heads(self.f_b_proj(self.f_a_proj(x))), self.A_log, self.dt_bias, self.lower_bound)
         beta = torch.sigmoid(self.b_proj(x).float())
-        o, _ = chunk_kda(q, k, v, g, beta)
+        if isinstance(ctx, ForwardBatch):
+            o = self.paged_mix(q, k, v, g, beta, ctx)
+        else:
+            o, _, _ = self.mix(q, k, v, g, beta)
         o = gated_rms_norm(o, heads(self.output_gate(x)), self.o_norm.weight, self.eps)
         return self.o_proj(o.reshape(B, T, H * K))
 
+    def mix(self, q, k, v, g, beta, conv_state=None, state=None, recurrent=False):
+        """Short conv + delta rule over [B, T] tokens from (conv_state [B, 3, P, W-1], state [B, H, K, V])
+        (zeros when None). Returns (o [B, T, H, V], new conv state, new recurrent state)."""
+        B, T, _ = q.shape
+        heads = lambda t: t.view(B, T, self.num_heads, self.head_dim)
+        cs = (None, None, None) if conv_state is None else conv_state.unbind(1)
+        q, cq = causal_conv1d(q, self.q_conv1d.weight, cs[0])
+        k, ck = causal_conv1d(k, self.k_conv1d.weight, cs[1])
+        v, cv = causal_conv1d(v, self.v_conv1d.weight, cs[2])
+        rule = recurrent_kda if recurrent else chunk_kda
+        o, state = rule(l2_normalize(heads(q)), l2_normalize(heads(k)), heads(v), g, beta, initial_state=state)
+        return o, torch.stack([cq, ck, cv], dim=1), state
+
+    def paged_mix(self, q, k, v, g, beta, batch: ForwardBatch) -> torch.Tensor:
+        """`mix` for packed tokens [1, N]: one-token sequences batched in recurrent form, longer chunks
+        one by one in chunked form; each reads and writes its state page of this layer."""
+        pool, i = batch.pool, self.cache_index
+        o = v.new_empty(*v.shape[:2], self.num_heads, self.head_dim)
+        rows = batch.decode_rows
+        groups = [(rows, batch.decode_state_pages[:, i], True)] if rows.numel() else []
+        groups += [(slice(c.start, c.end), c.state_pages[i : i + 1].to(v.device), False) for c in batch.prefill_chunks]
+        for sel, pages, recurrent in groups:
+            # one-token rows become a batch of length-1 sequences; a chunk is one sequence
+            pick = (lambda t: t[0, sel].unsqueeze(1)) if recurrent else (lambda t: t[:, sel])
+            out, conv, state = self.mix(
+                pick(q), pick(k), pick(v), pick(g), pick(beta), pool.conv[pages], pool.recurrent[pages], recurrent
+            )
+            pool.conv[pages] = conv
+            pool.recurrent[pages] = state
+            if recurrent:
+                o[0, sel] = out[:, 0]
+            else:
+                o[:, sel] = out
+        return o

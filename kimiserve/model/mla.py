@@ -1,14 +1,17 @@
-"""Multi-head latent attention with the K3.1 lightning indexer (full-sequence form)."""
+"""Multi-head latent attention with the K3.1 lightning indexer: full-sequence and paged (serving) forms."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from kimiserve.cache.formats import roundtrip_index_key, roundtrip_latent
 from kimiserve.config import ModelConfig
+from kimiserve.model.batch import CacheRoundTrip, ForwardBatch
 from kimiserve.model.layers import Linear, RMSNorm, Weights
-from kimiserve.ops.indexer.reference import indexer_scores
-from kimiserve.ops.mla.reference import mla_absorbed, split_kv_b
+from kimiserve.ops.dtypes import compute_dtype
+from kimiserve.ops.indexer.reference import indexer_scores, paged_indexer_topk
+from kimiserve.ops.mla.reference import mla_absorbed, paged_sparse_mla_decode, split_kv_b
 from kimiserve.ops.norm.reference import layer_norm
 from kimiserve.ops.topk.reference import causal_topk, selection_mask
 
@@ -44,16 +47,16 @@ class Indexer(nn.Module):
         w = self.weights_proj(x).float() * (self.num_heads ** -0.5 * self.head_dim ** -0.5)
         return q, w
 
-    def select(self, x: torch.Tensor, q_latent: torch.Tensor) -> torch.Tensor:
-        """Top-k token indices per query over the causal prefix: [B, T, topk], -1 padded."""
+    def select(self, x: torch.Tensor, q_latent: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Top-k indices into `keys` [B, S, D] for queries at `positions` [T]: [B, T, topk], -1 padded."""
         q, w = self.queries(x, q_latent)
-        scores = indexer_scores(q, self.keys(x), w)
-        return causal_topk(scores, torch.arange(x.shape[1], device=x.device), self.topk)
+        return causal_topk(indexer_scores(q, keys, w), positions, self.topk)
 
 
 class MLAAttention(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, cache_index: int = 0):
         super().__init__()
+        self.cache_index = cache_index  # which MLA layer of the cache pages this is
         d, H = config.hidden_size, config.num_attention_heads
         self.num_heads = H
         self.nope, self.rope, self.v_dim = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
@@ -91,16 +94,77 @@ class MLAAttention(nn.Module):
         c, k_pe = kv[..., : self.kv_lora_rank], kv[..., self.kv_lora_rank :]
         return self.kv_a_layernorm(c), k_pe
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: ForwardBatch | CacheRoundTrip | None = None) -> torch.Tensor:
+        """x [B, T, d] -> [B, T, d]. Full sequence from scratch, or (ctx a ForwardBatch) packed serving tokens.
+
+        With a CacheRoundTrip the full-sequence form reads latents and index keys as the cache would
+        return them, which makes it the oracle of the serving path for lossy cache dtypes.
+        """
+        if isinstance(ctx, ForwardBatch):
+            return self.forward_paged(x, ctx)
         B, T, _ = x.shape
         q_nope, q_pe, q_latent = self.query(x)
         c, k_pe = self.latent(x)
-        if hasattr(self, "indexer"):
-            mask = selection_mask(self.indexer.select(x, q_latent), T)
+        keys = self.indexer.keys(x) if hasattr(self, "indexer") else None
+        if ctx is not None:
+            latent = roundtrip_latent(torch.cat([c, k_pe], dim=-1), ctx.kv_cache_dtype, ctx.latent_scale(self.cache_index))
+            c, k_pe = latent[..., : self.kv_lora_rank], latent[..., self.kv_lora_rank :]
+            keys = roundtrip_index_key(keys, ctx.kv_cache_dtype) if keys is not None else None
+        positions = torch.arange(T, device=x.device)
+        if keys is not None:
+            mask = selection_mask(self.indexer.select(x, q_latent, keys, positions), T)
         else:
             mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril().expand(B, T, T)
         w_kc, w_vc = split_kv_b(self.kv_b_proj.weight, self.num_heads, self.nope)
         o = mla_absorbed(q_nope, q_pe, c, k_pe, w_kc, w_vc, self.scale, mask).reshape(B, T, -1)
+        return self.output(x, o)
+
+    def output(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
         if hasattr(self, "g_proj"):
             o = o * torch.sigmoid(self.g_proj(x))
         return self.o_proj(o)
+
+    def forward_paged(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """Packed tokens x [1, N, d] of several sequences: write their latents and index keys to the
+        cache, then attend over each sequence's cached context (one-token sequences batched through
+        the paged decode ops, longer chunks one by one)."""
+        layer, pool = self.cache_index, batch.pool
+        N, L = x.shape[1], self.kv_lora_rank
+        q_nope, q_pe, q_latent = self.query(x)
+        c, k_pe = self.latent(x)
+        keys = self.indexer.keys(x)[0] if hasattr(self, "indexer") else None
+        pool.write_mla(layer, batch.write_pages, batch.write_offsets, torch.cat([c, k_pe], dim=-1)[0], keys)
+        w_kc, w_vc = split_kv_b(self.kv_b_proj.weight, self.num_heads, self.nope)
+        o = x.new_empty(1, N, self.num_heads, self.v_dim)
+        rows = batch.decode_rows
+        if rows.numel():
+            tables, lens = batch.decode_block_tables, batch.decode_context_lens
+            dt = compute_dtype(q_nope, w_kc)
+            q_abs = torch.einsum("bhd,hdl->bhl", q_nope[0, rows].to(dt), w_kc.to(dt))
+            if keys is not None:
+                iq, iw = self.indexer.queries(x[:, rows], q_latent[:, rows])
+                scales = pool.index_scale[layer] if pool.index_scale else None
+                idx = paged_indexer_topk(iq[0], iw[0], pool.index_key[layer], scales, tables, lens, self.indexer.topk, x.dtype)
+            else:
+                idx = torch.arange(int(lens.max()), device=x.device).expand(len(lens), -1)
+                idx = idx.masked_fill(idx >= lens.unsqueeze(1), -1)
+            latent_scale = pool.latent_scales[layer] if pool.kv_cache_dtype == "fp8" else None
+            out = paged_sparse_mla_decode(q_abs, q_pe[0, rows], pool.latent[layer], latent_scale, tables, idx, self.scale, x.dtype)
+            o[0, rows] = torch.einsum("bhl,hdl->bhd", out, w_vc.to(dt)).to(o.dtype)
+        for chunk in batch.prefill_chunks:
+            span = slice(chunk.start, chunk.end)
+            S = chunk.context_end
+            ctx_pos = torch.arange(S, device=x.device)
+            pages = chunk.block_table.to(x.device)[ctx_pos // pool.block_size]
+            offsets = ctx_pos % pool.block_size
+            latent = pool.read_latents(layer, pages, offsets, x.dtype).unsqueeze(0)
+            positions = batch.positions[span]
+            if keys is not None:
+                cached_keys = pool.read_index_keys(layer, pages, offsets, x.dtype).unsqueeze(0)
+                mask = selection_mask(self.indexer.select(x[:, span], q_latent[:, span], cached_keys, positions), S)
+            else:
+                mask = (ctx_pos.unsqueeze(0) <= positions.unsqueeze(1)).unsqueeze(0)
+            o[:, span] = mla_absorbed(
+                q_nope[:, span], q_pe[:, span], latent[..., :L], latent[..., L:], w_kc, w_vc, self.scale, mask
+            )
+        return self.output(x, o.reshape(1, N, -1))

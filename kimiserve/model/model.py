@@ -7,13 +7,17 @@ import math
 import torch
 from torch import nn
 
+from kimiserve.cache.formats import check_kv_cache_dtype
 from kimiserve.config import ModelConfig
 from kimiserve.model import attn_res
+from kimiserve.model.batch import CacheRoundTrip, ForwardBatch
 from kimiserve.model.kda import KimiDeltaAttention
 from kimiserve.model.layers import Linear, RMSNorm, Weights
 from kimiserve.model.mla import MLAAttention
 from kimiserve.model.moe import MLP, SparseMoE
 from kimiserve.ops.quant.reference import quantize_mxfp4
+
+AttentionContext = ForwardBatch | CacheRoundTrip | None
 
 
 class DecoderLayer(nn.Module):
@@ -22,7 +26,10 @@ class DecoderLayer(nn.Module):
         d = config.hidden_size
         self.layer, self.eps = layer, config.rms_norm_eps
         self.block_size = config.attn_res_block_size
-        self.self_attn = MLAAttention(config, dtype) if config.is_mla_layer(layer) else KimiDeltaAttention(config, dtype)
+        if config.is_mla_layer(layer):
+            self.self_attn = MLAAttention(config, dtype, config.full_attn_layers.index(layer))
+        else:
+            self.self_attn = KimiDeltaAttention(config, dtype, config.kda_layers.index(layer))
         if config.is_moe_layer(layer):
             self.block_sparse_moe = SparseMoE(config, dtype)
         else:
@@ -36,13 +43,13 @@ class DecoderLayer(nn.Module):
     def ffn(self, x: torch.Tensor) -> torch.Tensor:
         return self.block_sparse_moe(x) if hasattr(self, "block_sparse_moe") else self.mlp(x)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: AttentionContext = None) -> torch.Tensor:
         """Plain pre-norm residual layer (no attention residuals)."""
-        x = x + self.self_attn(self.input_layernorm(x))
+        x = x + self.self_attn(self.input_layernorm(x), ctx)
         return x + self.ffn(self.post_attention_layernorm(x))
 
     def forward_attn_res(
-        self, running: torch.Tensor, blocks: list[torch.Tensor]
+        self, running: torch.Tensor, blocks: list[torch.Tensor], ctx: AttentionContext = None
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """One layer with block attention-residuals.
 
@@ -55,7 +62,7 @@ class DecoderLayer(nn.Module):
         live: torch.Tensor | None = running
         if self.layer % self.block_size == 0:
             blocks, live = [*blocks, running], None
-        a = self.self_attn(self.input_layernorm(x))
+        a = self.self_attn(self.input_layernorm(x), ctx)
         live = a if live is None else live + a
         x = attn_res.read(live, blocks, self.mlp_res_norm, self.mlp_res_proj, self.eps)
         return live + self.ffn(self.post_attention_layernorm(x)), blocks
@@ -72,16 +79,20 @@ class KimiModel(nn.Module):
         if config.attn_res_block_size is not None:
             self.output_attn_res_norm, self.output_attn_res_proj = attn_res.read_site_modules(d, dtype)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """input_ids [B, T] -> final hidden states [B, T, d] (after the final norm)."""
+    def forward(self, input_ids: torch.Tensor, ctx: AttentionContext = None) -> torch.Tensor:
+        """input_ids [B, T] -> final hidden states [B, T, d] (after the final norm).
+
+        ctx: None (full sequences from scratch), a CacheRoundTrip (the same, reading the attention
+        cache as a lossy cache dtype would), or a ForwardBatch (packed serving tokens, B = 1).
+        """
         h = torch.nn.functional.embedding(input_ids, self.embed_tokens.weight)
         if self.config.attn_res_block_size is None:
             for layer in self.layers:
-                h = layer(h)
+                h = layer(h, ctx)
         else:
             blocks: list[torch.Tensor] = []
             for layer in self.layers:
-                h, blocks = layer.forward_attn_res(h, blocks)
+                h, blocks = layer.forward_attn_res(h, blocks, ctx)
             h = attn_res.read(h, blocks, self.output_attn_res_norm, self.output_attn_res_proj, self.config.rms_norm_eps)
         return self.norm(h)
 
@@ -100,14 +111,34 @@ class KimiForCausalLM(nn.Module):
     def lm_head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
 
-    @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if input_ids.dim() == 1:
-            return self.forward(input_ids.unsqueeze(0))[0]
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(h, self.lm_head_weight.to(h.dtype)).float()
+
+    def check_ids(self, input_ids: torch.Tensor) -> None:
         if input_ids.numel() and (input_ids.min() < 0 or input_ids.max() >= self.config.vocab_size):
             raise ValueError(f"token ids must be in 0..{self.config.vocab_size - 1}")
-        h = self.model(input_ids)
-        return torch.nn.functional.linear(h, self.lm_head_weight.to(h.dtype)).float()
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, kv_cache_dtype: str | None = None) -> torch.Tensor:
+        """Full-sequence forward: ids [B, T] or [T] -> fp32 logits [B, T, vocab] (or [T, vocab]).
+
+        kv_cache_dtype: read MLA latents and index keys as that cache dtype would return them
+        (the oracle of the serving path); None keeps them exact.
+        """
+        if input_ids.dim() == 1:
+            return self.forward(input_ids.unsqueeze(0), kv_cache_dtype)[0]
+        self.check_ids(input_ids)
+        ctx = None
+        if kv_cache_dtype is not None:
+            check_kv_cache_dtype(kv_cache_dtype)
+            ctx = CacheRoundTrip(kv_cache_dtype)
+        return self.logits(self.model(input_ids, ctx))
+
+    @torch.inference_mode()
+    def forward_batch(self, input_ids: torch.Tensor, batch: ForwardBatch, logits_rows: torch.Tensor) -> torch.Tensor:
+        """Serving forward of packed tokens ids [N] through the page cache -> fp32 logits of `logits_rows` [M, vocab]."""
+        h = self.model(input_ids.unsqueeze(0), batch)[0]
+        return self.logits(h[logits_rows])
 
 
 @torch.no_grad()

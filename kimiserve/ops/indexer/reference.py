@@ -3,6 +3,7 @@
 import torch
 
 from kimiserve.ops.dtypes import compute_dtype
+from kimiserve.ops.topk.reference import causal_topk
 
 
 def indexer_scores(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -15,3 +16,38 @@ def indexer_scores(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor) -> t
     dt = compute_dtype(q, k, weights)
     logits = torch.einsum("bthd,bsd->bths", q.to(dt), k.to(dt)).relu_()
     return torch.einsum("bths,bth->bts", logits, weights.to(dt))
+
+
+def gather_paged(cache: torch.Tensor, block_tables: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Rows of a paged cache [P, block_size, ...] at token positions [B, S] (>= 0) of each sequence's block table [B, M]."""
+    bs = cache.shape[1]
+    pages = torch.gather(block_tables, 1, positions // bs)
+    return cache[pages, positions % bs]
+
+
+def paged_indexer_topk(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    key_cache: torch.Tensor,
+    key_scales: torch.Tensor | None,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    k: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """Decode-time indexer: one query per sequence scans its cached index keys and keeps the top k.
+
+    q [B, Hi, D]; weights [B, Hi]; key_cache [P, block_size, D] (bf16 or e4m3) with key_scales
+    [P, block_size] fp32 for e4m3 (None otherwise); block_tables [B, M] page ids; context_lens [B]
+    (the query is the token at position context_len - 1, so all cached tokens are visible).
+    Keys are dequantised to `dtype` (the model dtype) before scoring. Returns token positions
+    int64 [B, k], best first, -1 padded (see `causal_topk` for the tie rule).
+    """
+    S = int(context_lens.max())
+    pos = torch.arange(S, device=q.device).expand(q.shape[0], S)
+    pos = torch.minimum(pos, (context_lens - 1).unsqueeze(1))  # padding rows read a valid slot; masked below
+    keys = gather_paged(key_cache, block_tables, pos).float()
+    if key_scales is not None:
+        keys = keys * gather_paged(key_scales, block_tables, pos).unsqueeze(-1)
+    scores = indexer_scores(q.unsqueeze(1), keys.to(dtype), weights.unsqueeze(1))
+    return causal_topk(scores, (context_lens - 1).unsqueeze(1), k)[:, 0]

@@ -48,3 +48,36 @@ def mla_absorbed(q_nope, q_pe, c, k_pe, w_kc, w_vc, scale: float, mask: torch.Te
     probs = _softmax_masked(logits * scale, mask)
     out_latent = torch.einsum("bhts,bsl->bthl", probs, c.to(dt))
     return torch.einsum("bthl,hdl->bthd", out_latent, w_vc.to(dt)).to(q_nope.dtype)
+
+
+def paged_sparse_mla_decode(
+    q_latent: torch.Tensor,
+    q_pe: torch.Tensor,
+    latent_cache: torch.Tensor,
+    latent_scale: float | None,
+    block_tables: torch.Tensor,
+    indices: torch.Tensor,
+    scale: float,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """Decode attention in latent space over the selected tokens only, read through page tables.
+
+    q_latent [B, H, L] (q_nope absorbed into w_kc), q_pe [B, H, R]; latent_cache [P, block_size, L + R]
+    (bf16, or e4m3 times `latent_scale`); block_tables [B, M]; indices [B, k] token positions, -1 = none.
+    Latents are dequantised to `dtype` (the model dtype), the rest runs in fp32 (or wider).
+    Returns the attention output in latent space [B, H, L] (apply w_vc after).
+    """
+    L = q_latent.shape[-1]
+    valid = indices >= 0
+    pos = indices.clamp_min(0)
+    bs = latent_cache.shape[1]
+    pages = torch.gather(block_tables, 1, pos // bs)
+    c = latent_cache[pages, pos % bs].float()  # [B, k, L + R]
+    if latent_scale is not None:
+        c = c * latent_scale
+    dt = compute_dtype(q_latent)
+    c = c.to(dtype).to(dt)
+    logits = torch.einsum("bhl,bkl->bhk", q_latent.to(dt), c[..., :L])
+    logits = logits + torch.einsum("bhr,bkr->bhk", q_pe.to(dt), c[..., L:])
+    probs = torch.softmax((logits * scale).masked_fill(~valid.unsqueeze(1), float("-inf")), dim=-1)
+    return torch.einsum("bhk,bkl->bhl", probs, c[..., :L])

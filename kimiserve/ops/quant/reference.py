@@ -51,3 +51,36 @@ def dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
     values = lut[codes].view(*packed.shape[:-1], -1, MXFP4_GROUP)
     scale = torch.exp2(scales.float() - 127).unsqueeze(-1)
     return (values * scale).view(*packed.shape[:-1], -1).to(dtype)
+
+
+# FP8 e4m3 (OCP "fn" variant: no infinities, largest finite value 448), as the KV cache stores it.
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0
+
+
+def quantize_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """x / scale rounded to e4m3 (nearest, ties to even), saturating at +-448. `scale` is one per tensor."""
+    if scale <= 0:
+        raise ValueError(f"an FP8 scale must be > 0, got {scale}")
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+def dequantize_fp8(q: torch.Tensor, scale: float | torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """e4m3 codes times their scale (a float, or a tensor broadcast against q), in dtype."""
+    return (q.float() * scale).to(dtype)
+
+
+def quantize_fp8_rowwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One fp32 scale per row (last dim): scale = amax / 448, so each row uses e4m3's full range.
+
+    Returns (e4m3 [..., D], scales fp32 [...]). An all-zero row gets scale 1.
+    """
+    xf = x.float()
+    amax = xf.abs().amax(-1)
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    return (xf / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+
+
+def dequantize_fp8_rowwise(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Inverse of `quantize_fp8_rowwise`: e4m3 [..., D], fp32 scales [...] -> [..., D] in dtype."""
+    return (q.float() * scale.float().unsqueeze(-1)).to(dtype)

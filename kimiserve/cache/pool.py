@@ -1,0 +1,74 @@
+"""The page pool: one uint8 tensor of equal pages per device, with typed views into it."""
+
+from __future__ import annotations
+
+import torch
+
+from kimiserve.cache import formats
+from kimiserve.cache.layout import CacheLayout
+
+
+class PagePool:
+    """`num_pages` pages of `layout.page_bytes` bytes. Any page can serve as an attention page or a state page.
+
+    Token slots are addressed by (page, offset-in-page) pairs; a page is contiguous, so moving a
+    sequence is one copy per page (`copy_pages`).
+    """
+
+    def __init__(self, layout: CacheLayout, num_pages: int, device: str | torch.device = "cpu",
+                 latent_scales: list[float] | None = None):
+        if num_pages < 1:
+            raise ValueError(f"the cache needs at least one page, got num_pages={num_pages}")
+        self.layout, self.num_pages = layout, num_pages
+        self.kv_cache_dtype = layout.kv_cache_dtype
+        self.data = torch.empty(num_pages, layout.page_bytes, dtype=torch.uint8, device=device)
+        self.latent = [r.view(self.data) for r in layout.latent]
+        self.index_key = [r.view(self.data) for r in layout.index_key]
+        self.index_scale = [r.view(self.data) for r in layout.index_scale]
+        self.recurrent = layout.recurrent.view(self.data) if layout.recurrent else None
+        self.conv = layout.conv.view(self.data) if layout.conv else None
+        scales = latent_scales or [1.0] * layout.num_mla_layers
+        if len(scales) != layout.num_mla_layers or min(scales, default=1.0) <= 0:
+            raise ValueError(f"latent_scales needs one positive scale per MLA layer ({layout.num_mla_layers})")
+        self.latent_scales = list(scales)
+        """fp8 only: the per-layer latent scale (stored value = latent / scale)."""
+
+    @property
+    def block_size(self) -> int:
+        return self.layout.block_size
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+    # attention pages ---------------------------------------------------------------------------
+    def write_mla(self, layer: int, pages: torch.Tensor, offsets: torch.Tensor, latent: torch.Tensor,
+                  index_key: torch.Tensor | None) -> None:
+        """Store tokens' latents [N, latent_dim] (and index keys [N, index_dim]) of MLA layer `layer`."""
+        dt = self.kv_cache_dtype
+        self.latent[layer][pages, offsets] = formats.store_latent(latent, dt, self.latent_scales[layer])
+        if index_key is not None:
+            codes, scales = formats.store_index_key(index_key, dt)
+            self.index_key[layer][pages, offsets] = codes
+            if scales is not None:
+                self.index_scale[layer][pages, offsets] = scales
+
+    def read_latents(self, layer: int, pages: torch.Tensor, offsets: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        codes = self.latent[layer][pages, offsets]
+        return formats.load_latent(codes, self.kv_cache_dtype, self.latent_scales[layer], dtype)
+
+    def read_index_keys(self, layer: int, pages: torch.Tensor, offsets: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        scales = self.index_scale[layer][pages, offsets] if self.index_scale else None
+        return formats.load_index_key(self.index_key[layer][pages, offsets], scales, self.kv_cache_dtype, dtype)
+
+    # state pages -------------------------------------------------------------------------------
+    def zero_state(self, pages: torch.Tensor) -> None:
+        """A fresh sequence starts from zero KDA state."""
+        self.recurrent[pages] = 0
+        self.conv[pages] = 0
+
+    # whole pages -------------------------------------------------------------------------------
+    def copy_pages(self, src: list[int], dst: list[int]) -> None:
+        """Copy whole pages in list order (copy-on-write, snapshots, swaps)."""
+        for s, d in zip(src, dst):
+            self.data[d].copy_(self.data[s])

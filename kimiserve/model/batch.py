@@ -1,0 +1,95 @@
+"""What one serving step hands the model: packed tokens of several sequences plus their cache addresses."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kimiserve.cache.pool import PagePool
+
+
+@dataclass
+class SequenceChunk:
+    """The new tokens of one sequence in this step: rows [start, end) of the packed batch."""
+
+    start: int
+    end: int
+    context_start: int
+    """Tokens of this sequence already in the cache (the chunk's first position)."""
+    block_table: torch.Tensor
+    """int64 attention page ids covering positions [0, context_start + end - start)."""
+    state_pages: torch.Tensor
+    """int64 [num_kda_layers] state page ids."""
+
+    @property
+    def num_tokens(self) -> int:
+        return self.end - self.start
+
+    @property
+    def context_end(self) -> int:
+        return self.context_start + self.num_tokens
+
+
+@dataclass
+class ForwardBatch:
+    """Per-step metadata, built once by the runner and read by every layer.
+
+    Sequences with one new token (decode, or a one-token prefill chunk) form the `decode` group
+    and run batched through the paged decode ops; longer chunks run one by one.
+    """
+
+    pool: PagePool
+    positions: torch.Tensor
+    """int64 [N]: the position of each packed token in its sequence."""
+    write_pages: torch.Tensor
+    write_offsets: torch.Tensor
+    """int64 [N]: the cache slot (page, offset) each token's latent and index key go to."""
+    chunks: list[SequenceChunk]
+    decode_rows: torch.Tensor
+    """int64 [Bd]: packed rows of the one-token sequences."""
+    decode_block_tables: torch.Tensor
+    """int64 [Bd, max pages]: their block tables, padded with page 0 (never read past context_lens)."""
+    decode_context_lens: torch.Tensor
+    """int64 [Bd]: their context lengths including the new token."""
+    decode_state_pages: torch.Tensor
+    """int64 [Bd, num_kda_layers]: their state pages."""
+
+    @classmethod
+    def build(cls, pool: PagePool, chunks: list[SequenceChunk], device: torch.device | str) -> "ForwardBatch":
+        bs = pool.block_size
+        positions = torch.cat([torch.arange(c.context_start, c.context_end) for c in chunks])
+        pages = torch.cat([c.block_table[torch.arange(c.context_start, c.context_end) // bs] for c in chunks])
+        decode = [c for c in chunks if c.num_tokens == 1]
+        width = max((len(c.block_table) for c in decode), default=0)
+        tables = torch.zeros(len(decode), width, dtype=torch.int64)
+        for i, c in enumerate(decode):
+            tables[i, : len(c.block_table)] = c.block_table
+        states = torch.stack([c.state_pages for c in decode]) if decode else torch.zeros(0, 0, dtype=torch.int64)
+        to = lambda t: t.to(device)
+        return cls(
+            pool=pool,
+            positions=to(positions),
+            write_pages=to(pages),
+            write_offsets=to(positions % bs),
+            chunks=chunks,
+            decode_rows=to(torch.tensor([c.start for c in decode], dtype=torch.int64)),
+            decode_block_tables=to(tables),
+            decode_context_lens=to(torch.tensor([c.context_end for c in decode], dtype=torch.int64)),
+            decode_state_pages=to(states),
+        )
+
+    @property
+    def prefill_chunks(self) -> list[SequenceChunk]:
+        return [c for c in self.chunks if c.num_tokens > 1]
+
+
+@dataclass(frozen=True)
+class CacheRoundTrip:
+    """Tells the full-sequence forward to read latents and index keys as a cache of this dtype returns them."""
+
+    kv_cache_dtype: str
+    latent_scales: tuple[float, ...] | None = None
+
+    def latent_scale(self, mla_layer: int) -> float:
+        return self.latent_scales[mla_layer] if self.latent_scales else 1.0
