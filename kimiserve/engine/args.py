@@ -1,0 +1,122 @@
+"""Engine arguments: one typed dataclass; the field docstrings are the CLI help."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+
+from kimiserve.utils.docs import field_docs
+
+CPU_DEFAULT_CACHE_GIB = 1.0
+
+
+@dataclass
+class EngineArgs:
+    model: str = "tiny"
+    """A preset (tiny, small, kimi-k3.1-pro; random weights) or a checkpoint folder."""
+    tokenizer: str | None = None
+    """Tokenizer folder (default: the model folder; the tiny preset has its own). Presets other
+    than tiny have none: give token ids as prompts."""
+    device: str = "auto"
+    """cpu or cuda[:N]; auto picks cuda when present."""
+    dtype: str = "auto"
+    """Model dtype: float32 or bfloat16; auto is bfloat16 on GPU and float32 on CPU."""
+    seed: int = 0
+    """Seed of preset weights and of sampling for requests without their own seed."""
+    max_model_len: int | None = None
+    """Longest sequence (prompt + output) in tokens; default: the model's context length."""
+    max_num_seqs: int = 256
+    """Most sequences running at once."""
+    max_num_batched_tokens: int = 2048
+    """Token budget of one step; longer prompts are prefilled in chunks."""
+    kv_cache_dtype: str = "auto"
+    """Cache dtype of MLA latents and index keys: bf16 or fp8 (e4m3); auto is fp8 on GPU, bf16 on CPU."""
+    block_size: int | None = None
+    """Tokens per attention page (a multiple of 64); default: the smallest that holds a KDA state page."""
+    num_pages: int | None = None
+    """Pages in the cache pool; overrides the memory budget below."""
+    kv_cache_memory_gib: float | None = None
+    """Cache pool size in GiB; default: from gpu_memory_utilization on GPU, 1 GiB on CPU."""
+    gpu_memory_utilization: float = 0.9
+    """Fraction of the GPU's memory the engine may use (weights + cache) when no cache size is given."""
+    enable_prefix_caching: bool = True
+    """Reuse cached prefixes (pages + KDA state snapshots at prompt and request ends)."""
+
+    def validate(self) -> None:
+        def positive(name):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_pages", "block_size"):
+            positive(name)
+        if self.dtype not in ("auto", "float32", "bfloat16"):
+            raise ValueError(f"dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
+        if self.kv_cache_dtype not in ("auto", "bf16", "fp8"):
+            raise ValueError(f"kv_cache_dtype must be auto, bf16 or fp8, got {self.kv_cache_dtype!r}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.kv_cache_memory_gib is not None and not self.kv_cache_memory_gib > 0:
+            raise ValueError(f"kv_cache_memory_gib must be > 0, got {self.kv_cache_memory_gib}")
+
+    def resolved_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        device = torch.device(self.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device {self.device!r} asked for, but CUDA is not available: use --device cpu")
+        return device
+
+    def resolved_dtype(self, device: torch.device) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return getattr(torch, self.dtype)
+
+    def resolved_kv_cache_dtype(self, device: torch.device) -> str:
+        if self.kv_cache_dtype == "auto":
+            return "fp8" if device.type == "cuda" else "bf16"
+        return self.kv_cache_dtype
+
+    def cache_budget_bytes(self, device: torch.device) -> int:
+        if self.kv_cache_memory_gib is not None:
+            return int(self.kv_cache_memory_gib * 2**30)
+        if device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(device)
+            return int(free - (1 - self.gpu_memory_utilization) * total)
+        return int(CPU_DEFAULT_CACHE_GIB * 2**30)
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+        """One --flag per field, help from the field docstrings."""
+        docs = field_docs(EngineArgs)
+        for f in dataclasses.fields(EngineArgs):
+            if f.name in skip:
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            if f.type in ("bool", bool):
+                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=docs[f.name])
+                continue
+            kind = {"int": int, "int | None": int, "float": float, "float | None": float}.get(str(f.type), str)
+            parser.add_argument(flag, type=kind, default=f.default, help=docs[f.name])
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> "EngineArgs":
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)})
+
+
+def pages_for_budget(budget_bytes: int, page_bytes: int) -> int:
+    return max(0, math.floor(budget_bytes / page_bytes))
+
+
+def tokenizer_source(args: EngineArgs) -> str | None:
+    """Where the tokenizer comes from, or None when there is none (presets other than tiny)."""
+    if args.tokenizer is not None:
+        return args.tokenizer
+    if args.model == "tiny" or os.path.isdir(args.model):
+        return args.model
+    return None

@@ -1,0 +1,218 @@
+"""The engine: requests in, one step at a time (schedule, run, postprocess), outputs out."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from kimiserve.cache.allocator import PageAllocator
+from kimiserve.cache.layout import CacheLayout
+from kimiserve.cache.pool import PagePool
+from kimiserve.config import resolve_model
+from kimiserve.engine.args import EngineArgs, pages_for_budget, tokenizer_source
+from kimiserve.engine.detokenizer import IncrementalDetokenizer
+from kimiserve.engine.outputs import CompletionOutput, RequestOutput
+from kimiserve.engine.request import Request, Status
+from kimiserve.engine.runner import ModelRunner
+from kimiserve.engine.sampler import Sampler
+from kimiserve.engine.scheduler import Scheduler
+from kimiserve.model.loader import load_model
+from kimiserve.sampling_params import SamplingParams
+
+
+@dataclass
+class RequestGroup:
+    """A request and its n samples (sample 0 runs the prompt; the others fork from it)."""
+
+    prompt: str | None
+    prompt_ids: list[int]
+    params: SamplingParams
+    samples: list[Request] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return len(self.samples) == self.params.n and all(s.finished for s in self.samples) or (
+            bool(self.samples) and self.samples[0].finish_reason == "abort")
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs):
+        args.validate()
+        self.args = args
+        self.device = args.resolved_device()
+        self.dtype = args.resolved_dtype(self.device)
+        self.config = resolve_model(args.model)
+        source = tokenizer_source(args)
+        if source is not None:
+            from kimiserve.tokenizer import load_tokenizer
+
+            self.tokenizer = load_tokenizer(source)
+        else:
+            self.tokenizer = None
+        self.eos_token_id = self.tokenizer.eos_token_id if self.tokenizer else self.config.eos_token_id
+        self.max_model_len = args.max_model_len or self.config.max_position_embeddings
+        kv_dtype = args.resolved_kv_cache_dtype(self.device)
+        self.layout = CacheLayout.from_config(self.config, kv_dtype, self.dtype, args.block_size)
+        self.model = load_model(args.model, self.dtype, args.seed, self.device)
+        num_pages = args.num_pages or pages_for_budget(args.cache_budget_bytes(self.device), self.layout.page_bytes)
+        num_state = len(self.config.kda_layers)
+        # one sequence of max_model_len tokens, its state pages and one copy-on-write page must fit
+        needed = math.ceil(self.max_model_len / self.layout.block_size) + 2 * num_state + 1
+        if num_pages < needed:
+            raise ValueError(
+                f"the cache has {num_pages} pages of {self.layout.page_bytes} bytes, but one sequence of "
+                f"max_model_len={self.max_model_len} tokens needs {needed}: lower max_model_len or give more "
+                f"cache (num_pages, kv_cache_memory_gib, gpu_memory_utilization)"
+            )
+        self.pool = PagePool(self.layout, num_pages, self.device)
+        self.allocator = PageAllocator(num_pages, self.layout.block_size, num_state, args.enable_prefix_caching)
+        self.scheduler = Scheduler(self.allocator, num_state, args.max_num_seqs, args.max_num_batched_tokens,
+                                   args.enable_prefix_caching)
+        self.runner = ModelRunner(self.model, self.pool, Sampler(args.seed), self.eos_token_id)
+        self.groups: dict[str, RequestGroup] = {}
+        self._arrivals = itertools.count()
+        self.num_computed_tokens = 0
+        self.num_steps = 0
+
+    # requests ----------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> None:
+        """Queue a request; every check runs before anything is allocated (ValueError on bad input)."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if request_id in self.groups:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text = None
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"model {self.args.model!r} has no tokenizer: give the prompt as token ids")
+            text, prompt = prompt, self.tokenizer.encode(prompt)
+        prompt = list(prompt)
+        if not prompt:
+            raise ValueError("prompt is empty: give at least one token")
+        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.config.vocab_size for t in prompt):
+            raise ValueError(f"prompt token ids must be integers in 0..{self.config.vocab_size - 1}")
+        if len(prompt) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(prompt)} tokens, but max_model_len is {self.max_model_len}: the prompt plus at "
+                f"least one generated token must fit (shorten the prompt or raise max_model_len)"
+            )
+        params.validate_vocab(self.config.vocab_size)
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; this model has none: use stop_token_ids")
+        if params.n > self.args.max_num_seqs:
+            raise ValueError(f"n={params.n} is more than max_num_seqs={self.args.max_num_seqs}")
+        group = RequestGroup(text, prompt, params)
+        self.groups[request_id] = group
+        first = Request(request_id, prompt, params, next(self._arrivals))
+        self._attach_detokenizer(first)
+        group.samples.append(first)
+        self.scheduler.add(first)
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request now (between steps) and free its pages; unknown ids are ignored."""
+        group = self.groups.pop(request_id, None)
+        if group is None:
+            return
+        for sample in group.samples:
+            if not sample.finished:
+                self.scheduler.finish(sample, "abort")
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_work
+
+    # the step ----------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run, postprocess; returns an output for each request that progressed."""
+        sched = self.scheduler.schedule()
+        if not sched.chunks:
+            return []
+        results = self.runner.execute(sched)
+        touched: dict[str, None] = {}
+        for chunk, result in zip(sched.chunks, results):
+            request = chunk.request
+            was_prompt = request.num_computed < len(request.prompt_ids)
+            request.num_computed += chunk.num_tokens
+            self.num_computed_tokens += chunk.num_tokens
+            request.prompt_logprobs += result.prompt_logprobs
+            if not result.samples:
+                continue
+            if was_prompt and not request.output_ids:
+                self.scheduler.snapshot_prompt(request)
+            group = self.groups[request.request_id]
+            samples = [request]
+            for index, _ in enumerate(result.samples[1:], 1):
+                child = self.scheduler.fork(request, index, next(self._arrivals))
+                self._attach_detokenizer(child)
+                group.samples.append(child)
+                samples.append(child)
+            for sample, (token, logprobs) in zip(samples, result.samples):
+                self._append_token(sample, token, logprobs)
+            touched[request.request_id] = None
+        self.num_steps += 1
+        return [self._output(rid, streaming=True) for rid in touched]
+
+    def _attach_detokenizer(self, request: Request) -> None:
+        if self.tokenizer is not None:
+            p = request.params
+            request.detokenizer = IncrementalDetokenizer(
+                self.tokenizer, request.prompt_ids, p.skip_special_tokens, p.stop, p.include_stop_str_in_output,
+                p.min_tokens)
+
+    def _append_token(self, request: Request, token: int, logprobs) -> None:
+        request.output_ids.append(token)
+        if logprobs is not None:
+            request.logprobs.append(logprobs)
+        stop_str = request.detokenizer.add(token) if request.detokenizer else None
+        p = request.params
+        reason, stop_reason = None, None
+        if token == self.eos_token_id and not p.ignore_eos:
+            reason = "stop"
+        elif token in p.stop_token_ids:
+            reason, stop_reason = "stop", token
+        elif stop_str is not None:
+            reason, stop_reason = "stop", stop_str
+        elif len(request.output_ids) >= p.max_tokens or request.num_tokens >= self.max_model_len:
+            reason = "length"
+        if reason is not None:
+            self.scheduler.finish(request, reason, stop_reason)
+
+    def _output(self, request_id: str, streaming: bool) -> RequestOutput:
+        group = self.groups[request_id]
+        outputs = []
+        for s in group.samples:
+            text, delta = "", ""
+            if s.detokenizer is not None:
+                delta = s.detokenizer.stream_delta(finished=s.finished)
+                text = s.detokenizer.text
+            outputs.append(CompletionOutput(
+                s.sample_index, text, list(s.output_ids), list(s.logprobs) if s.params.logprobs is not None else None,
+                s.finish_reason, s.stop_reason, delta, s.output_ids[s.streamed_tokens:]))
+            s.streamed_tokens = len(s.output_ids)
+        finished = group.finished
+        out = RequestOutput(request_id, group.prompt, group.prompt_ids, outputs, finished,
+                            group.samples[0].prompt_logprobs if group.params.prompt_logprobs is not None else None,
+                            group.samples[0].num_cached_tokens)
+        if finished:
+            del self.groups[request_id]
+        return out
+
+    # introspection -----------------------------------------------------------------------------
+    def stats(self) -> dict:
+        return {
+            **self.allocator.stats(),
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "preemptions": self.scheduler.num_preemptions,
+            "computed_tokens": self.num_computed_tokens,
+            "steps": self.num_steps,
+        }
+
+    def check_idle(self) -> None:
+        """Raise RuntimeError if the engine is idle but holds pages other than the prefix cache's."""
+        if self.scheduler.has_work:
+            raise RuntimeError("the engine still has requests")
+        self.allocator.check_idle()

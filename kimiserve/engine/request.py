@@ -1,0 +1,82 @@
+"""A sequence being served: its tokens, how far the cache has caught up, and the pages it holds."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from kimiserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from kimiserve.engine.detokenizer import IncrementalDetokenizer
+    from kimiserve.engine.sampler import TokenLogprobs
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    """One sample (one of `params.n`) of a request. The cache holds its first `num_computed` tokens;
+    the scheduler only lets `num_computed` catch up with `num_tokens` (vLLM v1's rule), and a
+    sample is drawn each time it does."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival: int
+    """Admission order; the newest running request is preempted first."""
+    sample_index: int = 0
+    output_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    block_table: list[int] = field(default_factory=list)
+    state_pages: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    """"stop" (eos, stop token or stop string), "length" (max_tokens or max_model_len) or "abort"."""
+    stop_reason: int | str | None = None
+    """The stop token id or stop string that ended the sample."""
+    logprobs: list["TokenLogprobs"] = field(default_factory=list)
+    prompt_logprobs: list["TokenLogprobs | None"] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    """Prompt tokens restored from the prefix cache at the latest admission."""
+    num_preemptions: int = 0
+    detokenizer: "IncrementalDetokenizer | None" = None
+    streamed_tokens: int = 0
+    """Output tokens already reported by streaming outputs."""
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens not yet in the cache (the last sampled token counts: it is fed next)."""
+        return self.num_tokens - self.num_computed
+
+    @property
+    def is_decode(self) -> bool:
+        return self.num_pending == 1 and bool(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    @property
+    def seed(self) -> int | None:
+        """This sample's seed: the request seed mixed with the sample index."""
+        if self.params.seed is None:
+            return None
+        return self.params.seed if self.sample_index == 0 else hash((self.params.seed, self.sample_index)) & (2**63 - 1)
+
+    @property
+    def pages(self) -> list[int]:
+        return self.block_table + self.state_pages

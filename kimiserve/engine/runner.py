@@ -1,0 +1,84 @@
+"""Model runner: a scheduled step in, sampled token ids (and logprobs) out."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kimiserve.cache.pool import PagePool
+from kimiserve.engine.request import Request
+from kimiserve.engine.sampler import SampleRequest, Sampler, TokenLogprobs, prompt_logprobs_chunk
+from kimiserve.engine.scheduler import SchedulerOutput
+from kimiserve.model.batch import ForwardBatch, SequenceChunk
+from kimiserve.model.model import KimiForCausalLM
+
+
+@dataclass
+class ChunkResult:
+    samples: list[tuple[int, TokenLogprobs | None]] = field(default_factory=list)
+    """One (token, logprobs) per sample drawn: none for a prefill chunk that does not finish the
+    sequence, one for a decode, `params.n` for a first sample that forks the request."""
+    prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+
+
+class ModelRunner:
+    def __init__(self, model: KimiForCausalLM, pool: PagePool, sampler: Sampler, eos_token_id: int | None):
+        self.model, self.pool, self.sampler = model, pool, sampler
+        self.device = next(model.parameters()).device
+        self.eos_token_id = eos_token_id
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> list[ChunkResult]:
+        copies = [pair for chunk in sched.chunks for pair in chunk.copies]
+        if copies:
+            self.pool.copy_pages([s for s, _ in copies], [d for _, d in copies])
+        fresh = [p for chunk in sched.chunks for p in chunk.fresh_state_pages]
+        if fresh:
+            self.pool.zero_state(torch.tensor(fresh, device=self.device))
+
+        ids, seq_chunks, logit_rows, row = [], [], [], 0
+        plans = []  # per chunk: (first logits row, number of prompt-logprob rows, samples?)
+        for chunk in sched.chunks:
+            r, n = chunk.request, chunk.num_tokens
+            start = r.num_computed
+            ids.extend(r.all_ids[start : start + n])
+            seq_chunks.append(SequenceChunk(row, row + n, start, torch.tensor(r.block_table), torch.tensor(r.state_pages)))
+            first = len(logit_rows)
+            # prompt logprobs: the row at position p predicts prompt token p + 1; entry 0 is None, so
+            # positions below len(r.prompt_logprobs) - 1 were reported before (e.g. before a preemption)
+            lo, n_prompt = max(start, len(r.prompt_logprobs) - 1), 0
+            if r.params.prompt_logprobs is not None:
+                n_prompt = max(0, min(start + n, len(r.prompt_ids) - 1) - lo)
+                logit_rows.extend(range(row + lo - start, row + lo - start + n_prompt))
+            samples = start + n == r.num_tokens
+            if samples:
+                logit_rows.append(row + n - 1)
+            plans.append((first, lo, n_prompt, samples))
+            row += n
+
+        batch = ForwardBatch.build(self.pool, seq_chunks, self.device)
+        input_ids = torch.tensor(ids, device=self.device)
+        logits = self.model.forward_batch(input_ids, batch, torch.tensor(logit_rows, device=self.device, dtype=torch.long))
+
+        results, sample_rows, sample_reqs, owners = [], [], [], []
+        for chunk, (first, lo, n_prompt, samples) in zip(sched.chunks, plans):
+            r, res = chunk.request, ChunkResult()
+            if r.params.prompt_logprobs is not None and not r.prompt_logprobs:
+                res.prompt_logprobs.append(None)  # the first prompt token has no logprob
+            if n_prompt:
+                nxt = r.prompt_ids[lo + 1 : lo + 1 + n_prompt]
+                res.prompt_logprobs += prompt_logprobs_chunk(logits[first : first + n_prompt], nxt, r.params.prompt_logprobs)
+            if samples:
+                fork = r.params.n if not r.output_ids and r.sample_index == 0 and r.params.n > 1 else 1
+                for i in range(fork):
+                    seed = r.seed if i == 0 else Request(r.request_id, [], r.params, 0, i).seed
+                    sample_rows.append(first + n_prompt)
+                    sample_reqs.append(SampleRequest(r.params, r.prompt_ids, r.output_ids, seed, self.eos_token_id))
+                    owners.append(res)
+            results.append(res)
+        if sample_rows:
+            drawn = self.sampler(logits[torch.tensor(sample_rows, device=logits.device)], sample_reqs)
+            for res, sample in zip(owners, drawn):
+                res.samples.append(sample)
+        return results

@@ -1,0 +1,193 @@
+"""Sampler: logits of the batch's last positions -> one token id per row (plus logprobs).
+
+Order per row: penalties -> min_tokens masking of eos / stop_token_ids -> greedy rows take the
+argmax (smallest id among ties) -> other rows: temperature, top-k, top-p, min-p, softmax, one
+draw. Logprobs are the log_softmax of the raw model logits (vLLM's default "raw_logprobs").
+
+Reproducibility: a row with a seed draws from a fresh generator seeded with
+`mix_seed(seed, len(output_ids))`, so its tokens do not depend on the batch it runs in and are
+the same after a preemption and recompute. Rows without a seed share the Sampler's generator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kimiserve.ops.sampling import reference as ops
+from kimiserve.sampling_params import SamplingParams
+
+_MASK64 = (1 << 64) - 1
+
+
+@dataclass
+class SampleRequest:
+    """What the sampler needs to know about one row (one sample of one request)."""
+
+    params: SamplingParams
+    """The request's sampling parameters."""
+    prompt_ids: list[int]
+    """Prompt token ids (for the repetition penalty)."""
+    output_ids: list[int]
+    """Tokens generated so far by this sample."""
+    seed: int | None
+    """Seed specific to this sample (e.g. the request seed mixed with the sample index), or None."""
+    eos_token_id: int | None
+    """The model's eos id, masked while fewer than min_tokens tokens exist (unless ignore_eos)."""
+
+
+@dataclass
+class TokenLogprobs:
+    """Logprob of one chosen token and its best alternatives."""
+
+    token_id: int
+    """The chosen (sampled or prompt) token."""
+    logprob: float
+    """Its log-probability under the raw model logits."""
+    rank: int
+    """1-based rank among the vocabulary (ties: the smaller id ranks better)."""
+    top: list[tuple[int, float]]
+    """(token id, logprob) of the n best tokens, best first."""
+
+
+def mix_seed(seed: int, step: int) -> int:
+    """A fixed 63-bit generator seed for (seed, step): splitmix64 of seed combined with step."""
+    x = (seed * 0x9E3779B97F4A7C15 + step + 1) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (x ^ (x >> 31)) >> 1
+
+
+def _to_token_logprobs(token_lp, rank, top_ids, top_lp) -> list[TokenLogprobs]:
+    """Tensors from `ops.logprobs_with_top` -> TokenLogprobs per row (one host transfer each)."""
+    return [TokenLogprobs(0, lp, rk, list(zip(ids, lps)))
+            for lp, rk, ids, lps in zip(token_lp.tolist(), rank.tolist(), top_ids.tolist(), top_lp.tolist())]
+
+
+def logprobs_of(logits: torch.Tensor, token_ids: list[int], n: int) -> list[TokenLogprobs]:
+    """TokenLogprobs of token_ids[i] under the log_softmax of logits row i, with n alternatives."""
+    ids = torch.tensor(token_ids, dtype=torch.int64, device=logits.device)
+    out = _to_token_logprobs(*ops.logprobs_with_top(torch.log_softmax(logits.float(), -1), ids, n))
+    for entry, token in zip(out, token_ids):
+        entry.token_id = token
+    return out
+
+
+def prompt_logprobs_chunk(logits: torch.Tensor, next_ids: list[int], n: int) -> list[TokenLogprobs]:
+    """Prompt logprobs for one chunk: logits [C, V] at positions [start, end) and next_ids, the
+    prompt tokens at positions start+1 .. end. For the prompt's last chunk next_ids has one entry
+    fewer than the logits rows (the last row predicts the first output token) and that row is
+    ignored. Returns len(next_ids) entries."""
+    if len(next_ids) > logits.shape[0]:
+        raise ValueError(f"{len(next_ids)} next ids but only {logits.shape[0]} logits rows")
+    return logprobs_of(logits[:len(next_ids)], next_ids, n) if next_ids else []
+
+
+def prompt_logprobs(logits: torch.Tensor, prompt_ids: list[int], n: int) -> list[TokenLogprobs | None]:
+    """Logprobs of each prompt token; logits row i predicts prompt token i + 1.
+
+    logits: [T, V] with T >= len(prompt_ids) - 1. Entry 0 is None (the first prompt token has no
+    logprob), so the result has len(prompt_ids) entries.
+    """
+    return [None, *prompt_logprobs_chunk(logits, list(prompt_ids[1:]), n)] if prompt_ids else []
+
+
+def _scatter_ones(target: torch.Tensor, ids_per_row: list[list[int]], accumulate: bool) -> torch.Tensor:
+    """Add (accumulate) or set 1 at target[r, t] for every t in ids_per_row[r]; returns target."""
+    rows = [r for r, ids in enumerate(ids_per_row) for _ in ids]
+    if rows:
+        dev = target.device
+        index = (torch.tensor(rows, dtype=torch.int64, device=dev),
+                 torch.tensor([t for ids in ids_per_row for t in ids], dtype=torch.int64, device=dev))
+        target.index_put_(index, torch.ones(len(rows), dtype=target.dtype, device=dev), accumulate=accumulate)
+    return target
+
+
+class Sampler:
+    """Turns the batch's logits into tokens; owns the generator of the unseeded rows."""
+
+    def __init__(self, seed: int | None = None):
+        self._seed = seed
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    def _shared_generator(self, device: torch.device) -> torch.Generator:
+        if device not in self._generators:
+            gen = torch.Generator(device=device)
+            if self._seed is None:
+                gen.seed()
+            else:
+                gen.manual_seed(self._seed & _MASK64)
+            self._generators[device] = gen
+        return self._generators[device]
+
+    def _generator(self, req: SampleRequest, device: torch.device) -> torch.Generator:
+        if req.seed is None:
+            return self._shared_generator(device)
+        return torch.Generator(device=device).manual_seed(mix_seed(req.seed, len(req.output_ids)))
+
+    @staticmethod
+    def _penalise(logits: torch.Tensor, requests: list[SampleRequest]) -> torch.Tensor:
+        params = [r.params for r in requests]
+        if all(p.presence_penalty == 0 and p.frequency_penalty == 0 and p.repetition_penalty == 1 for p in params):
+            return logits
+        R, V = logits.shape
+        prompt_mask = _scatter_ones(torch.zeros(R, V, dtype=torch.bool, device=logits.device),
+                                    [r.prompt_ids for r in requests], accumulate=False)
+        counts = _scatter_ones(torch.zeros(R, V, dtype=torch.int32, device=logits.device),
+                               [r.output_ids for r in requests], accumulate=True)
+
+        def column(name: str) -> torch.Tensor:
+            return torch.tensor([getattr(p, name) for p in params], dtype=logits.dtype, device=logits.device)
+
+        return ops.apply_penalties(logits, prompt_mask, counts, column("presence_penalty"),
+                                   column("frequency_penalty"), column("repetition_penalty"))
+
+    @staticmethod
+    def _mask_min_tokens(logits: torch.Tensor, requests: list[SampleRequest]) -> torch.Tensor:
+        """-inf on eos (unless ignore_eos) and stop_token_ids while len(output_ids) < min_tokens."""
+        V = logits.shape[1]
+        rows, tokens = [], []
+        for i, r in enumerate(requests):
+            if len(r.output_ids) < r.params.min_tokens:
+                stops = list(r.params.stop_token_ids)
+                if r.eos_token_id is not None and not r.params.ignore_eos:
+                    stops.append(r.eos_token_id)
+                kept = [t for t in stops if 0 <= t < V]
+                rows += [i] * len(kept)
+                tokens += kept
+        if not rows:
+            return logits
+        logits = logits.clone()
+        logits[torch.tensor(rows, device=logits.device), torch.tensor(tokens, device=logits.device)] = ops.NEG_INF
+        return logits
+
+    def __call__(self, logits: torch.Tensor, requests: list[SampleRequest]) -> list[tuple[int, TokenLogprobs | None]]:
+        """Sample one token per row. logits: fp32 [R, V], row r for requests[r]."""
+        if logits.dim() != 2 or logits.shape[0] != len(requests):
+            raise ValueError(f"logits must be [R, V] with R = {len(requests)} requests, got {tuple(logits.shape)}")
+        raw = logits.float()
+        dev = raw.device
+        x = self._mask_min_tokens(self._penalise(raw, requests), requests)
+        token_ids = torch.argmax(x, dim=-1)
+        rows = [i for i, r in enumerate(requests) if not r.params.greedy]
+        if rows:
+            sub = [requests[i].params for i in rows]
+            idx = torch.tensor(rows, dtype=torch.int64, device=dev)
+            y = ops.apply_temperature(x[idx], torch.tensor([p.temperature for p in sub], device=dev))
+            if any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in sub):
+                y = ops.apply_top_k_top_p_min_p(y, torch.tensor([p.top_k for p in sub], device=dev),
+                                                torch.tensor([p.top_p for p in sub], device=dev),
+                                                torch.tensor([p.min_p for p in sub], device=dev))
+            gens = [self._generator(requests[i], dev) for i in rows]
+            token_ids[idx] = ops.sample(torch.softmax(y, dim=-1), gens)
+        ids = token_ids.tolist()
+        results: list[tuple[int, TokenLogprobs | None]] = [(t, None) for t in ids]
+        want = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
+        if want:
+            n = max(requests[i].params.logprobs for i in want)
+            picked = torch.tensor(want, dtype=torch.int64, device=dev)
+            for i, entry in zip(want, logprobs_of(raw[picked], [ids[i] for i in want], n)):
+                entry.top = entry.top[:requests[i].params.logprobs]
+                results[i] = (ids[i], entry)
+        return results

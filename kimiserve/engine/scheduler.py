@@ -1,0 +1,180 @@
+"""Continuous batching over the page pool: one token budget per step, decode first, chunked prefill.
+
+Each step every running request may let its cached tokens catch up with its total (vLLM v1's
+rule): decode requests first (one token each), then prefill chunks, then new requests in FCFS
+order. When the pool cannot give a request its pages (after evicting prefix-cache snapshots),
+the newest running request is preempted: its pages are freed and it is recomputed later.
+The scheduler moves no bytes: page copies (copy-on-write) and pages to zero (fresh KDA state)
+travel in its output to the runner.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from kimiserve.cache.allocator import PageAllocator
+from kimiserve.engine.request import Request, Status
+
+
+@dataclass
+class ScheduledChunk:
+    request: Request
+    num_tokens: int
+    copies: list[tuple[int, int]] = field(default_factory=list)
+    """(src, dst) page copies to run before the forward, in order."""
+    fresh_state_pages: list[int] = field(default_factory=list)
+    """State pages to zero before the forward (a sequence starting from scratch)."""
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+
+class Scheduler:
+    def __init__(self, allocator: PageAllocator, num_state_pages: int, max_num_seqs: int,
+                 max_num_batched_tokens: int, enable_prefix_caching: bool):
+        self.allocator = allocator
+        self.num_state_pages = num_state_pages
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.enable_prefix_caching = enable_prefix_caching
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        for request in sorted(self.running, key=lambda r: (not r.is_decode, r.arrival)):
+            if budget == 0:
+                break
+            if request.status is not Status.RUNNING:
+                continue  # preempted earlier in this step
+            n = min(request.num_pending, budget)
+            while (chunk := self._reserve(request, n)) is None:
+                victim = max(self.running, key=lambda r: r.arrival)
+                budget += self._preempt(victim, out)
+                if victim is request:
+                    break
+            if chunk is not None:
+                out.chunks.append(chunk)
+                budget -= n
+        while self.waiting and budget > 0 and not out.preempted:
+            request = self.waiting[0]
+            if len(self.running) + (request.params.n if not request.output_ids else 1) > self.max_num_seqs:
+                break
+            self._restore_prefix(request)
+            n = min(request.num_pending, budget)
+            chunk = self._reserve(request, n)
+            if chunk is None:
+                self._release(request)
+                break
+            self.waiting.popleft()
+            request.status = Status.RUNNING
+            self.running.append(request)
+            out.chunks.append(chunk)
+            budget -= n
+        return out
+
+    def _restore_prefix(self, request: Request) -> None:
+        """Start from the longest cached prefix that ends at a snapshot (never the whole sequence)."""
+        request.num_cached_tokens = 0
+        if not self.enable_prefix_caching or request.params.prompt_logprobs is not None:
+            return
+        hit = self.allocator.lookup(request.all_ids, request.num_tokens - 1)
+        if hit is None:
+            return
+        self.allocator.acquire(hit)
+        request.block_table, request.state_pages = list(hit.block_table), list(hit.state_pages)
+        request.num_computed = hit.num_tokens
+        request.num_cached_tokens = min(hit.num_tokens, len(request.prompt_ids))
+
+    def _reserve(self, request: Request, n: int) -> ScheduledChunk | None:
+        """Pages for `n` more tokens of `request`, copying shared pages it writes into; None if the pool is short."""
+        alloc, bs = self.allocator, self.allocator.block_size
+        end = request.num_computed + n
+        new_blocks = -(-end // bs) - len(request.block_table)
+        writes_last = request.num_computed % bs != 0
+        cow_last = writes_last and alloc.refcount(request.block_table[-1]) > 1
+        shared_states = [i for i, p in enumerate(request.state_pages) if alloc.refcount(p) > 1]
+        fresh_states = 0 if request.state_pages else self.num_state_pages
+        total = new_blocks + cow_last + len(shared_states) + fresh_states
+        if not alloc.can_allocate(total):
+            return None
+        pages = alloc.allocate(total)
+        chunk = ScheduledChunk(request, n)
+        if cow_last:
+            chunk.copies.append((request.block_table[-1], pages[0]))
+            alloc.decref([request.block_table[-1]])
+            request.block_table[-1] = pages.pop(0)
+        for i in shared_states:
+            chunk.copies.append((request.state_pages[i], pages[0]))
+            alloc.decref([request.state_pages[i]])
+            request.state_pages[i] = pages.pop(0)
+        if fresh_states:
+            request.state_pages = pages[:fresh_states]
+            chunk.fresh_state_pages = list(request.state_pages)
+            pages = pages[fresh_states:]
+        request.block_table.extend(pages)
+        return chunk
+
+    def _release(self, request: Request) -> None:
+        self.allocator.decref(request.pages)
+        request.block_table, request.state_pages = [], []
+        request.num_computed = 0
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> int:
+        """Free the request's pages and requeue it at the front; returns the budget it gave back."""
+        refund = 0
+        for chunk in list(out.chunks):
+            if chunk.request is request:
+                out.chunks.remove(chunk)
+                refund += chunk.num_tokens
+        self._release(request)
+        self.running.remove(request)
+        request.status = Status.WAITING
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+        out.preempted.append(request)
+        return refund
+
+    def finish(self, request: Request, reason: str, stop_reason: int | str | None = None) -> None:
+        """End a sample: keep a snapshot of its cached tokens for later prompts, free its pages."""
+        if request.status is Status.RUNNING:
+            self.running.remove(request)
+            if self.enable_prefix_caching and reason != "abort" and request.num_computed:
+                self.allocator.snapshot(request.all_ids[: request.num_computed], request.block_table, request.state_pages)
+        elif request.status is Status.WAITING:
+            self.waiting.remove(request)
+        self._release(request)
+        request.status, request.finish_reason, request.stop_reason = Status.FINISHED, reason, stop_reason
+
+    def snapshot_prompt(self, request: Request) -> None:
+        """Keep the state at the end of the prompt (the prefix later turns of a chat start with)."""
+        if self.enable_prefix_caching:
+            self.allocator.snapshot(request.prompt_ids, request.block_table, request.state_pages)
+
+    def fork(self, parent: Request, sample_index: int, arrival: int) -> Request:
+        """Another sample of a request sharing the parent's pages (copy-on-write from here on)."""
+        child = Request(parent.request_id, parent.prompt_ids, parent.params, arrival, sample_index,
+                        num_computed=parent.num_computed, block_table=list(parent.block_table),
+                        state_pages=list(parent.state_pages), status=Status.RUNNING,
+                        num_cached_tokens=parent.num_cached_tokens)
+        self.allocator.incref(child.pages)
+        self.running.append(child)
+        return child
