@@ -4,6 +4,11 @@ import torch
 from kimiserve.config import ModelConfig, load_preset
 
 
+# The tiny model's ops are too small to gain from a second thread, and with two threads on a
+# two-core machine any other busy process makes them 20-50x slower.
+torch.set_num_threads(1)
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

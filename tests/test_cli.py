@@ -1,4 +1,5 @@
 import json
+import os
 import subprocess
 import sys
 
@@ -7,15 +8,24 @@ import torch
 
 from kimiserve.config import ModelConfig, load_preset
 from kimiserve.entrypoints.cli import main
-from kimiserve.generate import generate
 from kimiserve.model.loader import load_model
 from kimiserve.tokenizer import load_tokenizer
+
+LIGHT = ("--max-model-len", "256", "--num-pages", "48")  # a small cache: generate tests stay light
 
 
 def run_cli(capsys, *argv):
     code = main(list(argv))
     out = capsys.readouterr()
     return code, out.out, out.err
+
+
+def completions(out: str) -> dict[str, str]:
+    """`'prompt' -> 'text'` lines -> {prompt: text}."""
+    import ast
+
+    pairs = [line.split(" -> ", 1) for line in out.splitlines()]
+    return {ast.literal_eval(p): ast.literal_eval(t) for p, t in pairs}
 
 
 def test_inspect_full_model_json(capsys):
@@ -60,27 +70,74 @@ def test_make_checkpoint_then_load_and_generate(capsys, tmp_path):
     ids = torch.tensor([[1, 2, 3, 500, 7]])
     assert torch.equal(from_folder(ids), from_preset(ids))
     assert load_tokenizer(out_dir).encode("hello world") == load_tokenizer("tiny").encode("hello world")
-    assert generate(str(out_dir), ["hello"], max_tokens=5) == generate("tiny", ["hello"], max_tokens=5, seed=5)
+    code, from_dir, _ = run_cli(capsys, "generate", "--model", str(out_dir), "--max-tokens", "5", *LIGHT, "hello")
+    assert code == 0
+    code, from_seed, _ = run_cli(capsys, "generate", "--model", "tiny", "--seed", "5", "--max-tokens", "5", *LIGHT,
+                                 "hello")
+    assert code == 0 and from_dir == from_seed and completions(from_dir)["hello"]
 
 
-def test_generate_is_reproducible_and_validates():
-    greedy = generate("tiny", ["The quick brown fox"], max_tokens=6)
-    assert greedy == generate("tiny", ["The quick brown fox"], max_tokens=6) and greedy[0]
-    a = generate("tiny", ["x"], max_tokens=6, temperature=1.0, seed=11)
-    assert a == generate("tiny", ["x"], max_tokens=6, temperature=1.0, seed=11)
-    with pytest.raises(ValueError, match="max_tokens"):
-        generate("tiny", ["x"], max_tokens=0)
-    with pytest.raises(ValueError, match="temperature"):
-        generate("tiny", ["x"], temperature=-1)
-    with pytest.raises(ValueError, match="prompt 0 is empty"):
-        generate("tiny", [""])
-    with pytest.raises(ValueError, match="no tokenizer"):
-        generate("small", ["x"])
+def test_generate_prints_each_completion(capsys):
+    code, out, err = run_cli(capsys, "generate", "--model", "tiny", "--max-tokens", "4", "Hello")
+    assert code == 0 and out.startswith("'Hello' -> ") and len(out.splitlines()) == 1 and err == ""
+    prompts = ["The quick brown fox", "Hello", "x"]
+    code, out, err = run_cli(capsys, "generate", "--max-tokens", "4", *LIGHT, *prompts)
+    got = completions(out)
+    assert code == 0 and list(got) == prompts and all(got.values())
+    assert "generate: 3/3 requests" in err and err.endswith("\n")  # the progress bar of a batch
+    assert got["Hello"] == completions(run_cli(capsys, "generate", "--max-tokens", "4", *LIGHT, "Hello")[1])["Hello"]
+
+
+def test_generate_sampling_is_seeded(capsys):
+    def sample(seed):
+        code, out, _ = run_cli(capsys, "generate", "--max-tokens", "8", "--temperature", "1", "--top-p", "0.9",
+                               "--top-k", "50", "--seed", seed, *LIGHT, "x")
+        assert code == 0
+        return out
+
+    assert sample("11") == sample("11")
+    code, out, _ = run_cli(capsys, "generate", "--max-tokens", "4", "--chat", "--dtype", "fp32", *LIGHT, "Hi", "Bye")
+    assert code == 0 and list(completions(out)) == ["Hi", "Bye"]
+
+
+def test_generate_stream_prints_the_same_text(capsys):
+    code, out, _ = run_cli(capsys, "generate", "--max-tokens", "6", *LIGHT, "Hello, Kimi")
+    text = completions(out)["Hello, Kimi"]
+    code, streamed, _ = run_cli(capsys, "generate", "--max-tokens", "6", "--stream", *LIGHT, "Hello, Kimi")
+    assert code == 0 and streamed == text + "\n"
+    code, _, err = run_cli(capsys, "generate", "--stream", *LIGHT, "a", "b")
+    assert code == 2 and "--stream takes one prompt" in err
+
+
+@pytest.mark.parametrize("flags, field", [
+    (["--temperature", "-1"], "temperature"),
+    (["--max-tokens", "0"], "max_tokens"),
+    (["--top-p", "1.5"], "top_p"),
+    (["--dtype", "fp16"], "dtype"),
+    (["--max-num-seqs", "0"], "max_num_seqs"),
+    (["--max-model-len", "4"], "max_model_len"),
+    (["--model", "nope"], "neither a preset"),
+])
+def test_generate_bad_values_exit_2(capsys, flags, field):
+    code, out, err = run_cli(capsys, "generate", *flags, "Hello, Kimi: a prompt of more than four tokens")
+    assert code == 2 and out == "" and err.startswith("kimiserve generate: error: ") and field in err
+
+
+def test_generate_help_shows_engine_args(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["generate", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert exc.value.code == 0
+    assert "--max-num-batched-tokens MAX_NUM_BATCHED_TOKENS Token budget of one step; longer prompts are " \
+           "prefilled in chunks." in text
+    assert "--no-enable-prefix-caching" in text and "--stream" in text and "--top-p" in text
 
 
 def test_console_script_generates():
     exe = [sys.executable, "-m", "kimiserve.entrypoints.cli"]
-    res = subprocess.run([*exe, "generate", "--model", "tiny", "--max-tokens", "4", "Hello, Kimi"], capture_output=True, text=True, timeout=120)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # as tests/conftest.py does in-process
+    res = subprocess.run([*exe, "generate", "--model", "tiny", "--max-tokens", "4", "Hello, Kimi"], capture_output=True,
+                         text=True, timeout=120, env=env)
     assert res.returncode == 0 and res.stdout.startswith("'Hello, Kimi' -> ")
 
 

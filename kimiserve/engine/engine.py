@@ -6,7 +6,6 @@ import itertools
 import math
 from dataclasses import dataclass, field
 
-import torch
 
 from kimiserve.cache.allocator import PageAllocator
 from kimiserve.cache.layout import CacheLayout
@@ -15,7 +14,7 @@ from kimiserve.config import resolve_model
 from kimiserve.engine.args import EngineArgs, pages_for_budget, tokenizer_source
 from kimiserve.engine.detokenizer import IncrementalDetokenizer
 from kimiserve.engine.outputs import CompletionOutput, RequestOutput
-from kimiserve.engine.request import Request, Status
+from kimiserve.engine.request import Request
 from kimiserve.engine.runner import ModelRunner
 from kimiserve.engine.sampler import Sampler
 from kimiserve.engine.scheduler import Scheduler

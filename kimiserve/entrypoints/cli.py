@@ -39,18 +39,38 @@ def cmd_make_checkpoint(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from kimiserve.generate import generate
+    from kimiserve.engine.args import EngineArgs
+    from kimiserve.entrypoints.llm import LLM
+    from kimiserve.sampling_params import SamplingParams
 
-    texts = generate(
-        args.model, args.prompt, max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
-        dtype=_dtype(args.dtype), chat=args.chat,
-    )
-    for prompt, text in zip(args.prompt, texts):
-        print(f"{prompt!r} -> {text!r}")
+    if args.stream and len(args.prompt) > 1:
+        raise ValueError(f"--stream takes one prompt, got {len(args.prompt)}")
+    # --seed seeds the preset weights and the engine (EngineArgs.seed) and, when sampling, each request
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed if args.temperature > 0 else None)
+    engine_args = EngineArgs.from_cli_args(args)
+    engine_args.dtype = DTYPES.get(engine_args.dtype, engine_args.dtype)
+    llm = LLM(**vars(engine_args))
+    conversations = [[{"role": "user", "content": p}] for p in args.prompt]
+    if args.stream:
+        prompt = args.prompt[0]
+        if args.chat:
+            if llm.get_tokenizer() is None:
+                raise ValueError(f"model {args.model!r} has no tokenizer, which --chat needs")
+            prompt = llm.get_tokenizer().apply_chat_template(conversations[0], add_generation_prompt=True)
+        for out in llm.stream(prompt, params):
+            print(out.outputs[0].delta_text, end="", flush=True)
+        print()
+        return 0
+    outs = llm.chat(conversations, params) if args.chat else llm.generate(args.prompt, params)
+    for prompt, out in zip(args.prompt, outs):
+        print(f"{prompt!r} -> {out.outputs[0].text!r}")
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from kimiserve.engine.args import EngineArgs
+
     parser = argparse.ArgumentParser(prog="kimiserve", description="Serve Kimi-K3.1-family models.")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -67,13 +87,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-shard-mb", type=float, default=2048, help="largest safetensors shard, MiB")
     p.set_defaults(func=cmd_make_checkpoint)
 
-    p = sub.add_parser("generate", help="generate text (full-sequence recompute per token until the engine lands)")
-    p.add_argument("--model", default="tiny", help="a preset or a model folder (default: the built-in tiny model)")
-    p.add_argument("--max-tokens", type=int, default=16, help="tokens to generate per prompt")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 for greedy")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed (and weight seed of presets)")
-    p.add_argument("--dtype", default="fp32", choices=sorted(DTYPES), help="compute dtype on the CPU")
+    p = sub.add_parser("generate", help="generate text with the engine (the offline LLM API)",
+                       description="Generate a completion for each prompt; engine flags follow the sampling flags.")
+    p.add_argument("--max-tokens", type=int, default=16, help="most tokens to generate per prompt")
+    p.add_argument("--temperature", type=float, default=0.0, help="softmax temperature; 0 for greedy")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1]")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k best tokens; 0 or -1 disables it")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the preset weights and of the engine, and of each request's sampling when "
+                        "--temperature > 0")
+    p.add_argument("--dtype", default="auto", help="model dtype: fp32/float32, bf16/bfloat16 or auto "
+                   "(bfloat16 on GPU, float32 on CPU)")
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template as a user turn")
+    p.add_argument("--stream", action="store_true", help="print the text as it is generated (one prompt)")
+    EngineArgs.add_cli_args(p.add_argument_group("engine arguments (EngineArgs)"), skip=("seed", "dtype"))
     p.add_argument("prompt", nargs="+", help="one or more prompts")
     p.set_defaults(func=cmd_generate)
     return parser

@@ -1,0 +1,249 @@
+"""The engine on `tiny` equals a full-sequence forward of the same tokens, however it batches,
+chunks, preempts or restores prefixes; and it never leaks a page."""
+
+import pytest
+import torch
+
+from engine_utils import GREEDY, assert_matches_full_forward, make_engine, random_prompts, run
+from kimiserve.sampling_params import SamplingParams
+
+MODEL_CACHE = [("float32", "bf16"), ("float32", "fp8"), ("bfloat16", "bf16"), ("bfloat16", "fp8")]
+
+
+@pytest.fixture
+def engines():
+    """Engines made by a test; after it, each must be idle with every page free or in the prefix cache."""
+    made = []
+
+    def factory(*args, **kwargs):
+        made.append(make_engine(*args, **kwargs))
+        return made[-1]
+
+    yield factory
+    for engine in made:
+        engine.check_idle()
+
+
+@pytest.mark.parametrize("dtype,kv", MODEL_CACHE)
+def test_prefill_and_decode_match_full_forward(engines, dtype, kv):
+    engine = engines(dtype, kv)
+    prompts = random_prompts([3, 70, 150])  # 150 > one page (64) and >> index_topk (8): sparse
+    outs = run(engine, prompts, SamplingParams(max_tokens=20, **GREEDY))
+    for i, prompt in enumerate(prompts):
+        tokens = outs[f"r{i}"].outputs[0].token_ids
+        assert len(tokens) == 20 and outs[f"r{i}"].outputs[0].finish_reason == "length"
+        assert_matches_full_forward(engine, prompt, tokens)
+
+
+@pytest.mark.parametrize("dtype,kv", MODEL_CACHE)
+def test_whole_prompt_prefill_is_bit_equal(engines, dtype, kv):
+    """One sequence, the whole prompt in one chunk: the same ops in the same order as the full forward."""
+    engine = engines(dtype, kv)
+    prompt = random_prompts([150], seed=5)[0]
+    run(engine, [prompt], SamplingParams(max_tokens=1, **GREEDY))
+    ref = engine.model(torch.tensor(prompt), kv_cache_dtype=kv)[-1]
+    got = engine.recorded[(tuple(prompt), None, 0)]
+    # the logits projection of one row may round differently from the full [T, d] product in fp32
+    assert torch.allclose(got, ref, rtol=0, atol=1e-5 if engine.dtype == torch.float32 else 0), (got - ref).abs().max()
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 64])
+@pytest.mark.parametrize("dtype,kv", MODEL_CACHE)
+def test_chunked_prefill(engines, dtype, kv, chunk):
+    engine = engines(dtype, kv, max_num_batched_tokens=chunk)
+    prompt = random_prompts([150], seed=2)[0]
+    outs = run(engine, [prompt], SamplingParams(max_tokens=16, **GREEDY))
+    assert engine.stats()["steps"] == -(-150 // chunk) + 15
+    assert_matches_full_forward(engine, prompt, outs["r0"].outputs[0].token_ids)
+
+
+@pytest.mark.parametrize("dtype,kv", [("float32", "bf16"), ("float32", "fp8")])
+def test_mixed_batch_equals_each_request_alone(engines, dtype, kv):
+    prompts = random_prompts([5, 90, 33, 140, 1], seed=3)
+    params = SamplingParams(max_tokens=12, **GREEDY)
+    together = engines(dtype, kv, max_num_batched_tokens=40)  # decodes and prefill chunks share steps
+    outs = run(together, prompts, params)
+    for i, prompt in enumerate(prompts):
+        alone = engines(dtype, kv)
+        single = run(alone, [prompt], params)["r0"].outputs[0].token_ids
+        assert outs[f"r{i}"].outputs[0].token_ids == single
+        for step in range(12):
+            a = together.recorded[(tuple(prompt), None, step)]
+            b = alone.recorded[(tuple(prompt), None, step)]
+            assert float((a - b).norm() / b.norm()) < 1e-3
+
+
+@pytest.mark.parametrize("dtype,kv", [("float32", "bf16"), ("float32", "fp8"), ("bfloat16", "bf16")])
+def test_forced_preemption(engines, dtype, kv):
+    # 256-token sequences need 4 pages + 5 state pages; 22 pages cannot hold four 100 + 60 token sequences
+    engine = engines(dtype, kv, max_model_len=256, num_pages=22, enable_prefix_caching=False)
+    prompts = random_prompts([100, 101, 102, 103], seed=4)
+    outs = run(engine, prompts, SamplingParams(max_tokens=60, **GREEDY))
+    assert engine.stats()["preemptions"] > 0
+    for i, prompt in enumerate(prompts):
+        tokens = outs[f"r{i}"].outputs[0].token_ids
+        assert len(tokens) == 60
+        assert_matches_full_forward(engine, prompt, tokens)
+
+
+@pytest.mark.parametrize("dtype,kv", [("float32", "bf16"), ("float32", "fp8")])
+def test_prefix_cache_multi_turn(engines, dtype, kv):
+    engine = engines(dtype, kv)
+    cold = engines(dtype, kv, enable_prefix_caching=False)
+    turn1, extra = random_prompts([75, 21], seed=6)
+    params = SamplingParams(max_tokens=15, **GREEDY)
+    answer = run(engine, [turn1], params, ids=["t1"])["t1"].outputs[0].token_ids
+    turn2 = turn1 + answer + extra  # the next turn repeats the conversation so far
+    before = engine.stats()["computed_tokens"]
+    out2 = run(engine, [turn2], params, ids=["t2"])["t2"]
+    # the snapshot at the end of turn 1 holds every computed token: prompt + answer but the last token
+    hit = len(turn1) + len(answer) - 1
+    assert out2.num_cached_tokens == hit
+    assert engine.stats()["computed_tokens"] - before == len(turn2) - hit + 14
+    assert engine.stats()["prefix_hit_tokens"] == hit
+    reference = run(cold, [turn2], params, ids=["t2"])["t2"]
+    assert reference.num_cached_tokens == 0
+    assert out2.outputs[0].token_ids == reference.outputs[0].token_ids
+    for step in range(15):
+        a, b = engine.recorded[(tuple(turn2), None, step)], cold.recorded[(tuple(turn2), None, step)]
+        assert float((a - b).norm() / b.norm()) < 1e-3
+    assert_matches_full_forward(engine, turn2, out2.outputs[0].token_ids)
+
+
+def test_prefix_hit_at_prompt_end_snapshot(engines):
+    """A new prompt that extends an earlier prompt restores the earlier prompt's end state."""
+    engine = engines()
+    base, more = random_prompts([100, 10], seed=7)
+    run(engine, [base], SamplingParams(max_tokens=3, **GREEDY), ids=["a"])
+    out = run(engine, [base + more], SamplingParams(max_tokens=5, **GREEDY), ids=["b"])["b"]
+    assert out.num_cached_tokens == 100
+    assert_matches_full_forward(engine, base + more, out.outputs[0].token_ids)
+
+
+def test_prefix_cache_evicted_under_pressure(engines):
+    engine = engines(max_model_len=256, num_pages=22)
+    prompts = random_prompts([100, 100, 100, 100], seed=8)
+    for i, prompt in enumerate(prompts):  # one after the other: each finishes and leaves snapshots
+        run(engine, [prompt], SamplingParams(max_tokens=20, **GREEDY), ids=[f"q{i}"])
+    assert engine.stats()["snapshots"] >= 1
+    assert engine.stats()["pages_free"] + engine.stats()["pages_cached"] == 22
+
+
+def test_abort_mid_generation(engines):
+    engine = engines()
+    prompts = random_prompts([40, 60, 80], seed=9)
+    params = SamplingParams(max_tokens=30, **GREEDY)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, params)
+    for _ in range(5):
+        engine.step()
+    engine.abort_request("r1")
+    engine.abort_request("unknown")  # ignored
+    outs = {}
+    while engine.has_unfinished_requests():
+        outs.update({o.request_id: o for o in engine.step() if o.finished})
+    assert set(outs) == {"r0", "r2"}
+    for i in (0, 2):
+        assert_matches_full_forward(engine, prompts[i], outs[f"r{i}"].outputs[0].token_ids)
+
+
+def test_abort_waiting_request(engines):
+    engine = engines(max_num_seqs=1)
+    engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=4, **GREEDY))
+    engine.add_request("b", [4, 5, 6], SamplingParams(max_tokens=4, **GREEDY))
+    engine.step()
+    assert engine.stats()["waiting"] == 1
+    engine.abort_request("b")
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def test_seeded_sampling_reproduces(engines):
+    prompts = random_prompts([20, 30, 40], seed=10)
+    seeded = SamplingParams(temperature=1.0, seed=1234, max_tokens=16, ignore_eos=True)
+    a = run(engines(), [prompts[0]], seeded)["r0"].outputs[0].token_ids
+    # the same request in another batch, with other requests around it, samples the same tokens
+    others = [SamplingParams(temperature=0.8, max_tokens=16, ignore_eos=True)] * 2
+    b = run(engines(max_num_batched_tokens=16), [prompts[1], prompts[0], prompts[2]], [others[0], seeded, others[1]])
+    assert b["r1"].outputs[0].token_ids == a
+    c = run(engines(), [prompts[0]], SamplingParams(temperature=1.0, seed=99, max_tokens=16, ignore_eos=True))
+    assert c["r0"].outputs[0].token_ids != a
+
+
+def test_seeded_sampling_survives_preemption(engines):
+    prompts = random_prompts([100, 101, 102, 103], seed=11)
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=40, ignore_eos=True) for s in range(4)]
+    roomy = run(engines(max_model_len=256), prompts, params)
+    tight_engine = engines(max_model_len=256, num_pages=22, enable_prefix_caching=False)
+    tight = run(tight_engine, prompts, params)
+    assert tight_engine.stats()["preemptions"] > 0
+    for rid in roomy:
+        assert tight[rid].outputs[0].token_ids == roomy[rid].outputs[0].token_ids
+
+
+def test_parallel_samples_fork_the_prompt(engines):
+    engine = engines()
+    prompt = random_prompts([90], seed=12)[0]
+    greedy = run(engine, [prompt], SamplingParams(max_tokens=10, **GREEDY), ids=["g"])["g"].outputs[0].token_ids
+    fresh = engines(enable_prefix_caching=False)
+    before = fresh.stats()["computed_tokens"]
+    out = run(fresh, [prompt], SamplingParams(n=3, max_tokens=10, **GREEDY), ids=["n"])["n"]
+    assert [o.index for o in out.outputs] == [0, 1, 2]
+    assert all(o.token_ids == greedy for o in out.outputs)
+    # the prompt ran once: 90 prompt tokens + 9 fed-back tokens per sample
+    assert fresh.stats()["computed_tokens"] - before == 90 + 3 * 9
+    sampled = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=10, ignore_eos=True)
+    x = run(engines(), [prompt], sampled)["r0"]
+    y = run(engines(), [prompt], sampled)["r0"]
+    assert [o.token_ids for o in x.outputs] == [o.token_ids for o in y.outputs]
+    assert len({tuple(o.token_ids) for o in x.outputs}) > 1
+
+
+def test_stop_token_and_max_model_len(engines):
+    engine = engines(max_model_len=80)
+    prompt = random_prompts([30], seed=13)[0]
+    free = run(engine, [prompt], SamplingParams(max_tokens=60, **GREEDY), ids=["a"])["a"].outputs[0]
+    assert free.finish_reason == "length" and len(free.token_ids) == 50  # 30 + 50 = max_model_len
+    stop_at = free.token_ids[4]
+    first = free.token_ids.index(stop_at)
+    out = run(engine, [prompt], SamplingParams(max_tokens=60, stop_token_ids=[stop_at], **GREEDY), ids=["b"])
+    o = out["b"].outputs[0]
+    assert o.finish_reason == "stop" and o.stop_reason == stop_at and o.token_ids == free.token_ids[: first + 1]
+
+
+def test_bad_input_leaves_nothing_allocated(engines):
+    engine = engines(max_model_len=64)
+    cases = [
+        (lambda: engine.add_request("a", [1] * 64, SamplingParams()), "max_model_len"),
+        (lambda: engine.add_request("b", [], SamplingParams()), "empty"),
+        (lambda: engine.add_request("c", [5000], SamplingParams()), "token ids"),
+        (lambda: engine.add_request("d", [1, 2], SamplingParams(stop_token_ids=[99999])), "stop_token_ids"),
+        (lambda: engine.add_request("e", [1, 2], SamplingParams(n=1000)), "max_num_seqs"),
+        (lambda: engine.add_request("f", [1, 2], "greedy"), "SamplingParams"),
+    ]
+    for call, word in cases:
+        with pytest.raises(ValueError, match=word):
+            call()
+    engine.add_request("g", [1, 2], SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("g", [1, 2], SamplingParams())
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.stats()["pages_used"] == engine.stats()["pages_cached"]
+
+
+def test_cache_too_small_for_max_model_len():
+    with pytest.raises(ValueError, match="lower max_model_len"):
+        make_engine(max_model_len=4096, num_pages=20)
+
+
+def test_sparsity_is_exercised():
+    """The tiny model's top-8 indexer changes the output at these lengths (so the tests above check sparse attention)."""
+    from kimiserve.model.model import build_model
+
+    config = make_engine().config
+    prompt = torch.tensor(random_prompts([150])[0])
+    sparse = build_model(config, torch.float32)(prompt)
+    dense = build_model(config.replace(index_topk=4096), torch.float32)(prompt)
+    assert torch.equal(sparse[:8], dense[:8])  # within the first 8 tokens every token is selected
+    assert float((sparse[100:] - dense[100:]).norm() / dense[100:].norm()) > 0.05
