@@ -37,8 +37,9 @@ def test_prefill_and_decode_match_full_forward(engines, dtype, kv):
 
 @pytest.mark.parametrize("dtype,kv", MODEL_CACHE)
 def test_whole_prompt_prefill_is_bit_equal(engines, dtype, kv):
-    """One sequence, the whole prompt in one chunk: the same ops in the same order as the full forward."""
-    engine = engines(dtype, kv)
+    """One sequence, the whole prompt in one chunk: the same ops in the same order as the full forward
+    (without prefix caching, which splits the prompt's last token off to keep a snapshot before it)."""
+    engine = engines(dtype, kv, enable_prefix_caching=False)
     prompt = random_prompts([150], seed=5)[0]
     run(engine, [prompt], SamplingParams(max_tokens=1, **GREEDY))
     ref = engine.model(torch.tensor(prompt), kv_cache_dtype=kv)[-1]
@@ -111,13 +112,28 @@ def test_prefix_cache_multi_turn(engines, dtype, kv):
 
 
 def test_prefix_hit_at_prompt_end_snapshot(engines):
-    """A new prompt that extends an earlier prompt restores the earlier prompt's end state."""
+    """A prompt that extends an earlier prompt restores the state kept before that prompt's last token."""
     engine = engines()
     base, more = random_prompts([100, 10], seed=7)
     run(engine, [base], SamplingParams(max_tokens=3, **GREEDY), ids=["a"])
     out = run(engine, [base + more], SamplingParams(max_tokens=5, **GREEDY), ids=["b"])["b"]
-    assert out.num_cached_tokens == 100
+    assert out.num_cached_tokens == 99
     assert_matches_full_forward(engine, base + more, out.outputs[0].token_ids)
+
+
+@pytest.mark.parametrize("dtype,kv,budget", [("float32", "bf16", 2048), ("float32", "fp8", 2048), ("float32", "bf16", 64)])
+def test_repeated_prompt_computes_one_token(engines, dtype, kv, budget):
+    """With budget 64 the 129-token prompt's last chunk is its last token alone (the copy path)."""
+    engine = engines(dtype, kv, max_num_batched_tokens=budget)
+    prompt = random_prompts([129], seed=14)[0]
+    params = SamplingParams(max_tokens=10, **GREEDY)
+    first = run(engine, [prompt], params, ids=["a"])["a"]
+    before = engine.stats()["computed_tokens"]
+    again = run(engine, [prompt], params, ids=["b"])["b"]
+    assert again.num_cached_tokens == 128 and first.num_cached_tokens == 0
+    assert engine.stats()["computed_tokens"] - before == 1 + 9
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+    assert_matches_full_forward(engine, prompt, again.outputs[0].token_ids)
 
 
 def test_prefix_cache_evicted_under_pressure(engines):

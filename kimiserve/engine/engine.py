@@ -133,14 +133,12 @@ class LLMEngine:
         touched: dict[str, None] = {}
         for chunk, result in zip(sched.chunks, results):
             request = chunk.request
-            was_prompt = request.num_computed < len(request.prompt_ids)
             request.num_computed += chunk.num_tokens
             self.num_computed_tokens += chunk.num_tokens
             request.prompt_logprobs += result.prompt_logprobs
+            self.scheduler.keep_prompt_snapshot(chunk)
             if not result.samples:
                 continue
-            if was_prompt and not request.output_ids:
-                self.scheduler.snapshot_prompt(request)
             group = self.groups[request.request_id]
             samples = [request]
             for index, _ in enumerate(result.samples[1:], 1):

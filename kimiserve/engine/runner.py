@@ -43,7 +43,9 @@ class ModelRunner:
             r, n = chunk.request, chunk.num_tokens
             start = r.num_computed
             ids.extend(r.all_ids[start : start + n])
-            seq_chunks.append(SequenceChunk(row, row + n, start, torch.tensor(r.block_table), torch.tensor(r.state_pages)))
+            snapshot = torch.tensor(chunk.snapshot_state_pages) if n > 1 and chunk.snapshot_state_pages else None
+            seq_chunks.append(SequenceChunk(row, row + n, start, torch.tensor(r.block_table), torch.tensor(r.state_pages),
+                                            snapshot))
             first = len(logit_rows)
             # prompt logprobs: the row at position p predicts prompt token p + 1; entry 0 is None, so
             # positions below len(r.prompt_logprobs) - 1 were reported before (e.g. before a preemption)

@@ -25,6 +25,9 @@ class ScheduledChunk:
     """(src, dst) page copies to run before the forward, in order."""
     fresh_state_pages: list[int] = field(default_factory=list)
     """State pages to zero before the forward (a sequence starting from scratch)."""
+    snapshot_state_pages: list[int] = field(default_factory=list)
+    """Pages that receive the KDA state before the prompt's last token (for a prefix-cache
+    snapshot that an identical or extended prompt can restore, leaving one token to compute)."""
 
 
 @dataclass
@@ -130,7 +133,19 @@ class Scheduler:
             chunk.fresh_state_pages = list(request.state_pages)
             pages = pages[fresh_states:]
         request.block_table.extend(pages)
+        self._reserve_prompt_snapshot(request, chunk)
         return chunk
+
+    def _reserve_prompt_snapshot(self, request: Request, chunk: ScheduledChunk) -> None:
+        """The chunk that ends a prompt also keeps the state before its last token, if pages allow."""
+        end = request.num_computed + chunk.num_tokens
+        if (not self.enable_prefix_caching or request.output_ids or request.sample_index
+                or end != len(request.prompt_ids) or end < 2 or request.params.prompt_logprobs is not None
+                or not self.allocator.can_allocate(self.num_state_pages)):
+            return
+        chunk.snapshot_state_pages = self.allocator.allocate(self.num_state_pages)
+        if chunk.num_tokens == 1:  # the state before this token is the state now
+            chunk.copies += list(zip(request.state_pages, chunk.snapshot_state_pages))
 
     def _release(self, request: Request) -> None:
         self.allocator.decref(request.pages)
@@ -143,6 +158,7 @@ class Scheduler:
         for chunk in list(out.chunks):
             if chunk.request is request:
                 out.chunks.remove(chunk)
+                self.allocator.decref(chunk.snapshot_state_pages)
                 refund += chunk.num_tokens
         self._release(request)
         self.running.remove(request)
@@ -164,10 +180,12 @@ class Scheduler:
         self._release(request)
         request.status, request.finish_reason, request.stop_reason = Status.FINISHED, reason, stop_reason
 
-    def snapshot_prompt(self, request: Request) -> None:
-        """Keep the state at the end of the prompt (the prefix later turns of a chat start with)."""
-        if self.enable_prefix_caching:
-            self.allocator.snapshot(request.prompt_ids, request.block_table, request.state_pages)
+    def keep_prompt_snapshot(self, chunk: ScheduledChunk) -> None:
+        """After the step: hand the state kept before the prompt's last token to the prefix cache."""
+        if chunk.snapshot_state_pages:
+            request = chunk.request
+            self.allocator.snapshot(request.prompt_ids[:-1], request.block_table, chunk.snapshot_state_pages)
+            self.allocator.decref(chunk.snapshot_state_pages)  # the snapshot holds them now (or they are free)
 
     def fork(self, parent: Request, sample_index: int, arrival: int) -> Request:
         """Another sample of a request sharing the parent's pages (copy-on-write from here on)."""

@@ -21,6 +21,8 @@ class SequenceChunk:
     """int64 attention page ids covering positions [0, context_start + end - start)."""
     state_pages: torch.Tensor
     """int64 [num_kda_layers] state page ids."""
+    snapshot_state_pages: torch.Tensor | None = None
+    """int64 [num_kda_layers]: where to keep the KDA state before the chunk's last token (or None)."""
 
     @property
     def num_tokens(self) -> int:

@@ -90,20 +90,28 @@ class KimiDeltaAttention(nn.Module):
 
     def paged_mix(self, q, k, v, g, beta, batch: ForwardBatch) -> torch.Tensor:
         """`mix` for packed tokens [1, N]: one-token sequences batched in recurrent form, longer chunks
-        one by one in chunked form; each reads and writes its state page of this layer."""
+        one by one in chunked form; each reads and writes its state page of this layer. A chunk with
+        snapshot pages also leaves the state before its last token there."""
         pool, i = batch.pool, self.cache_index
         o = v.new_empty(*v.shape[:2], self.num_heads, self.head_dim)
         rows = batch.decode_rows
-        groups = [(rows, batch.decode_state_pages[:, i], True)] if rows.numel() else []
-        groups += [(slice(c.start, c.end), c.state_pages[i : i + 1].to(v.device), False) for c in batch.prefill_chunks]
-        for sel, pages, recurrent in groups:
+        # (packed rows, pages read, pages written, recurrent form): one-token rows form one batch
+        runs = [(rows, batch.decode_state_pages[:, i], batch.decode_state_pages[:, i], True)] if rows.numel() else []
+        for c in batch.prefill_chunks:
+            pages = c.state_pages[i : i + 1].to(v.device)
+            if c.snapshot_state_pages is None:
+                runs.append((slice(c.start, c.end), pages, pages, False))
+            else:
+                snap = c.snapshot_state_pages[i : i + 1].to(v.device)
+                runs += [(slice(c.start, c.end - 1), pages, snap, False), (slice(c.end - 1, c.end), snap, pages, False)]
+        for sel, src, dst, recurrent in runs:
             # one-token rows become a batch of length-1 sequences; a chunk is one sequence
             pick = (lambda t: t[0, sel].unsqueeze(1)) if recurrent else (lambda t: t[:, sel])
             out, conv, state = self.mix(
-                pick(q), pick(k), pick(v), pick(g), pick(beta), pool.conv[pages], pool.recurrent[pages], recurrent
+                pick(q), pick(k), pick(v), pick(g), pick(beta), pool.conv[src], pool.recurrent[src], recurrent
             )
-            pool.conv[pages] = conv
-            pool.recurrent[pages] = state
+            pool.conv[dst] = conv
+            pool.recurrent[dst] = state
             if recurrent:
                 o[0, sel] = out[:, 0]
             else:
