@@ -263,3 +263,24 @@ def test_sparsity_is_exercised():
     dense = build_model(config.replace(index_topk=4096), torch.float32)(prompt)
     assert torch.equal(sparse[:8], dense[:8])  # within the first 8 tokens every token is selected
     assert float((sparse[100:] - dense[100:]).norm() / dense[100:].norm()) > 0.05
+
+
+@pytest.mark.parametrize("budget", [7, 2048])
+def test_logprobs_and_prompt_logprobs_match_full_forward(engines, budget):
+    engine = engines(max_num_batched_tokens=budget)
+    prompt = random_prompts([40], seed=15)[0]
+    params = SamplingParams(max_tokens=6, logprobs=3, prompt_logprobs=2, **GREEDY)
+    out = run(engine, [prompt], params)["r0"]
+    tokens = out.outputs[0].token_ids
+    ref = torch.log_softmax(engine.model(torch.tensor(prompt + tokens), kv_cache_dtype="bf16"), dim=-1)
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+    for pos in range(1, len(prompt)):
+        entry = out.prompt_logprobs[pos]
+        assert entry.token_id == prompt[pos]
+        assert abs(entry.logprob - float(ref[pos - 1, prompt[pos]])) < 1e-4
+        assert [t for t, _ in entry.top] == ref[pos - 1].topk(2).indices.tolist()
+    for step, entry in enumerate(out.outputs[0].logprobs):
+        row = ref[len(prompt) - 1 + step]
+        assert entry.token_id == tokens[step] and entry.rank == 1  # greedy picks the best token
+        assert abs(entry.logprob - float(row[tokens[step]])) < 1e-4
+        assert [t for t, _ in entry.top] == row.topk(3).indices.tolist()
