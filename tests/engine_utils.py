@@ -8,6 +8,7 @@ import torch
 
 from kimiserve.engine.args import EngineArgs
 from kimiserve.engine.engine import LLMEngine
+from kimiserve.model.model import KimiForCausalLM
 from kimiserve.sampling_params import SamplingParams
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
@@ -53,7 +54,7 @@ def run(engine: LLMEngine, prompts, params: SamplingParams | list[SamplingParams
 def compare_with_full_forward(engine: LLMEngine, prompt: list[int], tokens: list[int], seed=None):
     """Relative errors and argmax agreement of the engine's logits at each sampled position vs the
     full-sequence forward of prompt + tokens (with the cache dtype's round trip)."""
-    ref = engine.model(torch.tensor(prompt + tokens), kv_cache_dtype=engine.layout.kv_cache_dtype)
+    ref = engine.model(torch.tensor(prompt + tokens, device=engine.device), kv_cache_dtype=engine.layout.kv_cache_dtype)
     errors, agree = [], []
     for step in range(len(tokens)):
         row = engine.recorded[(tuple(prompt), seed, step)]
@@ -61,6 +62,13 @@ def compare_with_full_forward(engine: LLMEngine, prompt: list[int], tokens: list
         errors.append(float((row - expected).norm() / expected.norm()))
         agree.append(bool(row.argmax() == expected.argmax()))
     return errors, agree, ref
+
+
+def fp32_twin(engine) -> KimiForCausalLM:
+    """An fp32 model holding the engine model's weights exactly (upcast)."""
+    twin = KimiForCausalLM(engine.config, torch.float32).to(engine.device).eval()
+    twin.load_state_dict(engine.model.state_dict())
+    return twin
 
 
 def assert_matches_full_forward(engine, prompt, tokens, seed=None):
@@ -71,19 +79,32 @@ def assert_matches_full_forward(engine, prompt, tokens, seed=None):
     boundary of the indexer picks the other token (seen: the 8th pick 45 instead of 50, error
     0.05); ulp differences of another summation order also grow where they flip a bf16/fp8
     rounding of the cache.
-    bf16 model: bf16's own rounding noise on this random tiny model is large (the bf16 and fp32
-    forwards of the same weights differ by 44% rms, argmax equal at 53% of positions), because an
-    ulp flips discrete choices (top-k tokens, routed experts). The engine must stay within that
-    noise: median row error <= 0.5 and argmax equal at >= 50% of the positions (a broken cache
-    gives errors near 1.4 and ~0.1% agreement).
+    bf16 model: bf16's own rounding moves this random tiny model's logits a lot (the bf16 full
+    forward vs an fp32 forward of the same weights: 9-50% median row error, argmax equal at
+    25-75% of positions), since an ulp flips discrete choices (top-k tokens, routed experts,
+    near-tied logits of a 1024-token vocabulary). So the engine is held to the accuracy of the
+    bf16 full forward, both measured against the fp32 forward of the same tokens: its median
+    row error at most 1.5x that of the full forward + 0.05, its argmax agreement at most 0.25
+    lower (a broken cache gives errors near 1.4 and ~0.1% agreement).
     """
-    errors, agree, _ = compare_with_full_forward(engine, prompt, tokens, seed)
+    errors, agree, ref = compare_with_full_forward(engine, prompt, tokens, seed)
     n = len(errors)
     if engine.dtype == torch.float32:
         allowed = max(1, n // 10)
         assert statistics.median(errors) <= 1e-4, errors
         assert sum(e > 1e-3 for e in errors) <= allowed, errors
         assert n - sum(agree) <= allowed, agree
-    else:
-        assert statistics.median(errors) <= 0.5, errors
-        assert sum(agree) >= 0.5 * n, agree
+        return
+    exact = fp32_twin(engine)(torch.tensor(prompt + tokens, device=engine.device), kv_cache_dtype=engine.layout.kv_cache_dtype)
+    at = slice(len(prompt) - 1, len(prompt) - 1 + n)
+    rows = torch.stack([engine.recorded[(tuple(prompt), seed, step)] for step in range(n)])
+    exact, full = exact[at], ref[at]
+
+    def median_error(a):
+        return float(((a - exact).norm(dim=-1) / exact.norm(dim=-1)).median())
+
+    def agreement(a):
+        return float((a.argmax(-1) == exact.argmax(-1)).float().mean())
+
+    assert median_error(rows) <= 1.5 * median_error(full) + 0.05, (median_error(rows), median_error(full))
+    assert agreement(rows) >= agreement(full) - 0.25, (agreement(rows), agreement(full))

@@ -55,3 +55,40 @@ def test_small_preset_forward_on_cuda(capsys):
     with capsys.disabled():
         print(f"\nsmall preset reference forward, 2500 tokens, bf16: {elapsed:.2f} s, "
               f"peak memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
+
+
+@pytest.mark.parametrize("dtype,kv", [("float32", "bf16"), ("float32", "fp8"), ("bfloat16", "fp8")])
+def test_engine_on_cuda_matches_full_forward(dtype, kv):
+    from engine_utils import GREEDY, assert_matches_full_forward, make_engine, random_prompts, run
+    from kimiserve.sampling_params import SamplingParams
+
+    engine = make_engine(dtype, kv, device="cuda", max_num_batched_tokens=64)
+    prompts = random_prompts([3, 70, 150])
+    outs = run(engine, prompts, SamplingParams(max_tokens=16, **GREEDY))
+    for i, prompt in enumerate(prompts):
+        assert_matches_full_forward(engine, prompt, outs[f"r{i}"].outputs[0].token_ids)
+    again = run(engine, [prompts[2]], SamplingParams(max_tokens=4, **GREEDY), ids=["again"])["again"]
+    assert again.num_cached_tokens == 149
+    engine.check_idle()
+
+
+def test_small_preset_engine_long_prompt_on_cuda():
+    """Real per-layer attention sizes: a 3000-token prompt (chunked) then decode, in bf16 with an fp8 cache."""
+    from engine_utils import GREEDY, run
+    from kimiserve.engine.args import EngineArgs
+    from kimiserve.engine.engine import LLMEngine
+    from kimiserve.sampling_params import SamplingParams
+
+    engine = LLMEngine(EngineArgs(model="small", device="cuda", max_model_len=8192, kv_cache_memory_gib=8,
+                                  max_num_batched_tokens=1024))
+    assert engine.layout.kv_cache_dtype == "fp8" and engine.dtype == torch.bfloat16
+    prompt = torch.randint(0, engine.config.vocab_size, (3000,), generator=torch.Generator().manual_seed(0)).tolist()
+    start = time.perf_counter()
+    out = run(engine, [prompt], SamplingParams(max_tokens=8, **GREEDY))["r0"]
+    print(f"small preset: 3000-token prompt + 8 tokens in {time.perf_counter() - start:.2f} s")
+    tokens = out.outputs[0].token_ids
+    assert len(tokens) == 8
+    ref = engine.model(torch.tensor([prompt + tokens], device="cuda"), kv_cache_dtype="fp8")[0]
+    agree = (ref[len(prompt) - 1 : -1].argmax(-1).cpu() == torch.tensor(tokens)).float().mean()
+    assert agree >= 0.5, agree
+    engine.check_idle()

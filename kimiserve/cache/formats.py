@@ -53,9 +53,11 @@ def load_index_key(
 
 
 def roundtrip_latent(x: torch.Tensor, kv_cache_dtype: str, scale: float = 1.0) -> torch.Tensor:
+    check_kv_cache_dtype(kv_cache_dtype)
     return load_latent(store_latent(x, kv_cache_dtype, scale), kv_cache_dtype, scale, x.dtype)
 
 
 def roundtrip_index_key(x: torch.Tensor, kv_cache_dtype: str) -> torch.Tensor:
+    check_kv_cache_dtype(kv_cache_dtype)
     codes, scales = store_index_key(x, kv_cache_dtype)
     return load_index_key(codes, scales, kv_cache_dtype, x.dtype)

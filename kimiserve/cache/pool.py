@@ -27,7 +27,7 @@ class PagePool:
         self.index_scale = [r.view(self.data) for r in layout.index_scale]
         self.recurrent = layout.recurrent.view(self.data) if layout.recurrent else None
         self.conv = layout.conv.view(self.data) if layout.conv else None
-        scales = latent_scales or [1.0] * layout.num_mla_layers
+        scales = [1.0] * layout.num_mla_layers if latent_scales is None else latent_scales
         if len(scales) != layout.num_mla_layers or min(scales, default=1.0) <= 0:
             raise ValueError(f"latent_scales needs one positive scale per MLA layer ({layout.num_mla_layers})")
         self.latent_scales = list(scales)

@@ -65,7 +65,8 @@ def paged_sparse_mla_decode(
     q_latent [B, H, L] (q_nope absorbed into w_kc), q_pe [B, H, R]; latent_cache [P, block_size, L + R]
     (bf16, or e4m3 times `latent_scale`); block_tables [B, M]; indices [B, k] token positions, -1 = none.
     Latents are dequantised to `dtype` (the model dtype), the rest runs in fp32 (or wider).
-    Returns the attention output in latent space [B, H, L] (apply w_vc after).
+    Returns the attention output in latent space [B, H, L] (apply w_vc after). Every row must
+    select at least one token (a decode query always sees itself); a row of only -1 gives NaN.
     """
     L = q_latent.shape[-1]
     valid = indices >= 0

@@ -60,7 +60,7 @@ FP8_MAX = 448.0
 
 def quantize_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
     """x / scale rounded to e4m3 (nearest, ties to even), saturating at +-448. `scale` is one per tensor."""
-    if scale <= 0:
+    if not scale > 0:
         raise ValueError(f"an FP8 scale must be > 0, got {scale}")
     return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
@@ -73,11 +73,12 @@ def dequantize_fp8(q: torch.Tensor, scale: float | torch.Tensor, dtype: torch.dt
 def quantize_fp8_rowwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One fp32 scale per row (last dim): scale = amax / 448, so each row uses e4m3's full range.
 
-    Returns (e4m3 [..., D], scales fp32 [...]). An all-zero row gets scale 1.
+    Returns (e4m3 [..., D], scales fp32 [...]). An all-zero row gets scale 1; the scale never
+    goes below the smallest normal fp32 (a row of subnormals would otherwise get scale 0).
     """
     xf = x.float()
     amax = xf.abs().amax(-1)
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    scale = torch.where(amax > 0, (amax / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny), torch.ones_like(amax))
     return (xf / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
 
 
