@@ -14,9 +14,9 @@ from kimiserve.sampling_params import SamplingParams
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 
-def make_engine(dtype="float32", kv="bf16", **kwargs) -> LLMEngine:
+def make_engine(dtype="float32", kv="bf16", model="tiny", **kwargs) -> LLMEngine:
     kwargs = {"max_model_len": 512, "num_pages": 200, **kwargs}
-    engine = LLMEngine(EngineArgs(model="tiny", dtype=dtype, kv_cache_dtype=kv, **kwargs))
+    engine = LLMEngine(EngineArgs(model=model, dtype=dtype, kv_cache_dtype=kv, **kwargs))
     engine.recorded = {}  # (prompt ids, sample index, output position) -> logits row the sampler saw
     sampler = engine.runner.sampler
 
@@ -106,5 +106,7 @@ def assert_matches_full_forward(engine, prompt, tokens, seed=None):
     def agreement(a):
         return float((a.argmax(-1) == exact.argmax(-1)).float().mean())
 
+    print(f"bf16 vs fp32 twin: engine {median_error(rows):.3f}/{agreement(rows):.2f}, "
+          f"full forward {median_error(full):.3f}/{agreement(full):.2f} (median error/argmax agreement)")
     assert median_error(rows) <= 1.5 * median_error(full) + 0.05, (median_error(rows), median_error(full))
     assert agreement(rows) >= agreement(full) - 0.25, (agreement(rows), agreement(full))
