@@ -248,9 +248,15 @@ def test_bad_input_leaves_nothing_allocated(engines):
     assert engine.stats()["pages_used"] == engine.stats()["pages_cached"]
 
 
-def test_cache_too_small_for_max_model_len():
+def test_engine_arguments_checked():
     with pytest.raises(ValueError, match="lower max_model_len"):
         make_engine(max_model_len=4096, num_pages=20)
+    with pytest.raises(ValueError, match="max_model_len=5000 is longer"):
+        make_engine(max_model_len=5000)
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        make_engine(kv="fp4")
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        make_engine(max_num_batched_tokens=0)
 
 
 def test_sparsity_is_exercised():

@@ -51,8 +51,14 @@ class LLMEngine:
             self.tokenizer = load_tokenizer(source)
         else:
             self.tokenizer = None
+        if self.tokenizer is not None and self.tokenizer.vocab_size > self.config.vocab_size:
+            raise ValueError(f"the tokenizer has {self.tokenizer.vocab_size} ids but the model only "
+                             f"{self.config.vocab_size}: give a matching --tokenizer")
         self.eos_token_id = self.tokenizer.eos_token_id if self.tokenizer else self.config.eos_token_id
         self.max_model_len = args.max_model_len or self.config.max_position_embeddings
+        if self.max_model_len > self.config.max_position_embeddings:
+            raise ValueError(f"max_model_len={self.max_model_len} is longer than the model's context of "
+                             f"{self.config.max_position_embeddings} tokens")
         kv_dtype = args.resolved_kv_cache_dtype(self.device)
         self.layout = CacheLayout.from_config(self.config, kv_dtype, self.dtype, args.block_size)
         self.model = load_model(args.model, self.dtype, args.seed, self.device)
