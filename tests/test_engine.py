@@ -290,3 +290,29 @@ def test_logprobs_and_prompt_logprobs_match_full_forward(engines, budget):
         assert entry.token_id == tokens[step] and entry.rank == 1  # greedy picks the best token
         assert abs(entry.logprob - float(row[tokens[step]])) < 1e-4
         assert [t for t, _ in entry.top] == row.topk(3).indices.tolist()
+
+
+@pytest.fixture(scope="module")
+def linear_checkpoint(tmp_path_factory):
+    """A tiny Kimi-Linear-shaped model folder: no indexer (dense MLA), no q-LoRA, plain residuals."""
+    from conftest import tiny_linear_config
+    from kimiserve.model.loader import save_checkpoint
+    from kimiserve.model.model import build_model
+    from kimiserve.tokenizer import load_tokenizer
+
+    folder = tmp_path_factory.mktemp("tiny-linear")
+    save_checkpoint(build_model(tiny_linear_config(), torch.float32, seed=3), folder)
+    load_tokenizer("tiny").save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.mark.parametrize("kv", ["bf16", "fp8"])
+def test_dense_mla_model_from_folder(engines, linear_checkpoint, kv):
+    engine = engines("float32", kv, model=linear_checkpoint, max_num_batched_tokens=48)
+    assert not engine.config.has_indexer and engine.config.attn_res_block_size is None
+    prompts = random_prompts([5, 100], seed=16)
+    outs = run(engine, prompts, SamplingParams(max_tokens=12, **GREEDY))
+    for i, prompt in enumerate(prompts):
+        assert_matches_full_forward(engine, prompt, outs[f"r{i}"].outputs[0].token_ids)
+    again = run(engine, [prompts[1]], SamplingParams(max_tokens=3, **GREEDY), ids=["again"])["again"]
+    assert again.num_cached_tokens == 99

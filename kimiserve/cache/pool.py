@@ -6,6 +6,7 @@ import torch
 
 from kimiserve.cache import formats
 from kimiserve.cache.layout import CacheLayout
+from kimiserve.ops.cache_write.reference import write_mla_tokens
 
 
 class PagePool:
@@ -45,13 +46,11 @@ class PagePool:
     def write_mla(self, layer: int, pages: torch.Tensor, offsets: torch.Tensor, latent: torch.Tensor,
                   index_key: torch.Tensor | None) -> None:
         """Store tokens' latents [N, latent_dim] (and index keys [N, index_dim]) of MLA layer `layer`."""
-        dt = self.kv_cache_dtype
-        self.latent[layer][pages, offsets] = formats.store_latent(latent, dt, self.latent_scales[layer])
-        if index_key is not None:
-            codes, scales = formats.store_index_key(index_key, dt)
-            self.index_key[layer][pages, offsets] = codes
-            if scales is not None:
-                self.index_scale[layer][pages, offsets] = scales
+        write_mla_tokens(
+            self.latent[layer], self.index_key[layer] if self.index_key else None,
+            self.index_scale[layer] if self.index_scale else None, pages, offsets, latent, index_key,
+            self.kv_cache_dtype, self.latent_scales[layer],
+        )
 
     def read_latents(self, layer: int, pages: torch.Tensor, offsets: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         codes = self.latent[layer][pages, offsets]

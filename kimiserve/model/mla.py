@@ -11,7 +11,7 @@ from kimiserve.model.batch import CacheRoundTrip, ForwardBatch
 from kimiserve.model.layers import Linear, RMSNorm, Weights
 from kimiserve.ops.dtypes import compute_dtype
 from kimiserve.ops.indexer.reference import indexer_scores, paged_indexer_topk
-from kimiserve.ops.mla.reference import mla_absorbed, paged_sparse_mla_decode, split_kv_b
+from kimiserve.ops.mla.reference import mla_absorbed, paged_dense_mla_decode, paged_sparse_mla_decode, split_kv_b
 from kimiserve.ops.norm.reference import layer_norm
 from kimiserve.ops.topk.reference import causal_topk, selection_mask
 
@@ -145,11 +145,13 @@ class MLAAttention(nn.Module):
                 iq, iw = self.indexer.queries(x[:, rows], q_latent[:, rows])
                 scales = pool.index_scale[layer] if pool.index_scale else None
                 idx = paged_indexer_topk(iq[0], iw[0], pool.index_key[layer], scales, tables, lens, self.indexer.topk, x.dtype)
-            else:
-                idx = torch.arange(int(lens.max()), device=x.device).expand(len(lens), -1)
-                idx = idx.masked_fill(idx >= lens.unsqueeze(1), -1)
             latent_scale = pool.latent_scales[layer] if pool.kv_cache_dtype == "fp8" else None
-            out = paged_sparse_mla_decode(q_abs, q_pe[0, rows], pool.latent[layer], latent_scale, tables, idx, self.scale, x.dtype)
+            if keys is not None:
+                out = paged_sparse_mla_decode(q_abs, q_pe[0, rows], pool.latent[layer], latent_scale, tables, idx,
+                                              self.scale, x.dtype)
+            else:
+                out = paged_dense_mla_decode(q_abs, q_pe[0, rows], pool.latent[layer], latent_scale, tables, lens,
+                                             self.scale, x.dtype)
             o[0, rows] = torch.einsum("bhl,hdl->bhd", out, w_vc.to(dt)).to(o.dtype)
         for chunk in batch.prefill_chunks:
             span = slice(chunk.start, chunk.end)

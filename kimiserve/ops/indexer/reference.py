@@ -25,6 +25,34 @@ def gather_paged(cache: torch.Tensor, block_tables: torch.Tensor, positions: tor
     return cache[pages, positions % bs]
 
 
+def paged_indexer_scores(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    key_cache: torch.Tensor,
+    key_scales: torch.Tensor | None,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """Decode-time indexer scan: one query per sequence scores every cached index key.
+
+    q [B, Hi, D]; weights [B, Hi]; key_cache [P, block_size, D] (bf16 or e4m3) with key_scales
+    [P, block_size] fp32 for e4m3 (None otherwise); block_tables [B, M] page ids; context_lens [B]
+    (the query is the token at position context_len - 1, so all cached tokens are visible).
+    Keys are dequantised to `dtype` (the model dtype) before scoring. Returns fp32 [B, max
+    context_len]: score[b, s] = sum_h weights[b, h] ReLU(q[b, h] . k_s), -inf for s >= context_lens[b].
+    """
+    S = int(context_lens.max())
+    pos = torch.arange(S, device=q.device).expand(q.shape[0], S)
+    pos = torch.minimum(pos, (context_lens - 1).unsqueeze(1))  # padding rows read a valid slot; masked below
+    keys = gather_paged(key_cache, block_tables, pos).float()
+    if key_scales is not None:
+        keys = keys * gather_paged(key_scales, block_tables, pos).unsqueeze(-1)
+    scores = indexer_scores(q.unsqueeze(1), keys.to(dtype), weights.unsqueeze(1))[:, 0].float()
+    visible = torch.arange(S, device=q.device).unsqueeze(0) < context_lens.unsqueeze(1)
+    return scores.masked_fill(~visible, float("-inf"))
+
+
 def paged_indexer_topk(
     q: torch.Tensor,
     weights: torch.Tensor,
@@ -35,19 +63,7 @@ def paged_indexer_topk(
     k: int,
     dtype: torch.dtype,
 ) -> torch.Tensor:
-    """Decode-time indexer: one query per sequence scans its cached index keys and keeps the top k.
-
-    q [B, Hi, D]; weights [B, Hi]; key_cache [P, block_size, D] (bf16 or e4m3) with key_scales
-    [P, block_size] fp32 for e4m3 (None otherwise); block_tables [B, M] page ids; context_lens [B]
-    (the query is the token at position context_len - 1, so all cached tokens are visible).
-    Keys are dequantised to `dtype` (the model dtype) before scoring. Returns token positions
-    int64 [B, k], best first, -1 padded (see `causal_topk` for the tie rule).
-    """
-    S = int(context_lens.max())
-    pos = torch.arange(S, device=q.device).expand(q.shape[0], S)
-    pos = torch.minimum(pos, (context_lens - 1).unsqueeze(1))  # padding rows read a valid slot; masked below
-    keys = gather_paged(key_cache, block_tables, pos).float()
-    if key_scales is not None:
-        keys = keys * gather_paged(key_scales, block_tables, pos).unsqueeze(-1)
-    scores = indexer_scores(q.unsqueeze(1), keys.to(dtype), weights.unsqueeze(1))
-    return causal_topk(scores, (context_lens - 1).unsqueeze(1), k)[:, 0]
+    """`paged_indexer_scores` then the top k: token positions int64 [B, k], best first, -1 padded
+    (see `causal_topk` for the tie rule)."""
+    scores = paged_indexer_scores(q, weights, key_cache, key_scales, block_tables, context_lens, dtype)
+    return causal_topk(scores.unsqueeze(1), (context_lens - 1).unsqueeze(1), k)[:, 0]

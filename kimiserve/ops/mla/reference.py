@@ -82,3 +82,21 @@ def paged_sparse_mla_decode(
     logits = logits + torch.einsum("bhr,bkr->bhk", q_pe.to(dt), c[..., L:])
     probs = torch.softmax((logits * scale).masked_fill(~valid.unsqueeze(1), float("-inf")), dim=-1)
     return torch.einsum("bhk,bkl->bhl", probs, c[..., :L])
+
+
+def paged_dense_mla_decode(
+    q_latent: torch.Tensor,
+    q_pe: torch.Tensor,
+    latent_cache: torch.Tensor,
+    latent_scale: float | None,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """Dense decode: `paged_sparse_mla_decode` over every cached token (contexts <= top-k, models
+    without an indexer, and the baseline the sparse path is measured against)."""
+    S = int(context_lens.max())
+    idx = torch.arange(S, device=q_latent.device).expand(len(context_lens), S)
+    idx = idx.masked_fill(idx >= context_lens.unsqueeze(1), -1)
+    return paged_sparse_mla_decode(q_latent, q_pe, latent_cache, latent_scale, block_tables, idx, scale, dtype)
