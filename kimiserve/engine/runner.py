@@ -12,6 +12,7 @@ from kimiserve.engine.sampler import SampleRequest, Sampler, TokenLogprobs, prom
 from kimiserve.engine.scheduler import SchedulerOutput
 from kimiserve.model.batch import ForwardBatch, SequenceChunk
 from kimiserve.model.model import KimiForCausalLM
+from kimiserve.ops.backend import select_decode_ops
 
 
 @dataclass
@@ -26,6 +27,7 @@ class ModelRunner:
     def __init__(self, model: KimiForCausalLM, pool: PagePool, sampler: Sampler, eos_token_id: int | None):
         self.model, self.pool, self.sampler = model, pool, sampler
         self.device = next(model.parameters()).device
+        self.ops = select_decode_ops(self.device)
         self.eos_token_id = eos_token_id
 
     @torch.inference_mode()
@@ -59,7 +61,7 @@ class ModelRunner:
             plans.append((first, lo, n_prompt, samples))
             row += n
 
-        batch = ForwardBatch.build(self.pool, seq_chunks, self.device)
+        batch = ForwardBatch.build(self.pool, seq_chunks, self.device, self.ops)
         input_ids = torch.tensor(ids, device=self.device)
         logits = self.model.forward_batch(input_ids, batch, torch.tensor(logit_rows, device=self.device, dtype=torch.long))
 

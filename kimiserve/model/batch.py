@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from kimiserve.cache.pool import PagePool
+from kimiserve.ops.backend import REFERENCE_OPS, DecodeOps
 
 
 @dataclass
@@ -56,9 +57,12 @@ class ForwardBatch:
     """int64 [Bd]: their context lengths including the new token."""
     decode_state_pages: torch.Tensor
     """int64 [Bd, num_kda_layers]: their state pages."""
+    ops: DecodeOps = REFERENCE_OPS
+    """The paged decode ops (Triton kernels on CUDA, references elsewhere)."""
 
     @classmethod
-    def build(cls, pool: PagePool, chunks: list[SequenceChunk], device: torch.device | str) -> "ForwardBatch":
+    def build(cls, pool: PagePool, chunks: list[SequenceChunk], device: torch.device | str,
+              ops: DecodeOps = REFERENCE_OPS) -> "ForwardBatch":
         bs = pool.block_size
         positions = torch.cat([torch.arange(c.context_start, c.context_end) for c in chunks])
         pages = torch.cat([c.block_table[torch.arange(c.context_start, c.context_end) // bs] for c in chunks])
@@ -79,6 +83,7 @@ class ForwardBatch:
             decode_block_tables=to(tables),
             decode_context_lens=to(torch.tensor([c.context_end for c in decode], dtype=torch.int64)),
             decode_state_pages=to(states),
+            ops=ops,
         )
 
     @property

@@ -10,8 +10,8 @@ from kimiserve.config import ModelConfig
 from kimiserve.model.batch import CacheRoundTrip, ForwardBatch
 from kimiserve.model.layers import Linear, RMSNorm, Weights
 from kimiserve.ops.dtypes import compute_dtype
-from kimiserve.ops.indexer.reference import indexer_scores, paged_indexer_topk
-from kimiserve.ops.mla.reference import mla_absorbed, paged_dense_mla_decode, paged_sparse_mla_decode, split_kv_b
+from kimiserve.ops.indexer.reference import indexer_scores
+from kimiserve.ops.mla.reference import mla_absorbed, split_kv_b
 from kimiserve.ops.norm.reference import layer_norm
 from kimiserve.ops.topk.reference import causal_topk, selection_mask
 
@@ -133,7 +133,11 @@ class MLAAttention(nn.Module):
         q_nope, q_pe, q_latent = self.query(x)
         c, k_pe = self.latent(x)
         keys = self.indexer.keys(x)[0] if hasattr(self, "indexer") else None
-        pool.write_mla(layer, batch.write_pages, batch.write_offsets, torch.cat([c, k_pe], dim=-1)[0], keys)
+        ops = batch.ops
+        latent_scale = pool.latent_scales[layer]
+        ops.write_mla_tokens(pool.latent[layer], pool.index_key[layer] if keys is not None else None,
+                             pool.index_scale[layer] if pool.index_scale else None, batch.write_pages,
+                             batch.write_offsets, torch.cat([c, k_pe], dim=-1)[0], keys, pool.kv_cache_dtype, latent_scale)
         w_kc, w_vc = split_kv_b(self.kv_b_proj.weight, self.num_heads, self.nope)
         o = x.new_empty(1, N, self.num_heads, self.v_dim)
         rows = batch.decode_rows
@@ -141,17 +145,17 @@ class MLAAttention(nn.Module):
             tables, lens = batch.decode_block_tables, batch.decode_context_lens
             dt = compute_dtype(q_nope, w_kc)
             q_abs = torch.einsum("bhd,hdl->bhl", q_nope[0, rows].to(dt), w_kc.to(dt))
+            latent_scale = latent_scale if pool.kv_cache_dtype == "fp8" else None
             if keys is not None:
                 iq, iw = self.indexer.queries(x[:, rows], q_latent[:, rows])
                 scales = pool.index_scale[layer] if pool.index_scale else None
-                idx = paged_indexer_topk(iq[0], iw[0], pool.index_key[layer], scales, tables, lens, self.indexer.topk, x.dtype)
-            latent_scale = pool.latent_scales[layer] if pool.kv_cache_dtype == "fp8" else None
-            if keys is not None:
-                out = paged_sparse_mla_decode(q_abs, q_pe[0, rows], pool.latent[layer], latent_scale, tables, idx,
-                                              self.scale, x.dtype)
+                scores = ops.indexer_scores(iq[0], iw[0], pool.index_key[layer], scales, tables, lens, x.dtype)
+                idx = ops.topk(scores, self.indexer.topk, lens)
+                out = ops.sparse_mla_decode(q_abs, q_pe[0, rows], pool.latent[layer], latent_scale, tables, idx,
+                                            self.scale, x.dtype)
             else:
-                out = paged_dense_mla_decode(q_abs, q_pe[0, rows], pool.latent[layer], latent_scale, tables, lens,
-                                             self.scale, x.dtype)
+                out = ops.dense_mla_decode(q_abs, q_pe[0, rows], pool.latent[layer], latent_scale, tables, lens,
+                                           self.scale, x.dtype)
             o[0, rows] = torch.einsum("bhl,hdl->bhd", out, w_vc.to(dt)).to(o.dtype)
         for chunk in batch.prefill_chunks:
             span = slice(chunk.start, chunk.end)

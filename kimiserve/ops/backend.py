@@ -1,0 +1,58 @@
+"""The paged decode ops an engine runs, chosen once from the device: Triton kernels on CUDA,
+the pure-torch references elsewhere (and on CUDA when Triton is missing)."""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from kimiserve.ops.cache_write import reference as cache_write_ref
+from kimiserve.ops.indexer import reference as indexer_ref
+from kimiserve.ops.mla import reference as mla_ref
+from kimiserve.ops.topk.reference import causal_topk
+
+
+def topk_rows(scores: torch.Tensor, k: int, lengths: torch.Tensor | None = None) -> torch.Tensor:
+    """Positions of the k best scores per row [B, S] among the first lengths[b] (-1 padded, earlier wins ties)."""
+    if lengths is None:
+        lengths = torch.full((scores.shape[0],), scores.shape[1], device=scores.device, dtype=torch.int64)
+    return causal_topk(scores.unsqueeze(1), (lengths - 1).unsqueeze(1), k)[:, 0]
+
+
+@dataclass(frozen=True)
+class DecodeOps:
+    name: str
+    write_mla_tokens: Callable
+    """(latent_cache, key_cache, key_scales, pages, offsets, latent, keys, kv_cache_dtype, latent_scale)"""
+    indexer_scores: Callable
+    """(q, weights, key_cache, key_scales, block_tables, context_lens, dtype) -> [B, S] fp32"""
+    topk: Callable
+    """(scores, k, lengths) -> [B, k] positions"""
+    sparse_mla_decode: Callable
+    """(q_latent, q_pe, latent_cache, latent_scale, block_tables, indices, scale, dtype) -> [B, H, L]"""
+    dense_mla_decode: Callable
+    """(q_latent, q_pe, latent_cache, latent_scale, block_tables, context_lens, scale, dtype) -> [B, H, L]"""
+
+
+REFERENCE_OPS = DecodeOps(
+    "reference", cache_write_ref.write_mla_tokens, indexer_ref.paged_indexer_scores, topk_rows,
+    mla_ref.paged_sparse_mla_decode, mla_ref.paged_dense_mla_decode,
+)
+
+
+def select_decode_ops(device: torch.device) -> DecodeOps:
+    if device.type != "cuda":
+        return REFERENCE_OPS
+    try:
+        from kimiserve.ops.cache_write import triton as cache_write_tt
+        from kimiserve.ops.indexer import triton as indexer_tt
+        from kimiserve.ops.mla import triton as mla_tt
+        from kimiserve.ops.topk import triton as topk_tt
+    except ImportError as e:
+        warnings.warn(f"Triton kernels unavailable ({e}); the GPU runs the pure-torch reference ops")
+        return REFERENCE_OPS
+    return DecodeOps("triton", cache_write_tt.write_mla_tokens, indexer_tt.paged_indexer_scores,
+                     topk_tt.topk_indices, mla_tt.paged_sparse_mla_decode, mla_tt.paged_dense_mla_decode)
