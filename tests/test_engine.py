@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from engine_utils import GREEDY, assert_matches_full_forward, make_engine, random_prompts, run
+from kimiserve.engine.request import sample_seed
 from kimiserve.sampling_params import SamplingParams
 
 MODEL_CACHE = [("float32", "bf16"), ("float32", "fp8"), ("bfloat16", "bf16"), ("bfloat16", "fp8")]
@@ -213,6 +214,10 @@ def test_parallel_samples_fork_the_prompt(engines):
     y = run(engines(), [prompt], sampled)["r0"]
     assert [o.token_ids for o in x.outputs] == [o.token_ids for o in y.outputs]
     assert len({tuple(o.token_ids) for o in x.outputs}) > 1
+    # sample i draws every token from the seed sample_seed(7, i): the same as a lone request with that seed
+    for i, o in enumerate(x.outputs):
+        alone = SamplingParams(temperature=1.0, seed=sample_seed(7, i), max_tokens=10, ignore_eos=True)
+        assert run(engines(), [prompt], alone)["r0"].outputs[0].token_ids == o.token_ids
 
 
 def test_stop_token_and_max_model_len(engines):

@@ -13,6 +13,13 @@ if TYPE_CHECKING:
     from kimiserve.engine.sampler import TokenLogprobs
 
 
+def sample_seed(seed: int | None, sample_index: int) -> int | None:
+    """The seed of sample `sample_index` of a request seeded with `seed` (sample 0 keeps it)."""
+    if seed is None or sample_index == 0:
+        return seed
+    return hash((seed, sample_index)) & (2**63 - 1)
+
+
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -72,10 +79,7 @@ class Request:
 
     @property
     def seed(self) -> int | None:
-        """This sample's seed: the request seed mixed with the sample index."""
-        if self.params.seed is None:
-            return None
-        return self.params.seed if self.sample_index == 0 else hash((self.params.seed, self.sample_index)) & (2**63 - 1)
+        return sample_seed(self.params.seed, self.sample_index)
 
     @property
     def pages(self) -> list[int]:

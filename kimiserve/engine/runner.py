@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kimiserve.cache.pool import PagePool
-from kimiserve.engine.request import Request
+from kimiserve.engine.request import sample_seed
 from kimiserve.engine.sampler import SampleRequest, Sampler, TokenLogprobs, prompt_logprobs_chunk
 from kimiserve.engine.scheduler import SchedulerOutput
 from kimiserve.model.batch import ForwardBatch, SequenceChunk
@@ -76,7 +76,7 @@ class ModelRunner:
             if samples:
                 fork = r.params.n if not r.output_ids and r.sample_index == 0 and r.params.n > 1 else 1
                 for i in range(fork):
-                    seed = r.seed if i == 0 else Request(r.request_id, [], r.params, 0, i).seed
+                    seed = r.seed if i == 0 else sample_seed(r.params.seed, i)
                     sample_rows.append(first + n_prompt)
                     sample_reqs.append(SampleRequest(r.params, r.prompt_ids, r.output_ids, seed, self.eos_token_id))
                     owners.append(res)
