@@ -1,0 +1,174 @@
+"""Triton `write_mla_tokens` against the reference: the whole page pool must come out BIT-EQUAL.
+
+Both run on the same device, into two pools of the real layout that start as all-0xFF bytes (NaN
+for e4m3 and bf16), so any stray or missing byte shows. Inputs cover e4m3's rounding ties (also a
+few ulps either side of tie * latent_scale, where x / s and x * (1 / s) round apart), subnormals,
+saturation, zero / subnormal / inf / NaN key rows, and bf16 ties for the bf16 cache.
+
+Interpreter smoke check without a GPU (small sizes, CPU tensors):
+    python tests/test_triton_cache_write.py
+"""
+
+import os
+
+if __name__ == "__main__":  # must precede any triton import
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+import torch
+
+from kimiserve.cache.layout import CacheLayout
+from kimiserve.cache.pool import PagePool
+from kimiserve.config import load_preset
+from kimiserve.ops.cache_write.reference import write_mla_tokens as reference_write
+
+pytestmark = pytest.mark.gpu
+
+_INF = torch.tensor(float("inf"))
+
+
+def _e4m3_ties() -> torch.Tensor:
+    """Midpoints between neighbouring finite e4m3 values (both signs): where rounding is a tie."""
+    grid = torch.arange(0, 0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    mid = (grid[1:] + grid[:-1]) / 2
+    return torch.cat([mid, -mid])
+
+
+def _near(x: torch.Tensor, ulps: int = 2) -> torch.Tensor:
+    """x and its fp32 neighbours up to `ulps` steps either side."""
+    out, up, down = [x], x, x
+    for _ in range(ulps):
+        up, down = torch.nextafter(up, _INF), torch.nextafter(down, -_INF)
+        out += [up, down]
+    return torch.cat(out)
+
+
+def _fill_rows(values: torch.Tensor, n: int, width: int) -> torch.Tensor:
+    """`values` laid out over rows of `width` (cycled to fill n rows)."""
+    reps = -(-n * width // values.numel())
+    return values.repeat(reps)[: n * width].view(n, width)
+
+
+def _latents(N: int, L: int, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """Random latents over e4m3's range relative to `scale` (subnormal to saturated), every 3rd row
+    adversarial (e4m3 ties times the scale, +-2 ulps; bf16 ties), as a non-contiguous slice."""
+    x = torch.randn(N, L) * torch.exp2(torch.randint(-14, 10, (N, 1)).float()) * scale
+    ties = _near((_e4m3_ties().double() * scale).float())
+    bits = torch.randint(-(2**31), 2**31 - 1, (N, L), dtype=torch.int32)
+    bf16_ties = ((bits & ~0xFFFF) | 0x8000).view(torch.float32)  # exactly half a bf16 ulp
+    bf16_ties = torch.where(torch.isfinite(bf16_ties), bf16_ties, 1.0)
+    x[::3] = _fill_rows(ties[torch.randperm(ties.numel())], N, L)[::3]
+    x[1::3] = bf16_ties[1::3]
+    big = torch.full((N, L + 24), float("nan"))
+    big[:, :L] = x
+    return big.to(dtype)[:, :L]
+
+
+def _keys(N: int, D: int, dtype: torch.dtype, specials: bool) -> torch.Tensor:
+    """Random keys over many magnitudes; rows 0-4: zero, fp32 subnormals, tie-laden (amax 448 * 2^k),
+    with +inf, with NaN (when `specials`)."""
+    x = torch.randn(N, D) * torch.exp2(torch.randint(-20, 20, (N, 1)).float())
+    if specials and N >= 5:
+        x[0] = 0.0
+        x[1] = torch.randn(D) * 1e-39
+        x[2] = _fill_rows(_near(_e4m3_ties() * 4, 1), 1, D)[0]
+        x[2, 0] = 448.0 * 4
+        x[3, 5] = float("inf")
+        x[4, 7] = float("nan")
+    return x.to(dtype)
+
+
+def _pools(preset: str, kv: str, num_pages: int, device: str) -> tuple[PagePool, PagePool]:
+    layout = CacheLayout.from_config(load_preset(preset), kv, torch.bfloat16)
+    pools = PagePool(layout, num_pages, device), PagePool(layout, num_pages, device)
+    for p in pools:
+        p.data.fill_(0xFF)
+    return pools
+
+
+def _slots(N: int, num_pages: int, block_size: int, device: str, index_dtype: torch.dtype):
+    """N distinct (page, offset) slots in random order over all pages."""
+    flat = torch.randperm(num_pages * block_size)[:N]
+    return (flat // block_size).to(device, index_dtype), (flat % block_size).to(device, index_dtype)
+
+
+def check_write(device: str, preset: str, kv: str, N: int, in_dtype: torch.dtype, scale: float,
+                with_keys: bool = True, specials: bool = True, layer: int = 1, num_pages: int = 6,
+                index_dtype: torch.dtype = torch.int64) -> None:
+    """Write N tokens with both implementations; the pools must be byte-identical."""
+    from kimiserve.ops.cache_write.triton import write_mla_tokens
+
+    ref, tri = _pools(preset, kv, num_pages, device)
+    L = ref.latent[layer].shape[-1]
+    D = ref.index_key[layer].shape[-1]
+    pages, offsets = _slots(N, num_pages, ref.block_size, device, index_dtype)
+    latent = _latents(N, L, scale, in_dtype).to(device)
+    keys = _keys(N, D, in_dtype, specials and kv == "fp8").to(device) if with_keys else None
+    for pool, fn in ((ref, reference_write), (tri, write_mla_tokens)):
+        fn(pool.latent[layer], pool.index_key[layer] if with_keys else None,
+           pool.index_scale[layer] if with_keys and kv == "fp8" else None,
+           pages, offsets, latent, keys, kv, scale)
+    differ = (ref.data != tri.data).nonzero()
+    assert differ.numel() == 0, f"{len(differ)} bytes differ, first (page, byte): {differ[:8].tolist()}"
+
+
+@pytest.mark.parametrize("in_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("kv", ["fp8", "bf16"])
+@pytest.mark.parametrize("N", [1, 3, 17, 1000])
+def test_k31_layout_bit_equal(kv, N, in_dtype):
+    """Real K3.1 geometry (block_size 384 for fp8, 576-wide latent, 128-dim index key), layer 7 of 24."""
+    for scale in (1.0, 0.37, 19.0):
+        check_write("cuda", "kimi-k3.1-pro", kv, N, in_dtype, scale, layer=7, num_pages=4)
+
+
+@pytest.mark.parametrize("kv", ["fp8", "bf16"])
+def test_tiny_layout_latent_only_int32_slots(kv):
+    """Block size 64, no keys written (the index regions must stay untouched), int32 pages/offsets."""
+    check_write("cuda", "tiny", kv, 100, torch.float32, 0.37, with_keys=False, index_dtype=torch.int32)
+    check_write("cuda", "tiny", kv, 100, torch.bfloat16, 2.0, index_dtype=torch.int32)
+
+
+def test_bf16_cache_nan_stays_nan():
+    """NaN bits are the one documented difference for the bf16 cache: only NaN-ness is checked."""
+    from kimiserve.ops.cache_write.triton import write_mla_tokens
+
+    ref, tri = _pools("tiny", "bf16", 2, "cuda")
+    x = torch.randn(4, ref.latent[0].shape[-1], device="cuda")
+    k = torch.randn(4, ref.index_key[0].shape[-1], device="cuda")
+    x[1, 3] = k[2, 5] = float("nan")
+    pages, offsets = torch.tensor([0, 1, 1, 0], device="cuda"), torch.tensor([5, 0, 63, 6], device="cuda")
+    for pool, fn in ((ref, reference_write), (tri, write_mla_tokens)):
+        fn(pool.latent[0], pool.index_key[0], None, pages, offsets, x, k, "bf16", 1.0)
+    for a, b in ((ref.latent[0], tri.latent[0]), (ref.index_key[0], tri.index_key[0])):
+        assert torch.equal(a.isnan(), b.isnan())
+        assert torch.equal(a.nan_to_num(0.0).view(torch.int16), b.nan_to_num(0.0).view(torch.int16))
+
+
+def test_rejects_bad_arguments():
+    from kimiserve.ops.cache_write.triton import write_mla_tokens
+
+    ref, _ = _pools("tiny", "fp8", 1, "cuda")
+    x = torch.randn(1, ref.latent[0].shape[-1], device="cuda")
+    p = torch.zeros(1, dtype=torch.int64, device="cuda")
+    with pytest.raises(ValueError):
+        write_mla_tokens(ref.latent[0], None, None, p, p, x, None, "fp8", 0.0)
+    with pytest.raises(ValueError):
+        write_mla_tokens(ref.latent[0], None, None, p, p, x, None, "bf16", 1.0)  # an e4m3 view
+
+
+def _interpreter_smoke() -> None:
+    """Small CPU cases under TRITON_INTERPRET=1 (the kernel follows torch's CPU division rule there)."""
+    import warnings
+
+    warnings.filterwarnings("ignore", category=RuntimeWarning)  # numpy on the NaN / inf inputs
+    torch.manual_seed(0)
+    for kv in ("fp8", "bf16"):
+        for in_dtype in (torch.float32, torch.bfloat16):
+            for scale in (1.0, 0.37):
+                check_write("cpu", "tiny", kv, 23, in_dtype, scale, specials=kv == "fp8", num_pages=3)
+        check_write("cpu", "tiny", kv, 5, torch.float32, 3.0, with_keys=False, index_dtype=torch.int32)
+    print("write_mla_tokens interpreter smoke check: bit-equal to the CPU reference")
+
+
+if __name__ == "__main__":
+    _interpreter_smoke()

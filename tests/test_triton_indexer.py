@@ -1,0 +1,224 @@
+"""Triton `paged_indexer_scores` against the reference, plus a bandwidth report for the lead.
+
+Keys live in page-strided views of a real page pool (the K3.1 layout for 32 heads x 128, a
+custom Region-based pool for other head dims), pages are scattered in random order, and every byte
+no sequence owns is 0xFF (NaN for e4m3 and bf16) and the output starts as NaN: a stray read or a
+missing write shows up as NaN. Scores must match within rel RMS 1e-4 (the operands of the dot are
+the reference's bf16 values; only the summation order differs; the measured error is printed, it
+is ~1e-7 under the interpreter) and be -inf exactly at s >= context_len.
+
+Interpreter smoke check without a GPU (small sizes, CPU tensors):
+    python tests/test_triton_indexer.py
+"""
+
+import os
+
+if __name__ == "__main__":  # must precede any triton import
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import statistics
+
+import pytest
+import torch
+
+from conftest import rel_rms
+from kimiserve.cache.layout import CacheLayout, Region
+from kimiserve.config import load_preset
+from kimiserve.ops.indexer.reference import paged_indexer_scores as reference_scores
+from kimiserve.ops.quant.reference import FP8_DTYPE, quantize_fp8_rowwise
+
+pytestmark = pytest.mark.gpu
+
+TOL = 1e-4
+
+
+def _key_views(kv: str, num_pages: int, block_size: int | None, D: int, device: str):
+    """(key_cache [P, bs, D], key_scales [P, bs] or None) as strided views of a 0xFF-filled pool:
+    the real K3.1 layout's layer 5 when D == 128 and block_size is None, else one custom region."""
+    if block_size is None:
+        layout = CacheLayout.from_config(load_preset("kimi-k3.1-pro"), kv, torch.bfloat16)
+        key, page_bytes = layout.index_key[5], layout.page_bytes
+        scale = layout.index_scale[5] if layout.index_scale else None
+    else:
+        store = FP8_DTYPE if kv == "fp8" else torch.bfloat16
+        key = Region(48, store, (block_size, D))
+        scale = Region(-(-(48 + key.nbytes) // 16) * 16, torch.float32, (block_size,)) if kv == "fp8" else None
+        page_bytes = -(-(48 + key.nbytes + 4 * block_size + 112) // 16) * 16
+    pool = torch.full((num_pages, page_bytes), 0xFF, dtype=torch.uint8, device=device)
+    return key.view(pool), scale.view(pool) if scale is not None else None
+
+
+def make_case(kv: str, lens: list[int], H: int, D: int, device: str, block_size: int | None = None,
+              q_dtype: torch.dtype = torch.bfloat16, spare_pages: int = 3):
+    """Random q, weights and a paged index-key cache holding len(lens) sequences in scattered pages."""
+    bs = block_size or CacheLayout.from_config(load_preset("kimi-k3.1-pro"), kv, torch.bfloat16).block_size
+    need = [-(-n // bs) for n in lens]
+    P = sum(need) + spare_pages
+    key_cache, key_scales = _key_views(kv, P, block_size, D, device)
+    perm = torch.randperm(P, device=device)
+    tables = torch.full((len(lens), max(need) + 1), int(perm[-1]), dtype=torch.int32, device=device)
+    used = 0
+    for b, n in enumerate(lens):
+        tables[b, : need[b]] = perm[used : used + need[b]]
+        used += need[b]
+        pos = torch.arange(n, device=device)
+        pages, offsets = tables[b, pos // bs].long(), pos % bs
+        keys = torch.randn(n, D, device=device) * torch.exp2(torch.randint(-3, 4, (n, 1), device=device).float())
+        if kv == "fp8":
+            codes, scales = quantize_fp8_rowwise(keys)
+            key_cache[pages, offsets] = codes
+            key_scales[pages, offsets] = scales
+        else:
+            key_cache[pages, offsets] = keys.bfloat16()
+    q = torch.randn(len(lens), H, D, device=device).to(q_dtype)
+    w = torch.randn(len(lens), H, device=device) * D**-0.5
+    return q, w, key_cache, key_scales, tables, torch.tensor(lens, device=device)
+
+
+def check_scores(kv: str, lens: list[int], H: int, D: int, device: str = "cuda", block_size: int | None = None,
+                 dtype: torch.dtype = torch.bfloat16, q_dtype: torch.dtype = torch.bfloat16, extra: int = 0,
+                 **launch) -> float:
+    """Triton vs reference on one random case; returns the rel RMS error of the finite scores."""
+    from kimiserve.ops.indexer.triton import paged_indexer_scores
+
+    q, w, kc, ks, tables, ctx = make_case(kv, lens, H, D, device, block_size, q_dtype)
+    ref = reference_scores(q, w, kc, ks, tables, ctx, dtype)
+    S = max(lens) + extra
+    out = torch.full((len(lens), S), float("nan"), device=device)
+    got = paged_indexer_scores(q, w, kc, ks, tables, ctx, dtype, max_context=S, out=out, **launch)
+    assert got.data_ptr() == out.data_ptr() and got.shape == (len(lens), S)
+    visible = torch.arange(S, device=device)[None, :] < ctx[:, None]
+    assert torch.isfinite(got[visible]).all(), "a visible score is not finite (stray read of a NaN slot?)"
+    assert (got[~visible] == float("-inf")).all(), "a score past context_len is not -inf"
+    err = rel_rms(got[:, : max(lens)][visible[:, : max(lens)]], ref[visible[:, : max(lens)]])
+    assert err < TOL, f"rel RMS {err:.3g}"
+    return err
+
+
+def _report(capsys, msg: str) -> None:
+    with capsys.disabled():
+        print(f"\n{msg}", end="")
+
+
+@pytest.mark.parametrize("kv", ["fp8", "bf16"])
+@pytest.mark.parametrize("lens", [[1], [383, 1, 2049], [1, 384, 385, 2100, 3001, 17, 64, 65, 767, 768, 769, 1000,
+                                                        2047, 2048, 2500, 129, 5]])
+def test_k31_layout_32_heads(kv, lens, capsys):
+    """Real K3.1 pages (fp8: 384 tokens/page, bf16: 256), 32 heads x 128, batch 1 / 3 / 17."""
+    err = check_scores(kv, lens, 32, 128)
+    _report(capsys, f"indexer {kv} K3.1 layout B={len(lens)}: rel RMS {err:.2e}")
+
+
+@pytest.mark.parametrize("kv", ["fp8", "bf16"])
+@pytest.mark.parametrize("H, D", [(3, 64), (3, 128), (32, 64)])
+def test_other_shapes_block_64(kv, H, D):
+    check_scores(kv, [1, 65, 130, 2049], H, D, block_size=64)
+
+
+@pytest.mark.parametrize("kv", ["fp8", "bf16"])
+def test_large_context(kv, capsys):
+    err = check_scores(kv, [200_003], 32, 128)
+    _report(capsys, f"indexer {kv} context 200003: rel RMS {err:.2e}")
+
+
+@pytest.mark.parametrize("block_s, tiles, num_warps, num_stages", [(64, 1, 4, 1), (128, 3, 8, 3), (32, 5, 4, 2)])
+def test_launch_configs_and_wider_output(block_s, tiles, num_warps, num_stages):
+    """Tuning knobs do not change results; columns past max(context_lens) come out -inf."""
+    check_scores("fp8", [1, 700, 2049], 32, 128, extra=300, block_s=block_s, tiles=tiles,
+                 num_warps=num_warps, num_stages=num_stages)
+
+
+@pytest.mark.parametrize("dtype, q_dtype", [(torch.bfloat16, torch.float32), (torch.float32, torch.float32),
+                                             (torch.float16, torch.float16)])
+def test_other_dtypes(dtype, q_dtype):
+    """fp32 q with bf16 keys (q split in two bf16 parts), an fp32 dot, fp16 throughout."""
+    check_scores("fp8", [5, 1000], 32, 128, block_size=128, dtype=dtype, q_dtype=q_dtype)
+
+
+def test_cuda_graph_capture():
+    """With max_context and out given there is no host sync: the call captures and replays."""
+    from kimiserve.ops.indexer.triton import paged_indexer_scores
+
+    q, w, kc, ks, tables, ctx = make_case("fp8", [100, 1500], 32, 128, "cuda")
+    out = torch.empty(2, 2048, device="cuda")
+    call = lambda: paged_indexer_scores(q, w, kc, ks, tables, ctx, torch.bfloat16, max_context=2048, out=out)
+    call()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    out.fill_(float("nan"))
+    graph.replay()
+    ref = reference_scores(q, w, kc, ks, tables, ctx, torch.bfloat16)
+    assert (out[:, 1500:] == float("-inf")).all()
+    assert rel_rms(out[:, :1500][torch.isfinite(ref)], ref[torch.isfinite(ref)]) < TOL
+
+
+# timing (printed, not asserted) -------------------------------------------------------------------
+CONFIGS = [  # (block_s, tiles, num_warps, num_stages)
+    (64, 4, 4, 2), (64, 1, 4, 1), (64, 8, 4, 3), (64, 6, 4, 3), (128, 3, 8, 3), (128, 1, 8, 1), (128, 4, 4, 2),
+]
+
+
+def gpu_time(fn, iters: int = 20, warmup: int = 3) -> float:
+    """Median seconds of GPU time per call of fn, each call timed alone with torch.cuda.Event. A
+    sleep kernel is queued before each timed call so the CPU launch cost is not counted."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(2_000_000)  # ~1 ms: the GPU is still busy when start, fn and end are queued
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e-3)
+    return statistics.median(times)
+
+
+def time_indexer(B: int, context: int, kv: str = "fp8", configs=CONFIGS) -> list[str]:
+    """Per-call time and GB/s on the bytes read (keys + scales) for each launch config, on the real
+    K3.1 layout (one layer's keys in every 6.5 MB page), next to a device copy of as many bytes."""
+    from kimiserve.ops.indexer.triton import paged_indexer_scores
+
+    q, w, kc, ks, tables, ctx = make_case(kv, [context] * B, 32, 128, "cuda", spare_pages=0)
+    read = B * context * (kc.shape[-1] * kc.element_size() + (4 if ks is not None else 0))
+    written = B * context * 4
+    t = _copy_time(read)
+    lines = [f"device copy of {read / 1e6:.0f} MB: {t * 1e6:8.1f} us, {2 * read / t / 1e9:7.0f} GB/s read+write"]
+    for block_s, tiles, warps, stages in configs:
+        t = gpu_time(lambda: paged_indexer_scores(q, w, kc, ks, tables, ctx, torch.bfloat16, max_context=context,
+                                                  block_s=block_s, tiles=tiles, num_warps=warps, num_stages=stages))
+        lines.append(f"indexer {kv} B={B} ctx={context} block_s={block_s} tiles={tiles} warps={warps} "
+                     f"stages={stages}: {t * 1e6:8.1f} us, {read / t / 1e9:7.0f} GB/s read, "
+                     f"{(read + written) / t / 1e9:7.0f} GB/s read+write")
+    return lines
+
+
+def _copy_time(nbytes: int) -> float:
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    return gpu_time(lambda: dst.copy_(src))
+
+
+@pytest.mark.parametrize("B, context", [(1, 1_048_576), (16, 131_072)])
+def test_indexer_timing(B, context, capsys):
+    for line in time_indexer(B, context):
+        _report(capsys, line)
+    torch.cuda.empty_cache()
+
+
+def _interpreter_smoke() -> None:
+    """Small CPU cases under TRITON_INTERPRET=1."""
+    torch.manual_seed(0)
+    for kv in ("fp8", "bf16"):
+        for H, D in ((3, 64), (32, 128)):
+            err = check_scores(kv, [1, 65, 130], H, D, "cpu", block_size=64, extra=40, block_s=32, tiles=3)
+            print(f"{kv} Hi={H} D={D}: rel RMS {err:.2e}")
+    check_scores("fp8", [70], 3, 64, "cpu", block_size=64, dtype=torch.float32, q_dtype=torch.float32)
+    check_scores("fp8", [70], 3, 64, "cpu", block_size=64, q_dtype=torch.float32)
+    print("paged_indexer_scores interpreter smoke check passed")
+
+
+if __name__ == "__main__":
+    _interpreter_smoke()

@@ -1,0 +1,81 @@
+"""Smoke checks of the Triton MLA decode kernels under Triton's CPU interpreter (no GPU needed).
+
+Skipped unless KIMISERVE_TRITON_INTERPRET=1; run them in their own process (the variable turns on
+TRITON_INTERPRET before the kernels are defined, which a process that already imported them misses):
+
+    KIMISERVE_TRITON_INTERPRET=1 .venv/bin/python -m pytest tests/test_triton_mla_interpret.py -q
+"""
+
+import os
+
+import pytest
+import torch
+
+if os.environ.get("KIMISERVE_TRITON_INTERPRET") != "1":
+    pytest.skip("set KIMISERVE_TRITON_INTERPRET=1 to run the Triton interpreter checks", allow_module_level=True)
+import triton_interpreter_shims  # noqa: E402
+
+triton_interpreter_shims.enable()
+
+from conftest import rel_rms  # noqa: E402
+from kimiserve.ops.mla import reference as ref  # noqa: E402
+from kimiserve.ops.mla import triton as tt  # noqa: E402
+from test_triton_mla import build_case, make_indices  # noqa: E402
+
+
+def _nan_out(q: torch.Tensor) -> torch.Tensor:
+    return torch.full(q.shape, float("nan"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kv, scale_l", [("bf16", 1.0), ("fp8", 0.05), ("fp8", 0.125)])
+def test_tiny_dims(kv, scale_l, dtype):
+    """L=32, R=8 (padded to 16), 4 heads in a 16-head block, 64-token pages; forced 3 splits."""
+    lens = [1, 63, 130]
+    cache, ls, tables, q_lat, q_pe, scale = build_case("tiny", kv, lens, None, "cpu", scale_l)
+    cfg = tt.DecodeConfig(block_n=16, num_splits=3)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    idx = make_indices(lens, 70, "cpu")
+    want = ref.paged_sparse_mla_decode(q_lat, q_pe, cache, ls, tables, idx, scale, dtype)
+    got = tt.paged_sparse_mla_decode(q_lat, q_pe, cache, ls, tables, idx, scale, dtype, out=_nan_out(q_lat), config=cfg)
+    assert torch.isfinite(got).all() and rel_rms(got, want) < tol
+    ctx = torch.tensor(lens)
+    want = ref.paged_dense_mla_decode(q_lat, q_pe, cache, ls, tables, ctx, scale, dtype)
+    got = tt.paged_dense_mla_decode(q_lat, q_pe, cache, ls, tables, ctx, scale, dtype, out=_nan_out(q_lat), config=cfg)
+    assert torch.isfinite(got).all() and rel_rms(got, want) < tol
+
+
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_k31_dims_fp8(num_splits):
+    """Real widths (L=512, R=64), 16 heads, 384-token fp8 pages; a row of only -1 gives NaN."""
+    lens = [1, 63, 130]
+    cache, ls, tables, q_lat, q_pe, scale = build_case("kimi-k3.1-pro", "fp8", lens, 16, "cpu")
+    idx = make_indices(lens, 96, "cpu")
+    cfg = tt.DecodeConfig(num_splits=num_splits)
+    want = ref.paged_sparse_mla_decode(q_lat, q_pe, cache, ls, tables, idx, scale, torch.bfloat16)
+    got = tt.paged_sparse_mla_decode(q_lat, q_pe, cache, ls, tables, idx, scale, torch.bfloat16,
+                                     out=_nan_out(q_lat), config=cfg)
+    assert torch.isfinite(got).all() and rel_rms(got, want) < 1e-2
+    idx[1] = -1
+    got = tt.paged_sparse_mla_decode(q_lat, q_pe, cache, ls, tables, idx, scale, torch.bfloat16, config=cfg)
+    assert got[1].isnan().all() and torch.isfinite(got[0::2]).all()
+    assert rel_rms(got[0::2], want[0::2]) < 1e-2
+
+
+@pytest.mark.parametrize("num_splits", [1, 8])
+def test_dense_mixed_lengths_and_poison(num_splits):
+    """Splits past a short row's end, an empty row (NaN, like the reference), and the poisoning's
+    sanity: pointing a table entry at an unowned page turns that row NaN."""
+    lens = [0, 63, 700]
+    cache, ls, tables, q_lat, q_pe, scale = build_case("tiny", "fp8", lens, None, "cpu", 0.125)
+    ctx = torch.tensor(lens)
+    cfg = tt.DecodeConfig(num_splits=num_splits, block_n=16)
+    want = ref.paged_dense_mla_decode(q_lat, q_pe, cache, ls, tables, ctx, scale, torch.bfloat16)
+    got = tt.paged_dense_mla_decode(q_lat, q_pe, cache, ls, tables, ctx, scale, torch.bfloat16, out=_nan_out(q_lat),
+                                    config=cfg)
+    assert got[0].isnan().all() and want[0].isnan().all()
+    assert torch.isfinite(got[1:]).all() and rel_rms(got[1:], want[1:]) < 1e-2
+    bad = tables.clone()
+    bad[2, 5] = tables[0, -1]
+    got = tt.paged_dense_mla_decode(q_lat, q_pe, cache, ls, bad, ctx, scale, torch.bfloat16, config=cfg)
+    assert got[2].isnan().all() and torch.isfinite(got[1]).all()

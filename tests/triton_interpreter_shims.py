@@ -1,0 +1,76 @@
+"""Make Triton 3.6's CPU interpreter behave like the GPU where the Triton kernels need it.
+
+`enable()` sets TRITON_INTERPRET=1 (call it before any module defining kernels is imported) and
+patches three interpreter gaps, so an interpreter run checks what the GPU computes:
+- a scalar used as a loop bound (e.g. from program_id) is a 1-element array, which int() refuses
+  since numpy 2.4;
+- tl.dot multiplies bf16 operands as their raw uint16 bits;
+- float casts truncate fp32 -> bf16 (the GPU rounds to nearest even) and turn e4m3 NaN into 480:
+  casts between float types go through torch instead.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+
+
+def enable() -> None:
+    os.environ["TRITON_INTERPRET"] = "1"
+    import triton.language as tl
+    from triton.runtime import interpreter as interp
+
+    if getattr(interp, "_kimiserve_shims", False):
+        return
+    interp._kimiserve_shims = True
+    torch_dtypes = {tl.float32: torch.float32, tl.float16: torch.float16, tl.bfloat16: torch.bfloat16,
+                    tl.float8e4nv: torch.float8_e4m3fn, tl.float8e5: torch.float8_e5m2, tl.float64: torch.float64}
+    bits = {1: torch.uint8, 2: torch.uint16, 4: torch.int32, 8: torch.int64}
+
+    def to_torch(data: np.ndarray, dtype) -> torch.Tensor:
+        t = torch_dtypes[dtype]
+        raw = np.ascontiguousarray(data).view(getattr(np, f"uint{t.itemsize * 8}") if t.itemsize < 4 else data.dtype)
+        return torch.from_numpy(raw.copy()).view(t)
+
+    def from_torch(x: torch.Tensor, like: np.dtype) -> np.ndarray:
+        return x.contiguous().view(bits[x.element_size()]).numpy().view(like)
+
+    patch_tensor = interp._patch_lang_tensor
+
+    def patch_tensor_index(tensor, scope):
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interp._patch_lang_tensor = patch_tensor_index
+
+    builder = interp.InterpreterBuilder
+    create_dot, cast_impl, fp_to_fp = builder.create_dot, builder.cast_impl, builder.create_fp_to_fp
+
+    def widen(x):
+        if x.dtype.scalar != tl.bfloat16:
+            return x
+        return interp.TensorHandle(from_torch(to_torch(x.data, tl.bfloat16).float(), np.float32), tl.float32)
+
+    def dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        return create_dot(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
+
+    def float_cast(src, dst_type):
+        s, d = src.dtype.scalar, dst_type.scalar
+        if s not in torch_dtypes or d not in torch_dtypes:
+            return None
+        out = to_torch(src.data, s).to(torch_dtypes[d])
+        return interp.TensorHandle(from_torch(out, interp._get_np_dtype(dst_type)), d)
+
+    def cast(self, src, dst_type):  # also reached through create_fp_ext / create_fp_trunc
+        out = float_cast(src, dst_type)
+        return cast_impl(self, src, dst_type) if out is None else out
+
+    def fp_cast(self, src, dst_type, rounding_mode):
+        out = float_cast(src, dst_type)
+        return fp_to_fp(self, src, dst_type, rounding_mode) if out is None else out
+
+    builder.create_dot = dot
+    builder.cast_impl = cast
+    builder.create_fp_to_fp = fp_cast
