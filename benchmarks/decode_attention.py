@@ -66,10 +66,8 @@ def build_case(config, batch: int, context: int, seed: int = 0):
     pool = PagePool(layout, batch * per_seq, "cuda")
     g = torch.Generator(device="cuda").manual_seed(seed)
     # e4m3 bytes with exponent field <= 11 (|x| < 32) and a random sign: finite, moderate values
-    magnitude = torch.randint(0, 96, pool.data.shape, generator=g, device="cuda", dtype=torch.uint8)
-    sign = torch.randint(0, 2, pool.data.shape, generator=g, device="cuda", dtype=torch.uint8) << 7
-    pool.data.copy_(magnitude | sign)
-    del magnitude, sign
+    for page in pool.data:
+        page.random_(0, 96, generator=g).bitwise_or_(torch.randint_like(page, 0, 2, generator=g) << 7)
     pool.index_scale[0].copy_(torch.rand(pool.index_scale[0].shape, generator=g, device="cuda") * 0.01 + 1e-3)
     tables = torch.randperm(batch * per_seq, generator=g, device="cuda").view(batch, per_seq)
     H, L, R = config.num_attention_heads, config.kv_lora_rank, config.qk_rope_head_dim
@@ -146,7 +144,8 @@ def main() -> int:
     rows = []
     for batch in map(int, args.batches.split(",")):
         for context in map(int, args.contexts.split(",")):
-            need = batch * context * (INDEX_BYTES + LATENT_BYTES + 8) * 1.3
+            layout = CacheLayout.from_config(config, "fp8", torch.bfloat16)
+            need = batch * math.ceil(context / layout.block_size) * layout.page_bytes * 1.2 + batch * context * 16
             if need > torch.cuda.mem_get_info()[0]:
                 print(f"skip batch {batch} context {context}: needs ~{need / 2**30:.0f} GiB")
                 continue

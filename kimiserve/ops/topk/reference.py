@@ -35,3 +35,16 @@ def selection_mask(indices: torch.Tensor, num_keys: int) -> torch.Tensor:
     mask = torch.zeros(B, T, num_keys + 1, dtype=torch.bool, device=indices.device)
     mask.scatter_(-1, torch.where(indices < 0, num_keys, indices), True)
     return mask[..., :num_keys]
+
+
+def topk_reference(scores: torch.Tensor, k: int, lengths: torch.Tensor | None = None) -> torch.Tensor:
+    """Per row of scores [B, S]: `causal_topk` for one query at position lengths[b] - 1 (all S when
+    lengths is None), int64 [B, k] best first, -1 padded; selected -inf scores are replaced by -1
+    (the Triton `topk_indices` never selects them). The oracle of `kimiserve.ops.topk.triton`:
+    compare selected SETS (the kernel returns them in position order)."""
+    B, S = scores.shape
+    if lengths is None:
+        lengths = torch.full((B,), S, dtype=torch.int64, device=scores.device)
+    idx = causal_topk(scores.unsqueeze(1), (lengths.to(torch.int64) - 1).view(B, 1), k)[:, 0]
+    picked = torch.gather(scores, 1, idx.clamp_min(0))
+    return idx.masked_fill((idx < 0) | (picked == float("-inf")), -1)
