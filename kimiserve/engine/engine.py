@@ -136,6 +136,12 @@ class LLMEngine:
         if not sched.chunks:
             return []
         results = self.runner.execute(sched)
+        touched = self._postprocess(sched, results)
+        self.num_steps += 1
+        return [self._output(request_id) for request_id in touched]
+
+    def _postprocess(self, sched, results) -> dict[str, None]:
+        """Advance each chunk's request, keep prompt snapshots, fork n > 1 samples, append tokens, check stops."""
         touched: dict[str, None] = {}
         for chunk, result in zip(sched.chunks, results):
             request = chunk.request
@@ -147,7 +153,7 @@ class LLMEngine:
                 continue
             group = self.groups[request.request_id]
             samples = [request]
-            for index, _ in enumerate(result.samples[1:], 1):
+            for index in range(1, len(result.samples)):
                 child = self.scheduler.fork(request, index, next(self._arrivals))
                 self._attach_detokenizer(child)
                 group.samples.append(child)
@@ -155,8 +161,7 @@ class LLMEngine:
             for sample, (token, logprobs) in zip(samples, result.samples):
                 self._append_token(sample, token, logprobs)
             touched[request.request_id] = None
-        self.num_steps += 1
-        return [self._output(rid, streaming=True) for rid in touched]
+        return touched
 
     def _attach_detokenizer(self, request: Request) -> None:
         if self.tokenizer is not None:
@@ -183,7 +188,7 @@ class LLMEngine:
         if reason is not None:
             self.scheduler.finish(request, reason, stop_reason)
 
-    def _output(self, request_id: str, streaming: bool) -> RequestOutput:
+    def _output(self, request_id: str) -> RequestOutput:
         group = self.groups[request_id]
         outputs = []
         for s in group.samples:

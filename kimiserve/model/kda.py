@@ -75,24 +75,31 @@ class KimiDeltaAttention(nn.Module):
         o = gated_rms_norm(o, heads(self.output_gate(x)), self.o_norm.weight, self.eps)
         return self.o_proj(o.reshape(B, T, H * K))
 
-    def mix(self, q, k, v, g, beta, conv_state=None, state=None, recurrent=False):
-        """Short conv + delta rule over [B, T] tokens from (conv_state [B, 3, P, W-1], state [B, H, K, V])
-        (zeros when None). Returns (o [B, T, H, V], new conv state, new recurrent state)."""
+    def short_conv(self, q, k, v, conv_state=None):
+        """Short conv over [B, T] tokens from conv_state [B, 3, P, W-1] (zeros when None). Returns
+        (q, k [B, T, H, K] L2-normalised, v [B, T, H, V], new conv state)."""
         B, T, _ = q.shape
         heads = lambda t: t.view(B, T, self.num_heads, self.head_dim)
         cs = (None, None, None) if conv_state is None else conv_state.unbind(1)
         q, cq = causal_conv1d(q, self.q_conv1d.weight, cs[0])
         k, ck = causal_conv1d(k, self.k_conv1d.weight, cs[1])
         v, cv = causal_conv1d(v, self.v_conv1d.weight, cs[2])
+        return l2_normalize(heads(q)), l2_normalize(heads(k)), heads(v), torch.stack([cq, ck, cv], dim=1)
+
+    def mix(self, q, k, v, g, beta, conv_state=None, state=None, recurrent=False):
+        """Short conv + delta rule over [B, T] tokens from (conv_state [B, 3, P, W-1], state [B, H, K, V])
+        (zeros when None). Returns (o [B, T, H, V], new conv state, new recurrent state)."""
+        q, k, v, conv = self.short_conv(q, k, v, conv_state)
         rule = recurrent_kda if recurrent else chunk_kda
-        o, state = rule(l2_normalize(heads(q)), l2_normalize(heads(k)), heads(v), g, beta, initial_state=state)
-        return o, torch.stack([cq, ck, cv], dim=1), state
+        o, state = rule(q, k, v, g, beta, initial_state=state)
+        return o, conv, state
 
     def paged_mix(self, q, k, v, g, beta, batch: ForwardBatch) -> torch.Tensor:
-        """`mix` for packed tokens [1, N]: one-token sequences batched in recurrent form, longer chunks
-        one by one in chunked form; each reads and writes its state page of this layer. A chunk with
-        snapshot pages also leaves the state before its last token there."""
-        pool, i = batch.pool, self.cache_index
+        """`mix` for packed tokens [1, N]: one-token sequences batched in recurrent form
+        (`batch.ops.kda_decode`, updating their state pages in place), longer chunks one by one in
+        chunked form (`batch.ops.kda_prefill`); each reads and writes its state page of this layer.
+        A chunk with snapshot pages also leaves the state before its last token there."""
+        pool, i, ops = batch.pool, self.cache_index, batch.ops
         o = v.new_empty(*v.shape[:2], self.num_heads, self.head_dim)
         rows = batch.decode_rows
         # (packed rows, pages read, pages written, recurrent form): one-token rows form one batch
@@ -107,13 +114,12 @@ class KimiDeltaAttention(nn.Module):
         for sel, src, dst, recurrent in runs:
             # one-token rows become a batch of length-1 sequences; a chunk is one sequence
             pick = (lambda t: t[0, sel].unsqueeze(1)) if recurrent else (lambda t: t[:, sel])
-            out, conv, state = self.mix(
-                pick(q), pick(k), pick(v), pick(g), pick(beta), pool.conv[src], pool.recurrent[src], recurrent
-            )
+            qh, kh, vh, conv = self.short_conv(pick(q), pick(k), pick(v), pool.conv[src])
             pool.conv[dst] = conv
-            pool.recurrent[dst] = state
-            if recurrent:
-                o[0, sel] = out[:, 0]
+            if recurrent:  # src is dst: the decode op updates the state pages in place
+                o[0, sel] = ops.kda_decode(qh, kh, vh, pick(g), pick(beta), pool.recurrent, src)[:, 0]
             else:
+                out, state = ops.kda_prefill(qh, kh, vh, pick(g), pick(beta), pool.recurrent[src])
+                pool.recurrent[dst] = state
                 o[:, sel] = out
         return o

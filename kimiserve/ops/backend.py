@@ -11,6 +11,7 @@ import torch
 
 from kimiserve.ops.cache_write import reference as cache_write_ref
 from kimiserve.ops.indexer import reference as indexer_ref
+from kimiserve.ops.kda import paged as kda_ref
 from kimiserve.ops.mla import reference as mla_ref
 from kimiserve.ops.topk.reference import causal_topk
 
@@ -35,12 +36,26 @@ class DecodeOps:
     """(q_latent, q_pe, latent_cache, latent_scale, block_tables, indices, scale, dtype) -> [B, H, L]"""
     dense_mla_decode: Callable
     """(q_latent, q_pe, latent_cache, latent_scale, block_tables, context_lens, scale, dtype) -> [B, H, L]"""
+    kda_prefill: Callable
+    """(q, k, v, g, beta, initial_state [B, H, K, V]) -> (o [B, T, H, V], final state): KDA chunked form"""
+    kda_decode: Callable
+    """(q, k, v, g, beta, states [P, H, K, V] view, page_ids [Bd]) -> o [Bd, 1, H, V]; updates those pages"""
 
 
 REFERENCE_OPS = DecodeOps(
     "reference", cache_write_ref.write_mla_tokens, indexer_ref.paged_indexer_scores, topk_rows,
-    mla_ref.paged_sparse_mla_decode, mla_ref.paged_dense_mla_decode,
+    mla_ref.paged_sparse_mla_decode, mla_ref.paged_dense_mla_decode, kda_ref.kda_prefill, kda_ref.kda_decode,
 )
+
+
+def _kda_ops() -> tuple[Callable, Callable]:
+    """fla-core's KDA kernels, or the references (with a warning) when fla does not import."""
+    try:
+        from kimiserve.ops.kda import fla as kda_fla
+    except Exception as e:  # ImportError, or fla failing to set itself up on this device
+        warnings.warn(f"fla-core unavailable ({e}); KDA runs the pure-torch reference on the GPU")
+        return kda_ref.kda_prefill, kda_ref.kda_decode
+    return kda_fla.kda_prefill, kda_fla.kda_decode
 
 
 def select_decode_ops(device: torch.device) -> DecodeOps:
@@ -55,4 +70,5 @@ def select_decode_ops(device: torch.device) -> DecodeOps:
         warnings.warn(f"Triton kernels unavailable ({e}); the GPU runs the pure-torch reference ops")
         return REFERENCE_OPS
     return DecodeOps("triton", cache_write_tt.write_mla_tokens, indexer_tt.paged_indexer_scores,
-                     topk_tt.topk_indices, mla_tt.paged_sparse_mla_decode, mla_tt.paged_dense_mla_decode)
+                     topk_tt.topk_indices, mla_tt.paged_sparse_mla_decode, mla_tt.paged_dense_mla_decode,
+                     *_kda_ops())
