@@ -13,14 +13,7 @@ from kimiserve.ops.cache_write import reference as cache_write_ref
 from kimiserve.ops.indexer import reference as indexer_ref
 from kimiserve.ops.kda import paged as kda_ref
 from kimiserve.ops.mla import reference as mla_ref
-from kimiserve.ops.topk.reference import causal_topk
-
-
-def topk_rows(scores: torch.Tensor, k: int, lengths: torch.Tensor | None = None) -> torch.Tensor:
-    """Positions of the k best scores per row [B, S] among the first lengths[b] (-1 padded, earlier wins ties)."""
-    if lengths is None:
-        lengths = torch.full((scores.shape[0],), scores.shape[1], device=scores.device, dtype=torch.int64)
-    return causal_topk(scores.unsqueeze(1), (lengths - 1).unsqueeze(1), k)[:, 0]
+from kimiserve.ops.topk.reference import topk_reference
 
 
 @dataclass(frozen=True)
@@ -43,7 +36,7 @@ class DecodeOps:
 
 
 REFERENCE_OPS = DecodeOps(
-    "reference", cache_write_ref.write_mla_tokens, indexer_ref.paged_indexer_scores, topk_rows,
+    "reference", cache_write_ref.write_mla_tokens, indexer_ref.paged_indexer_scores, topk_reference,
     mla_ref.paged_sparse_mla_decode, mla_ref.paged_dense_mla_decode, kda_ref.kda_prefill, kda_ref.kda_decode,
 )
 
