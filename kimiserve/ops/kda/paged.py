@@ -1,0 +1,27 @@
+"""The KDA delta-rule ops the serving path calls (`DecodeOps.kda_prefill` / `kda_decode`), in pure
+torch: the references the fla versions (`kimiserve.ops.kda.fla`) are checked against.
+
+q, k [B, T, H, K] L2-normalised by the caller; v [B, T, H, V]; g log decay [B, T, H, K] (<= 0);
+beta [B, T, H]; states fp32 [H, K, V] per sequence; scale K^-0.5 (see `reference`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kimiserve.ops.kda.reference import chunk_kda, recurrent_kda
+
+
+def kda_prefill(q, k, v, g, beta, initial_state):
+    """Chunked form over [B, T] tokens from initial_state [B, H, K, V] fp32.
+    Returns (o [B, T, H, V] in v's dtype, final state [B, H, K, V])."""
+    return chunk_kda(q, k, v, g, beta, initial_state=initial_state)
+
+
+def kda_decode(q, k, v, g, beta, states: torch.Tensor, page_ids: torch.Tensor) -> torch.Tensor:
+    """Recurrent form for one token per sequence (q [Bd, 1, H, K], ...) continuing from the states
+    of pages page_ids [Bd] (distinct) of the pool's state view states [P, H, K, V]; writes the new
+    states back to those pages (gather, run, scatter) and returns o [Bd, 1, H, V]."""
+    o, state = recurrent_kda(q, k, v, g, beta, initial_state=states[page_ids])
+    states[page_ids] = state
+    return o
