@@ -17,7 +17,7 @@ GREEDY = dict(temperature=0.0, ignore_eos=True)
 def make_engine(dtype="float32", kv="bf16", model="tiny", **kwargs) -> LLMEngine:
     kwargs = {"max_model_len": 512, "num_pages": 200, **kwargs}
     engine = LLMEngine(EngineArgs(model=model, dtype=dtype, kv_cache_dtype=kv, **kwargs))
-    engine.recorded = {}  # (prompt ids, sample index, output position) -> logits row the sampler saw
+    engine.recorded = {}  # (prompt ids, sample seed, output position) -> logits row the sampler saw
     sampler = engine.runner.sampler
 
     def recording_sampler(logits, requests):
@@ -72,7 +72,7 @@ def fp32_twin(engine) -> KimiForCausalLM:
 
 
 def assert_matches_full_forward(engine, prompt, tokens, seed=None):
-    """Tolerances, from measurements on this model (the test module docstring has the story):
+    """Tolerances, from measurements on this model:
 
     fp32 model: the median row error <= 1e-4 (measured ~2e-6); at most max(1, 10%) of the rows
     off by more than 1e-3 or with another argmax. A row can be off when a near-tie at the top-k
