@@ -44,9 +44,10 @@ class PagePool:
 
     # attention pages ---------------------------------------------------------------------------
     def write_mla(self, layer: int, pages: torch.Tensor, offsets: torch.Tensor, latent: torch.Tensor,
-                  index_key: torch.Tensor | None) -> None:
-        """Store tokens' latents [N, latent_dim] (and index keys [N, index_dim]) of MLA layer `layer`."""
-        write_mla_tokens(
+                  index_key: torch.Tensor | None, write=write_mla_tokens) -> None:
+        """Store tokens' latents [N, latent_dim] (and index keys [N, index_dim]) of MLA layer `layer`
+        with `write` (the reference, or a kernel of the same contract)."""
+        write(
             self.latent[layer], self.index_key[layer] if self.index_key else None,
             self.index_scale[layer] if self.index_scale else None, pages, offsets, latent, index_key,
             self.kv_cache_dtype, self.latent_scales[layer],

@@ -134,10 +134,8 @@ class MLAAttention(nn.Module):
         c, k_pe = self.latent(x)
         keys = self.indexer.keys(x)[0] if hasattr(self, "indexer") else None
         ops = batch.ops
-        latent_scale = pool.latent_scales[layer]
-        ops.write_mla_tokens(pool.latent[layer], pool.index_key[layer] if keys is not None else None,
-                             pool.index_scale[layer] if pool.index_scale else None, batch.write_pages,
-                             batch.write_offsets, torch.cat([c, k_pe], dim=-1)[0], keys, pool.kv_cache_dtype, latent_scale)
+        pool.write_mla(layer, batch.write_pages, batch.write_offsets, torch.cat([c, k_pe], dim=-1)[0], keys,
+                       ops.write_mla_tokens)
         w_kc, w_vc = split_kv_b(self.kv_b_proj.weight, self.num_heads, self.nope)
         o = x.new_empty(1, N, self.num_heads, self.v_dim)
         rows = batch.decode_rows
@@ -145,7 +143,7 @@ class MLAAttention(nn.Module):
             tables, lens = batch.decode_block_tables, batch.decode_context_lens
             dt = compute_dtype(q_nope, w_kc)
             q_abs = torch.einsum("bhd,hdl->bhl", q_nope[0, rows].to(dt), w_kc.to(dt))
-            latent_scale = latent_scale if pool.kv_cache_dtype == "fp8" else None
+            latent_scale = pool.latent_scales[layer] if pool.kv_cache_dtype == "fp8" else None
             if keys is not None:
                 iq, iw = self.indexer.queries(x[:, rows], q_latent[:, rows])
                 scales = pool.index_scale[layer] if pool.index_scale else None
