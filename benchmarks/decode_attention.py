@@ -29,40 +29,10 @@ from kimiserve.cache.pool import PagePool  # noqa: E402
 from kimiserve.config import load_preset  # noqa: E402
 from kimiserve.ops.indexer import reference as indexer_ref  # noqa: E402
 from kimiserve.ops.mla import reference as mla_ref  # noqa: E402
+from kimiserve.utils.cuda_timing import cuda_time, graph_time  # noqa: E402
 
 INDEX_BYTES = 132  # fp8 key + fp32 scale per token
 LATENT_BYTES = 576
-
-
-def cuda_time(fn, repeats: int = 20, warmup: int = 3) -> float:
-    """Median milliseconds of fn() over `repeats` runs, by CUDA events."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    times.sort()
-    return times[len(times) // 2]
-
-
-def graph_time(fn, repeats: int = 20) -> float:
-    """Median milliseconds of replaying fn() captured in a CUDA graph (no host launch cost: how the
-    engine runs decode steps)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return cuda_time(graph.replay, repeats)
 
 
 def copy_bandwidth_gbps() -> float:

@@ -20,6 +20,7 @@ from kimiserve.cache.layout import CacheLayout
 from kimiserve.cache.pool import PagePool
 from kimiserve.config import load_preset
 from kimiserve.ops.mla import reference as ref
+from kimiserve.utils.cuda_timing import cuda_time, graph_time
 
 pytestmark = pytest.mark.gpu
 
@@ -201,36 +202,6 @@ def test_row_without_tokens_is_nan_and_leaves_others_alone(tt):
 
 
 # timing (printed, not asserted) ------------------------------------------------------------------
-def cuda_time(fn, repeats: int = 20, warmup: int = 3) -> float:
-    """Median milliseconds of fn() over `repeats` runs, by CUDA events."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
-
-
-def graph_time(fn, calls: int = 10) -> float:
-    """Milliseconds per call without the host's launch cost: median replay of a CUDA graph of `calls` calls."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    return cuda_time(graph.replay) / calls
-
-
 def _time_case(tt, kind: str, B: int, ctx: int, sms: int) -> list[str]:
     cache, ls, tables, q_lat, q_pe, scale = build_case("kimi-k3.1-pro", "fp8", [ctx] * B, 96, "cuda", 1.0)
     per_row = TOPK if kind == "sparse" else ctx
@@ -252,7 +223,7 @@ def _time_case(tt, kind: str, B: int, ctx: int, sms: int) -> list[str]:
         splits = tt.plan_splits(B, -(-q_lat.shape[1] // cfg.block_h), per_row, cfg, sms)[0]
         head = f"{kind:6} B={B:<3} ctx={ctx:<6} {name:13}"
         try:
-            eager, graphed = cuda_time(fn), graph_time(fn)
+            eager, graphed = cuda_time(fn), graph_time(fn, calls=10)
         except Exception as e:  # e.g. out of shared memory for a tiling
             lines.append(f"{head} failed: {type(e).__name__}: {str(e)[:100]}")
             continue

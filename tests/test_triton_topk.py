@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from kimiserve.ops.topk.reference import topk_reference
+from kimiserve.utils.cuda_timing import cuda_time
 
 pytestmark = pytest.mark.gpu
 
@@ -147,21 +148,6 @@ def test_cuda_graph():
         assert torch.equal(out.sort(1).values, want.sort(1).values), kind
 
 
-def _median_ms(fn, reps: int = 20) -> float:
-    """Median of `reps` CUDA-event timings of fn() (after 3 warm-up calls)."""
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def _median_wall_ms(fn, reps: int = 20) -> float:
     torch.cuda.synchronize()
     times = []
@@ -216,9 +202,9 @@ def time_topk(B: int, S: int, k: int, kind: str = "randn", **tuning) -> list[str
     theirs = lambda: torch.topk(scores, k, dim=1)  # noqa: E731
     lines = [f"topk B={B} S={S} k={k} ({kind} scores{', ' + str(tuning) if tuning else ''}), medians of 20:"]
     for name, fn in (("topk_indices", ours), ("torch.topk", theirs)):
-        ev, wall, (kernels, parts) = _median_ms(fn), _median_wall_ms(fn), _kernel_us(fn)
+        ev, wall, (kernels, parts) = cuda_time(fn), _median_wall_ms(fn), _kernel_us(fn)
         try:
-            graph = f"{_median_ms(_graphed(fn)) * 1e3:.1f} us"
+            graph = f"{cuda_time(_graphed(fn)) * 1e3:.1f} us"
         except RuntimeError as e:  # capture refused
             graph = f"n/a ({str(e).splitlines()[0][:60]})"
         lines.append(f"  {name:12s} kernels {kernels:.1f} us | CUDA graph replay {graph} | "
