@@ -33,8 +33,8 @@ class RequestGroup:
 
     @property
     def finished(self) -> bool:
-        return len(self.samples) == self.params.n and all(s.finished for s in self.samples) or (
-            bool(self.samples) and self.samples[0].finish_reason == "abort")
+        # an aborted group is dropped by abort_request and never reported again
+        return len(self.samples) == self.params.n and all(s.finished for s in self.samples)
 
 
 class LLMEngine:

@@ -3,7 +3,7 @@
 import torch
 
 from kimiserve.ops.dtypes import compute_dtype
-from kimiserve.ops.topk.reference import causal_topk
+from kimiserve.ops.topk.reference import topk_reference
 
 
 def indexer_scores(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -63,7 +63,7 @@ def paged_indexer_topk(
     k: int,
     dtype: torch.dtype,
 ) -> torch.Tensor:
-    """`paged_indexer_scores` then the top k: token positions int64 [B, k], best first, -1 padded
-    (see `causal_topk` for the tie rule)."""
+    """`paged_indexer_scores` then `topk_reference`: token positions int64 [B, k], best first, -1
+    padded (see `causal_topk` for the tie rule)."""
     scores = paged_indexer_scores(q, weights, key_cache, key_scales, block_tables, context_lens, dtype)
-    return causal_topk(scores.unsqueeze(1), (context_lens - 1).unsqueeze(1), k)[:, 0]
+    return topk_reference(scores, k, context_lens)
