@@ -321,3 +321,24 @@ def test_dense_mla_model_from_folder(engines, linear_checkpoint, kv):
         assert_matches_full_forward(engine, prompt, outs[f"r{i}"].outputs[0].token_ids)
     again = run(engine, [prompts[1]], SamplingParams(max_tokens=3, **GREEDY), ids=["again"])["again"]
     assert again.num_cached_tokens == 99
+
+
+@pytest.mark.parametrize("dense", [False, True])
+@pytest.mark.parametrize("dtype,kv", [("float32", "bf16"), ("float32", "fp8"), ("bfloat16", "fp8")])
+def test_prefill_in_place_matches_full_forward(engines, linear_checkpoint, dtype, kv, dense):
+    """Prefill chunks through the paged decode ops, one row per query token (what CUDA runs, here
+    with the reference ops): chunked, batched with decodes, and after a prefix hit."""
+    import dataclasses
+
+    from kimiserve.ops.backend import REFERENCE_OPS
+
+    model = linear_checkpoint if dense else "tiny"
+    engine = engines(dtype, kv, model=model, max_num_batched_tokens=37)
+    engine.runner.ops = dataclasses.replace(REFERENCE_OPS, prefill_in_place=True)
+    prompts = random_prompts([4, 90, 130], seed=21)
+    outs = run(engine, prompts, SamplingParams(max_tokens=8, **GREEDY))
+    for i, prompt in enumerate(prompts):
+        assert_matches_full_forward(engine, prompt, outs[f"r{i}"].outputs[0].token_ids)
+    again = run(engine, [prompts[2] + [7, 8, 9]], SamplingParams(max_tokens=3, **GREEDY), ids=["again"])["again"]
+    assert again.num_cached_tokens == 129
+    assert_matches_full_forward(engine, prompts[2] + [7, 8, 9], again.outputs[0].token_ids)

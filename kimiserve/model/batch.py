@@ -57,6 +57,9 @@ class ForwardBatch:
     """int64 [Bd]: their context lengths including the new token."""
     decode_state_pages: torch.Tensor
     """int64 [Bd, num_kda_layers]: their state pages."""
+    decode_max_context: int = 0
+    """>= every decode context length: the width of the decode ops' score rows and splits, known on
+    the host (no sync); a captured CUDA graph fixes it to its context bucket."""
     ops: DecodeOps = REFERENCE_OPS
     """The paged decode ops (Triton kernels on CUDA, references elsewhere)."""
 
@@ -83,6 +86,7 @@ class ForwardBatch:
             decode_block_tables=to(tables),
             decode_context_lens=to(torch.tensor([c.context_end for c in decode], dtype=torch.int64)),
             decode_state_pages=to(states),
+            decode_max_context=max((c.context_end for c in decode), default=0),
             ops=ops,
         )
 

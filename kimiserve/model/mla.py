@@ -18,6 +18,8 @@ from kimiserve.ops.topk.reference import causal_topk, selection_mask
 # HF builds q_a_layernorm / kv_a_layernorm with KimiRMSNorm's default eps, not rms_norm_eps
 LORA_NORM_EPS = 1e-6
 INDEX_KEY_NORM_EPS = 1e-6
+# in-place prefill scores at most this many bytes of [query rows, context] at a time
+PREFILL_SCORE_BYTES = 256 << 20
 
 
 class Indexer(nn.Module):
@@ -126,38 +128,36 @@ class MLAAttention(nn.Module):
 
     def forward_paged(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """Packed tokens x [1, N, d] of several sequences: write their latents and index keys to the
-        cache, then attend over each sequence's cached context (one-token sequences batched through
-        the paged decode ops, longer chunks one by one)."""
-        layer, pool = self.cache_index, batch.pool
+        cache, then attend over each sequence's cached context. One-token sequences run batched
+        through the paged decode ops; a longer chunk runs through the same ops with one row per
+        query token when `ops.prefill_in_place` (the kernels read the pages in place), else by
+        gathering its context into the masked full-sequence form (the reference)."""
+        layer, pool, ops = self.cache_index, batch.pool, batch.ops
         N, L = x.shape[1], self.kv_lora_rank
         q_nope, q_pe, q_latent = self.query(x)
         c, k_pe = self.latent(x)
         keys = self.indexer.keys(x)[0] if hasattr(self, "indexer") else None
-        ops = batch.ops
         pool.write_mla(layer, batch.write_pages, batch.write_offsets, torch.cat([c, k_pe], dim=-1)[0], keys,
                        ops.write_mla_tokens)
         w_kc, w_vc = split_kv_b(self.kv_b_proj.weight, self.num_heads, self.nope)
         o = x.new_empty(1, N, self.num_heads, self.v_dim)
         rows = batch.decode_rows
         if rows.numel():
-            tables, lens = batch.decode_block_tables, batch.decode_context_lens
-            dt = compute_dtype(q_nope, w_kc)
-            q_abs = torch.einsum("bhd,hdl->bhl", q_nope[0, rows].to(dt), w_kc.to(dt))
-            latent_scale = pool.latent_scales[layer] if pool.kv_cache_dtype == "fp8" else None
-            if keys is not None:
-                iq, iw = self.indexer.queries(x[:, rows], q_latent[:, rows])
-                scales = pool.index_scale[layer] if pool.index_scale else None
-                scores = ops.indexer_scores(iq[0], iw[0], pool.index_key[layer], scales, tables, lens, x.dtype)
-                idx = ops.topk(scores, self.indexer.topk, lens)
-                out = ops.sparse_mla_decode(q_abs, q_pe[0, rows], pool.latent[layer], latent_scale, tables, idx,
-                                            self.scale, x.dtype)
-            else:
-                out = ops.dense_mla_decode(q_abs, q_pe[0, rows], pool.latent[layer], latent_scale, tables, lens,
-                                           self.scale, x.dtype)
-            o[0, rows] = torch.einsum("bhl,hdl->bhd", out, w_vc.to(dt)).to(o.dtype)
+            o[0, rows] = self.attend_pages(x[0, rows], q_nope[0, rows], q_pe[0, rows], q_latent[0, rows], w_kc, w_vc,
+                                           batch.decode_block_tables, batch.decode_context_lens,
+                                           batch.decode_max_context, batch).to(o.dtype)
         for chunk in batch.prefill_chunks:
-            span = slice(chunk.start, chunk.end)
             S = chunk.context_end
+            if ops.prefill_in_place:
+                table = chunk.block_table.to(x.device).unsqueeze(0)
+                step = max(1, PREFILL_SCORE_BYTES // (4 * S))  # bounds the [rows, S] fp32 score buffer
+                for lo in range(chunk.start, chunk.end, step):
+                    r = slice(lo, min(chunk.end, lo + step))
+                    n = r.stop - r.start
+                    o[0, r] = self.attend_pages(x[0, r], q_nope[0, r], q_pe[0, r], q_latent[0, r], w_kc, w_vc,
+                                                table.expand(n, -1), batch.positions[r] + 1, S, batch).to(o.dtype)
+                continue
+            span = slice(chunk.start, chunk.end)
             ctx_pos = torch.arange(S, device=x.device)
             pages = chunk.block_table.to(x.device)[ctx_pos // pool.block_size]
             offsets = ctx_pos % pool.block_size
@@ -172,3 +172,23 @@ class MLAAttention(nn.Module):
                 q_nope[:, span], q_pe[:, span], latent[..., :L], latent[..., L:], w_kc, w_vc, self.scale, mask
             )
         return self.output(x, o.reshape(1, N, -1))
+
+    def attend_pages(self, x, q_nope, q_pe, q_latent, w_kc, w_vc, tables, lens, max_context: int,
+                     batch: ForwardBatch) -> torch.Tensor:
+        """Query rows [n, ...] (row i at position lens[i] - 1 of the sequence with page table tables[i])
+        attend over the cached tokens before them through the paged decode ops: the index scan, top-k
+        and sparse MLA, or dense MLA without an indexer. Returns [n, H, v_dim] in the compute dtype."""
+        layer, pool, ops = self.cache_index, batch.pool, batch.ops
+        dt = compute_dtype(q_nope, w_kc)
+        q_abs = torch.einsum("bhd,hdl->bhl", q_nope.to(dt), w_kc.to(dt))
+        latent_scale = pool.latent_scales[layer] if pool.kv_cache_dtype == "fp8" else None
+        if hasattr(self, "indexer"):
+            iq, iw = self.indexer.queries(x.unsqueeze(0), q_latent.unsqueeze(0))
+            scales = pool.index_scale[layer] if pool.index_scale else None
+            scores = ops.indexer_scores(iq[0], iw[0], pool.index_key[layer], scales, tables, lens, x.dtype, max_context)
+            idx = ops.topk(scores, self.indexer.topk, lens)
+            out = ops.sparse_mla_decode(q_abs, q_pe, pool.latent[layer], latent_scale, tables, idx, self.scale, x.dtype)
+        else:
+            out = ops.dense_mla_decode(q_abs, q_pe, pool.latent[layer], latent_scale, tables, lens, self.scale, x.dtype,
+                                       max_context)
+        return torch.einsum("bhl,hdl->bhd", out, w_vc.to(dt))

@@ -22,17 +22,21 @@ class DecodeOps:
     write_mla_tokens: Callable
     """(latent_cache, key_cache, key_scales, pages, offsets, latent, keys, kv_cache_dtype, latent_scale)"""
     indexer_scores: Callable
-    """(q, weights, key_cache, key_scales, block_tables, context_lens, dtype) -> [B, S] fp32"""
+    """(q, weights, key_cache, key_scales, block_tables, context_lens, dtype, max_context) -> [B, max_context] fp32"""
     topk: Callable
     """(scores, k, lengths) -> [B, k] positions"""
     sparse_mla_decode: Callable
     """(q_latent, q_pe, latent_cache, latent_scale, block_tables, indices, scale, dtype) -> [B, H, L]"""
     dense_mla_decode: Callable
-    """(q_latent, q_pe, latent_cache, latent_scale, block_tables, context_lens, scale, dtype) -> [B, H, L]"""
+    """(q_latent, q_pe, latent_cache, latent_scale, block_tables, context_lens, scale, dtype, max_context) -> [B, H, L]"""
     kda_prefill: Callable
     """(q, k, v, g, beta, initial_state [B, H, K, V]) -> (o [B, T, H, V], final state): KDA chunked form"""
     kda_decode: Callable
     """(q, k, v, g, beta, states [P, H, K, V] view, page_ids [Bd]) -> o [Bd, 1, H, V]; updates those pages"""
+    prefill_in_place: bool = False
+    """MLA prefill chunks: True runs the decode ops above with one row per query token, reading the
+    pages in place (the kernels); False gathers the chunk's context and runs the masked full-sequence
+    form (the reference)."""
 
 
 REFERENCE_OPS = DecodeOps(
@@ -64,4 +68,4 @@ def select_decode_ops(device: torch.device) -> DecodeOps:
         return REFERENCE_OPS
     return DecodeOps("triton", cache_write_tt.write_mla_tokens, indexer_tt.paged_indexer_scores,
                      topk_tt.topk_indices, mla_tt.paged_sparse_mla_decode, mla_tt.paged_dense_mla_decode,
-                     *_kda_ops())
+                     *_kda_ops(), prefill_in_place=True)

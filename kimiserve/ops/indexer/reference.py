@@ -33,16 +33,18 @@ def paged_indexer_scores(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     dtype: torch.dtype,
+    max_context: int | None = None,
 ) -> torch.Tensor:
     """Decode-time indexer scan: one query per sequence scores every cached index key.
 
     q [B, Hi, D]; weights [B, Hi]; key_cache [P, block_size, D] (bf16 or e4m3) with key_scales
     [P, block_size] fp32 for e4m3 (None otherwise); block_tables [B, M] page ids; context_lens [B]
     (the query is the token at position context_len - 1, so all cached tokens are visible).
-    Keys are dequantised to `dtype` (the model dtype) before scoring. Returns fp32 [B, max
-    context_len]: score[b, s] = sum_h weights[b, h] ReLU(q[b, h] . k_s), -inf for s >= context_lens[b].
+    Keys are dequantised to `dtype` (the model dtype) before scoring. Returns fp32 [B, max_context]
+    (default: the longest context, a host sync): score[b, s] = sum_h weights[b, h] ReLU(q[b, h] . k_s),
+    -inf for s >= context_lens[b].
     """
-    S = int(context_lens.max())
+    S = int(context_lens.max()) if max_context is None else max_context
     pos = torch.arange(S, device=q.device).expand(q.shape[0], S)
     pos = torch.minimum(pos, (context_lens - 1).unsqueeze(1))  # padding rows read a valid slot; masked below
     keys = gather_paged(key_cache, block_tables, pos).float()

@@ -93,10 +93,12 @@ def paged_dense_mla_decode(
     context_lens: torch.Tensor,
     scale: float,
     dtype: torch.dtype,
+    max_context: int | None = None,
 ) -> torch.Tensor:
     """Dense decode: `paged_sparse_mla_decode` over every cached token (contexts <= top-k, models
-    without an indexer, and the baseline the sparse path is measured against)."""
-    S = int(context_lens.max())
+    without an indexer, and the baseline the sparse path is measured against). max_context: >= every
+    context length (default: the longest, a host sync)."""
+    S = int(context_lens.max()) if max_context is None else max_context
     idx = torch.arange(S, device=q_latent.device).expand(len(context_lens), S)
     idx = idx.masked_fill(idx >= context_lens.unsqueeze(1), -1)
     return paged_sparse_mla_decode(q_latent, q_pe, latent_cache, latent_scale, block_tables, idx, scale, dtype)

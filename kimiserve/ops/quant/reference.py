@@ -23,6 +23,15 @@ def _e2m1_code(x: torch.Tensor) -> torch.Tensor:
     return code | (torch.signbit(x).to(torch.uint8) << 3)
 
 
+def _e2m1_value(codes: torch.Tensor) -> torch.Tensor:
+    """fp32 value of e2m1 codes (uint8, low 4 bits), computed rather than looked up, so it needs no
+    host-to-device copy (CUDA-graph safe): 0 and 0.5 for exponent 0, else (1 + m / 2) * 2^(e - 1)."""
+    e = ((codes >> 1) & 3).float()
+    m = (codes & 1).float()
+    mag = torch.where(e == 0, m * 0.5, (1 + m * 0.5) * torch.exp2(e - 1))
+    return torch.where((codes & 8) != 0, -mag, mag)
+
+
 def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """w [..., K] (K divisible by 32) -> (packed uint8 [..., K/2], scales uint8 [..., K/32])."""
     if w.shape[-1] % MXFP4_GROUP:
@@ -45,10 +54,8 @@ def dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
     """Inverse of `quantize_mxfp4`: packed [..., K/2], scales [..., K/32] -> [..., K] in dtype."""
     if packed.shape[-1] * 2 != scales.shape[-1] * MXFP4_GROUP or packed.shape[:-1] != scales.shape[:-1]:
         raise ValueError(f"packed {tuple(packed.shape)} and scales {tuple(scales.shape)} do not describe one tensor")
-    lut = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=packed.device)
-    lut = torch.cat([lut, -lut])
-    codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).view(*packed.shape[:-1], -1).long()
-    values = lut[codes].view(*packed.shape[:-1], -1, MXFP4_GROUP)
+    codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).view(*packed.shape[:-1], -1)
+    values = _e2m1_value(codes).view(*packed.shape[:-1], -1, MXFP4_GROUP)
     scale = torch.exp2(scales.float() - 127).unsqueeze(-1)
     return (values * scale).view(*packed.shape[:-1], -1).to(dtype)
 
