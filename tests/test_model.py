@@ -183,3 +183,22 @@ def test_unexpected_tensor_is_named(tmp_path):
     index_path.write_text(json.dumps(index))
     with pytest.raises(ValueError, match="match no parameter.*self_attn.bogus"):
         load_weights(build_model(load_preset("tiny"), torch.float32, seed=None), tmp_path)
+
+
+@pytest.mark.parametrize("mxfp4", [True, False])
+@pytest.mark.parametrize("tokens", [1, 3, 9, 300])
+def test_routed_expert_forms_agree(tokens, mxfp4):
+    """The routing-independent forms (a token's own experts; every expert, weighted 0 where unrouted)
+    equal the loop over picked experts."""
+    from kimiserve.model.moe import RoutedExperts
+    from kimiserve.ops.moe.reference import experts_forward
+
+    config = load_preset("tiny").replace(routed_experts_mxfp4=mxfp4)
+    experts = build_model(config, torch.float32, seed=4).model.layers[1].block_sparse_moe.experts
+    g = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, config.moe_hidden_size, generator=g)
+    ids = torch.stack([torch.randperm(config.num_experts, generator=g)[:2] for _ in range(tokens)])
+    weights = torch.rand(tokens, 2, generator=g)
+    ref = experts_forward(x, ids, weights, experts.run_expert, experts.num_experts)
+    assert isinstance(experts, RoutedExperts)
+    assert torch.allclose(experts(x, ids, weights), ref, rtol=1e-5, atol=1e-6)

@@ -46,6 +46,9 @@ class EngineArgs:
     """Fraction of the GPU's memory the engine may use (weights + cache) when no cache size is given."""
     enable_prefix_caching: bool = True
     """Reuse cached prefixes (pages + KDA state snapshots at prompt and request ends)."""
+    enforce_eager: bool = False
+    """Run decode steps eagerly instead of replaying CUDA graphs (CUDA only; a graph is captured the first
+    time a padded batch size and context bucket occur)."""
 
     def validate(self) -> None:
         def positive(name):

@@ -6,6 +6,7 @@ import itertools
 import math
 from dataclasses import dataclass, field
 
+import torch
 
 from kimiserve.cache.allocator import PageAllocator
 from kimiserve.cache.layout import CacheLayout
@@ -35,6 +36,10 @@ class RequestGroup:
     def finished(self) -> bool:
         # an aborted group is dropped by abort_request and never reported again
         return len(self.samples) == self.params.n and all(s.finished for s in self.samples)
+
+
+def uses_cuda_graphs(device: torch.device, args: EngineArgs) -> bool:
+    return device.type == "cuda" and not args.enforce_eager
 
 
 class LLMEngine:
@@ -72,11 +77,20 @@ class LLMEngine:
                 f"max_model_len={self.max_model_len} tokens needs {needed}: lower max_model_len or give more "
                 f"cache (num_pages, kv_cache_memory_gib, gpu_memory_utilization)"
             )
-        self.pool = PagePool(self.layout, num_pages, self.device)
+        use_graphs = uses_cuda_graphs(self.device, args)
+        # CUDA graphs pad batches with rows on pages past the allocator's: one attention page + a state set
+        reserved = 1 + num_state if use_graphs else 0
+        self.pool = PagePool(self.layout, num_pages + reserved, self.device)
         self.allocator = PageAllocator(num_pages, self.layout.block_size, num_state, args.enable_prefix_caching)
         self.scheduler = Scheduler(self.allocator, num_state, args.max_num_seqs, args.max_num_batched_tokens,
                                    args.enable_prefix_caching)
         self.runner = ModelRunner(self.model, self.pool, Sampler(args.seed), self.eos_token_id)
+        if use_graphs:
+            from kimiserve.engine.cuda_graphs import DecodeGraphs
+
+            pad_states = torch.arange(num_pages + 1, num_pages + reserved, dtype=torch.int64)
+            self.runner.graphs = DecodeGraphs(self.model, self.pool, self.runner.ops, args.max_num_seqs,
+                                              self.max_model_len, num_pages, pad_states)
         self.groups: dict[str, RequestGroup] = {}
         self._arrivals = itertools.count()
         self.num_computed_tokens = 0

@@ -29,6 +29,8 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         self.ops = select_decode_ops(self.device)
         self.eos_token_id = eos_token_id
+        self.graphs = None
+        """DecodeGraphs replaying decode-only steps (CUDA), or None: every step runs eagerly."""
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> list[ChunkResult]:
@@ -61,9 +63,14 @@ class ModelRunner:
             plans.append((first, lo, n_prompt, samples))
             row += n
 
-        batch = ForwardBatch.build(self.pool, seq_chunks, self.device, self.ops)
-        input_ids = torch.tensor(ids, device=self.device)
-        logits = self.model.forward_batch(input_ids, batch, torch.tensor(logit_rows, device=self.device, dtype=torch.long))
+        logits = None
+        if self.graphs is not None and logit_rows == list(range(len(seq_chunks))) and row == len(seq_chunks):
+            logits = self.graphs.run(ids, seq_chunks)  # one token per sequence, each sampled
+        if logits is None:
+            batch = ForwardBatch.build(self.pool, seq_chunks, self.device, self.ops)
+            input_ids = torch.tensor(ids, device=self.device)
+            rows = torch.tensor(logit_rows, device=self.device, dtype=torch.long)
+            logits = self.model.forward_batch(input_ids, batch, rows)
 
         results, sample_rows, sample_reqs, owners = [], [], [], []
         for chunk, (first, lo, n_prompt, samples) in zip(sched.chunks, plans):

@@ -11,6 +11,9 @@ from kimiserve.ops.activation.reference import silu_and_mul, situ_and_mul
 from kimiserve.ops.moe.reference import experts_forward, route
 from kimiserve.ops.quant.reference import MXFP4_GROUP, dequantize_mxfp4
 
+# batches of up to this many tokens take the routing-independent expert forms (the largest captured decode batch)
+STATIC_MOE_TOKENS = 256
+
 
 def gated_activation(config: ModelConfig):
     if config.hidden_act == "situ":
@@ -90,8 +93,34 @@ class RoutedExperts(nn.Module):
         w1, w2, w3 = (self.expert_weight(n, e).to(x.dtype) for n in self.NAMES)
         return self.act(x @ w1.T, x @ w3.T) @ w2.T
 
+    def stacked_weight(self, name: str, experts: torch.Tensor) -> torch.Tensor:
+        """Weights of the given experts [M] stacked: [M, out, in] in the model dtype."""
+        if self.mxfp4:
+            return dequantize_mxfp4(getattr(self, f"{name}_packed")[experts], getattr(self, f"{name}_scale")[experts],
+                                    self.dtype)
+        return getattr(self, name)[experts]
+
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        return experts_forward(x, ids, weights, self.run_expert, self.num_experts)
+        """x [N, h], ids/weights [N, k] -> [N, h]. Up to STATIC_MOE_TOKENS tokens run in a form whose
+        shapes do not depend on the routing (no host sync; CUDA graphs capture it): each token through
+        its own k experts when that reads fewer than all experts, else every expert on every token
+        with unrouted pairs weighted 0. More tokens loop over the experts that were picked."""
+        N, k = ids.shape
+        if N > STATIC_MOE_TOKENS:
+            return experts_forward(x, ids, weights, self.run_expert, self.num_experts)
+        if N * k <= self.num_experts:
+            w1, w2, w3 = (self.stacked_weight(n, ids.reshape(-1)).to(x.dtype) for n in self.NAMES)
+            xs = x.repeat_interleave(k, dim=0).unsqueeze(-1)  # [N * k, h, 1]
+            act = self.act(torch.bmm(w1, xs), torch.bmm(w3, xs))
+            y = torch.bmm(w2, act)[..., 0].float().view(N, k, -1)
+            return (y * weights.float().unsqueeze(-1)).sum(1).to(x.dtype)
+        every = torch.arange(self.num_experts, device=x.device)
+        w1, w2, w3 = (self.stacked_weight(n, every).to(x.dtype) for n in self.NAMES)
+        act = self.act(torch.einsum("nh,eih->eni", x, w1), torch.einsum("nh,eih->eni", x, w3))
+        y = torch.einsum("eni,ehi->enh", act, w2).float()
+        dense = torch.zeros(N, self.num_experts, dtype=torch.float32, device=x.device)
+        dense.scatter_(1, ids, weights.float())
+        return torch.einsum("enh,ne->nh", y, dense).to(x.dtype)
 
 
 def load_expert_slice(param: nn.Parameter, loaded: torch.Tensor, name: str, expert: int) -> None:

@@ -1,0 +1,146 @@
+"""CUDA graphs for decode steps: one graph per (padded batch size, context bucket), captured the
+first time a step of that shape runs, then replayed.
+
+A graph's inputs live in static device buffers that each step refills: token ids, positions, the
+cache slot each token writes, block tables, context lengths and KDA state pages. Rows past the
+real batch are padding: they read and write one reserved attention page and one reserved set of
+state pages that no sequence owns, so their garbage never touches a request. The context bucket
+(a power of two >= 4096, capped at max_model_len) is the width of the index scan's score rows and
+of the dense MLA splits, so short contexts do not pay for max_model_len.
+
+Capturing runs the forward once eagerly on padding rows only (it compiles kernels and settles the
+allocator) and then records it; neither touches a real sequence's pages, so the step it was
+captured for then replays once with its real inputs.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import torch
+
+from kimiserve.cache.pool import PagePool
+from kimiserve.model.batch import ForwardBatch, SequenceChunk
+from kimiserve.model.model import KimiForCausalLM
+from kimiserve.model.moe import STATIC_MOE_TOKENS
+from kimiserve.ops.backend import DecodeOps
+
+MIN_CONTEXT_BUCKET = 4096
+
+
+def capture_sizes(max_batch: int) -> list[int]:
+    """Padded batch sizes: 1, 2, 4, 8, then every multiple of 16 up to max_batch (and max_batch)."""
+    sizes = [s for s in (1, 2, 4, 8) if s < max_batch] + list(range(16, max_batch, 16))
+    return sorted(set(sizes + [max_batch]))
+
+
+class DecodeGraphs:
+    """Captures and replays decode-only steps of `model` on `pool`.
+
+    pad_page: an attention page no sequence owns; pad_state_pages: int64 [num_kda_layers] state
+    pages no sequence owns (both reserved by the engine outside the allocator's pages).
+    """
+
+    def __init__(self, model: KimiForCausalLM, pool: PagePool, ops: DecodeOps, max_num_seqs: int,
+                 max_model_len: int, pad_page: int, pad_state_pages: torch.Tensor):
+        self.model, self.pool, self.ops = model, pool, ops
+        self.sizes = capture_sizes(max(1, min(max_num_seqs, STATIC_MOE_TOKENS)))
+        self.max_batch, self.max_model_len = self.sizes[-1], max_model_len
+        self.pad_page = pad_page
+        dev = pool.data.device
+        B, width = self.max_batch, math.ceil(max_model_len / pool.block_size)
+        long = dict(dtype=torch.int64, device=dev)
+        self.input_ids = torch.zeros(B, **long)
+        self.positions = torch.zeros(B, **long)
+        self.write_pages = torch.full((B,), pad_page, **long)
+        self.write_offsets = torch.zeros(B, **long)
+        self.block_tables = torch.full((B, width), pad_page, **long)
+        self.context_lens = torch.ones(B, **long)
+        self.pad_state_pages = pad_state_pages.to(dev)
+        self.state_pages = self.pad_state_pages.expand(B, -1).contiguous()
+        self.rows = torch.arange(B, **long)
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.memory_pool = None  # one private pool shared by every graph (never replayed concurrently)
+        self.disabled: str | None = None
+        """Why graphs are off (a capture failed), else None."""
+        self.replays = 0
+
+    def padded_size(self, n: int) -> int | None:
+        return next((s for s in self.sizes if s >= n), None)
+
+    def context_bucket(self, max_context: int) -> int:
+        bucket = MIN_CONTEXT_BUCKET
+        while bucket < max_context:
+            bucket *= 2
+        return min(bucket, self.max_model_len)
+
+    def run(self, input_ids: list[int], chunks: list[SequenceChunk]) -> torch.Tensor | None:
+        """Logits [n, vocab] of a decode-only step (one token per chunk), or None when no graph can
+        run it (too large a batch, or graphs disabled): the caller runs it eagerly."""
+        n = len(chunks)
+        size = self.padded_size(n)
+        if self.disabled or size is None or n == 0:
+            return None
+        bucket = self.context_bucket(max(c.context_end for c in chunks))
+        key = (size, bucket)
+        if key not in self.graphs and not self._capture(size, bucket):
+            return None
+        self._fill(input_ids, chunks, size, bucket)
+        graph, logits = self.graphs[key]
+        graph.replay()
+        self.replays += 1
+        return logits[:n]
+
+    def _fill(self, input_ids: list[int], chunks: list[SequenceChunk], size: int, bucket: int) -> None:
+        """Real rows from the chunks, padding rows on the reserved pages; one host-to-device copy per buffer."""
+        n, bs = len(chunks), self.pool.block_size
+        cols = math.ceil(bucket / bs)
+        positions = torch.tensor([c.context_start for c in chunks], dtype=torch.int64)
+        tables = torch.full((size, cols), self.pad_page, dtype=torch.int64)
+        for i, c in enumerate(chunks):
+            used = min(len(c.block_table), cols)
+            tables[i, :used] = c.block_table[:used]
+        pad = size - n
+        self.input_ids[:size].copy_(torch.tensor(list(input_ids) + [0] * pad))
+        self.positions[:size].copy_(torch.cat([positions, torch.zeros(pad, dtype=torch.int64)]))
+        self.write_pages[:size].copy_(torch.cat([tables[torch.arange(n), positions // bs],
+                                                 torch.full((pad,), self.pad_page, dtype=torch.int64)]))
+        self.write_offsets[:size].copy_(torch.cat([positions % bs, torch.zeros(pad, dtype=torch.int64)]))
+        self.block_tables[:size, :cols].copy_(tables)
+        self.context_lens[:size].copy_(torch.cat([positions + 1, torch.ones(pad, dtype=torch.int64)]))
+        if n:
+            self.state_pages[:n].copy_(torch.stack([c.state_pages for c in chunks]))
+        self.state_pages[n:size].copy_(self.pad_state_pages.expand(pad, -1))
+
+    def _batch(self, size: int, bucket: int) -> ForwardBatch:
+        return ForwardBatch(
+            pool=self.pool, positions=self.positions[:size], write_pages=self.write_pages[:size],
+            write_offsets=self.write_offsets[:size], chunks=[], decode_rows=self.rows[:size],
+            decode_block_tables=self.block_tables[:size], decode_context_lens=self.context_lens[:size],
+            decode_state_pages=self.state_pages[:size], decode_max_context=bucket, ops=self.ops,
+        )
+
+    def _capture(self, size: int, bucket: int) -> bool:
+        """Warm up and record the forward of `size` padding rows; False (graphs off, with a warning) on failure."""
+        self._fill([], [], size, bucket)
+        self.pool.zero_state(self.pad_state_pages)
+        batch = self._batch(size, bucket)
+        ids, rows = self.input_ids[:size], self.rows[:size]
+        try:
+            if self.memory_pool is None:
+                self.memory_pool = torch.cuda.graph_pool_handle()
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                self.model.forward_batch(ids, batch, rows)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.memory_pool):
+                logits = self.model.forward_batch(ids, batch, rows)
+        except Exception as e:  # a capture failure must not take the engine down: run eagerly instead
+            self.disabled = f"capturing batch {size}, context {bucket} failed: {type(e).__name__}: {e}"
+            warnings.warn(f"CUDA graphs disabled, decode runs eagerly ({self.disabled})")
+            return False
+        self.graphs[(size, bucket)] = (graph, logits)
+        return True
