@@ -61,3 +61,76 @@ def test_cpu_engine_quick(tmp_path):
             assert positive(r[key]), (name, key)
         for run in r["engine_runs"] + r["baseline_runs"]:
             assert positive(run["seconds"]) and run["tokens"] == r["batch"] * r["prompt_len"]
+
+
+KDA_ROW_KEYS = {"phase", "batch", "seq_len", "tokens", "paged_ms", "plain_ms", "reference_ms", "bytes", "paged_gbps",
+                "plain_gbps", "copy_gbps", "paged_tok_s", "plain_tok_s", "paged_over_plain"}
+
+
+def test_kda_cpu_smoke(tmp_path):
+    """benchmarks/kda.py --cpu-smoke: the reference ops on tiny sizes, every row complete; the paged and
+    plain paths agree (both are the references here)."""
+    out = tmp_path / "kda.json"
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "kda.py"), "--cpu-smoke", "--out", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "paged/plain" in proc.stdout
+    data = json.loads(out.read_text())
+    assert data["device"] == "cpu" and data["cpu_smoke"] is True and data["commit"] and data["date"]
+    assert positive(data["copy_gbps"])
+    assert [r["phase"] for r in data["rows"]] == ["decode", "decode", "prefill", "prefill"]
+    for r in data["rows"]:
+        assert KDA_ROW_KEYS <= r.keys(), KDA_ROW_KEYS - r.keys()
+        for key in KDA_ROW_KEYS - {"phase"}:
+            assert positive(r[key]), (r["phase"], r["batch"], key)
+        assert r["tokens"] == r["batch"] * r["seq_len"] and r["copy_gbps"] == data["copy_gbps"]
+        assert r["paged_vs_plain_rel_rms"] < 1e-5 and r["paged_vs_reference_rel_rms"] < 1e-5
+
+
+def test_kda_needs_cuda():
+    """Without CUDA (and without --cpu-smoke) the script says so and exits with code 2."""
+    import pytest
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is present")
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "kda.py"), "--quick", "--out", os.devnull],
+                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "CUDA" in proc.stderr
+
+
+def test_sweep_decode_cli_without_cuda():
+    """benchmarks/sweep_decode.py parses its flags anywhere; without CUDA it says so and exits with code 2."""
+    import pytest
+    import torch
+
+    script = str(REPO / "benchmarks" / "sweep_decode.py")
+    proc = subprocess.run([sys.executable, script, "--help"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "--max-seconds" in proc.stdout, proc.stderr[-3000:]
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is present")
+    proc = subprocess.run([sys.executable, script, "--out", os.devnull], cwd=REPO, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 2 and "CUDA" in proc.stderr
+
+
+def test_sweep_decode_grids():
+    """Each kernel's grid starts with the wrapper's default launch, and every variant is a valid launch."""
+    import pytest
+    import torch
+
+    pytest.importorskip("triton")
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import sweep_decode
+    from kimiserve.ops.mla.triton import DecodeConfig, default_config
+
+    grid = sweep_decode.grids(4608)
+    assert grid["scan"][0] == dict(block_s=64, tiles=4, num_warps=4, num_stages=2)
+    assert grid["topk"][0] == dict(block=4096, num_warps=8, window=128, cap=256)
+    assert DecodeConfig(**grid["mla"][0]) == default_config(torch.bfloat16)
+    assert (len(grid["scan"]), len(grid["topk"])) == (90, 48)
+    for name, variants in grid.items():
+        assert all(v not in variants[:i] for i, v in enumerate(variants)), name  # no duplicates
+    assert all(4608 % v["block_s"] == 0 for v in grid["scan"])
+    for v in grid["mla"]:
+        DecodeConfig(**v)
