@@ -101,9 +101,15 @@ def _indexer_scores_kernel(
 
 
 def _default_block_s(block_size: int) -> int:
-    """64 tokens per tile (every CacheLayout block size is a multiple of 64), else the largest power of
-    two dividing block_size."""
-    return 64 if block_size % 64 == 0 else block_size & -block_size
+    """128 tokens per tile where that divides block_size (the H200 sweep's best,
+    benchmarks/results/sweep_decode.json), else the largest power of two dividing it."""
+    return min(128, block_size & -block_size)
+
+
+def _default_tiles(batch: int) -> tuple[int, int]:
+    """(tiles per program, pipeline stages): few tiles keep a batch of 1 spread over every SM; large
+    batches fill the GPU anyway and prefer long pipelined runs (H200 sweep)."""
+    return (2, 2) if batch <= 8 else (16, 3)
 
 
 def paged_indexer_scores(
@@ -118,9 +124,9 @@ def paged_indexer_scores(
     out: torch.Tensor | None = None,
     *,
     block_s: int | None = None,
-    tiles: int = 4,
+    tiles: int | None = None,
     num_warps: int = 4,
-    num_stages: int = 2,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """Decode-time indexer scan: one query per sequence scores every cached index key.
 
@@ -132,7 +138,7 @@ def paged_indexer_scores(
     max_context: the output width, >= max(context_lens) (not checked); None takes
     int(context_lens.max()), a host sync (pass it under CUDA graphs). out: optional fp32 [B,
     max_context] buffer to fill (every element is written). block_s (tokens per tile, a power of two
-    >= 16 dividing block_size; default 64), tiles (tiles per program), num_warps, num_stages: launch
+    >= 16 dividing block_size; default 128 where it divides), tiles (tiles per program), num_warps, num_stages: launch
     tuning, no effect on the result.
     """
     B, H, D = q.shape
@@ -144,6 +150,9 @@ def paged_indexer_scores(
     if (key_scales is not None) != (key_cache.dtype == torch.float8_e4m3fn):
         raise ValueError("key_scales must be given exactly when the key cache is e4m3")
     block_s = _default_block_s(page) if block_s is None else block_s
+    default_tiles, default_stages = _default_tiles(B)
+    tiles = default_tiles if tiles is None else tiles
+    num_stages = default_stages if num_stages is None else num_stages
     if page % block_s or block_s < 16 or block_s & (block_s - 1):
         raise ValueError(f"block_s {block_s} must be a power of two >= 16 dividing block_size {page}")
     if max_context is None:

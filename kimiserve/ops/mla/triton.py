@@ -59,13 +59,14 @@ class DecodeConfig:
 
 
 def default_config(dtype: torch.dtype, scale_each: bool = False) -> DecodeConfig:
-    """Chosen from sm_90 compiles (ptxas -v: registers, spills) pending GPU timings:
-    32 heads x 32 tokens, 8 warps: 228 registers, no spills, both latent loads prefetched."""
+    """From the H200 sweep (benchmarks/sweep_decode.py, results/sweep_decode.json): 32 heads x 64
+    tokens, 8 warps, no software pipelining is 1.26-1.40x faster than 32 tokens x 2 stages at batch 1
+    and 64, contexts 128K and 1M. Per-element scales and IEEE fp32 dots take smaller tiles (registers)."""
     if dtype == torch.float32:  # IEEE fp32 dots (FMA): small tiles
         return DecodeConfig(block_h=16, block_n=16, num_warps=4, num_stages=1, reload=False)
     if scale_each:  # the per-element scale costs registers: 16 heads, 4 warps has no spills
         return DecodeConfig(block_h=16, num_warps=4)
-    return DecodeConfig()
+    return DecodeConfig(block_n=64, num_stages=1)
 
 
 @triton.jit
