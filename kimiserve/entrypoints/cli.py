@@ -1,4 +1,4 @@
-"""`kimiserve` command line: inspect, make-checkpoint, generate."""
+"""`kimiserve` command line: inspect, make-checkpoint, generate, serve, bench serve."""
 
 from __future__ import annotations
 
@@ -68,7 +68,63 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _engine_args(args: argparse.Namespace):
+    from kimiserve.engine.args import EngineArgs
+
+    engine_args = EngineArgs.from_cli_args(args)
+    engine_args.dtype = DTYPES.get(engine_args.dtype, engine_args.dtype)
+    return engine_args
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from kimiserve.entrypoints.openai.api_server import run_server
+    from kimiserve.entrypoints.openai.server_args import ServerArgs
+
+    if args.model_tag is not None:
+        if args.model not in ("tiny", args.model_tag):
+            raise ValueError(f"model given twice: {args.model_tag!r} and --model {args.model!r}")
+        args.model = args.model_tag
+    engine_args = _engine_args(args)
+    engine_args.validate()
+    server_args = ServerArgs.from_cli_args(args)
+    server_args.validate()
+    return run_server(engine_args, server_args)
+
+
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    from kimiserve.bench.serve import main as bench_main
+
+    return bench_main(args) or 0
+
+
+def _add_serve_parser(sub) -> None:
+    from kimiserve.engine.args import EngineArgs
+    from kimiserve.entrypoints.openai.server_args import ServerArgs
+
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (like `vllm serve`)",
+                       description="Serve a model over an OpenAI-compatible HTTP API: /v1/completions, "
+                                   "/v1/chat/completions, /v1/models, /tokenize, /detokenize, /health, /metrics.")
+    p.add_argument("model_tag", nargs="?", default=None, help="the model (same as --model)")
+    ServerArgs.add_cli_args(p.add_argument_group("server arguments (ServerArgs)"))
+    p.add_argument("--dtype", default="auto", help="model dtype: fp32/float32, bf16/bfloat16 or auto "
+                   "(bfloat16 on GPU, float32 on CPU)")
+    EngineArgs.add_cli_args(p.add_argument_group("engine arguments (EngineArgs)"), skip=("dtype",))
+    p.set_defaults(func=cmd_serve)
+
+
+def _add_bench_parser(sub, load: bool) -> None:
+    p = sub.add_parser("bench", help="benchmarks against a running server")
+    bench = p.add_subparsers(dest="bench_command", required=True)
+    serve = bench.add_parser("serve", help="load a running server with streaming requests and report "
+                                           "throughput and latencies")
+    if load:  # the bench module is only imported when a bench command runs
+        from kimiserve.bench.serve import add_cli_arguments
+
+        add_cli_arguments(serve)
+    serve.set_defaults(func=cmd_bench_serve)
+
+
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     from kimiserve.engine.args import EngineArgs
 
     parser = argparse.ArgumentParser(prog="kimiserve", description="Serve Kimi-K3.1-family models.")
@@ -103,11 +159,15 @@ def build_parser() -> argparse.ArgumentParser:
     EngineArgs.add_cli_args(p.add_argument_group("engine arguments (EngineArgs)"), skip=("seed", "dtype"))
     p.add_argument("prompt", nargs="+", help="one or more prompts")
     p.set_defaults(func=cmd_generate)
+
+    _add_serve_parser(sub)
+    _add_bench_parser(sub, load=bool(argv) and argv[0] == "bench")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser(argv).parse_args(argv)
     try:
         return args.func(args)
     except ValueError as e:

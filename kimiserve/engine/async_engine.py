@@ -1,0 +1,275 @@
+"""AsyncLLMEngine: the engine in its own thread, streaming outputs to asyncio consumers.
+
+The engine thread is the only caller of the `LLMEngine` (one engine call at a time). The event
+loop hands it commands (add, abort) through a locked list and a condition variable; the thread
+applies them between steps, runs a step, and posts the step's outputs back to the loop with one
+`loop.call_soon_threadsafe` per step, where each request's output lands in its consumer's
+`asyncio.Queue` (its "sink"). Queues are unbounded, so a slow consumer only grows its own queue
+and never stalls the engine or the other requests. With nothing to do the thread waits on the
+condition variable (no polling).
+
+    engine = AsyncLLMEngine.from_engine_args(EngineArgs(model="tiny"))
+    engine.start()                                  # inside the running event loop
+    async for out in engine.generate("r1", "Hello", SamplingParams(max_tokens=8)):
+        print(out.outputs[0].delta_text)
+    await engine.shutdown()
+
+Leaving a `generate` loop early (break, cancellation, client disconnect) aborts the request:
+its pages are freed before the next step. If a step raises, the engine is dead: `errored` is
+True, `dead_error` holds the exception, every consumer receives an `EngineDeadError`, and new
+requests are refused with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from kimiserve.engine.args import EngineArgs
+from kimiserve.engine.engine import LLMEngine
+from kimiserve.engine.outputs import RequestOutput
+from kimiserve.sampling_params import SamplingParams
+
+logger = logging.getLogger("kimiserve.engine")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped (a step raised, or the engine was shut down)."""
+
+
+@dataclass
+class RequestRecord:
+    """What the engine thread knows about one request beyond the engine itself (for metrics)."""
+
+    request_id: str
+    sink: asyncio.Queue
+    arrival: float
+    """time.monotonic() when the request was submitted."""
+    num_prompt_tokens: int = 0
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    num_generation_tokens: int = 0
+
+
+class EngineObserver(Protocol):
+    """Called in the engine thread (keep it quick and thread-safe, e.g. prometheus_client)."""
+
+    def on_output(self, record: RequestRecord, output: RequestOutput, now: float) -> None: ...
+
+    def on_abort(self, record: RequestRecord) -> None: ...
+
+
+class AsyncLLMEngine:
+    def __init__(self, engine: LLMEngine, observer: EngineObserver | None = None):
+        self.engine = engine
+        self.observer = observer
+        self._cv = threading.Condition()
+        self._commands: list[tuple] = []
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._records: dict[str, RequestRecord] = {}  # engine thread only
+        self._dead: BaseException | None = None
+        self._stats: dict[str, Any] = engine.stats()
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs, observer: EngineObserver | None = None) -> "AsyncLLMEngine":
+        return cls(LLMEngine(args), observer)
+
+    # properties read by the HTTP side ------------------------------------------------------------
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def errored(self) -> bool:
+        return self._dead is not None
+
+    @property
+    def dead_error(self) -> BaseException | None:
+        return self._dead
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self._dead is None
+
+    def stats(self) -> dict[str, Any]:
+        """`LLMEngine.stats()` as of the engine thread's latest loop (the engine is never read from here)."""
+        return self._stats
+
+    # lifecycle -----------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the engine thread; call from inside the event loop that will consume outputs."""
+        if self._thread is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="kimiserve-engine", daemon=True)
+        self._thread.start()
+
+    async def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop the thread: unfinished requests are aborted and their consumers get EngineDeadError."""
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, timeout)
+
+    # requests ------------------------------------------------------------------------------------
+    async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                          sink: asyncio.Queue, arrival: float | None = None) -> None:
+        """Queue a request whose outputs go to `sink` (a RequestOutput per step it progresses, or an
+        EngineDeadError). Returns once the engine accepted it; the engine's ValueError is raised here."""
+        self._check_alive()
+        if self._loop is None:
+            raise RuntimeError("AsyncLLMEngine.start() was not called")
+        accepted = self._loop.create_future()
+        record = RequestRecord(request_id, sink, arrival if arrival is not None else time.monotonic())
+        self._submit(("add", record, prompt, params, accepted))
+        try:
+            await accepted
+        except asyncio.CancelledError:
+            self.abort(request_id)  # the add may still happen: this abort follows it
+            raise
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request between steps and free its pages; idempotent, thread-safe, never blocks."""
+        self._submit(("abort", request_id))
+
+    async def generate(self, request_id: str, prompt: str | list[int],
+                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """Stream one request's outputs; the last has `finished=True`. Closing early aborts it."""
+        sink: asyncio.Queue = asyncio.Queue()
+        await self.add_request(request_id, prompt, params, sink)
+        finished = False
+        try:
+            while not finished:
+                item = await sink.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    # internals -----------------------------------------------------------------------------------
+    def _check_alive(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine is dead: {self._dead!r}") from self._dead
+        if self._stopping:
+            raise EngineDeadError("the engine is shutting down")
+
+    def _submit(self, command: tuple) -> None:
+        with self._cv:
+            self._commands.append(command)
+            self._cv.notify()
+
+    def _post(self, callback, *args) -> None:
+        """Run callback(*args) on the event loop (from the engine thread)."""
+        try:
+            self._loop.call_soon_threadsafe(callback, *args)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            pass
+
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while True:
+                with self._cv:
+                    while not (self._commands or self._stopping or engine.has_unfinished_requests()):
+                        self._cv.wait()
+                    commands, self._commands = self._commands, []
+                    stopping = self._stopping
+                for command in commands:
+                    self._apply(command)
+                if stopping:
+                    self._stop(EngineDeadError("the engine was shut down"))
+                    return
+                if engine.has_unfinished_requests():
+                    before = engine.num_steps
+                    outputs = engine.step()
+                    if not outputs and engine.num_steps == before:  # would spin forever (as LLM checks)
+                        raise RuntimeError("the engine scheduled nothing while requests wait")
+                    self._dispatch(outputs)
+                self._stats = engine.stats()
+        except BaseException as exc:  # noqa: BLE001 - the engine is dead; tell everyone why
+            logger.exception("engine step failed; the engine is dead")
+            self._dead = exc
+            self._stop(EngineDeadError(f"the engine died: {exc!r}"))
+
+    def _apply(self, command: tuple) -> None:
+        if command[0] == "abort":
+            record = self._records.pop(command[1], None)
+            if record is not None:
+                self.engine.abort_request(record.request_id)
+                if self.observer is not None:
+                    self.observer.on_abort(record)
+            return
+        _, record, prompt, params, accepted = command
+        try:
+            self.engine.add_request(record.request_id, prompt, params)
+        except Exception as exc:  # noqa: BLE001 - refused requests are the caller's error, not the engine's
+            self._post(_settle, accepted, exc)
+            return
+        record.num_prompt_tokens = len(self.engine.groups[record.request_id].prompt_ids)
+        self._records[record.request_id] = record
+        self._post(_settle, accepted, None)
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        now = time.monotonic()
+        deliveries = []
+        for out in outputs:
+            record = self._records.get(out.request_id)
+            if record is None:
+                continue
+            if out.finished:
+                del self._records[out.request_id]
+            if self.observer is not None:
+                try:
+                    self.observer.on_output(record, out, now)
+                except Exception:  # noqa: BLE001 - metrics must never kill the engine
+                    logger.exception("metrics observer failed")
+            deliveries.append((record.sink, out))
+        if deliveries:
+            self._post(_deliver, deliveries)
+
+    def _stop(self, error: EngineDeadError) -> None:
+        """Abort everything the engine still holds and fail the consumers (engine thread)."""
+        records, self._records = self._records, {}
+        for request_id in list(records):
+            try:
+                self.engine.abort_request(request_id)
+            except Exception:  # noqa: BLE001 - already dying
+                pass
+        with self._cv:
+            commands, self._commands = self._commands, []
+        for command in commands:
+            if command[0] == "add":
+                self._post(_settle, command[4], error)
+        self._post(_deliver, [(r.sink, error) for r in records.values()])
+        try:
+            self._stats = self.engine.stats()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def _settle(future: asyncio.Future, error: BaseException | None) -> None:
+    if not future.done():
+        if error is None:
+            future.set_result(None)
+        else:
+            future.set_exception(error)
+
+
+def _deliver(deliveries: list[tuple[asyncio.Queue, Any]]) -> None:
+    for sink, item in deliveries:
+        sink.put_nowait(item)

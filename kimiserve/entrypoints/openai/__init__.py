@@ -1,0 +1,1 @@
+"""OpenAI-compatible HTTP server: protocol, parsers, async engine, FastAPI app."""

@@ -1,0 +1,212 @@
+"""The OpenAI-compatible HTTP server: `build_app(engine, server_args)` and `run_server(...)`.
+
+Routes: GET /health, /version, /metrics, /v1/models, /v1/models/{id}; POST /v1/completions,
+/v1/chat/completions, /tokenize, /detokenize. Every error is a JSON body in the OpenAI shape.
+The engine thread starts with the app (lifespan) and stops after uvicorn's graceful shutdown.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import logging
+import signal
+import threading
+from contextlib import asynccontextmanager
+from importlib import metadata
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kimiserve.engine.args import EngineArgs
+from kimiserve.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from kimiserve.entrypoints.openai.errors import OpenAIError, from_validation_error, from_value_error
+from kimiserve.entrypoints.openai.metrics import ServerMetrics
+from kimiserve.entrypoints.openai.protocol import (
+    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest)
+from kimiserve.entrypoints.openai.serving_chat import create_chat_completion, render_chat
+from kimiserve.entrypoints.openai.serving_completion import create_completion
+from kimiserve.entrypoints.openai.serving_utils import ServingContext, now, token_str
+from kimiserve.entrypoints.openai.server_args import ServerArgs
+
+logger = logging.getLogger("kimiserve.server")
+
+
+def version() -> str:
+    try:
+        return metadata.version("kimiserve")
+    except metadata.PackageNotFoundError:
+        return "0+unknown"
+
+
+class APIKeyMiddleware:
+    """401 in the OpenAI shape for /v1 routes without `Authorization: Bearer <key>` (as vLLM guards)."""
+
+    def __init__(self, app, api_key: str):
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["method"] != "OPTIONS" and scope["path"].startswith("/v1"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                error = OpenAIError("Incorrect or missing API key: send the header 'Authorization: Bearer <key>'",
+                                    401, None, "invalid_api_key")
+                await error.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(OpenAIError)
+    async def openai_error(_: Request, exc: OpenAIError):
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, exc: RequestValidationError):
+        return from_validation_error(exc).response()
+
+    @app.exception_handler(ValueError)
+    async def value_error(_: Request, exc: ValueError):
+        return from_value_error(exc).response()
+
+    @app.exception_handler(EngineDeadError)
+    async def engine_dead(_: Request, exc: EngineDeadError):
+        return OpenAIError(str(exc), 503, None, "engine_dead").response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        message = {404: f"no route {request.method} {request.url.path}",
+                   405: f"method {request.method} is not allowed on {request.url.path}"}.get(exc.status_code,
+                                                                                            str(exc.detail))
+        response = OpenAIError(message, exc.status_code).response()
+        response.headers.update(exc.headers or {})
+        return response
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, exc: Exception):
+        logger.error("unhandled error: %r", exc, exc_info=exc)
+        return OpenAIError(f"internal error: {type(exc).__name__}: {exc}", 500).response()
+
+
+def build_app(engine: AsyncLLMEngine, args: ServerArgs | None = None) -> FastAPI:
+    """The FastAPI app serving `engine`; the engine thread runs while the app does (lifespan)."""
+    args = args or ServerArgs()
+    args.validate()
+    names = list(args.served_model_name or [engine.engine.args.model])
+    metrics = ServerMetrics(names[0])
+    engine.observer = metrics
+    metrics.attach(engine)
+    ctx = ServingContext(engine, names, args.reasoning_parser, args.tool_call_parser, args.enable_auto_tool_choice)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        engine.start()
+        try:
+            yield
+        finally:
+            await engine.shutdown()
+
+    app = FastAPI(title="kimiserve", version=version(), lifespan=lifespan)
+    app.state.serving = ctx
+    app.state.metrics = metrics
+    _install_error_handlers(app)
+    if args.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=args.api_key)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if engine.errored or not engine.is_running:
+            error = engine.dead_error
+            return OpenAIError(f"the engine is not running: {error!r}" if error else "the engine is not running",
+                               503, None, "engine_dead").response()
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def get_version():
+        return {"version": version()}
+
+    @app.get("/metrics")
+    async def get_metrics() -> Response:
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    def model_card(name: str) -> dict:
+        return {"id": name, "object": "model", "created": now(), "owned_by": "kimiserve",
+                "root": engine.engine.args.model, "parent": None, "max_model_len": engine.max_model_len}
+
+    @app.get("/v1/models")
+    async def list_models():
+        return {"object": "list", "data": [model_card(name) for name in names]}
+
+    @app.get("/v1/models/{model:path}")
+    async def get_model(model: str):
+        return model_card(ctx.check_model(model))
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, raw: Request) -> Response:
+        return await create_completion(ctx, req, raw)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
+        return await create_chat_completion(ctx, req, raw)
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest):
+        ctx.check_model(req.model)
+        tokenizer = ctx.need_tokenizer("/tokenize")
+        if (req.prompt is None) == (req.messages is None):
+            raise OpenAIError("give exactly one of prompt and messages", 400, "prompt")
+        if req.messages is not None:
+            text = render_chat(ctx, req.messages, req.tools, req.add_generation_prompt, req.chat_template_kwargs)
+        else:
+            text = req.prompt
+        tokens = tokenizer.encode(text)
+        return {"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": tokens,
+                "token_strs": [token_str(tokenizer, t) for t in tokens] if req.return_token_strs else None}
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest):
+        ctx.check_model(req.model)
+        tokenizer = ctx.need_tokenizer("/detokenize")
+        for i, t in enumerate(req.tokens):
+            if t >= tokenizer.vocab_size:
+                raise OpenAIError(f"token id {t} is outside the vocabulary [0, {tokenizer.vocab_size})", 400,
+                                  f"tokens[{i}]")
+        return {"prompt": tokenizer.decode(req.tokens)}
+
+    return app
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, but a SIGTERM/SIGINT ends with a clean exit (code 0) after the graceful
+    shutdown instead of re-raising the signal."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        original = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in original.items():
+                signal.signal(sig, handler)
+
+
+def run_server(engine_args: EngineArgs, server_args: ServerArgs) -> int:
+    """Load the model, serve until SIGTERM/SIGINT, then finish in-flight requests (up to
+    `shutdown_timeout` seconds) and stop the engine. Returns the exit code."""
+    server_args.validate()
+    engine = AsyncLLMEngine.from_engine_args(engine_args)
+    app = build_app(engine, server_args)
+    config = uvicorn.Config(app, host=server_args.host, port=server_args.port, lifespan="on",
+                            log_level=server_args.uvicorn_log_level,
+                            access_log=not server_args.disable_uvicorn_access_log,
+                            timeout_graceful_shutdown=server_args.shutdown_timeout)
+    server = _Server(config)
+    server.run()
+    return 0 if server.started else 1

@@ -1,0 +1,79 @@
+"""Server arguments of `kimiserve serve`: one typed dataclass; the field docstrings are the CLI help.
+Flags are named as `vllm serve` names them where the meaning is the same."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass
+
+from kimiserve.utils.docs import field_docs
+
+API_KEY_ENV = "KIMISERVE_API_KEY"
+CHOICES = {
+    "tool_call_parser": ("kimi_k2",),
+    "reasoning_parser": ("kimi",),
+    "uvicorn_log_level": ("critical", "error", "warning", "info", "debug", "trace"),
+}
+
+
+@dataclass
+class ServerArgs:
+    host: str = "0.0.0.0"
+    """Address to listen on (0.0.0.0: every interface, as vLLM)."""
+    port: int = 8000
+    """Port to listen on."""
+    served_model_name: list[str] | None = None
+    """Model name(s) the API answers to (the first is reported in responses); default: --model."""
+    api_key: str | None = None
+    """If set, every /v1 route needs `Authorization: Bearer <key>` (default: the KIMISERVE_API_KEY
+    environment variable)."""
+    tool_call_parser: str | None = None
+    """Parse tool calls out of chat output: kimi_k2."""
+    reasoning_parser: str | None = None
+    """Return <think> reasoning as reasoning_content: kimi."""
+    enable_auto_tool_choice: bool = False
+    """Allow tool_choice "auto" (the model decides whether to call tools); needs --tool-call-parser."""
+    shutdown_timeout: float = 10.0
+    """Seconds to let in-flight requests finish after SIGTERM/SIGINT before they are cancelled."""
+    uvicorn_log_level: str = "info"
+    """uvicorn's log level."""
+    disable_uvicorn_access_log: bool = False
+    """Do not log each HTTP request."""
+
+    def validate(self) -> None:
+        if not isinstance(self.port, int) or isinstance(self.port, bool) or not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port!r}")
+        for name, allowed in CHOICES.items():
+            value = getattr(self, name)
+            if value is not None and value not in allowed:
+                raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice needs a tool_call_parser (--tool-call-parser kimi_k2)")
+        if not self.shutdown_timeout >= 0:
+            raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
+        if self.served_model_name is not None and (not self.served_model_name or not all(self.served_model_name)):
+            raise ValueError("served_model_name must be one or more non-empty names")
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        """One --flag per field, help from the field docstrings."""
+        docs = field_docs(ServerArgs)
+        for f in dataclasses.fields(ServerArgs):
+            flag = "--" + f.name.replace("_", "-")
+            kwargs = {"default": f.default, "help": docs[f.name]}
+            if str(f.type) == "bool":
+                parser.add_argument(flag, action="store_true", **kwargs)
+            elif str(f.type).startswith("list["):
+                parser.add_argument(flag, nargs="+", **kwargs)
+            else:
+                kind = {"int": int, "float": float}.get(str(f.type), str)
+                parser.add_argument(flag, type=kind, choices=CHOICES.get(f.name), **kwargs)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> "ServerArgs":
+        out = cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)})
+        if out.api_key is None:
+            out.api_key = os.environ.get(API_KEY_ENV) or None
+        return out

@@ -1,0 +1,290 @@
+"""What the chat and completion handlers share: request checks, sampling parameters, logprobs,
+usage, the engine round trip, and the streaming response that aborts when the client leaves."""
+
+from __future__ import annotations
+
+import asyncio
+import codecs
+import json
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+
+from kimiserve.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from kimiserve.engine.outputs import RequestOutput
+from kimiserve.engine.sampler import TokenLogprobs
+from kimiserve.entrypoints.openai.errors import OpenAIError, from_value_error
+from kimiserve.entrypoints.openai.protocol import SamplingRequest
+from kimiserve.sampling_params import SamplingParams
+
+T = TypeVar("T")
+MIN_LOGPROB = -9999.0
+"""-inf logprobs are sent as this (JSON has no -inf), as vLLM does."""
+
+
+@dataclass
+class ServingContext:
+    engine: AsyncLLMEngine
+    served_model_names: list[str]
+    reasoning_parser: str | None = None
+    tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = False
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_names[0]
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def check_model(self, model: str | None) -> str:
+        """The model name to report; 404 for a model this server does not serve."""
+        if model is None or model in self.served_model_names:
+            return model or self.model_name
+        raise OpenAIError(f"The model `{model}` does not exist (this server serves "
+                          f"{', '.join(self.served_model_names)}).", 404, "model", "model_not_found")
+
+    def need_tokenizer(self, what: str):
+        if self.tokenizer is None:
+            raise OpenAIError(f"this model has no tokenizer, which {what} needs (start the server with "
+                              f"--tokenizer)", 400)
+        return self.tokenizer
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def check_common(req: SamplingRequest) -> None:
+    """Request-level rules that are not a single field's type or range."""
+    if req.stream_options is not None and not req.stream:
+        raise OpenAIError("stream_options is only allowed when stream is true", 400, "stream_options")
+    if req.logit_bias:
+        raise OpenAIError("logit_bias is not supported by this server", 400, "logit_bias")
+
+
+def max_tokens_for(num_prompt: int, max_tokens: int | None, max_model_len: int, prompt_field: str,
+                   max_tokens_field: str) -> int:
+    """The request's max_tokens checked against the context (vLLM's rules); None -> the room left."""
+    if num_prompt >= max_model_len:
+        asked = f" and asks for {max_tokens} output tokens" if max_tokens is not None else ""
+        raise OpenAIError(
+            f"This model's maximum context length is {max_model_len} tokens. However, your request has "
+            f"{num_prompt} input tokens{asked}; the {prompt_field} plus at least one generated token must fit. "
+            f"Please reduce the length of the {prompt_field}.", 400, prompt_field, "context_length_exceeded")
+    if max_tokens is None:
+        return max_model_len - num_prompt
+    if num_prompt + max_tokens > max_model_len:
+        raise OpenAIError(
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{num_prompt + max_tokens} tokens ({num_prompt} in the {prompt_field}, {max_tokens} in the "
+            f"completion). Please reduce the length of the {prompt_field} or completion.", 400, max_tokens_field,
+            "context_length_exceeded")
+    return max_tokens
+
+
+def sampling_params(req: SamplingRequest, max_tokens: int, logprobs: int | None, max_num_seqs: int,
+                    rename: dict[str, str]) -> SamplingParams:
+    if req.n > max_num_seqs:
+        raise OpenAIError(f"n must be <= {max_num_seqs} (the server's --max-num-seqs), got {req.n}", 400, "n")
+    opt = {name: getattr(req, name) for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
+                                                 "frequency_penalty", "repetition_penalty")
+           if getattr(req, name) is not None}
+    try:
+        return SamplingParams(
+            n=req.n, seed=req.seed, stop=req.stop, stop_token_ids=req.stop_token_ids, max_tokens=max_tokens,
+            min_tokens=req.min_tokens, ignore_eos=req.ignore_eos, logprobs=logprobs,
+            prompt_logprobs=req.prompt_logprobs, include_stop_str_in_output=req.include_stop_str_in_output,
+            skip_special_tokens=req.skip_special_tokens, **opt)
+    except ValueError as exc:
+        raise from_value_error(exc, rename) from exc
+
+
+# logprobs ----------------------------------------------------------------------------------------
+def _finite(lp: float) -> float:
+    return lp if math.isfinite(lp) else MIN_LOGPROB
+
+
+def token_bytes(tokenizer, token_id: int) -> bytes:
+    return tokenizer.decode_token_bytes(token_id) if tokenizer is not None else str(token_id).encode()
+
+
+def token_str(tokenizer, token_id: int) -> str:
+    """A token as text; a token that is not whole UTF-8 (part of a character) is written
+    `bytes:\\xNN...`, as OpenAI does, so distinct tokens never share a string."""
+    if tokenizer is None:
+        return f"token_id:{token_id}"
+    raw = tokenizer.decode_token_bytes(token_id)
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+
+def chat_logprobs(tokenizer, entries: list[TokenLogprobs]) -> list[dict[str, Any]]:
+    """Chat format: [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}]."""
+    def item(token_id: int, lp: float) -> dict[str, Any]:
+        return {"token": token_str(tokenizer, token_id), "logprob": _finite(lp),
+                "bytes": list(token_bytes(tokenizer, token_id))}
+
+    return [{**item(e.token_id, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]} for e in entries]
+
+
+def completion_logprobs(tokenizer, entries: list[TokenLogprobs | None], token_ids: list[int], text_offset: int,
+                        skip_special_tokens: bool = True, num_prompt: int = 0) -> dict[str, list]:
+    """Completions format: {"tokens", "token_logprobs", "top_logprobs", "text_offset"}. The first
+    `num_prompt` entries are echoed prompt tokens (None: the first one, which has no logprob);
+    text_offset advances by each token's share of the text (0 for a skipped special token)."""
+    out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    for i, (token_id, e) in enumerate(zip(token_ids, entries)):
+        text = token_str(tokenizer, token_id)
+        out["tokens"].append(text)
+        out["text_offset"].append(text_offset)
+        raw = token_bytes(tokenizer, token_id)
+        if skip_special_tokens and i >= num_prompt and tokenizer is not None \
+                and not tokenizer.decode([token_id], skip_special_tokens=True):
+            raw = b""  # a skipped special token adds nothing to the text
+        text_offset += len(decoder.decode(raw))
+        if e is None:
+            out["token_logprobs"].append(None)
+            out["top_logprobs"].append(None)
+            continue
+        out["token_logprobs"].append(_finite(e.logprob))
+        top = {token_str(tokenizer, t): _finite(lp) for t, lp in e.top}
+        top.setdefault(text, _finite(e.logprob))
+        out["top_logprobs"].append(top)
+    return out
+
+
+def prompt_logprobs(tokenizer, entries: list[TokenLogprobs | None] | None) -> list | None:
+    """vLLM's prompt_logprobs: per prompt token None (the first) or {token_id: {"logprob", "rank",
+    "decoded_token"}} for the prompt token and its top alternatives."""
+    if entries is None:
+        return None
+    out = []
+    for e in entries:
+        if e is None:
+            out.append(None)
+            continue
+        d = {str(t): {"logprob": _finite(lp), "rank": rank, "decoded_token": token_str(tokenizer, t)}
+             for rank, (t, lp) in enumerate(e.top, 1)}
+        d.setdefault(str(e.token_id), {"logprob": _finite(e.logprob), "rank": e.rank,
+                                       "decoded_token": token_str(tokenizer, e.token_id)})
+        out.append(d)
+    return out
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+# the engine round trip ---------------------------------------------------------------------------
+async def submit(engine: AsyncLLMEngine, requests: list[tuple[str, list[int], SamplingParams]],
+                 sink: asyncio.Queue, rename: dict[str, str]) -> None:
+    """Add every request to the engine, or none (a refused one aborts those already added)."""
+    added: list[str] = []
+    try:
+        for request_id, prompt_ids, params in requests:
+            await engine.add_request(request_id, prompt_ids, params, sink)
+            added.append(request_id)
+    except BaseException as exc:
+        for request_id in added:
+            engine.abort(request_id)
+        if isinstance(exc, ValueError):
+            raise from_value_error(exc, rename) from exc
+        if isinstance(exc, EngineDeadError):
+            raise OpenAIError(str(exc), 503, None, "engine_dead") from exc
+        raise
+
+
+async def outputs(sink: asyncio.Queue, request_ids: list[str]) -> AsyncIterator[RequestOutput]:
+    """Yield the outputs of the given requests (all going to `sink`) until every one has finished."""
+    pending = set(request_ids)
+    while pending:
+        item = await sink.get()
+        if isinstance(item, BaseException):
+            raise item
+        if item.finished:
+            pending.discard(item.request_id)
+        yield item
+
+
+async def final_outputs(sink: asyncio.Queue, request_ids: list[str]) -> dict[str, RequestOutput]:
+    final = {}
+    async for out in outputs(sink, request_ids):
+        if out.finished:
+            final[out.request_id] = out
+    return final
+
+
+def sse(data: dict[str, Any]) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+def stream_error(exc: BaseException) -> str:
+    """An error raised after the stream started, as an SSE event in the OpenAI shape."""
+    if isinstance(exc, OpenAIError):
+        return exc.sse()
+    if isinstance(exc, EngineDeadError):
+        return OpenAIError(str(exc), 503, None, "engine_dead").sse()
+    return OpenAIError(f"internal error while streaming: {type(exc).__name__}: {exc}", 500).sse()
+
+
+class SSEResponse(StreamingResponse):
+    """A text/event-stream response that calls `on_close` when it ends for any reason (finished,
+    client disconnected, cancelled at shutdown): the handler passes the abort of its requests."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]):
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T | Response:
+    """Await `work` unless the client disconnects first; then `work` is cancelled (its cleanup
+    aborts its engine requests) and an empty 499 response is returned to nobody."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    try:
+        return await task
+    except asyncio.CancelledError:
+        if watcher.cancelled() or not watcher.done():
+            raise  # we were cancelled ourselves, not by the client leaving
+        return Response(status_code=499)
+
+
+def abort_all(engine: AsyncLLMEngine, request_ids: list[str]) -> Callable[[], None]:
+    def close() -> None:
+        for request_id in request_ids:
+            engine.abort(request_id)
+    return close

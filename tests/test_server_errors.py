@@ -1,0 +1,213 @@
+"""Malformed requests get a 4xx in the OpenAI error shape naming the field at fault; the server lives on."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from server_utils import LIGHT_SERVER, metrics, running_server
+
+LONG = "word " * 300  # > 256 tokens
+MSG = [{"role": "user", "content": "hi"}]
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {}}}}
+C, CHAT = "/v1/completions", "/v1/chat/completions"
+
+
+def comp(**kw):
+    return {"prompt": "hello", "max_tokens": 4, **kw}
+
+
+def chat(**kw):
+    return {"messages": MSG, "max_tokens": 4, **kw}
+
+
+# (id, method, path, body (dict, or str sent raw), status, param)
+CASES = [
+    ("bad-json", "POST", C, '{"prompt": "x", ', 400, None),
+    ("body-is-a-list", "POST", C, "[1, 2]", 400, None),
+    ("empty-body", "POST", C, "", 400, None),
+    ("nan-literal", "POST", C, '{"prompt": "x", "temperature": NaN}', 400, "temperature"),
+    ("prompt-missing", "POST", C, {"max_tokens": 3}, 400, "prompt"),
+    ("prompt-int", "POST", C, {"prompt": 5}, 400, "prompt"),
+    ("prompt-empty-str", "POST", C, comp(prompt=""), 400, "prompt"),
+    ("prompt-empty-list", "POST", C, comp(prompt=[]), 400, "prompt"),
+    ("prompt-mixed-list", "POST", C, comp(prompt=["a", 1]), 400, "prompt"),
+    ("prompt-id-out-of-vocab", "POST", C, comp(prompt=[1, 10**9]), 400, "prompt"),
+    ("prompt-over-context", "POST", C, comp(prompt=LONG), 400, "prompt"),
+    ("prompt-plus-max-tokens-over-context", "POST", C, comp(max_tokens=254), 400, "max_tokens"),
+    ("max-tokens-string", "POST", C, comp(max_tokens="ten"), 400, "max_tokens"),
+    ("max-tokens-negative", "POST", C, comp(max_tokens=-1), 400, "max_tokens"),
+    ("max-tokens-zero", "POST", C, comp(max_tokens=0), 400, "max_tokens"),
+    ("max-tokens-huge", "POST", C, comp(max_tokens=10**12), 400, "max_tokens"),
+    ("temperature-negative", "POST", C, comp(temperature=-1), 400, "temperature"),
+    ("temperature-string", "POST", C, comp(temperature="hot"), 400, "temperature"),
+    ("top-p-over-1", "POST", C, comp(top_p=1.5), 400, "top_p"),
+    ("top-p-zero", "POST", C, comp(top_p=0), 400, "top_p"),
+    ("n-zero", "POST", C, comp(n=0), 400, "n"),
+    ("n-too-large", "POST", C, comp(n=1000), 400, "n"),
+    ("n-float", "POST", C, comp(n=1.5), 400, "n"),
+    ("logprobs-too-large", "POST", C, comp(logprobs=50), 400, "logprobs"),
+    ("presence-penalty-range", "POST", C, comp(presence_penalty=3), 400, "presence_penalty"),
+    ("frequency-penalty-range", "POST", C, comp(frequency_penalty=-2.5), 400, "frequency_penalty"),
+    ("stream-string", "POST", C, comp(stream="yes"), 400, "stream"),
+    ("stop-int", "POST", C, comp(stop=5), 400, "stop"),
+    ("stop-empty-string", "POST", C, comp(stop=[""]), 400, "stop"),
+    ("seed-string", "POST", C, comp(seed="abc"), 400, "seed"),
+    ("seed-huge", "POST", C, comp(seed=2**70), 400, "seed"),
+    ("top-k-negative", "POST", C, comp(top_k=-5), 400, "top_k"),
+    ("min-p-range", "POST", C, comp(min_p=2), 400, "min_p"),
+    ("repetition-penalty-zero", "POST", C, comp(repetition_penalty=0), 400, "repetition_penalty"),
+    ("min-tokens-over-max", "POST", C, comp(min_tokens=10), 400, "min_tokens"),
+    ("stop-token-ids-negative", "POST", C, comp(stop_token_ids=[-1]), 400, "stop_token_ids[0]"),
+    ("stop-token-ids-out-of-vocab", "POST", C, comp(stop_token_ids=[10**9]), 400, "stop_token_ids[0]"),
+    ("stream-options-without-stream", "POST", C, comp(stream_options={"include_usage": True}), 400, "stream_options"),
+    ("logit-bias-unsupported", "POST", C, comp(logit_bias={"1": 5}), 400, "logit_bias"),
+    ("suffix-unsupported", "POST", C, comp(suffix="end"), 400, "suffix"),
+    ("unknown-model", "POST", C, comp(model="gpt-17"), 404, "model"),
+    ("chat-messages-missing", "POST", CHAT, {"max_tokens": 3}, 400, "messages"),
+    ("chat-messages-empty", "POST", CHAT, chat(messages=[]), 400, "messages"),
+    ("chat-messages-string", "POST", CHAT, chat(messages="hi"), 400, "messages"),
+    ("chat-unknown-role", "POST", CHAT, chat(messages=[{"role": "wizard", "content": "hi"}]), 400, "messages[0].role"),
+    ("chat-role-missing", "POST", CHAT, chat(messages=[{"content": "hi"}]), 400, "messages[0].role"),
+    ("chat-content-int", "POST", CHAT, chat(messages=[{"role": "user", "content": 7}]), 400, "messages[0].content"),
+    ("chat-content-part-type", "POST", CHAT, chat(messages=[{"role": "user", "content": [{"type": "audio"}]}]), 400,
+     "messages[0].content[0].type"),
+    ("chat-user-missing-content", "POST", CHAT, chat(messages=[{"role": "user"}]), 400, "messages[0].content"),
+    ("chat-tool-calls-on-user", "POST", CHAT, chat(messages=[{"role": "user", "content": "x", "tool_calls": [
+        {"id": "a", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]), 400,
+     "messages[0].tool_calls"),
+    ("chat-top-logprobs-too-large", "POST", CHAT, chat(logprobs=True, top_logprobs=21), 400, "top_logprobs"),
+    ("chat-top-logprobs-without-logprobs", "POST", CHAT, chat(top_logprobs=2), 400, "top_logprobs"),
+    ("chat-logprobs-int", "POST", CHAT, chat(logprobs=3), 400, "logprobs"),
+    ("chat-max-completion-tokens-string", "POST", CHAT, chat(max_completion_tokens="x"), 400,
+     "max_completion_tokens"),
+    ("chat-over-context", "POST", CHAT, chat(messages=[{"role": "user", "content": LONG}]), 400, "messages"),
+    ("chat-max-completion-tokens-over-context", "POST", CHAT, chat(max_completion_tokens=255), 400,
+     "max_completion_tokens"),
+    ("tool-missing-name", "POST", CHAT, chat(tools=[{"type": "function", "function": {"parameters": {}}}],
+                                             tool_choice="none"), 400, "tools[0].function.name"),
+    ("tool-bad-name", "POST", CHAT, chat(tools=[{"type": "function", "function": {"name": "a b:c"}}],
+                                         tool_choice="none"), 400, "tools[0].function.name"),
+    ("tool-parameters-string", "POST", CHAT, chat(tools=[{"type": "function", "function": {
+        "name": "f", "parameters": "object"}}], tool_choice="none"), 400, "tools[0].function.parameters"),
+    ("tool-parameters-array-schema", "POST", CHAT, chat(tools=[{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "array"}}}], tool_choice="none"), 400, "tools[0].function.parameters"),
+    ("tool-type-not-function", "POST", CHAT, chat(tools=[{"type": "retrieval", "function": {"name": "f"}}],
+                                                  tool_choice="none"), 400, "tools[0].type"),
+    ("tool-choice-unknown-function", "POST", CHAT, chat(tools=[TOOL], tool_choice={
+        "type": "function", "function": {"name": "nope"}}), 400, "tool_choice.function.name"),
+    ("tool-choice-bad-string", "POST", CHAT, chat(tools=[TOOL], tool_choice="sometimes"), 400, "tool_choice"),
+    ("tool-choice-required-without-tools", "POST", CHAT, chat(tool_choice="required"), 400, "tool_choice"),
+    ("tool-choice-auto-without-server-flags", "POST", CHAT, chat(tools=[TOOL]), 400, "tool_choice"),
+    ("response-format-json-schema", "POST", CHAT, chat(response_format={"type": "json_schema"}), 400,
+     "response_format.type"),
+    ("chat-unknown-model", "POST", CHAT, chat(model="nope"), 404, "model"),
+    ("wrong-method-completions", "GET", C, None, 405, None),
+    ("wrong-method-models", "POST", "/v1/models", {}, 405, None),
+    ("unknown-route", "GET", "/v1/nothing-here", None, 404, None),
+    ("unknown-model-retrieve", "GET", "/v1/models/nope", None, 404, "model"),
+    ("detokenize-out-of-vocab", "POST", "/detokenize", {"tokens": [1, 10**9]}, 400, "tokens[1]"),
+    ("detokenize-bad-type", "POST", "/detokenize", {"tokens": "abc"}, 400, "tokens"),
+    ("tokenize-both-inputs", "POST", "/tokenize", {"prompt": "x", "messages": MSG}, 400, "prompt"),
+    ("tokenize-unknown-role", "POST", "/tokenize", {"messages": [{"role": "x", "content": "y"}]}, 400,
+     "messages[0].role"),
+]
+
+
+@pytest.fixture(scope="module")
+def server():
+    with running_server(*LIGHT_SERVER) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=30) as c:
+        yield c
+
+
+def send(http, method, path, body):
+    if isinstance(body, str):
+        return http.request(method, path, content=body.encode(), headers={"Content-Type": "application/json"})
+    return http.request(method, path, json=body) if body is not None else http.request(method, path)
+
+
+def test_table_is_big_enough():
+    assert len(CASES) >= 30 and len({c[0] for c in CASES}) == len(CASES)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_malformed_request(http, case):
+    _, method, path, body, status, param = case
+    r = send(http, method, path, body)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert isinstance(error["message"], str) and error["message"].strip()
+    assert isinstance(error["type"], str) and error["type"]
+    assert error["param"] == param, error
+    if status == 405:
+        assert "allow" in r.headers
+
+
+def test_context_length_errors_carry_the_numbers(http):
+    prompt_tokens = http.post("/tokenize", json={"prompt": LONG}).json()["count"]
+    error = http.post(C, json=comp(prompt=LONG, max_tokens=7)).json()["error"]
+    assert error["code"] == "context_length_exceeded"
+    assert str(prompt_tokens) in error["message"] and "256" in error["message"] and "7" in error["message"]
+    prompt_tokens = http.post("/tokenize", json={"prompt": "hello"}).json()["count"]
+    error = http.post(C, json=comp(max_tokens=300)).json()["error"]
+    assert error["code"] == "context_length_exceeded" and error["param"] == "max_tokens"
+    assert f"{prompt_tokens + 300} tokens ({prompt_tokens} in the prompt, 300 in the completion)" in error["message"]
+
+
+def test_auto_tool_choice_error_names_the_flags(http):
+    message = http.post(CHAT, json=chat(tools=[TOOL])).json()["error"]["message"]
+    assert "--enable-auto-tool-choice" in message and "--tool-call-parser" in message
+
+
+def test_openai_client_raises_typed_errors(server):
+    client = openai.OpenAI(base_url=server.base_url, api_key="x", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.completions.create(model="tiny", prompt="hello", top_p=3)
+    assert bad.value.param == "top_p"
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-17", messages=MSG)
+
+
+def test_still_healthy_after_all_of_them(server, http):
+    assert http.get("/health").status_code == 200
+    r = http.post(C, json=comp(max_tokens=3))
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+    stats = metrics(server.url)
+    assert stats["kimiserve:num_requests_running"] == 0 and stats["kimiserve:cache_pages_used_by_requests"] == 0
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--port", "abc"], "--port"),
+    (["--tool-call-parser", "hermes"], "--tool-call-parser"),
+    (["--reasoning-parser", "deepseek"], "--reasoning-parser"),
+    (["--max-num-seqs", "0"], "max_num_seqs"),
+    (["--gpu-memory-utilization", "2"], "gpu_memory_utilization"),
+    (["--kv-cache-dtype", "fp4"], "kv_cache_dtype"),
+    (["--enable-auto-tool-choice"], "enable_auto_tool_choice"),
+    (["--port", "70000"], "port"),
+])
+def test_serve_bad_flags_exit_2(capsys, argv, flag):
+    from kimiserve.entrypoints.cli import main
+
+    try:
+        code = main(["serve", *argv])
+    except SystemExit as exc:  # argparse's own errors
+        code = exc.code
+    assert code == 2
+    assert flag in capsys.readouterr().err
+
+
+def test_bench_serve_subcommand_is_wired(capsys):
+    from kimiserve.entrypoints.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "serve", "--help"])
+    assert exc.value.code == 0 and "--base-url" in capsys.readouterr().out
