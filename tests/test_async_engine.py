@@ -147,18 +147,24 @@ def test_engine_thread_sleeps_when_idle():
     assert not engine._thread.is_alive()
 
 
+def engine_failing_at_step(n: int):
+    """An engine whose n-th step raises RuntimeError("boom")."""
+    engine = make_engine()
+    original, steps = engine.engine.step, {"n": 0}
+
+    def failing():
+        steps["n"] += 1
+        if steps["n"] == n:
+            raise RuntimeError("boom")
+        return original()
+
+    engine.engine.step = failing
+    return engine
+
+
 def test_a_failing_step_kills_the_engine_and_tells_every_consumer():
     async def main():
-        engine = make_engine()
-        original, steps = engine.engine.step, {"n": 0}
-
-        def failing():
-            steps["n"] += 1
-            if steps["n"] == 3:
-                raise RuntimeError("boom")
-            return original()
-
-        engine.engine.step = failing
+        engine = engine_failing_at_step(3)
         engine.start()
         with pytest.raises(EngineDeadError, match="boom"):
             await _drain(engine.generate("a", "Hi", SamplingParams(max_tokens=50, ignore_eos=True)))
@@ -171,16 +177,7 @@ def test_a_failing_step_kills_the_engine_and_tells_every_consumer():
 
 
 def test_app_reports_a_dead_engine_as_503_and_in_stream():
-    engine = make_engine()
-    original, steps = engine.engine.step, {"n": 0}
-
-    def failing():
-        steps["n"] += 1
-        if steps["n"] == 3:
-            raise RuntimeError("boom")
-        return original()
-
-    engine.engine.step = failing
+    engine = engine_failing_at_step(3)
     with TestClient(build_app(engine, ServerArgs())) as client:
         assert client.get("/health").status_code == 200
         with client.stream("POST", "/v1/completions", json={"prompt": "Hi", "max_tokens": 20, "ignore_eos": True,
