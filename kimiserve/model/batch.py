@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -76,6 +76,10 @@ class ForwardBatch:
             tables[i, : len(c.block_table)] = c.block_table
         states = torch.stack([c.state_pages for c in decode]) if decode else torch.zeros(0, 0, dtype=torch.int64)
         to = lambda t: t.to(device)
+        # every layer reads each chunk's page ids: move them to the device once per step
+        chunks = [replace(c, block_table=to(c.block_table), state_pages=to(c.state_pages),
+                          snapshot_state_pages=None if c.snapshot_state_pages is None else to(c.snapshot_state_pages))
+                  for c in chunks]
         return cls(
             pool=pool,
             positions=to(positions),
