@@ -99,13 +99,14 @@ def test_paged_indexer_topk_ties_earlier_token_wins(fp8):
     assert torch.equal(got, _dense_topk(q, w, dense, 6, torch.float32))
 
 
-@pytest.mark.parametrize("dtype, expected", [(torch.float32, [70, 5, 129]), (torch.bfloat16, [5, 70, 129])])
-def test_paged_indexer_topk_dequantises_keys_to_dtype(dtype, expected):
-    """Key 70's scale is 1 + 2^-10: larger in fp32, but a tie with 5 and 129 once rounded to bf16."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_indexer_topk_applies_key_scales_in_fp32(dtype):
+    """Key 70's scale is 1 + 2^-10 (1 in bf16): the scale multiplies the fp32 score, not a key rounded
+    to the model dtype, so key 70 beats its tied copies 5 and 129 in bf16 too."""
     q, w, kc, sc, tables, dense = _index_case(True, 16, dup=True)
     sc[tables[2, 1], 70 - BS] = 1 + 2.0**-10
     got = paged_indexer_topk(q, w, kc, sc, tables, torch.tensor(CTX), 3, dtype)
-    assert got[2].tolist() == expected
+    assert got[2].tolist() == [70, 5, 129]
 
 
 def test_paged_indexer_topk_reads_only_owned_slots():

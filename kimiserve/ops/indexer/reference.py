@@ -40,7 +40,9 @@ def paged_indexer_scores(
     q [B, Hi, D]; weights [B, Hi]; key_cache [P, block_size, D] (bf16 or e4m3) with key_scales
     [P, block_size] fp32 for e4m3 (None otherwise); block_tables [B, M] page ids; context_lens [B]
     (the query is the token at position context_len - 1, so all cached tokens are visible).
-    Keys are dequantised to `dtype` (the model dtype) before scoring. Returns fp32 [B, max_context]
+    bf16 keys are cast to `dtype` (the model dtype); e4m3 keys enter the dot as their exact code
+    values and each token's score is multiplied by its fp32 key scale afterwards (the score of the
+    dequantised key k * scale, without rounding k * scale to `dtype`). Returns fp32 [B, max_context]
     (default: the longest context, a host sync): score[b, s] = sum_h weights[b, h] ReLU(q[b, h] . k_s),
     -inf for s >= context_lens[b].
     """
@@ -48,9 +50,9 @@ def paged_indexer_scores(
     pos = torch.arange(S, device=q.device).expand(q.shape[0], S)
     pos = torch.minimum(pos, (context_lens - 1).unsqueeze(1))  # padding rows read a valid slot; masked below
     keys = gather_paged(key_cache, block_tables, pos).float()
-    if key_scales is not None:
-        keys = keys * gather_paged(key_scales, block_tables, pos).unsqueeze(-1)
     scores = indexer_scores(q.unsqueeze(1), keys.to(dtype), weights.unsqueeze(1))[:, 0].float()
+    if key_scales is not None:  # = the scores of the dequantised keys: ReLU commutes with a positive scale
+        scores = scores * gather_paged(key_scales, block_tables, pos)
     visible = torch.arange(S, device=q.device).unsqueeze(0) < context_lens.unsqueeze(1)
     return scores.masked_fill(~visible, float("-inf"))
 

@@ -8,18 +8,20 @@ writes 4 B per token, so it is bound by memory bandwidth. Design:
   the head weights once, then walks its tiles of BLOCK_S tokens. BLOCK_S divides block_size, so a
   tile lies in one page: one block-table read per tile, then a [BLOCK_S, D] key tile read in place
   from the page-strided view (rows contiguous inside the page) plus BLOCK_S scales.
-- keys are dequantised in registers exactly as the reference does (e4m3 -> fp32, times the scale in
-  fp32, rounded to `dtype`), then tl.dot(keys [BLOCK_S, D], q^T [D, Hi]) with fp32 accumulation,
-  ReLU, times the fp32 weights, summed over heads -> BLOCK_S scores.
+- e4m3 keys enter the dot as their exact code values (converted to fp16, one conversion per pair),
+  q as fp16 (bf16 values in fp16's normal range, 6.1e-5 to 65504 in magnitude, convert exactly), fp32 accumulation; ReLU, times the fp32 weights, summed over
+  heads -> BLOCK_S scores, each times its token's fp32 key scale (ReLU commutes with a positive
+  scale), as the reference defines it. bf16 keys are cast to `dtype` and dotted in `dtype`. The H200
+  measurement behind the fp16 dot (benchmarks/scan_variants.py, results/scan_variants.json): the
+  per-element dequantisation to bf16 cost ~16% at batch 1 (59.9 -> 50.5 us at 1M tokens).
 - slots at or past context_len are masked off (never read; their scores are -inf): only slots
   s < context_len of the first ceil(context_len / block_size) block-table entries are read. The
-  tile loop has a fixed trip count (TILES) so Triton can pipeline it (on sm_90: cp.async of the
-  e4m3 tiles into shared memory, wgmma with the dequantised keys from registers).
+  tile loop has a fixed trip count (TILES) so Triton can pipeline it.
 
-Differences from the reference: only the summation order inside the dot (the dot operands are the
-reference's bf16 values, products are exact in fp32). A q wider than `dtype` (e.g. fp32 q, bf16
-dtype) enters the dot as the sum of two `dtype` parts, so it keeps ~16 significant bits instead of
-fp32's 24. `dtype=torch.float32` runs an IEEE fp32 dot (correct but far slower).
+Differences from the reference: only the summation order inside the dot (the products are exact in
+fp32). A q wider than the dot dtype (e.g. fp32 q) enters the dot as the sum of two parts, so it
+keeps ~21 (fp16) or ~16 (bf16) significant bits instead of fp32's 24. `dtype=torch.float32` runs
+an IEEE fp32 dot (correct but far slower).
 
 Under TRITON_INTERPRET=1 (CPU tensors) the interpreter's bf16 dot and fp32 -> bf16 cast are wrong
 (it multiplies the raw bit patterns; the cast truncates), so on CPU the kernel rounds to bf16 by
@@ -87,15 +89,14 @@ def _indexer_scores_kernel(
         page = tl.load(bt_ptr + b * bt_sb + (s0 // PAGE) * bt_sm, mask=live, other=0).to(tl.int64)
         slot = s0 % PAGE + rows
         valid = s0 + rows < ctx
-        kf = tl.load(k_ptr + page * k_sp + slot[:, None] * k_st + d[None, :] * k_sd,
-                     mask=valid[:, None], other=0.0).to(tl.float32)
-        if HAS_SCALE:
-            kf = kf * tl.load(ks_ptr + page * ks_sp + slot * ks_st, mask=valid, other=0.0)[:, None]
-        kd = _operand(kf, DT, EMULATE)
+        k = tl.load(k_ptr + page * k_sp + slot[:, None] * k_st + d[None, :] * k_sd, mask=valid[:, None], other=0.0)
+        kd = _operand(k.to(tl.float32), DT, EMULATE) if EMULATE else k.to(DT)  # e4m3 codes are exact in DT
         acc = tl.dot(kd, q_hi, input_precision=PRECISION)  # [BLOCK_S, BLOCK_H] fp32
         if SPLIT_Q:
             acc = tl.dot(kd, q_lo, acc, input_precision=PRECISION)
         score = tl.sum(tl.maximum(acc, 0.0) * w[None, :], axis=1)
+        if HAS_SCALE:  # ReLU commutes with the positive per-token key scale
+            score = score * tl.load(ks_ptr + page * ks_sp + slot * ks_st, mask=valid, other=0.0)
         pos = s0 + rows
         tl.store(out_row + pos, tl.where(valid, score, float("-inf")), mask=pos < max_context)
 
@@ -107,9 +108,10 @@ def _default_block_s(block_size: int) -> int:
 
 
 def _default_tiles(batch: int) -> tuple[int, int]:
-    """(tiles per program, pipeline stages): few tiles keep a batch of 1 spread over every SM; large
-    batches fill the GPU anyway and prefer long pipelined runs (H200 sweep)."""
-    return (2, 2) if batch <= 8 else (16, 3)
+    """(tiles per program, pipeline stages): one tile per program spreads a batch of 1 over every SM;
+    large batches fill the GPU anyway and prefer long pipelined runs (H200: sweep_decode.json,
+    scan_variants.json)."""
+    return (1, 2) if batch <= 8 else (16, 3)
 
 
 def paged_indexer_scores(
@@ -165,7 +167,8 @@ def paged_indexer_scores(
         return out
     ks = key_scales if key_scales is not None else key_cache  # unused placeholder without scales
     emulate = q.device.type != "cuda"
-    split_q = dtype != torch.float32 and q.dtype != dtype
+    dot_dtype = torch.float16 if key_scales is not None and dtype == torch.bfloat16 else dtype
+    split_q = dot_dtype != torch.float32 and q.dtype not in (dot_dtype, torch.bfloat16)
     grid = (triton.cdiv(max_context, block_s * tiles), B)
     _indexer_scores_kernel[grid](
         q, weights, key_cache, ks, block_tables, context_lens, out,
@@ -174,8 +177,8 @@ def paged_indexer_scores(
         block_tables.stride(0), block_tables.stride(1), out.stride(0),
         H, max_context,
         D=D, PAGE=page, BLOCK_H=max(16, triton.next_power_of_2(H)), BLOCK_S=block_s, TILES=tiles,
-        HAS_SCALE=key_scales is not None, DT=_DOT_DTYPES[dtype], SPLIT_Q=split_q, EMULATE=emulate,
-        PRECISION="ieee" if emulate or dtype == torch.float32 else None,
+        HAS_SCALE=key_scales is not None, DT=_DOT_DTYPES[dot_dtype], SPLIT_Q=split_q, EMULATE=emulate,
+        PRECISION="ieee" if emulate or dot_dtype == torch.float32 else None,
         NUM_STAGES=num_stages, num_warps=num_warps,
     )
     return out
