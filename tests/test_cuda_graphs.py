@@ -55,7 +55,7 @@ def test_padded_decode_steps_match_full_forward(eager_graphs, dtype, kv):
     for i, prompt in enumerate(prompts):
         assert_matches_full_forward(engine, prompt, outs[f"r{i}"].outputs[0].token_ids)
     assert graphs.replays >= 11 and {size for size, _ in eager_graphs} >= {8}  # 5 rows padded to 8
-    assert all(bucket == 4096 for _, bucket in eager_graphs)
+    assert all(bucket == 2048 for _, bucket in eager_graphs)
     engine.check_idle()
     assert engine.allocator.stats()["pages_used"] <= engine.allocator.stats()["pages_cached"]
 
@@ -68,4 +68,4 @@ def test_enforce_eager_turns_graphs_off(eager_graphs):
 def test_context_bucket():
     graphs = cuda_graphs.DecodeGraphs.__new__(cuda_graphs.DecodeGraphs)
     graphs.max_model_len = 20000
-    assert [graphs.context_bucket(n) for n in (1, 4096, 4097, 9000, 20000)] == [4096, 4096, 8192, 16384, 20000]
+    assert [graphs.context_bucket(n) for n in (1, 2048, 4097, 9000, 20000)] == [2048, 2048, 8192, 16384, 20000]

@@ -5,7 +5,7 @@ A graph's inputs live in static device buffers that each step refills: token ids
 cache slot each token writes, block tables, context lengths and KDA state pages. Rows past the
 real batch are padding: they read and write one reserved attention page and one reserved set of
 state pages that no sequence owns, so their garbage never touches a request. The context bucket
-(a power of two >= 4096, capped at max_model_len) is the width of the index scan's score rows and
+(a power of two >= 2048, capped at max_model_len) is the width of the index scan's score rows and
 of the dense MLA splits, so short contexts do not pay for max_model_len.
 
 Capturing runs the forward once eagerly on padding rows only (it compiles kernels and settles the
@@ -26,7 +26,7 @@ from kimiserve.model.model import KimiForCausalLM
 from kimiserve.model.moe import STATIC_MOE_TOKENS
 from kimiserve.ops.backend import DecodeOps
 
-MIN_CONTEXT_BUCKET = 4096
+MIN_CONTEXT_BUCKET = 2048  # K3.1's index top-k: shorter contexts run dense MLA, without the scan
 
 
 def capture_sizes(max_batch: int) -> list[int]:

@@ -177,12 +177,14 @@ class MLAAttention(nn.Module):
                      batch: ForwardBatch) -> torch.Tensor:
         """Query rows [n, ...] (row i at position lens[i] - 1 of the sequence with page table tables[i])
         attend over the cached tokens before them through the paged decode ops: the index scan, top-k
-        and sparse MLA, or dense MLA without an indexer. Returns [n, H, v_dim] in the compute dtype."""
+        and sparse MLA; or dense MLA without an indexer, and where no row sees more tokens than the
+        indexer keeps (max_context <= top-k: it would select them all). Returns [n, H, v_dim] in the
+        compute dtype."""
         layer, pool, ops = self.cache_index, batch.pool, batch.ops
         dt = compute_dtype(q_nope, w_kc)
         q_abs = torch.einsum("bhd,hdl->bhl", q_nope.to(dt), w_kc.to(dt))
         latent_scale = pool.latent_scales[layer] if pool.kv_cache_dtype == "fp8" else None
-        if hasattr(self, "indexer"):
+        if hasattr(self, "indexer") and max_context > self.indexer.topk:
             iq, iw = self.indexer.queries(x.unsqueeze(0), q_latent.unsqueeze(0))
             scales = pool.index_scale[layer] if pool.index_scale else None
             scores = ops.indexer_scores(iq[0], iw[0], pool.index_key[layer], scales, tables, lens, x.dtype, max_context)
