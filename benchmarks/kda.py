@@ -8,8 +8,8 @@ state view with a page stride), bf16 q/k/v, fp32 g and beta as the model makes t
   state pages in place (ssm_state_indices), as the engine does; plain = fla's
   `fused_recurrent_kda_fwd` in place on a contiguous [B, H, K, V] state; reference = the pure-torch
   gather / recurrent step / scatter (`ops.kda.paged.kda_decode`). CUDA-graph replays (eager too).
-- prefill, S sequences of T tokens: paged = per sequence `kda_prefill` from a copy of its state
-  page, the final state written back (chunks run one by one, as `KimiDeltaAttention.paged_mix`);
+- prefill, S sequences of T tokens: paged = the S sequences packed into one varlen `kda_prefill`
+  from their state pages, the final states written back (as `KimiDeltaAttention.prefill_segments`);
   plain = one `chunk_kda` over the [S, T] batch from a plain initial state; reference = the
   pure-torch chunked form through the pages. Eager CUDA-event timings.
 The short conv is left out (the same work on both sides). Bytes: the state read + written
@@ -151,15 +151,14 @@ def measure_prefill(ops, config, seqs: int, T: int, device: str, gen, timers) ->
     plain = pool.recurrent[pages].clone()
     q, k, v, g, beta = make_inputs(seqs, T, H, K, device, gen)
 
+    packed = [t.reshape(1, seqs * T, *t.shape[2:]) for t in (q, k, v, g, beta)]
+    cu_seqlens = torch.arange(seqs + 1, dtype=torch.int64) * T
+
     def through_pages(prefill):
-        def run():
-            outs = []
-            for i in range(seqs):
-                p, s = pages[i : i + 1], slice(i, i + 1)
-                o, state = prefill(q[s], k[s], v[s], g[s], beta[s], pool.recurrent[p])
-                pool.recurrent[p] = state
-                outs.append(o)
-            return torch.cat(outs)
+        def run():  # as KimiDeltaAttention.prefill_segments: one varlen call from the pages, states written back
+            o, states = prefill(*packed, pool.recurrent[pages], cu_seqlens)
+            pool.recurrent[pages] = states
+            return o.view(seqs, T, *o.shape[2:])
         return run
 
     paged_fn, ref_fn = through_pages(ops.prefill), through_pages(paged_ref.kda_prefill)

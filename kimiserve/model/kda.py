@@ -96,30 +96,50 @@ class KimiDeltaAttention(nn.Module):
 
     def paged_mix(self, q, k, v, g, beta, batch: ForwardBatch) -> torch.Tensor:
         """`mix` for packed tokens [1, N]: one-token sequences batched in recurrent form
-        (`batch.ops.kda_decode`, updating their state pages in place), longer chunks one by one in
-        chunked form (`batch.ops.kda_prefill`); each reads and writes its state page of this layer.
-        A chunk with snapshot pages also leaves the state before its last token there."""
+        (`batch.ops.kda_decode`, updating their state pages in place), longer chunks together in
+        varlen chunked form (`batch.ops.kda_prefill`); each reads and writes its state page of this
+        layer. A chunk with snapshot pages also leaves the state before its last token there: its
+        last token runs in a second varlen pass, from the snapshot."""
         pool, i, ops = batch.pool, self.cache_index, batch.ops
         o = v.new_empty(*v.shape[:2], self.num_heads, self.head_dim)
         rows = batch.decode_rows
-        # (packed rows, pages read, pages written, recurrent form): one-token rows form one batch
-        runs = [(rows, batch.decode_state_pages[:, i], batch.decode_state_pages[:, i], True)] if rows.numel() else []
-        for c in batch.prefill_chunks:
-            pages = c.state_pages[i : i + 1].to(v.device)
-            if c.snapshot_state_pages is None:
-                runs.append((slice(c.start, c.end), pages, pages, False))
-            else:
-                snap = c.snapshot_state_pages[i : i + 1].to(v.device)
-                runs += [(slice(c.start, c.end - 1), pages, snap, False), (slice(c.end - 1, c.end), snap, pages, False)]
-        for sel, src, dst, recurrent in runs:
-            # one-token rows become a batch of length-1 sequences; a chunk is one sequence
-            pick = (lambda t: t[0, sel].unsqueeze(1)) if recurrent else (lambda t: t[:, sel])
-            qh, kh, vh, conv = self.short_conv(pick(q), pick(k), pick(v), pool.conv[src])
-            pool.conv[dst] = conv
-            if recurrent:  # src is dst: the decode op updates the state pages in place
-                o[0, sel] = ops.kda_decode(qh, kh, vh, pick(g), pick(beta), pool.recurrent, src)[:, 0]
-            else:
-                out, state = ops.kda_prefill(qh, kh, vh, pick(g), pick(beta), pool.recurrent[src])
-                pool.recurrent[dst] = state
-                o[:, sel] = out
+        if rows.numel():
+            pages = batch.decode_state_pages[:, i]
+            one = lambda t: t[0, rows].unsqueeze(1)  # one-token rows become a batch of length-1 sequences
+            qh, kh, vh, conv = self.short_conv(one(q), one(k), one(v), pool.conv[pages])
+            pool.conv[pages] = conv
+            o[0, rows] = ops.kda_decode(qh, kh, vh, one(g), one(beta), pool.recurrent, pages)[:, 0]
+        chunks = batch.prefill_chunks
+        if chunks:
+            first, last = [], []  # (start, end, state page read, state page written)
+            for c in chunks:
+                page = c.state_pages[i]
+                if c.snapshot_state_pages is None:
+                    first.append((c.start, c.end, page, page))
+                else:
+                    snap = c.snapshot_state_pages[i]
+                    first.append((c.start, c.end - 1, page, snap))
+                    last.append((c.end - 1, c.end, snap, page))
+            for segments in (first, last):
+                if segments:
+                    self.prefill_segments(q, k, v, g, beta, segments, o, pool, ops)
         return o
+
+    def prefill_segments(self, q, k, v, g, beta, segments, o, pool, ops) -> None:
+        """Packed rows [start, end) of each segment continue from the state pages `src` and leave
+        their final state in `dst`: short conv per segment, then one varlen chunked-form call."""
+        src = torch.stack([s for _, _, s, _ in segments])
+        dst = torch.stack([d for _, _, _, d in segments])
+        conv_in = pool.conv[src]
+        parts = []
+        for j, (start, end, _, _) in enumerate(segments):
+            qh, kh, vh, conv = self.short_conv(q[:, start:end], k[:, start:end], v[:, start:end], conv_in[j : j + 1])
+            pool.conv[dst[j : j + 1]] = conv
+            parts.append((qh, kh, vh, g[:, start:end], beta[:, start:end]))
+        lengths = [end - start for start, end, _, _ in segments]
+        cu_seqlens = torch.tensor([0] + lengths, dtype=torch.int64).cumsum(0)
+        packed = [torch.cat(t, dim=1) for t in zip(*parts)]
+        out, states = ops.kda_prefill(*packed, pool.recurrent[src], cu_seqlens)
+        pool.recurrent[dst] = states
+        for (start, end, _, _), offset in zip(segments, cu_seqlens.tolist()):
+            o[:, start:end] = out[:, offset : offset + end - start]

@@ -30,7 +30,8 @@ class DecodeOps:
     dense_mla_decode: Callable
     """(q_latent, q_pe, latent_cache, latent_scale, block_tables, context_lens, scale, dtype, max_context) -> [B, H, L]"""
     kda_prefill: Callable
-    """(q, k, v, g, beta, initial_state [B, H, K, V]) -> (o [B, T, H, V], final state): KDA chunked form"""
+    """(q, k, v, g, beta, initial_state [N, H, K, V], cu_seqlens [N + 1] on the CPU or None) -> (o, final states [N, H, K, V]):
+    KDA chunked form over [N, T] tokens, or varlen over N sequences packed in [1, total]"""
     kda_decode: Callable
     """(q, k, v, g, beta, states [P, H, K, V] view, page_ids [Bd]) -> o [Bd, 1, H, V]; updates those pages"""
     prefill_in_place: bool = False

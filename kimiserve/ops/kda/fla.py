@@ -29,17 +29,18 @@ def supported(K: int, V: int) -> bool:
     return K <= MAX_HEAD_DIM and V <= MAX_HEAD_DIM
 
 
-def kda_prefill(q, k, v, g, beta, initial_state):
-    """One sequence chunk [1, T] from initial_state [1, H, K, V] fp32 (a copy, not a page view).
-
-    Returns (o [1, T, H, V] in v's dtype, final state [1, H, K, V] fp32). fla's chunked kernels
-    (chunk size 64, varlen not used: the engine runs prefill chunks one by one)."""
+def kda_prefill(q, k, v, g, beta, initial_state, cu_seqlens=None):
+    """From initial_state [N, H, K, V] fp32 (a copy, not a page view): over [N, T] tokens, or
+    (cu_seqlens int64 [N + 1] on the CPU) over the N sequences packed in [1, total], as fla's varlen
+    chunk_kda takes them (given the CPU copy too, fla plans its chunks without a device sync). Returns (o shaped as v, in v's dtype; final states [N, H, K, V]
+    fp32). fla's chunked kernels, chunk size 64."""
     if not supported(q.shape[-1], v.shape[-1]) or v.dtype not in (torch.bfloat16, torch.float16):
-        return reference.kda_prefill(q, k, v, g, beta, initial_state)
+        return reference.kda_prefill(q, k, v, g, beta, initial_state, cu_seqlens)
     o, state = chunk_kda(
         q.contiguous(), k.contiguous(), v.contiguous(), g.float().contiguous(), beta.contiguous(),
         initial_state=initial_state.float().contiguous(), output_final_state=True,
         use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
+        cu_seqlens=None if cu_seqlens is None else cu_seqlens.to(q.device), cu_seqlens_cpu=cu_seqlens,
     )
     return o, state
 

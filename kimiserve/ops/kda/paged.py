@@ -12,10 +12,21 @@ import torch
 from kimiserve.ops.kda.reference import chunk_kda, recurrent_kda
 
 
-def kda_prefill(q, k, v, g, beta, initial_state):
-    """Chunked form over [B, T] tokens from initial_state [B, H, K, V] fp32.
-    Returns (o [B, T, H, V] in v's dtype, final state [B, H, K, V])."""
-    return chunk_kda(q, k, v, g, beta, initial_state=initial_state)
+def kda_prefill(q, k, v, g, beta, initial_state, cu_seqlens=None):
+    """Chunked form from initial_state [N, H, K, V] fp32: over [N, T] tokens, or (cu_seqlens int64
+    [N + 1] on the CPU) over the N sequences packed in [1, total] (sequence j is tokens cu_seqlens[j] to
+    cu_seqlens[j + 1]). Returns (o in v's dtype, shaped as v; final states [N, H, K, V])."""
+    if cu_seqlens is None:
+        return chunk_kda(q, k, v, g, beta, initial_state=initial_state)
+    bounds = cu_seqlens.tolist()
+    outs, states = [], []
+    for j in range(len(bounds) - 1):
+        span = slice(bounds[j], bounds[j + 1])
+        o, state = chunk_kda(q[:, span], k[:, span], v[:, span], g[:, span], beta[:, span],
+                             initial_state=initial_state[j : j + 1])
+        outs.append(o)
+        states.append(state)
+    return torch.cat(outs, dim=1), torch.cat(states)
 
 
 def kda_decode(q, k, v, g, beta, states: torch.Tensor, page_ids: torch.Tensor) -> torch.Tensor:
