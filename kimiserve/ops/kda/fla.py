@@ -31,16 +31,22 @@ def supported(K: int, V: int) -> bool:
 
 def kda_prefill(q, k, v, g, beta, initial_state, cu_seqlens=None):
     """From initial_state [N, H, K, V] fp32 (a copy, not a page view): over [N, T] tokens, or
-    (cu_seqlens int64 [N + 1] on the CPU) over the N sequences packed in [1, total], as fla's varlen
-    chunk_kda takes them (given the CPU copy too, fla plans its chunks without a device sync). Returns (o shaped as v, in v's dtype; final states [N, H, K, V]
-    fp32). fla's chunked kernels, chunk size 64."""
+    (cu_seqlens int64 [N + 1] on the CPU) over the N sequences packed in [1, total]. Returns (o
+    shaped as v, in v's dtype; final states [N, H, K, V] fp32). fla's chunked kernels, chunk size 64.
+
+    Packed sequences run one fla call each: fla's own varlen path (chunk_kda with cu_seqlens and
+    cu_seqlens_cpu) would take them in one launch, but it has not been checked on a GPU here yet."""
     if not supported(q.shape[-1], v.shape[-1]) or v.dtype not in (torch.bfloat16, torch.float16):
         return reference.kda_prefill(q, k, v, g, beta, initial_state, cu_seqlens)
+    if cu_seqlens is not None:
+        bounds = cu_seqlens.tolist()
+        runs = [kda_prefill(*(t[:, bounds[j] : bounds[j + 1]] for t in (q, k, v, g, beta)), initial_state[j : j + 1])
+                for j in range(len(bounds) - 1)]
+        return torch.cat([o for o, _ in runs], dim=1), torch.cat([state for _, state in runs])
     o, state = chunk_kda(
         q.contiguous(), k.contiguous(), v.contiguous(), g.float().contiguous(), beta.contiguous(),
         initial_state=initial_state.float().contiguous(), output_final_state=True,
         use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
-        cu_seqlens=None if cu_seqlens is None else cu_seqlens.to(q.device), cu_seqlens_cpu=cu_seqlens,
     )
     return o, state
 
