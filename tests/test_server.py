@@ -343,3 +343,32 @@ def test_api_key_env_and_sigterm_with_in_flight_stream():
         code = server.proc.wait(60)
         server.check_clean_exit(code)
         assert "Application shutdown complete" in server.stderr()
+
+
+def test_sigterm_past_shutdown_timeout_ends_requests_in_openai_shape():
+    """Requests still running when --shutdown-timeout runs out end as the issue asks (a stream with
+    an error event and [DONE], a non-streaming request with a 503 in the OpenAI shape), not as
+    uvicorn's cancellation (a cut stream, a bare 500, tracebacks); the exit stays clean."""
+    import signal
+    import threading
+
+    with running_server(*LIGHT_SERVER, "--shutdown-timeout", "0", check_exit=False) as server:
+        body = {"prompt": PROMPT, "max_tokens": 200, "ignore_eos": True}
+        plain: dict = {}
+        worker = threading.Thread(target=lambda: plain.update(
+            r=httpx.post(f"{server.base_url}/completions", json=body, timeout=60)))
+        worker.start()
+        with httpx.stream("POST", f"{server.base_url}/chat/completions", timeout=60,
+                          json={**body, "max_tokens": 150, "messages": MESSAGES, "stream": True}) as r:
+            assert r.status_code == 200
+            lines = (line for line in r.iter_lines() if line.startswith("data: "))
+            events = [next(lines)]
+            assert wait_until(lambda: metrics(server.url)["kimiserve:num_requests_running"] == 2, timeout=30)
+            server.proc.send_signal(signal.SIGTERM)
+            events += list(lines)
+        worker.join(60)
+        server.check_clean_exit(server.proc.wait(60))
+    assert events[-1] == "data: [DONE]"
+    error = json.loads(events[-2][len("data: "):])["error"]
+    assert error["code"] == "engine_dead" and error["message"]
+    assert plain["r"].status_code == 503 and plain["r"].json()["error"]["code"] == "engine_dead"

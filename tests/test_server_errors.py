@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import openai
 import pytest
@@ -12,6 +14,14 @@ LONG = "word " * 300  # > 256 tokens
 MSG = [{"role": "user", "content": "hi"}]
 TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {}}}}
 C, CHAT = "/v1/completions", "/v1/chat/completions"
+
+
+def deep_tool(depth: int = 600) -> dict:
+    """A tool whose schema nests deeper than the chat template's renderer recurses (JSON allows it)."""
+    schema: dict = {}
+    for _ in range(depth):
+        schema = {"items": schema}
+    return {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"a": schema}}}}
 
 
 def comp(**kw):
@@ -95,6 +105,7 @@ CASES = [
         "name": "f", "parameters": {"type": "array"}}}], tool_choice="none"), 400, "tools[0].function.parameters"),
     ("tool-type-not-function", "POST", CHAT, chat(tools=[{"type": "retrieval", "function": {"name": "f"}}],
                                                   tool_choice="none"), 400, "tools[0].type"),
+    ("tool-schema-nested-too-deeply", "POST", CHAT, chat(tools=[deep_tool()], tool_choice="required"), 400, "tools"),
     ("tool-choice-unknown-function", "POST", CHAT, chat(tools=[TOOL], tool_choice={
         "type": "function", "function": {"name": "nope"}}), 400, "tool_choice.function.name"),
     ("tool-choice-bad-string", "POST", CHAT, chat(tools=[TOOL], tool_choice="sometimes"), 400, "tool_choice"),
@@ -110,6 +121,8 @@ CASES = [
     ("detokenize-out-of-vocab", "POST", "/detokenize", {"tokens": [1, 10**9]}, 400, "tokens[1]"),
     ("detokenize-bad-type", "POST", "/detokenize", {"tokens": "abc"}, 400, "tokens"),
     ("tokenize-both-inputs", "POST", "/tokenize", {"prompt": "x", "messages": MSG}, 400, "prompt"),
+    ("tokenize-tool-schema-nested-too-deeply", "POST", "/tokenize", {"messages": MSG, "tools": [deep_tool()]}, 400,
+     "tools"),
     ("tokenize-unknown-role", "POST", "/tokenize", {"messages": [{"role": "x", "content": "y"}]}, 400,
      "messages[0].role"),
 ]
@@ -211,3 +224,19 @@ def test_bench_serve_subcommand_is_wired(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["bench", "serve", "--help"])
     assert exc.value.code == 0 and "--base-url" in capsys.readouterr().out
+
+
+def test_lone_surrogates_in_input_never_break_a_response(http):
+    """JSON may carry a lone surrogate ("\\ud800"), which cannot be sent as UTF-8: responses that
+    echo it (an error message, an echoed prompt, streamed or not) escape it instead of failing."""
+    def raw(path, text):
+        return http.post(path, content=text.encode(), headers={"Content-Type": "application/json"})
+
+    r = raw(C, '{"prompt": "x", "model": "\\ud800x"}')
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+    r = raw(C, '{"prompt": "\\ud800x", "max_tokens": 2, "echo": true}')
+    assert r.status_code == 200 and r.json()["choices"][0]["text"].startswith("\ud800x")
+    r = raw(C, '{"prompt": "\\ud800x", "max_tokens": 2, "echo": true, "stream": true}')
+    events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+    assert r.status_code == 200 and events[-1] == "[DONE]" and "error" not in events[-2]
+    assert json.loads(events[0])["choices"][0]["text"].startswith("\ud800x")

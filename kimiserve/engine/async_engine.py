@@ -115,11 +115,16 @@ class AsyncLLMEngine:
         self._thread = threading.Thread(target=self._run, name="kimiserve-engine", daemon=True)
         self._thread.start()
 
-    async def shutdown(self, timeout: float = 30.0) -> None:
-        """Stop the thread: unfinished requests are aborted and their consumers get EngineDeadError."""
+    def stop(self) -> None:
+        """Tell the thread to stop (never blocks): unfinished requests are aborted between steps and
+        their consumers get EngineDeadError; new requests are refused."""
         with self._cv:
             self._stopping = True
             self._cv.notify()
+
+    async def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop the thread and wait for it (see `stop`)."""
+        self.stop()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, timeout)
 

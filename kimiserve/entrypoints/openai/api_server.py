@@ -7,6 +7,7 @@ The engine thread starts with the app (lifespan) and stops after uvicorn's grace
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hmac
 import logging
@@ -180,9 +181,30 @@ def build_app(engine: AsyncLLMEngine, args: ServerArgs | None = None) -> FastAPI
     return app
 
 
+SHUTDOWN_MARGIN_S = 3.0
+"""After --shutdown-timeout the engine stops; uvicorn cancels what is left this much later."""
+
+
 class _Server(uvicorn.Server):
     """uvicorn's server, but a SIGTERM/SIGINT ends with a clean exit (code 0) after the graceful
-    shutdown instead of re-raising the signal."""
+    shutdown instead of re-raising the signal, and requests still running `grace` seconds into it
+    end in the OpenAI shape: the engine stops, so streams get an error event and `data: [DONE]` and
+    other requests a 503, instead of uvicorn cancelling their tasks (a bare 500, a cut stream)."""
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncLLMEngine | None = None, grace: float = 0.0):
+        super().__init__(config)
+        self.engine = engine
+        self.grace = grace
+
+    async def shutdown(self, sockets=None) -> None:
+        timer = None
+        if self.engine is not None:
+            timer = asyncio.get_running_loop().call_later(self.grace, self.engine.stop)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            if timer is not None:
+                timer.cancel()
 
     @contextlib.contextmanager
     def capture_signals(self):
@@ -206,7 +228,7 @@ def run_server(engine_args: EngineArgs, server_args: ServerArgs) -> int:
     config = uvicorn.Config(app, host=server_args.host, port=server_args.port, lifespan="on",
                             log_level=server_args.uvicorn_log_level,
                             access_log=not server_args.disable_uvicorn_access_log,
-                            timeout_graceful_shutdown=server_args.shutdown_timeout)
-    server = _Server(config)
+                            timeout_graceful_shutdown=server_args.shutdown_timeout + SHUTDOWN_MARGIN_S)
+    server = _Server(config, engine, server_args.shutdown_timeout)
     server.run()
     return 0 if server.started else 1

@@ -12,11 +12,32 @@ import re
 from typing import Any
 
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse as _JSONResponse
 
 TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
          404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
          422: "invalid_request_error", 500: "server_error", 503: "service_unavailable"}
+
+
+def to_json(data: Any) -> str:
+    """JSON text that can always go out as UTF-8: a lone surrogate (JSON input may carry one, e.g. an
+    echoed prompt or a model name "\\ud800") cannot, so then non-ASCII characters are escaped."""
+    text = json.dumps(data, ensure_ascii=False)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return json.dumps(data)
+    return text
+
+
+class JSONResponse(_JSONResponse):
+    """starlette's JSONResponse, but a body with a lone surrogate is sent escaped instead of raising."""
+
+    def render(self, content: Any) -> bytes:
+        try:
+            return super().render(content)
+        except UnicodeEncodeError:
+            return json.dumps(content, allow_nan=False, separators=(",", ":")).encode("ascii")
 
 
 class OpenAIError(Exception):
@@ -37,7 +58,7 @@ class OpenAIError(Exception):
 
     def sse(self) -> str:
         """The error as one server-sent event (for errors after a stream has started)."""
-        return f"data: {json.dumps(self.body())}\n\n"
+        return f"data: {to_json(self.body())}\n\n"
 
 
 # "top_p must be ...", "messages[0].role: unknown ...", "stop_token_ids must be ... at stop_token_ids[2]"

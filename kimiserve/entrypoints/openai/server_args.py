@@ -36,7 +36,8 @@ class ServerArgs:
     enable_auto_tool_choice: bool = False
     """Allow tool_choice "auto" (the model decides whether to call tools); needs --tool-call-parser."""
     shutdown_timeout: float = 10.0
-    """Seconds to let in-flight requests finish after SIGTERM/SIGINT before they are cancelled."""
+    """Seconds to let in-flight requests finish after SIGTERM/SIGINT; then the engine stops and they end
+    with an error (an error event in a stream, else a 503)."""
     uvicorn_log_level: str = "info"
     """uvicorn's log level."""
     disable_uvicorn_access_log: bool = False

@@ -10,24 +10,22 @@ and the parser is fed that forced text first, so the response includes it.
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from kimiserve.engine.outputs import RequestOutput
 from kimiserve.entrypoints.openai.chat_output import ChatOutputParser, DeltaMessage
-from kimiserve.entrypoints.openai.errors import OpenAIError, from_value_error
+from kimiserve.entrypoints.openai.errors import JSONResponse, OpenAIError, from_value_error
 from kimiserve.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, ChatTool, NamedToolChoice
 from kimiserve.entrypoints.openai.serving_utils import (
     ServingContext, SSEResponse, abort_all, chat_logprobs, check_common, final_outputs, max_tokens_for, new_id,
     now, outputs, prompt_logprobs, sampling_params, sse, stream_error, submit, unless_disconnected, usage)
 from kimiserve.entrypoints.openai.tool_parser import ARG_BEGIN, CALL_BEGIN, SECTION_BEGIN, ToolCallDelta
 
-logger = logging.getLogger("kimiserve.server")
 TEMPLATE_RESERVED = ("messages", "tools", "add_generation_prompt", "tokenize")
 
 
@@ -52,6 +50,9 @@ def render_chat(ctx: ServingContext, messages: list[ChatMessage], tools: list[Ch
                                              add_generation_prompt=add_generation_prompt, tokenize=False, **kwargs)
     except ValueError as exc:
         raise from_value_error(exc) from exc
+    except RecursionError as exc:  # JSON nested deeper than the renderer recurses (tool schemas, arguments)
+        raise OpenAIError("tools or messages are nested too deeply to render the chat template", 400,
+                          "tools" if tools else "messages") from exc
 
 
 @dataclass
@@ -242,6 +243,5 @@ class _Chat:
                 yield sse({"id": self.id, "object": "chat.completion.chunk", "created": self.created,
                            "model": self.model, "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
         except Exception as exc:  # noqa: BLE001 - reported in the stream, which still ends properly
-            logger.exception("error while streaming %s", self.id)
-            yield stream_error(exc)
+            yield stream_error(exc, self.id)
         yield "data: [DONE]\n\n"

@@ -7,21 +7,18 @@ i * n .. i * n + n - 1, as vLLM numbers them.
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from kimiserve.engine.outputs import CompletionOutput, RequestOutput
-from kimiserve.entrypoints.openai.errors import OpenAIError
+from kimiserve.entrypoints.openai.errors import JSONResponse, OpenAIError
 from kimiserve.entrypoints.openai.protocol import CompletionRequest
 from kimiserve.entrypoints.openai.serving_utils import (
     ServingContext, SSEResponse, abort_all, check_common, completion_logprobs, final_outputs, max_tokens_for,
     new_id, now, outputs, prompt_logprobs, sampling_params, sse, stream_error, submit, unless_disconnected, usage)
-
-logger = logging.getLogger("kimiserve.server")
 
 
 def _prompts(ctx: ServingContext, req: CompletionRequest) -> list[tuple[str | None, list[int]]]:
@@ -159,8 +156,7 @@ class _Completion:
             if req.stream_options is not None and req.stream_options.include_usage:
                 yield sse({**self._chunk([]), "usage": usage(prompt_tokens, completion_tokens)})
         except Exception as exc:  # noqa: BLE001 - reported in the stream, which still ends properly
-            logger.exception("error while streaming %s", self.id)
-            yield stream_error(exc)
+            yield stream_error(exc, self.id)
         yield "data: [DONE]\n\n"
 
     def _delta(self, out: RequestOutput, c: CompletionOutput, first: bool, p: int):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import codecs
-import json
+import logging
 import math
 import time
 import uuid
@@ -19,10 +19,11 @@ from fastapi.responses import Response, StreamingResponse
 from kimiserve.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from kimiserve.engine.outputs import RequestOutput
 from kimiserve.engine.sampler import TokenLogprobs
-from kimiserve.entrypoints.openai.errors import OpenAIError, from_value_error
+from kimiserve.entrypoints.openai.errors import OpenAIError, from_value_error, to_json
 from kimiserve.entrypoints.openai.protocol import SamplingRequest
 from kimiserve.sampling_params import SamplingParams
 
+logger = logging.getLogger("kimiserve.server")
 T = TypeVar("T")
 MIN_LOGPROB = -9999.0
 """-inf logprobs are sent as this (JSON has no -inf), as vLLM does."""
@@ -231,11 +232,16 @@ async def final_outputs(sink: asyncio.Queue, request_ids: list[str]) -> dict[str
 
 
 def sse(data: dict[str, Any]) -> str:
-    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+    return f"data: {to_json(data)}\n\n"
 
 
-def stream_error(exc: BaseException) -> str:
-    """An error raised after the stream started, as an SSE event in the OpenAI shape."""
+def stream_error(exc: BaseException, request_id: str) -> str:
+    """An error raised after the stream started, as an SSE event in the OpenAI shape (logged; an
+    engine that died or was stopped at shutdown was already logged, so no traceback for that)."""
+    if isinstance(exc, EngineDeadError):
+        logger.warning("stream %s ended: %s", request_id, exc)
+    else:
+        logger.error("error while streaming %s", request_id, exc_info=exc)
     if isinstance(exc, OpenAIError):
         return exc.sse()
     if isinstance(exc, EngineDeadError):
