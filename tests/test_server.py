@@ -323,8 +323,14 @@ def _check_api_key(server, key: str) -> None:
 
 
 def test_api_key_flag():
-    with running_server(*LIGHT_SERVER, "--api-key", "sekret") as server:
+    with running_server(*LIGHT_SERVER, "--api-key", "sekret", "--allowed-origins", "https://app.example") as server:
         _check_api_key(server, "sekret")
+        # a browser's preflight carries no key: CORS answers it, for the allowed origin only
+        preflight = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization"}
+        ok = httpx.options(f"{server.base_url}/models", headers={"Origin": "https://app.example", **preflight})
+        assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == "https://app.example"
+        other = httpx.options(f"{server.base_url}/models", headers={"Origin": "https://evil.example", **preflight})
+        assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
 
 
 def test_api_key_env_and_sigterm_with_in_flight_stream():
@@ -372,3 +378,29 @@ def test_sigterm_past_shutdown_timeout_ends_requests_in_openai_shape():
     error = json.loads(events[-2][len("data: "):])["error"]
     assert error["code"] == "engine_dead" and error["message"]
     assert plain["r"].status_code == 503 and plain["r"].json()["error"]["code"] == "engine_dead"
+
+
+def test_cors_preflight_is_answered(server):
+    """Browsers' preflight (no API key) gets CORS headers; any origin by default, as in vLLM."""
+    r = httpx.options(f"{server.base_url}/chat/completions", headers={
+        "Origin": "http://localhost:3000", "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization,content-type"})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] in ("*", "http://localhost:3000")
+
+
+def test_chat_template_flag(tmp_path):
+    """--chat-template replaces the tokenizer's template (a file, or the text itself); a path that does not
+    exist or a template that does not compile stops the server with a message."""
+    template = tmp_path / "plain.jinja"
+    template.write_text("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}")
+    with running_server(*LIGHT_SERVER, "--chat-template", str(template)) as s:
+        tokens = tokenize(s, messages=MESSAGES)
+        r = httpx.post(f"{s.url}/detokenize", json={"tokens": tokens})
+        assert r.json()["prompt"] == "[user] Hello, Kimi\n"
+    import subprocess
+    import sys
+
+    for bad, message in ((str(tmp_path / "missing.jinja"), "neither a file nor"), ("{% for %}", "does not compile")):
+        proc = subprocess.run([sys.executable, "-m", "kimiserve.entrypoints.cli", "serve", *LIGHT_SERVER,
+                               "--port", "0", "--chat-template", bad], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]

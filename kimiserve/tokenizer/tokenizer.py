@@ -246,18 +246,17 @@ class KimiTokenizer:
         return b"".join(self.decode_token_bytes(i) for i in ids).decode("utf-8", errors="replace")
 
     # ---- chat template ---------------------------------------------------------------------
+    def set_chat_template(self, template: str) -> None:
+        """Use this Jinja chat template instead of the folder's (ValueError if it does not compile)."""
+        self._compiled = _compile_template(template)
+        self.chat_template = template
+
     def apply_chat_template(self, messages, tools=None, add_generation_prompt: bool = True,
                             tokenize: bool = False, **template_kwargs) -> str | list[int]:
         _check_messages(messages)
         _check_tools(tools)
         if self._compiled is None:
-            import jinja2.ext
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                extensions=[jinja2.ext.loopcontrols])
-            env.filters["tojson"] = _tojson
-            env.globals["raise_exception"] = _raise_template_error
-            self._compiled = env.from_string(self.chat_template)
+            self._compiled = _compile_template(self.chat_template)
         context = dict(template_kwargs)
         context.update(messages=list(messages), tools=_deep_sorted(tools) if tools else None,
                        add_generation_prompt=add_generation_prompt)
@@ -364,6 +363,20 @@ def _resolve_folder(path) -> Path:
     if "/" not in text and "\\" not in text and (PRESETS_DIR / text).is_dir():
         return PRESETS_DIR / text
     return Path(path)
+
+
+def _compile_template(template: str):
+    import jinja2
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_template_error
+    try:
+        return env.from_string(template)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"the chat template does not compile: {e.message} (line {e.lineno})") from e
 
 
 def _read_chat_template(folder: Path, config: dict[str, Any]) -> str:

@@ -19,6 +19,7 @@ from importlib import metadata
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -111,12 +112,20 @@ def build_app(engine: AsyncLLMEngine, args: ServerArgs | None = None) -> FastAPI
         finally:
             await engine.shutdown()
 
+    template = args.chat_template_text()
+    if template is not None:
+        if engine.engine.tokenizer is None:
+            raise ValueError("chat_template needs a model with a tokenizer")
+        engine.engine.tokenizer.set_chat_template(template)
+
     app = FastAPI(title="kimiserve", version=version(), lifespan=lifespan)
     app.state.serving = ctx
     app.state.metrics = metrics
     _install_error_handlers(app)
     if args.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=args.api_key)
+    # added last, so it runs first: browsers' preflight requests carry no API key
+    app.add_middleware(CORSMiddleware, allow_origins=args.allowed_origins, allow_methods=["*"], allow_headers=["*"])
 
     @app.get("/health")
     async def health() -> Response:

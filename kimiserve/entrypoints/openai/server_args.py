@@ -38,6 +38,10 @@ class ServerArgs:
     shutdown_timeout: float = 10.0
     """Seconds to let in-flight requests finish after SIGTERM/SIGINT; then the engine stops and they end
     with an error (an error event in a stream, else a 503)."""
+    chat_template: str | None = None
+    """A Jinja chat template to use instead of the tokenizer's: a file path, or the template text itself."""
+    allowed_origins: list[str] = dataclasses.field(default_factory=lambda: ["*"])
+    """Origins browsers may call the API from (CORS; "*": any, as vLLM's default)."""
     uvicorn_log_level: str = "info"
     """uvicorn's log level."""
     disable_uvicorn_access_log: bool = False
@@ -56,6 +60,20 @@ class ServerArgs:
             raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
         if self.served_model_name is not None and (not self.served_model_name or not all(self.served_model_name)):
             raise ValueError("served_model_name must be one or more non-empty names")
+        if not self.allowed_origins or not all(self.allowed_origins):
+            raise ValueError("allowed_origins must be one or more non-empty origins (\"*\" for any)")
+        self.chat_template_text()  # a missing file fails here, before the model loads
+
+    def chat_template_text(self) -> str | None:
+        """--chat-template as template text: a file's contents, or the value itself when it looks like a
+        template; ValueError for a path that does not exist."""
+        value = self.chat_template
+        if value is None or "{{" in value or "{%" in value:
+            return value
+        if not os.path.isfile(value):
+            raise ValueError(f"chat_template {value!r} is neither a file nor a Jinja template")
+        with open(value, encoding="utf-8") as f:
+            return f.read()
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -63,7 +81,8 @@ class ServerArgs:
         docs = field_docs(ServerArgs)
         for f in dataclasses.fields(ServerArgs):
             flag = "--" + f.name.replace("_", "-")
-            kwargs = {"default": f.default, "help": docs[f.name]}
+            default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+            kwargs = {"default": default, "help": docs[f.name]}
             if str(f.type) == "bool":
                 parser.add_argument(flag, action="store_true", **kwargs)
             elif str(f.type).startswith("list["):
