@@ -88,7 +88,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine_args.validate()
     server_args = ServerArgs.from_cli_args(args)
     server_args.validate()
+    _leave_a_core_to_the_server(engine_args)
     return run_server(engine_args, server_args)
+
+
+def _leave_a_core_to_the_server(engine_args) -> None:
+    """On the CPU, the engine's torch threads and the HTTP event loop share the cores: unless
+    OMP_NUM_THREADS says otherwise, torch gets all but one (1.8x the throughput of torch taking every
+    core, with 2 cores and the load generator beside it; BENCHMARKS.md)."""
+    import os
+
+    import torch
+
+    if engine_args.resolved_device().type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) - 1))
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:
