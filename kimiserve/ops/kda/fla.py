@@ -39,10 +39,7 @@ def kda_prefill(q, k, v, g, beta, initial_state, cu_seqlens=None):
     if not supported(q.shape[-1], v.shape[-1]) or v.dtype not in (torch.bfloat16, torch.float16):
         return reference.kda_prefill(q, k, v, g, beta, initial_state, cu_seqlens)
     if cu_seqlens is not None:
-        bounds = cu_seqlens.tolist()
-        runs = [kda_prefill(*(t[:, bounds[j] : bounds[j + 1]] for t in (q, k, v, g, beta)), initial_state[j : j + 1])
-                for j in range(len(bounds) - 1)]
-        return torch.cat([o for o, _ in runs], dim=1), torch.cat([state for _, state in runs])
+        return reference.each_packed_sequence(kda_prefill, q, k, v, g, beta, initial_state, cu_seqlens)
     o, state = chunk_kda(
         q.contiguous(), k.contiguous(), v.contiguous(), g.float().contiguous(), beta.contiguous(),
         initial_state=initial_state.float().contiguous(), output_final_state=True,

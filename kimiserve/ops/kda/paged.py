@@ -18,15 +18,16 @@ def kda_prefill(q, k, v, g, beta, initial_state, cu_seqlens=None):
     cu_seqlens[j + 1]). Returns (o in v's dtype, shaped as v; final states [N, H, K, V])."""
     if cu_seqlens is None:
         return chunk_kda(q, k, v, g, beta, initial_state=initial_state)
+    return each_packed_sequence(kda_prefill, q, k, v, g, beta, initial_state, cu_seqlens)
+
+
+def each_packed_sequence(prefill, q, k, v, g, beta, initial_state, cu_seqlens):
+    """`prefill` (the unpacked form of a kda_prefill) run on each of the sequences packed in [1, total]
+    along cu_seqlens (int64 [N + 1] on the CPU); outputs concatenated back, final states stacked."""
     bounds = cu_seqlens.tolist()
-    outs, states = [], []
-    for j in range(len(bounds) - 1):
-        span = slice(bounds[j], bounds[j + 1])
-        o, state = chunk_kda(q[:, span], k[:, span], v[:, span], g[:, span], beta[:, span],
-                             initial_state=initial_state[j : j + 1])
-        outs.append(o)
-        states.append(state)
-    return torch.cat(outs, dim=1), torch.cat(states)
+    runs = [prefill(*(t[:, bounds[j] : bounds[j + 1]] for t in (q, k, v, g, beta)), initial_state[j : j + 1])
+            for j in range(len(bounds) - 1)]
+    return torch.cat([o for o, _ in runs], dim=1), torch.cat([state for _, state in runs])
 
 
 def kda_decode(q, k, v, g, beta, states: torch.Tensor, page_ids: torch.Tensor) -> torch.Tensor:
