@@ -10,7 +10,7 @@ state view with a page stride), bf16 q/k/v, fp32 g and beta as the model makes t
   gather / recurrent step / scatter (`ops.kda.paged.kda_decode`). CUDA-graph replays (eager too).
 - prefill, S sequences of T tokens: paged = the S sequences packed into one varlen `kda_prefill`
   from their state pages, the final states written back (as `KimiDeltaAttention.prefill_segments`;
-  the fla wrapper still runs packed sequences one call each);
+  one fla varlen launch);
   plain = one `chunk_kda` over the [S, T] batch from a plain initial state; reference = the
   pure-torch chunked form through the pages. Eager CUDA-event timings.
 The short conv is left out (the same work on both sides). Bytes: the state read + written

@@ -158,8 +158,9 @@ if __name__ == "__main__":
     print("interpreter smoke check passed:", fla_module.__name__)
 
 
+@pytest.mark.parametrize("varlen_launch", [True, False])
 @pytest.mark.parametrize("H,K", HEAD_SHAPES)
-def test_varlen_prefill_matches_reference(H, K):
+def test_varlen_prefill_matches_reference(H, K, varlen_launch):
     """Several sequences packed in one varlen call (what paged_mix runs for a step's prefill chunks),
     each from its own state, against the reference's per-sequence loop."""
     from kimiserve.ops.kda import fla
@@ -169,7 +170,7 @@ def test_varlen_prefill_matches_reference(H, K):
     q, k, v, g, beta = make_inputs(1, sum(lengths), H, K, "cuda", gen)
     states = 0.5 * torch.randn(len(lengths), H, K, K, generator=gen).cuda()
     cu = torch.tensor([0] + lengths).cumsum(0)
-    o, final = fla.kda_prefill(q, k, v, g, beta, states.clone(), cu)
+    o, final = fla.kda_prefill(q, k, v, g, beta, states.clone(), cu, varlen_launch=varlen_launch)
     o_ref, final_ref = ref.kda_prefill(q, k, v, g, beta, states, cu)
     assert o.shape == o_ref.shape and final.shape == (len(lengths), H, K, K) and torch.isfinite(o).all()
     assert rel_rms(o, o_ref) < 2e-2 and rel_rms(final, final_ref) < 2e-2, (rel_rms(o, o_ref), rel_rms(final, final_ref))

@@ -29,21 +29,28 @@ def supported(K: int, V: int) -> bool:
     return K <= MAX_HEAD_DIM and V <= MAX_HEAD_DIM
 
 
-def kda_prefill(q, k, v, g, beta, initial_state, cu_seqlens=None):
+def kda_prefill(q, k, v, g, beta, initial_state, cu_seqlens=None, *, varlen_launch=True):
     """From initial_state [N, H, K, V] fp32 (a copy, not a page view): over [N, T] tokens, or
     (cu_seqlens int64 [N + 1] on the CPU) over the N sequences packed in [1, total]. Returns (o
     shaped as v, in v's dtype; final states [N, H, K, V] fp32). fla's chunked kernels, chunk size 64.
 
-    Packed sequences run one fla call each: fla's own varlen path (chunk_kda with cu_seqlens and
-    cu_seqlens_cpu) would take them in one launch, but it has not been checked on a GPU here yet."""
+    Several packed sequences go through fla's varlen path (one chunk_kda call, cu_seqlens on the
+    device and on the CPU; ~0.3 ms of set-up that one sequence skips); varlen_launch=False runs one
+    fla call per sequence instead (the tests compare both)."""
     if not supported(q.shape[-1], v.shape[-1]) or v.dtype not in (torch.bfloat16, torch.float16):
         return reference.kda_prefill(q, k, v, g, beta, initial_state, cu_seqlens)
-    if cu_seqlens is not None:
+    if cu_seqlens is not None and not varlen_launch:
         return reference.each_packed_sequence(kda_prefill, q, k, v, g, beta, initial_state, cu_seqlens)
+    varlen = {}
+    if cu_seqlens is not None and len(cu_seqlens) == 2:  # one sequence: the plain call, no varlen set-up
+        cu_seqlens = None
+    if cu_seqlens is not None:
+        cpu = cu_seqlens.to(device="cpu", dtype=torch.int64)
+        varlen = dict(cu_seqlens=cpu.to(q.device, non_blocking=True), cu_seqlens_cpu=cpu)
     o, state = chunk_kda(
         q.contiguous(), k.contiguous(), v.contiguous(), g.float().contiguous(), beta.contiguous(),
         initial_state=initial_state.float().contiguous(), output_final_state=True,
-        use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
+        use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, **varlen,
     )
     return o, state
 
