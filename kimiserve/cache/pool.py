@@ -32,7 +32,7 @@ class PagePool:
         if len(scales) != layout.num_mla_layers or min(scales, default=1.0) <= 0:
             raise ValueError(f"latent_scales needs one positive scale per MLA layer ({layout.num_mla_layers})")
         self.latent_scales = list(scales)
-        """fp8 only: the per-layer latent scale (stored value = latent / scale)."""
+        """Per MLA layer: fp8's latent scale (stored value = latent / scale), fp4's NVFP4 global scale."""
 
     @property
     def block_size(self) -> int:
@@ -46,7 +46,10 @@ class PagePool:
     def write_mla(self, layer: int, pages: torch.Tensor, offsets: torch.Tensor, latent: torch.Tensor,
                   index_key: torch.Tensor | None, write=write_mla_tokens) -> None:
         """Store tokens' latents [N, latent_dim] (and index keys [N, index_dim]) of MLA layer `layer`
-        with `write` (the reference, or a kernel of the same contract)."""
+        with `write` (the reference, or a kernel of the same contract); index keys are rotated first
+        when the layout stores them rotated."""
+        if index_key is not None and self.layout.index_key_rotation:
+            index_key = formats.rotate_index_keys(index_key)  # fp32: rounded once, by the store
         write(
             self.latent[layer], self.index_key[layer] if self.index_key else None,
             self.index_scale[layer] if self.index_scale else None, pages, offsets, latent, index_key,
@@ -55,11 +58,14 @@ class PagePool:
 
     def read_latents(self, layer: int, pages: torch.Tensor, offsets: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         codes = self.latent[layer][pages, offsets]
-        return formats.load_latent(codes, self.kv_cache_dtype, self.latent_scales[layer], dtype)
+        return formats.load_latent(codes, self.kv_cache_dtype, self.latent_scales[layer], dtype, self.layout.latent_dim)
 
     def read_index_keys(self, layer: int, pages: torch.Tensor, offsets: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Dequantised index keys in the model's basis (rotated back when stored rotated)."""
         scales = self.index_scale[layer][pages, offsets] if self.index_scale else None
-        return formats.load_index_key(self.index_key[layer][pages, offsets], scales, self.kv_cache_dtype, dtype)
+        keys = formats.load_index_key(self.index_key[layer][pages, offsets], scales, self.kv_cache_dtype,
+                                      torch.float32, self.layout.index_dim)
+        return (formats.rotate_index_keys(keys) if self.layout.index_key_rotation else keys).to(dtype)
 
     # state pages -------------------------------------------------------------------------------
     def zero_state(self, pages: torch.Tensor) -> None:

@@ -3,6 +3,7 @@
 import torch
 
 from kimiserve.ops.dtypes import compute_dtype
+from kimiserve.ops.quant.reference import dequantize_mxfp4
 from kimiserve.ops.topk.reference import topk_reference
 
 
@@ -44,13 +45,18 @@ def paged_indexer_scores(
     values and each token's score is multiplied by its fp32 key scale afterwards (the score of the
     dequantised key k * scale, without rounding k * scale to `dtype`). Returns fp32 [B, max_context]
     (default: the longest context, a host sync): score[b, s] = sum_h weights[b, h] ReLU(q[b, h] . k_s),
-    -inf for s >= context_lens[b].
+    -inf for s >= context_lens[b]. MXFP4 keys (uint8 key_cache [P, block_size, 16 * groups] of
+    `quantize_mxfp4` codes, key_scales uint8 [P, block_size, groups] ue8m0; a last partial group
+    zero-padded) are dequantised exactly to `dtype` (each value is e2m1 times a power of two).
     """
     S = int(context_lens.max()) if max_context is None else max_context
     pos = torch.arange(S, device=q.device).expand(q.shape[0], S)
     pos = torch.minimum(pos, (context_lens - 1).unsqueeze(1))  # padding rows read a valid slot; masked below
-    keys = gather_paged(key_cache, block_tables, pos).float()
-    scores = indexer_scores(q.unsqueeze(1), keys.to(dtype), weights.unsqueeze(1))[:, 0].float()
+    keys = gather_paged(key_cache, block_tables, pos)
+    if keys.dtype == torch.uint8:  # MXFP4: dequantised exactly (e2m1 times a power of two), first D dims
+        keys = dequantize_mxfp4(keys, gather_paged(key_scales, block_tables, pos), torch.float32)[..., : q.shape[-1]]
+        key_scales = None
+    scores = indexer_scores(q.unsqueeze(1), keys.float().to(dtype), weights.unsqueeze(1))[:, 0].float()
     if key_scales is not None:  # = the scores of the dequantised keys: ReLU commutes with a positive scale
         scores = scores * gather_paged(key_scales, block_tables, pos)
     visible = torch.arange(S, device=q.device).unsqueeze(0) < context_lens.unsqueeze(1)

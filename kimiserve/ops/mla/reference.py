@@ -9,6 +9,7 @@ and, with an indexer, the selected top-k).
 import torch
 
 from kimiserve.ops.dtypes import compute_dtype
+from kimiserve.ops.quant.reference import dequantize_nvfp4
 
 
 def split_kv_b(kv_b_weight: torch.Tensor, num_heads: int, qk_nope_head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,7 +64,8 @@ def paged_sparse_mla_decode(
     """Decode attention in latent space over the selected tokens only, read through page tables.
 
     q_latent [B, H, L] (q_nope absorbed into w_kc), q_pe [B, H, R]; latent_cache [P, block_size, L + R]
-    (bf16, or e4m3 times `latent_scale`); block_tables [B, M]; indices [B, k] token positions, -1 = none.
+    (bf16, or e4m3 times `latent_scale`), or uint8 [P, block_size, 9 * ceil((L + R) / 16)] NVFP4 rows
+    (`kimiserve.ops.quant.reference.quantize_nvfp4`, `latent_scale` the global scale); block_tables [B, M]; indices [B, k] token positions, -1 = none.
     Latents are dequantised to `dtype` (the model dtype), the rest runs in fp32 (or wider).
     Returns the attention output in latent space [B, H, L] (apply w_vc after). Every row must
     select at least one token (a decode query always sees itself); a row of only -1 gives NaN.
@@ -73,9 +75,13 @@ def paged_sparse_mla_decode(
     pos = indices.clamp_min(0)
     bs = latent_cache.shape[1]
     pages = torch.gather(block_tables, 1, pos // bs)
-    c = latent_cache[pages, pos % bs].float()  # [B, k, L + R]
-    if latent_scale is not None:
-        c = c * latent_scale
+    c = latent_cache[pages, pos % bs]
+    if c.dtype == torch.uint8:  # NVFP4 rows, latent_scale their global scale
+        c = dequantize_nvfp4(c, latent_scale, torch.float32, L + q_pe.shape[-1])
+    else:  # [B, k, L + R]
+        c = c.float()
+        if latent_scale is not None:
+            c = c * latent_scale
     dt = compute_dtype(q_latent)
     c = c.to(dtype).to(dt)
     logits = torch.einsum("bhl,bkl->bhk", q_latent.to(dt), c[..., :L])

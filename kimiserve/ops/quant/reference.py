@@ -1,4 +1,7 @@
-"""MXFP4 (OCP microscaling FP4) quantise/dequantise, as compressed-tensors packs it.
+"""4-bit (MXFP4, NVFP4) and FP8 quantise/dequantise references: the oracles of every kernel that
+reads or writes these formats.
+
+MXFP4 (OCP microscaling FP4), as compressed-tensors packs it (expert weights, index keys):
 
 A group of 32 values along the last dim shares one ue8m0 scale byte (value 2^(byte - 127)); each
 value is an e2m1 code (bit 3 sign, bits 0-2 index [0, .5, 1, 1.5, 2, 3, 4, 6]); two codes per
@@ -37,8 +40,7 @@ def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if w.shape[-1] % MXFP4_GROUP:
         raise ValueError(f"MXFP4 needs the last dim divisible by {MXFP4_GROUP}, got {w.shape[-1]}")
     wf = w.float()
-    if not torch.isfinite(wf).all():
-        raise ValueError("MXFP4 quantisation got NaN or Inf values")
+    _check_finite(wf, "MXFP4")
     groups = wf.view(*wf.shape[:-1], -1, MXFP4_GROUP)
     amax = groups.abs().amax(-1)
     mantissa, exponent = torch.frexp(amax)  # amax = mantissa * 2^exponent, mantissa in [0.5, 1)
@@ -59,6 +61,75 @@ def dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
     values = table[codes.long()].view(*packed.shape[:-1], -1, MXFP4_GROUP)
     scale = torch.exp2(scales.float() - 127).unsqueeze(-1)
     return (values * scale).view(*packed.shape[:-1], -1).to(dtype)
+
+
+def _check_finite(x: torch.Tensor, fmt: str) -> None:
+    if not torch.isfinite(x).all():
+        raise ValueError(f"{fmt} quantisation got NaN or Inf values: quantise finite tensors only")
+
+
+# NVFP4: e2m1 codes, one e4m3 scale per 16 values, one fp32 global scale per tensor (here: per
+# layer, chosen in advance like the FP8 latent scale). Value = e2m1 * float(e4m3 scale) * global.
+NVFP4_GROUP = 16
+
+
+def nvfp4_row_bytes(dim: int) -> int:
+    """Bytes of one packed NVFP4 row of `dim` values: 8 code bytes and 1 scale byte per group of 16
+    (a last partial group is padded with zeros)."""
+    return 9 * -(-dim // NVFP4_GROUP)
+
+
+def quantize_nvfp4(x: torch.Tensor, global_scale: float) -> torch.Tensor:
+    """x [..., D] (finite) -> packed uint8 rows [..., nvfp4_row_bytes(D)].
+
+    Per group of 16 (the last one zero-padded): block scale s = e4m3(amax / (6 * global_scale))
+    (nearest, saturating at 448; a block whose scale rounds to 0 stores zeros), codes = e2m1 nearest
+    (ties to even, saturating at +-6) of x / (float(s) * global_scale), all in fp32. Row: the
+    8 * groups code bytes (element 2i in the low nibble), then the groups e4m3 scale bytes."""
+    if not global_scale > 0:
+        raise ValueError(f"an NVFP4 global scale must be > 0, got {global_scale}")
+    xf = x.float()
+    _check_finite(xf, "NVFP4")
+    pad = -xf.shape[-1] % NVFP4_GROUP
+    if pad:
+        xf = torch.nn.functional.pad(xf, (0, pad))
+    g = torch.tensor(global_scale, dtype=torch.float32)
+    groups = xf.view(*xf.shape[:-1], -1, NVFP4_GROUP)
+    amax = groups.abs().amax(-1)
+    block = (amax / (6 * g)).clamp(max=FP8_MAX).to(FP8_DTYPE)
+    denom = block.float() * g
+    y = torch.where(denom.unsqueeze(-1) > 0, groups / denom.unsqueeze(-1).clamp_min(torch.finfo(torch.float32).tiny), 0)
+    codes = _e2m1_code(y.clamp(-6.0, 6.0)).view(*xf.shape[:-1], -1, 2)
+    packed = codes[..., 0] | (codes[..., 1] << 4)
+    return torch.cat([packed, block.view(torch.uint8)], dim=-1).contiguous()
+
+
+def dequantize_nvfp4(rows: torch.Tensor, global_scale: float, dtype: torch.dtype = torch.float32,
+                     dim: int | None = None) -> torch.Tensor:
+    """Inverse of `quantize_nvfp4`: uint8 rows [..., 9 * groups] -> [..., dim] in dtype (dim defaults
+    to 16 * groups): e2m1 * float(scale) * global_scale in fp32, then rounded to dtype."""
+    groups = rows.shape[-1] // 9
+    if rows.dtype != torch.uint8 or rows.shape[-1] % 9:
+        raise ValueError(f"NVFP4 rows must be uint8 [..., 9 * groups], got {rows.dtype} {tuple(rows.shape)}")
+    dim = NVFP4_GROUP * groups if dim is None else dim
+    if not NVFP4_GROUP * (groups - 1) < dim <= NVFP4_GROUP * groups:
+        raise ValueError(f"NVFP4 rows of {rows.shape[-1]} bytes do not hold {dim} values")
+    packed, block = rows[..., : 8 * groups], rows[..., 8 * groups :].contiguous().view(FP8_DTYPE)
+    codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).view(*rows.shape[:-1], NVFP4_GROUP * groups)
+    table = _e2m1_value(torch.arange(16, dtype=torch.uint8, device=rows.device))
+    values = table[codes.long()].view(*rows.shape[:-1], groups, NVFP4_GROUP)
+    scale = block.float() * torch.tensor(global_scale, dtype=torch.float32)
+    return (values * scale.unsqueeze(-1)).view(*rows.shape[:-1], -1)[..., :dim].to(dtype)
+
+
+def hadamard(n: int, dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
+    """Orthonormal Sylvester Hadamard matrix [n, n] (n a power of two): entries +-1/sqrt(n), H @ H.T = I."""
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"a Hadamard rotation needs a power-of-two dim, got {n}")
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return (h / n**0.5).to(dtype=dtype, device=device)
 
 
 # FP8 e4m3 (OCP "fn" variant: no infinities, largest finite value 448), as the KV cache stores it.
