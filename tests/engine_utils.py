@@ -54,7 +54,8 @@ def run(engine: LLMEngine, prompts, params: SamplingParams | list[SamplingParams
 def compare_with_full_forward(engine: LLMEngine, prompt: list[int], tokens: list[int], seed=None):
     """Relative errors and argmax agreement of the engine's logits at each sampled position vs the
     full-sequence forward of prompt + tokens (with the cache dtype's round trip)."""
-    ref = engine.model(torch.tensor(prompt + tokens, device=engine.device), kv_cache_dtype=engine.layout.kv_cache_dtype)
+    ref = engine.model(torch.tensor(prompt + tokens, device=engine.device), kv_cache_dtype=engine.layout.kv_cache_dtype,
+                  index_key_rotation=engine.layout.index_key_rotation)
     errors, agree = [], []
     for step in range(len(tokens)):
         row = engine.recorded[(tuple(prompt), seed, step)]
@@ -95,7 +96,8 @@ def assert_matches_full_forward(engine, prompt, tokens, seed=None):
         assert sum(e > 1e-3 for e in errors) <= allowed, errors
         assert n - sum(agree) <= allowed, agree
         return
-    exact = fp32_twin(engine)(torch.tensor(prompt + tokens, device=engine.device), kv_cache_dtype=engine.layout.kv_cache_dtype)
+    exact = fp32_twin(engine)(torch.tensor(prompt + tokens, device=engine.device), kv_cache_dtype=engine.layout.kv_cache_dtype,
+                  index_key_rotation=engine.layout.index_key_rotation)
     at = slice(len(prompt) - 1, len(prompt) - 1 + n)
     rows = torch.stack([engine.recorded[(tuple(prompt), seed, step)] for step in range(n)])
     exact, full = exact[at], ref[at]

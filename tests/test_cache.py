@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from conftest import rel_rms
 from kimiserve.cache import formats
 from kimiserve.cache.layout import CacheLayout
 from kimiserve.cache.pool import PagePool
@@ -14,8 +15,10 @@ from kimiserve.ops.quant.reference import (
     FP8_DTYPE,
     dequantize_fp8,
     dequantize_fp8_rowwise,
+    dequantize_nvfp4,
     quantize_fp8,
     quantize_fp8_rowwise,
+    quantize_nvfp4,
 )
 
 PRESETS = ("tiny", "small", "kimi-k3.1-pro")
@@ -151,7 +154,7 @@ def _end(regions) -> int:
 
 
 @pytest.mark.parametrize("state_dtype", STATE_DTYPES)
-@pytest.mark.parametrize("kv", ["bf16", "fp8"])
+@pytest.mark.parametrize("kv", ["bf16", "fp8", "fp4", "fp8+fp4", "fp4+bf16"])
 @pytest.mark.parametrize("preset", PRESETS)
 def test_layout_block_size_and_regions(preset, kv, state_dtype):
     cfg = load_preset(preset)
@@ -164,11 +167,15 @@ def test_layout_block_size_and_regions(preset, kv, state_dtype):
     assert lay.state_bytes == state
     # per-token bytes per MLA layer, from the regions themselves
     assert len(lay.latent) == len(lay.index_key) == n_mla
-    assert len(lay.index_scale) == (n_mla if kv == "fp8" else 0)
+    key_fmt, latent_fmt = formats.index_key_format(kv), formats.latent_format(kv)
+    assert len(lay.index_scale) == (n_mla if key_fmt != "bf16" else 0)
     for i in range(n_mla):
         regs = [lay.latent[i], lay.index_key[i], *lay.index_scale[i:i + 1]]
         assert sum(r.nbytes for r in regs) == bs * per_layer
-        assert lay.latent[i].shape == (bs, cfg.kv_latent_dim) and lay.index_key[i].shape == (bs, cfg.index_head_dim)
+        latent_width = 9 * -(-cfg.kv_latent_dim // 16) if latent_fmt == "fp4" else cfg.kv_latent_dim
+        key_width = 16 * -(-cfg.index_head_dim // 32) if key_fmt == "fp4" else cfg.index_head_dim
+        assert lay.latent[i].shape == (bs, latent_width) and lay.index_key[i].shape == (bs, key_width)
+    assert lay.index_key_rotation == (key_fmt == "fp4")
     # block size: the smallest multiple of 64 whose attention page holds a state page
     attn = _end(_attn_regions(lay))
     assert bs % 64 == 0 and attn >= state
@@ -187,13 +194,49 @@ def test_layout_block_size_and_regions(preset, kv, state_dtype):
     assert lay.recurrent.dtype == torch.float32 and lay.conv.dtype == state_dtype
 
 
-@pytest.mark.parametrize("kv, expected", [("bf16", 1408), ("fp8", 708)])
+@pytest.mark.parametrize("kv, expected", [("bf16", 1408), ("fp8", 708), ("fp4", 324 + 68), ("fp8+fp4", 576 + 68),
+                                          ("fp4+fp8", 324 + 132)])
 def test_k31_bytes_per_token_per_layer(kv, expected):
     cfg = load_preset("kimi-k3.1-pro")
     assert (cfg.kv_latent_dim, cfg.index_head_dim) == (576, 128)
     assert inspect.latent_bytes(cfg, kv) + inspect.index_key_bytes(cfg, kv) == expected
     lay = CacheLayout.from_config(cfg, kv, torch.bfloat16)
     assert sum(r.nbytes for r in (lay.latent[0], lay.index_key[0], *lay.index_scale[:1])) == expected * lay.block_size
+
+
+def test_k31_fp4_holds_1_7x_the_tokens_of_fp8_per_page_byte():
+    cfg = load_preset("kimi-k3.1-pro")
+    fp8, fp4 = (CacheLayout.from_config(cfg, kv, torch.bfloat16) for kv in ("fp8", "fp4"))
+    ratio = (fp4.block_size / fp4.page_bytes) / (fp8.block_size / fp8.page_bytes)
+    assert ratio >= 1.7, ratio
+    assert fp4.token_bytes == 24 * 392 and fp8.token_bytes == 24 * 708
+
+
+@pytest.mark.parametrize("kv", ["fp4", "fp8+fp4", "fp4+bf16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp4_formats_round_trip_equals_store_then_load(kv, dtype):
+    x = torch.randn(6, 40, dtype=dtype) * 3
+    codes = formats.store_latent(x, kv, 0.5)
+    loaded = formats.load_latent(codes, kv, 0.5, dtype, 40)
+    assert torch.equal(formats.roundtrip_latent(x, kv, 0.5), loaded) and loaded.dtype == dtype
+    if formats.latent_format(kv) == "fp4":
+        assert codes.dtype == torch.uint8 and codes.shape == (6, 27)
+        assert torch.equal(loaded, dequantize_nvfp4(quantize_nvfp4(x, 0.5), 0.5, dtype, 40))
+    if formats.index_key_format(kv) != "fp4":
+        return
+    k = torch.randn(6, 16, dtype=dtype)
+    kc, ks = formats.store_index_key(k, kv)
+    assert kc.dtype == torch.uint8 and kc.shape == (6, 16) and ks.dtype == torch.uint8 and ks.shape == (6, 1)
+    back = formats.load_index_key(kc, ks, kv, dtype, 16)
+    assert torch.equal(formats.roundtrip_index_key(k, kv), back) and not torch.equal(back, k)
+    rotated = formats.roundtrip_index_key(k, kv, rotate=True)
+    assert not torch.equal(rotated, back) and rel_rms(rotated.float(), k.float()) < 0.25
+
+
+def test_rotation_keeps_dot_products():
+    q, k = torch.randn(5, 128, dtype=torch.float64), torch.randn(7, 128, dtype=torch.float64)
+    rq, rk = formats.rotate_index_keys(q), formats.rotate_index_keys(k)
+    assert torch.allclose(rq @ rk.T, q @ k.T) and torch.allclose(formats.rotate_index_keys(rk), k)
 
 
 def test_k31_fp8_block_size():
@@ -248,7 +291,7 @@ def _layer_bytes(pool, layer, pages, offsets) -> torch.Tensor:
     return mask
 
 
-@pytest.mark.parametrize("kv", ["bf16", "fp8"])
+@pytest.mark.parametrize("kv", ["bf16", "fp8", "fp4", "fp8+fp4"])
 def test_pool_write_read_round_trip(kv):
     scales = [0.5, 0.03]
     pool = _pool(kv, scales=scales)
@@ -265,12 +308,13 @@ def test_pool_write_read_round_trip(kv):
         if kv == "bf16":
             assert torch.equal(got_l, lat.bfloat16().float()) and torch.equal(got_k, key.bfloat16().float())
         else:
-            assert torch.equal(got_l, formats.roundtrip_latent(lat, "fp8", scales[layer]))
-            assert torch.equal(got_k, formats.roundtrip_index_key(key, "fp8"))
+            assert torch.equal(got_l, formats.roundtrip_latent(lat, kv, scales[layer]))
+            rotate = pool.layout.index_key_rotation
+            assert torch.allclose(got_k, formats.roundtrip_index_key(key, kv, rotate), rtol=0, atol=1e-6)
         assert torch.equal(pool.read_latents(layer, pages, offsets, torch.bfloat16), got_l.bfloat16())
 
 
-@pytest.mark.parametrize("kv", ["bf16", "fp8"])
+@pytest.mark.parametrize("kv", ["bf16", "fp8", "fp4"])
 def test_pool_write_touches_only_its_layer_and_slots(kv):
     pool = _pool(kv)
     pages, offsets = _slots(pool, 11)

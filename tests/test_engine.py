@@ -8,7 +8,8 @@ from engine_utils import GREEDY, assert_matches_full_forward, make_engine, rando
 from kimiserve.engine.request import sample_seed
 from kimiserve.sampling_params import SamplingParams
 
-MODEL_CACHE = [("float32", "bf16"), ("float32", "fp8"), ("bfloat16", "bf16"), ("bfloat16", "fp8")]
+MODEL_CACHE = [("float32", "bf16"), ("float32", "fp8"), ("bfloat16", "bf16"), ("bfloat16", "fp8"), ("float32", "fp4"),
+               ("bfloat16", "fp4"), ("float32", "fp8+fp4")]
 
 
 @pytest.fixture
@@ -23,6 +24,18 @@ def engines():
     yield factory
     for engine in made:
         engine.check_idle()
+
+
+@pytest.mark.parametrize("rotation", [False, True])
+def test_fp4_index_key_rotation_either_way(engines, rotation):
+    """The Hadamard rotation of index keys (default on for fp4 keys) can be turned off; both match
+    their oracle, and the rotation changes what the cache holds (so it is really applied)."""
+    engine = engines("float32", "fp4", index_key_rotation=rotation)
+    assert engine.layout.index_key_rotation is rotation
+    prompts = random_prompts([150, 40], seed=9)
+    outs = run(engine, prompts, SamplingParams(max_tokens=12, **GREEDY))
+    for i, prompt in enumerate(prompts):
+        assert_matches_full_forward(engine, prompt, outs[f"r{i}"].outputs[0].token_ids)
 
 
 @pytest.mark.parametrize("dtype,kv", MODEL_CACHE)
@@ -59,7 +72,7 @@ def test_chunked_prefill(engines, dtype, kv, chunk):
     assert_matches_full_forward(engine, prompt, outs["r0"].outputs[0].token_ids)
 
 
-@pytest.mark.parametrize("dtype,kv", [("float32", "bf16"), ("float32", "fp8")])
+@pytest.mark.parametrize("dtype,kv", [("float32", "bf16"), ("float32", "fp8"), ("float32", "fp4")])
 def test_mixed_batch_equals_each_request_alone(engines, dtype, kv):
     prompts = random_prompts([5, 90, 33, 140, 1], seed=3)
     params = SamplingParams(max_tokens=12, **GREEDY)
@@ -88,7 +101,7 @@ def test_forced_preemption(engines, dtype, kv):
         assert_matches_full_forward(engine, prompt, tokens)
 
 
-@pytest.mark.parametrize("dtype,kv", [("float32", "bf16"), ("float32", "fp8")])
+@pytest.mark.parametrize("dtype,kv", [("float32", "bf16"), ("float32", "fp8"), ("float32", "fp4")])
 def test_prefix_cache_multi_turn(engines, dtype, kv):
     engine = engines(dtype, kv)
     cold = engines(dtype, kv, enable_prefix_caching=False)
@@ -259,7 +272,7 @@ def test_engine_arguments_checked():
     with pytest.raises(ValueError, match="max_model_len=5000 is longer"):
         make_engine(max_model_len=5000)
     with pytest.raises(ValueError, match="kv_cache_dtype"):
-        make_engine(kv="fp4")
+        make_engine(kv="fp6")
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         make_engine(max_num_batched_tokens=0)
 

@@ -117,7 +117,7 @@ class CacheLayout:
                     keys.append(Region(offset, key_dtype, (bs, key_width)))
                     offset = _align(offset + keys[-1].nbytes)
                     if scale_dtype is not None:
-                        scales.append(Region(offset, scale_dtype, (bs,) if scale_width == 1 else (bs, scale_width)))
+                        scales.append(Region(offset, scale_dtype, (bs,) if scale_dtype == torch.float32 else (bs, scale_width)))
                         offset = _align(offset + scales[-1].nbytes)
             return offset, tuple(latent), tuple(keys), tuple(scales)
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kimiserve.cache.formats import check_kv_cache_dtype
 from kimiserve.utils.docs import field_docs
 
 CPU_DEFAULT_CACHE_GIB = 1.0
@@ -35,7 +36,11 @@ class EngineArgs:
     max_num_batched_tokens: int = 2048
     """Token budget of one step; longer prompts are prefilled in chunks."""
     kv_cache_dtype: str = "auto"
-    """Cache dtype of MLA latents and index keys: bf16 or fp8 (e4m3); auto is fp8 on GPU, bf16 on CPU."""
+    """Cache dtype of MLA latents and index keys: bf16, fp8 (e4m3) or fp4 (NVFP4 latents, MXFP4 index keys:
+    1.8x the tokens of fp8), or LATENT+KEY to mix them (e.g. fp8+fp4); auto is fp8 on GPU, bf16 on CPU."""
+    index_key_rotation: bool | None = None
+    """Store index keys rotated by a Hadamard matrix (spreads outlier channels before quantisation; the
+    scan rotates its queries to match); default: on for fp4 index keys, off otherwise."""
     block_size: int | None = None
     """Tokens per attention page (a multiple of 64); default: the smallest that holds a KDA state page."""
     num_pages: int | None = None
@@ -60,8 +65,8 @@ class EngineArgs:
             positive(name)
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
-        if self.kv_cache_dtype not in ("auto", "bf16", "fp8"):
-            raise ValueError(f"kv_cache_dtype must be auto, bf16 or fp8, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype != "auto":
+            check_kv_cache_dtype(self.kv_cache_dtype)
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.kv_cache_memory_gib is not None and not self.kv_cache_memory_gib > 0:
@@ -101,7 +106,7 @@ class EngineArgs:
             if f.name in skip:
                 continue
             flag = "--" + f.name.replace("_", "-")
-            if f.type in ("bool", bool):
+            if f.type in ("bool", bool, "bool | None"):
                 parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=docs[f.name])
                 continue
             kind = {"int": int, "int | None": int, "float": float, "float | None": float}.get(str(f.type), str)

@@ -65,7 +65,7 @@ class LLMEngine:
             raise ValueError(f"max_model_len={self.max_model_len} is longer than the model's context of "
                              f"{self.config.max_position_embeddings} tokens")
         kv_dtype = args.resolved_kv_cache_dtype(self.device)
-        self.layout = CacheLayout.from_config(self.config, kv_dtype, self.dtype, args.block_size)
+        self.layout = CacheLayout.from_config(self.config, kv_dtype, self.dtype, args.block_size, args.index_key_rotation)
         self.model = load_model(args.model, self.dtype, args.seed, self.device)
         num_pages = args.num_pages or pages_for_budget(args.cache_budget_bytes(self.device), self.layout.page_bytes)
         num_state = len(self.config.kda_layers)

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from kimiserve.cache.formats import index_key_storage, latent_storage
 from kimiserve.config import ModelConfig
 from kimiserve.model.model import KimiForCausalLM
 
@@ -17,23 +18,18 @@ PAGE_TOKEN_MULTIPLE = 64
 
 
 def latent_bytes(config: ModelConfig, dtype: str) -> int:
-    n = config.kv_latent_dim
-    if dtype == "bf16":
-        return 2 * n
-    if dtype == "fp8":
-        return n  # e4m3, one scale per layer (not per token)
-    return n // 2 + math.ceil(n / 16)  # NVFP4: e2m1 + one e4m3 scale per 16 values (+ fp32 per layer)
+    """Stored bytes of one token's latent (fp8: e4m3 with one scale per layer, not per token; fp4:
+    NVFP4, e2m1 + one e4m3 scale per 16 values + one fp32 scale per layer)."""
+    store, n = latent_storage(dtype, config.kv_latent_dim)
+    return store.itemsize * n
 
 
 def index_key_bytes(config: ModelConfig, dtype: str) -> int:
+    """Stored bytes of one token's index key (fp8: e4m3 + fp32 scale; fp4: MXFP4, e2m1 + one ue8m0 per 32)."""
     if not config.has_indexer:
         return 0
-    n = config.index_head_dim
-    if dtype == "bf16":
-        return 2 * n
-    if dtype == "fp8":
-        return n + 4  # e4m3 + fp32 scale
-    return n // 2 + math.ceil(n / 32)  # MXFP4: e2m1 + one ue8m0 scale per 32 values
+    code, n, scale, m = index_key_storage(dtype, config.index_head_dim)
+    return code.itemsize * n + (scale.itemsize * m if scale is not None else 0)
 
 
 def kda_state_bytes_per_layer(config: ModelConfig) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kimiserve.cache.formats import roundtrip_index_key, roundtrip_latent
+from kimiserve.cache.formats import latent_scale_of, rotate_index_keys, roundtrip_index_key, roundtrip_latent
 from kimiserve.config import ModelConfig
 from kimiserve.model.batch import CacheRoundTrip, ForwardBatch
 from kimiserve.model.layers import Linear, RMSNorm, Weights
@@ -111,7 +111,8 @@ class MLAAttention(nn.Module):
         if ctx is not None:
             latent = roundtrip_latent(torch.cat([c, k_pe], dim=-1), ctx.kv_cache_dtype, ctx.latent_scale(self.cache_index))
             c, k_pe = latent[..., : self.kv_lora_rank], latent[..., self.kv_lora_rank :]
-            keys = roundtrip_index_key(keys, ctx.kv_cache_dtype) if keys is not None else None
+            if keys is not None:
+                keys = roundtrip_index_key(keys, ctx.kv_cache_dtype, ctx.rotates_index_keys)
         positions = torch.arange(T, device=x.device)
         if keys is not None:
             mask = selection_mask(self.indexer.select(x, q_latent, keys, positions), T)
@@ -183,9 +184,11 @@ class MLAAttention(nn.Module):
         layer, pool, ops = self.cache_index, batch.pool, batch.ops
         dt = compute_dtype(q_nope, w_kc)
         q_abs = torch.einsum("bhd,hdl->bhl", q_nope.to(dt), w_kc.to(dt))
-        latent_scale = pool.latent_scales[layer] if pool.kv_cache_dtype == "fp8" else None
+        latent_scale = latent_scale_of(pool.kv_cache_dtype, pool.latent_scales[layer])
         if hasattr(self, "indexer") and max_context > self.indexer.topk:
             iq, iw = self.indexer.queries(x.unsqueeze(0), q_latent.unsqueeze(0))
+            if pool.layout.index_key_rotation:  # the keys were stored rotated: q.k = (qH).(kH)
+                iq = rotate_index_keys(iq).to(iq.dtype)
             scales = pool.index_scale[layer] if pool.index_scale else None
             scores = ops.indexer_scores(iq[0], iw[0], pool.index_key[layer], scales, tables, lens, x.dtype, max_context)
             idx = ops.topk(scores, self.indexer.topk, lens)

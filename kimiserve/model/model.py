@@ -119,19 +119,21 @@ class KimiForCausalLM(nn.Module):
             raise ValueError(f"token ids must be in 0..{self.config.vocab_size - 1}")
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, kv_cache_dtype: str | None = None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, kv_cache_dtype: str | None = None,
+                index_key_rotation: bool | None = None) -> torch.Tensor:
         """Full-sequence forward: ids [B, T] or [T] -> fp32 logits [B, T, vocab] (or [T, vocab]).
 
         kv_cache_dtype: read MLA latents and index keys as that cache dtype would return them
-        (the oracle of the serving path); None keeps them exact.
+        (the oracle of the serving path); None keeps them exact. index_key_rotation: as the engine's
+        (None = on for fp4 index keys).
         """
         if input_ids.dim() == 1:
-            return self.forward(input_ids.unsqueeze(0), kv_cache_dtype)[0]
+            return self.forward(input_ids.unsqueeze(0), kv_cache_dtype, index_key_rotation)[0]
         self.check_ids(input_ids)
         ctx = None
         if kv_cache_dtype is not None:
             check_kv_cache_dtype(kv_cache_dtype)
-            ctx = CacheRoundTrip(kv_cache_dtype)
+            ctx = CacheRoundTrip(kv_cache_dtype, index_key_rotation=index_key_rotation)
         return self.logits(self.model(input_ids, ctx))
 
     @torch.inference_mode()
