@@ -45,7 +45,7 @@ def test_capture_sizes():
     assert cuda_graphs.capture_sizes(40) == [1, 2, 4, 8, 16, 32, 40]
 
 
-@pytest.mark.parametrize("dtype,kv", [("float32", "bf16"), ("float32", "fp8")])
+@pytest.mark.parametrize("dtype,kv", [("float32", "bf16"), ("float32", "fp8"), ("float32", "fp4")])
 def test_padded_decode_steps_match_full_forward(eager_graphs, dtype, kv):
     engine = make_engine(dtype, kv, max_num_seqs=20, max_model_len=4096, num_pages=300)
     graphs = engine.runner.graphs

@@ -57,7 +57,8 @@ def test_small_preset_forward_on_cuda(capsys):
               f"peak memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
 
 
-@pytest.mark.parametrize("dtype,kv", [("float32", "bf16"), ("float32", "fp8"), ("bfloat16", "fp8")])
+@pytest.mark.parametrize("dtype,kv", [("float32", "bf16"), ("float32", "fp8"), ("bfloat16", "fp8"), ("float32", "fp4"),
+                                      ("bfloat16", "fp4"), ("float32", "fp8+fp4")])
 def test_engine_on_cuda_matches_full_forward(dtype, kv):
     from engine_utils import GREEDY, assert_matches_full_forward, make_engine, random_prompts, run
     from kimiserve.sampling_params import SamplingParams
@@ -89,8 +90,8 @@ def test_small_preset_engine_long_prompt_on_cuda():
     engine.check_idle()
 
 
-@pytest.mark.parametrize("batch", [1, 3, 17])
-def test_cuda_graph_decode_matches_eager(batch):
+@pytest.mark.parametrize("batch, kv", [(1, "fp8"), (3, "fp8"), (17, "fp8"), (3, "fp4")])
+def test_cuda_graph_decode_matches_eager(batch, kv):
     """Replayed decode graphs (padded to 1/4/32 rows) give the eager engine's tokens and logits."""
     from engine_utils import GREEDY, assert_matches_full_forward, make_engine, random_prompts, run
     from kimiserve.sampling_params import SamplingParams
@@ -99,8 +100,8 @@ def test_cuda_graph_decode_matches_eager(batch):
     prompts = random_prompts(lengths, seed=batch)
     params = SamplingParams(max_tokens=12, **GREEDY)
     kw = dict(device="cuda", max_num_seqs=32, num_pages=400)
-    eager = make_engine("float32", "fp8", enforce_eager=True, **kw)
-    graphed = make_engine("float32", "fp8", **kw)
+    eager = make_engine("float32", kv, enforce_eager=True, **kw)
+    graphed = make_engine("float32", kv, **kw)
     outs_e, outs_g = run(eager, prompts, params), run(graphed, prompts, params)
     graphs = graphed.runner.graphs
     assert graphs.disabled is None and graphs.replays >= 11, (graphs.disabled, graphs.replays)
@@ -135,8 +136,9 @@ def run_engine(engine, prompts, params):
     return run(engine, prompts, params)
 
 
-def test_small_preset_kernels_teacher_forced_5000_tokens(capsys):
-    """The `small` preset (real per-layer attention sizes) with an fp8 cache, fed one token sequence
+@pytest.mark.parametrize("kv", ["fp8", "fp4"])
+def test_small_preset_kernels_teacher_forced_5000_tokens(capsys, kv):
+    """The `small` preset (real per-layer attention sizes) with an fp8 or fp4 cache, fed one token sequence
     (a 5,000-token prompt + the reference's 64 greedy tokens): the kernels (Triton prefill in place,
     CUDA-graph decode, fla KDA) against the reference ops.
 
@@ -160,7 +162,7 @@ def test_small_preset_kernels_teacher_forced_5000_tokens(capsys):
     rows, times = {}, {}
     for dtype in ("bfloat16", "float32"):
         for ops in ("reference", "kernels"):
-            engine = make_engine(dtype, "fp8", enforce_eager=ops == "reference", **kw)
+            engine = make_engine(dtype, kv, enforce_eager=ops == "reference", **kw)
             if bf16_weights is None:
                 bf16_weights = {k: v.cpu() for k, v in engine.model.state_dict().items()}
                 prompt = torch.randint(0, engine.config.vocab_size, (5000,), generator=torch.Generator().manual_seed(0)).tolist()
@@ -193,7 +195,7 @@ def test_small_preset_kernels_teacher_forced_5000_tokens(capsys):
     differ = rows["float32", "kernels"].argmax(-1) != exact.argmax(-1)
     kb, rb = rows["bfloat16", "kernels"], rows["bfloat16", "reference"]
     with capsys.disabled():
-        print(f"\nsmall preset, 5000 + {steps} tokens teacher-forced, fp8 cache (relative RMS error of logit rows):")
+        print(f"\nsmall preset, 5000 + {steps} tokens teacher-forced, {kv} cache (relative RMS error of logit rows):")
         print(f"  fp32 kernels vs fp32 reference: median {e32.median():.2e}, max {e32.max():.2e}; argmax differs at "
               f"{int(differ.sum())} rows ({int((differ & near_tie).sum())} near-tied)")
         print(f"  bf16 vs fp32 reference: kernels median {err(kb, exact).median():.3f} argmax agreement "
