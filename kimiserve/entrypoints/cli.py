@@ -1,4 +1,4 @@
-"""`kimiserve` command line: inspect, make-checkpoint, generate, serve, bench serve."""
+"""`kimiserve` command line: inspect, plan, make-checkpoint, generate, serve, bench serve."""
 
 from __future__ import annotations
 
@@ -22,6 +22,12 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     summary = model_summary(resolve_model(args.model))
     print(json.dumps(summary, indent=2) if args.json else format_summary(args.model, summary))
     return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from kimiserve.plan import run
+
+    return run(args)
 
 
 def cmd_make_checkpoint(args: argparse.Namespace) -> int:
@@ -147,6 +153,14 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="a preset (tiny, small, kimi-k3.1-pro) or a model folder")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=cmd_inspect)
+
+    from kimiserve.plan import add_cli_args as add_plan_args
+
+    p = sub.add_parser("plan", help="capacity planner: how many full contexts fit on N GPUs, arithmetic shown",
+                       description="Weights, KDA state and cache per GPU under tp or dcp, and how many contexts "
+                                   "of --context tokens fit, with each number's formula.")
+    add_plan_args(p)
+    p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("make-checkpoint", help="write a random-weight model folder in the release format")
     p.add_argument("--preset", required=True, help="tiny, small or kimi-k3.1-pro")
