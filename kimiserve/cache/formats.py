@@ -144,11 +144,13 @@ def load_index_key(
     return dequantize_fp8_rowwise(codes, scales, dtype) if fmt == "fp8" else codes.to(dtype)
 
 
-def rotate_index_keys(x: torch.Tensor) -> torch.Tensor:
+def rotate_index_keys(x: torch.Tensor, matrix: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., D] times the orthonormal Hadamard matrix (symmetric: applying it twice is the identity),
-    in fp32 or wider; used on keys before they are stored and on the queries that scan them."""
+    in fp32 or wider; used on keys before they are stored and on the queries that scan them.
+    matrix: `hadamard(D)` made once by the caller (the pool keeps one on its device), else made here."""
     dt = torch.promote_types(x.dtype, torch.float32)
-    return x.to(dt) @ hadamard(x.shape[-1], dt, x.device)
+    h = hadamard(x.shape[-1], dt, x.device) if matrix is None else matrix.to(dt)
+    return x.to(dt) @ h
 
 
 def roundtrip_latent(x: torch.Tensor, kv_cache_dtype: str, scale: float = 1.0) -> torch.Tensor:

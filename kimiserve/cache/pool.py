@@ -7,6 +7,7 @@ import torch
 from kimiserve.cache import formats
 from kimiserve.cache.layout import CacheLayout
 from kimiserve.ops.cache_write.reference import write_mla_tokens
+from kimiserve.ops.quant.reference import hadamard
 
 
 class PagePool:
@@ -32,6 +33,8 @@ class PagePool:
         if len(scales) != layout.num_mla_layers or min(scales, default=1.0) <= 0:
             raise ValueError(f"latent_scales needs one positive scale per MLA layer ({layout.num_mla_layers})")
         self.latent_scales = list(scales)
+        self.index_rotation = hadamard(layout.index_dim, torch.float32, device) if layout.index_key_rotation else None
+        """The Hadamard matrix rotated index keys are stored with (None when they are not rotated)."""
         """Per MLA layer: fp8's latent scale (stored value = latent / scale), fp4's NVFP4 global scale."""
 
     @property
@@ -49,7 +52,7 @@ class PagePool:
         with `write` (the reference, or a kernel of the same contract); index keys are rotated first
         when the layout stores them rotated."""
         if index_key is not None and self.layout.index_key_rotation:
-            index_key = formats.rotate_index_keys(index_key)  # fp32: rounded once, by the store
+            index_key = formats.rotate_index_keys(index_key, self.index_rotation)  # fp32: rounded once, by the store
         write(
             self.latent[layer], self.index_key[layer] if self.index_key else None,
             self.index_scale[layer] if self.index_scale else None, pages, offsets, latent, index_key,
@@ -65,7 +68,7 @@ class PagePool:
         scales = self.index_scale[layer][pages, offsets] if self.index_scale else None
         keys = formats.load_index_key(self.index_key[layer][pages, offsets], scales, self.kv_cache_dtype,
                                       torch.float32, self.layout.index_dim)
-        return (formats.rotate_index_keys(keys) if self.layout.index_key_rotation else keys).to(dtype)
+        return (formats.rotate_index_keys(keys, self.index_rotation) if self.layout.index_key_rotation else keys).to(dtype)
 
     # state pages -------------------------------------------------------------------------------
     def zero_state(self, pages: torch.Tensor) -> None:

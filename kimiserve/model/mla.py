@@ -188,7 +188,7 @@ class MLAAttention(nn.Module):
         if hasattr(self, "indexer") and max_context > self.indexer.topk:
             iq, iw = self.indexer.queries(x.unsqueeze(0), q_latent.unsqueeze(0))
             if pool.layout.index_key_rotation:  # the keys were stored rotated: q.k = (qH).(kH)
-                iq = rotate_index_keys(iq).to(iq.dtype)
+                iq = rotate_index_keys(iq, pool.index_rotation).to(iq.dtype)
             scales = pool.index_scale[layer] if pool.index_scale else None
             scores = ops.indexer_scores(iq[0], iw[0], pool.index_key[layer], scales, tables, lens, x.dtype, max_context)
             idx = ops.topk(scores, self.indexer.topk, lens)

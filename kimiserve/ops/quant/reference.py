@@ -123,13 +123,17 @@ def dequantize_nvfp4(rows: torch.Tensor, global_scale: float, dtype: torch.dtype
 
 
 def hadamard(n: int, dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
-    """Orthonormal Sylvester Hadamard matrix [n, n] (n a power of two): entries +-1/sqrt(n), H @ H.T = I."""
+    """Orthonormal Sylvester Hadamard matrix [n, n] (n a power of two): entry (i, j) is
+    (-1)^popcount(i & j) / sqrt(n), so H @ H.T = I and H = H.T. Built with device ops only (no
+    host-to-device copy: safe inside CUDA-graph capture)."""
     if n < 1 or n & (n - 1):
         raise ValueError(f"a Hadamard rotation needs a power-of-two dim, got {n}")
-    h = torch.ones(1, 1, dtype=torch.float64)
-    while h.shape[0] < n:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return (h / n**0.5).to(dtype=dtype, device=device)
+    i = torch.arange(n, device=device)
+    both = i.unsqueeze(1) & i.unsqueeze(0)
+    parity = torch.zeros_like(both)
+    for bit in range(n.bit_length() - 1):
+        parity ^= (both >> bit) & 1
+    return (1 - 2 * parity).to(dtype) / torch.tensor(n, dtype=dtype, device=device).sqrt()
 
 
 # FP8 e4m3 (OCP "fn" variant: no infinities, largest finite value 448), as the KV cache stores it.
