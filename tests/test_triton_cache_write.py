@@ -3,7 +3,12 @@
 Both run on the same device, into two pools of the real layout that start as all-0xFF bytes (NaN
 for e4m3 and bf16), so any stray or missing byte shows. Inputs cover e4m3's rounding ties (also a
 few ulps either side of tie * latent_scale, where x / s and x * (1 / s) round apart), subnormals,
-saturation, zero / subnormal / inf / NaN key rows, and bf16 ties for the bf16 cache.
+saturation, zero / subnormal / inf / NaN key rows, and bf16 ties for the bf16 cache. For the 4-bit
+formats (finite inputs only, as the reference requires): NVFP4 block-scale ties (amax / (6 g) on and
+around e4m3 midpoints), e2m1 ties within a block, saturated (1e6) and vanishing (1e-30) blocks, zero
+and -0 groups, fp32 subnormals, a last partial group; MXFP4 groups whose amax significand is 1.75
+or just below, e2m1 ties, zero / subnormal / huge groups. The interpreter variants of these checks
+are tests/test_triton_cache_write_interpret.py.
 
 Interpreter smoke check without a GPU (small sizes, CPU tensors):
     python tests/test_triton_cache_write.py
@@ -17,6 +22,7 @@ if __name__ == "__main__":  # must precede any triton import
 import pytest
 import torch
 
+from kimiserve.cache import formats
 from kimiserve.cache.layout import CacheLayout
 from kimiserve.cache.pool import PagePool
 from kimiserve.config import load_preset
@@ -78,6 +84,75 @@ def _keys(N: int, D: int, dtype: torch.dtype, specials: bool) -> torch.Tensor:
     return x.to(dtype)
 
 
+def _groups_of(values: torch.Tensor, N: int, G: int, group: int) -> torch.Tensor:
+    """[N, G * group] rows, group by group drawn from `values` [M, group] at random."""
+    return values[torch.randint(0, values.shape[0], (N * G,))].view(N, G * group)
+
+
+def _nvfp4_latents(N: int, L: int, g: float, dtype: torch.dtype) -> torch.Tensor:
+    """Finite latents for an NVFP4 cache of global scale g, as a non-contiguous slice. Groups of 16
+    (the last one cut at L, so a partial group sees what a whole one would) of six kinds: random over
+    e4m3's block-scale range (subnormal to saturated); amax / (6 g) on an e4m3 midpoint +-2 ulps
+    (block-scale ties, where division and reciprocal multiply differ); e2m1 ties (+-1 ulp) under an
+    exact e4m3 block scale; zeros and -0; 1e6 / 1e-30; fp32 subnormals."""
+    G = -(-L // 16)
+    g32 = torch.tensor(g, dtype=torch.float32)
+    rand = torch.randn(4 * N * G, 16) * torch.exp2(torch.randint(-16, 12, (4 * N * G, 1)).float()) * 6 * g32
+    mids = _near((_e4m3_ties()[: _e4m3_ties().numel() // 2].double() * 6 * g).float())
+    amax_ties = torch.rand(mids.numel(), 16) * mids[:, None]
+    amax_ties[:, 3] = mids * torch.where(torch.rand(mids.numel()) < 0.5, 1.0, -1.0)
+    s = torch.arange(1, 0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    s = s[torch.randint(0, s.numel(), (64,))]
+    bounds = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 0.5, 1.0, 3.0])
+    tie = _near(bounds[torch.randint(0, 10, (64, 15))] * (s * g32)[:, None], 1)  # [3 * 64, 15]
+    tie = tie * torch.where(torch.rand(tie.shape) < 0.5, 1.0, -1.0)
+    e2m1_ties = torch.cat([(6 * (s * g32)).repeat(3)[:, None], tie], 1)  # amax 6 s g: block scale s
+    zeros = torch.zeros(4, 16)
+    zeros[1] = -0.0
+    zeros[2, ::3] = -0.0
+    zeros[3, 5] = 1.0
+    extremes = torch.tensor([1e6, -1e6, 1e-30, -1e-30, 3e5, 1e-25, 0.0, -0.0]).repeat(2)[torch.randperm(16)]
+    extremes = torch.stack([extremes, extremes.abs() * 1e-30, extremes.clamp(-1.0, 1.0), extremes.sign() * 1e6])
+    subnormal = torch.randn(4, 16) * 1e-39
+    kinds = [rand, amax_ties, e2m1_ties, zeros, extremes, subnormal]
+    rows = torch.stack([_groups_of(k, N, G, 16) for k in kinds])  # [6, N, G * 16]
+    pick = torch.randint(0, len(kinds), (N, G))
+    pick[:, -1] = torch.arange(N) % len(kinds)  # every kind in the last (partial) group too
+    x = rows.gather(0, pick.repeat_interleave(16, 1)[None])[0]
+    big = torch.full((N, G * 16 + 24), float("nan"))
+    big[:, : G * 16] = x
+    return big.to(dtype)[:, :L]
+
+
+def _mxfp4_keys(N: int, D: int, dtype: torch.dtype) -> torch.Tensor:
+    """Finite index keys for an MXFP4 cache: groups of 32 (the last cut at D) random over many
+    magnitudes; with amax significand exactly 1.75 / just below (the scale exponent's round-up);
+    e2m1 ties under amax 6 * 2^k (scale 2^k); zero, -0, fp32 subnormal (scale byte 0), 1e-30, 1e6,
+    1e30 and near fp32's max."""
+    G = -(-D // 32)
+    rand = torch.randn(4 * N * G, 32) * torch.exp2(torch.randint(-40, 40, (4 * N * G, 1)).float())
+    k = torch.randint(-60, 60, (64, 1)).float()
+    edge = torch.tensor([1.75, 1.75 - 2**-22, 1.5, 1.0, 2.0 - 2**-22, 1.875]).repeat(11)[:64, None]
+    sig = torch.cat([edge * torch.exp2(k), (torch.rand(64, 31) * 2 - 1) * edge * torch.exp2(k)], 1)
+    bounds = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 0.5, 3.0, 6.0])
+    tie = bounds[torch.randint(0, 10, (64, 31))] * torch.exp2(k) * torch.where(torch.rand(64, 31) < 0.5, 1.0, -1.0)
+    pick = torch.randperm(3 * 64)[:64]  # exact ties and their fp32 neighbours
+    ties = torch.cat([6 * torch.exp2(k)[pick % 64], _near(tie, 1)[pick]], 1)
+    special = torch.zeros(7, 32)
+    special[1] = -0.0
+    special[2] = torch.randn(32) * 1e-39
+    special[3] = torch.randn(32) * 1e-30
+    special[4] = torch.randn(32) * 1e6
+    special[5] = torch.randn(32) * 1e30
+    special[6] = torch.tensor([3.0e38, -1e38] * 16)
+    kinds = [rand, sig, ties, special]
+    rows = torch.stack([_groups_of(kd, N, G, 32) for kd in kinds])
+    pick = torch.randint(0, len(kinds), (N, G))
+    pick[:, -1] = torch.arange(N) % len(kinds)
+    x = rows.gather(0, pick.repeat_interleave(32, 1)[None])[0][:, :D]
+    return x.to(dtype)
+
+
 def _pools(preset: str, kv: str, num_pages: int, device: str) -> tuple[PagePool, PagePool]:
     layout = CacheLayout.from_config(load_preset(preset), kv, torch.bfloat16)
     pools = PagePool(layout, num_pages, device), PagePool(layout, num_pages, device)
@@ -99,14 +174,18 @@ def check_write(device: str, preset: str, kv: str, N: int, in_dtype: torch.dtype
     from kimiserve.ops.cache_write.triton import write_mla_tokens
 
     ref, tri = _pools(preset, kv, num_pages, device)
-    L = ref.latent[layer].shape[-1]
-    D = ref.index_key[layer].shape[-1]
+    L, D = ref.layout.latent_dim, ref.layout.index_dim
+    lat_fmt, key_fmt = formats.latent_format(kv), formats.index_key_format(kv)
     pages, offsets = _slots(N, num_pages, ref.block_size, device, index_dtype)
-    latent = _latents(N, L, scale, in_dtype).to(device)
-    keys = _keys(N, D, in_dtype, specials and kv == "fp8").to(device) if with_keys else None
+    latent = (_nvfp4_latents(N, L, scale, in_dtype) if lat_fmt == "fp4" else _latents(N, L, scale, in_dtype)).to(device)
+    if with_keys:
+        keys = _mxfp4_keys(N, D, in_dtype) if key_fmt == "fp4" else _keys(N, D, in_dtype, specials and key_fmt == "fp8")
+        keys = keys.to(device)
+    else:
+        keys = None
     for pool, fn in ((ref, reference_write), (tri, write_mla_tokens)):
         fn(pool.latent[layer], pool.index_key[layer] if with_keys else None,
-           pool.index_scale[layer] if with_keys and kv == "fp8" else None,
+           pool.index_scale[layer] if with_keys and pool.index_scale else None,
            pages, offsets, latent, keys, kv, scale)
     differ = (ref.data != tri.data).nonzero()
     assert differ.numel() == 0, f"{len(differ)} bytes differ, first (page, byte): {differ[:8].tolist()}"
@@ -126,6 +205,28 @@ def test_tiny_layout_latent_only_int32_slots(kv):
     """Block size 64, no keys written (the index regions must stay untouched), int32 pages/offsets."""
     check_write("cuda", "tiny", kv, 100, torch.float32, 0.37, with_keys=False, index_dtype=torch.int32)
     check_write("cuda", "tiny", kv, 100, torch.bfloat16, 2.0, index_dtype=torch.int32)
+
+
+FP4_KINDS = ["fp4", "fp8+fp4", "fp4+fp8", "bf16+fp4", "fp4+bf16"]
+
+
+@pytest.mark.parametrize("kv", FP4_KINDS)
+@pytest.mark.parametrize("N", [1, 7, 33, 1000])
+def test_fp4_k31_layout_bit_equal(kv, N):
+    """K3.1 geometry with NVFP4 latents (576 values: 36 groups, 324-byte rows) and / or MXFP4 keys
+    (128 dims: 4 groups), global scales 1 (exact e2m1 ties), 2^-7 and a typical amax / (6 * 448)."""
+    for scale, in_dtype in ((1.0, torch.float32), (2.0**-7, torch.bfloat16), (0.0123, torch.float32)):
+        check_write("cuda", "kimi-k3.1-pro", kv, N, in_dtype, scale, layer=7, num_pages=3)
+
+
+@pytest.mark.parametrize("kv", FP4_KINDS)
+def test_fp4_tiny_layout_partial_groups(kv):
+    """Tiny geometry: latent 40 (a last NVFP4 group of 8, 27-byte rows), keys 16 (one MXFP4 group
+    padded from 16 to 32); int32 slots; and latents only (the index regions must stay untouched)."""
+    for N in (1, 7, 33):
+        check_write("cuda", "tiny", kv, N, torch.float32, 0.37, num_pages=3)
+        check_write("cuda", "tiny", kv, N, torch.bfloat16, 1.0, num_pages=3, index_dtype=torch.int32)
+    check_write("cuda", "tiny", kv, 9, torch.float32, 3.0, with_keys=False, num_pages=3)
 
 
 def test_bf16_cache_nan_stays_nan():
@@ -154,6 +255,16 @@ def test_rejects_bad_arguments():
         write_mla_tokens(ref.latent[0], None, None, p, p, x, None, "fp8", 0.0)
     with pytest.raises(ValueError):
         write_mla_tokens(ref.latent[0], None, None, p, p, x, None, "bf16", 1.0)  # an e4m3 view
+    with pytest.raises(ValueError):
+        write_mla_tokens(ref.latent[0], None, None, p, p, x, None, "fp4", 1.0)  # an e4m3 view, not NVFP4 rows
+    four, _ = _pools("tiny", "fp4", 1, "cuda")
+    with pytest.raises(ValueError):
+        write_mla_tokens(four.latent[0], None, None, p, p, x, None, "fp4", 0.0)
+    k = torch.randn(1, four.layout.index_dim, device="cuda")
+    with pytest.raises(ValueError):
+        write_mla_tokens(four.latent[0], four.index_key[0], None, p, p, x, k, "fp4", 1.0)  # scales missing
+    with pytest.raises(ValueError):  # MXFP4 code bytes where fp8 keys are expected
+        write_mla_tokens(four.latent[0], four.index_key[0], four.index_scale[0], p, p, x, k, "fp4+fp8", 1.0)
 
 
 def _interpreter_smoke() -> None:
@@ -162,7 +273,7 @@ def _interpreter_smoke() -> None:
 
     warnings.filterwarnings("ignore", category=RuntimeWarning)  # numpy on the NaN / inf inputs
     torch.manual_seed(0)
-    for kv in ("fp8", "bf16"):
+    for kv in ("fp8", "bf16", *FP4_KINDS):
         for in_dtype in (torch.float32, torch.bfloat16):
             for scale in (1.0, 0.37):
                 check_write("cpu", "tiny", kv, 23, in_dtype, scale, specials=kv == "fp8", num_pages=3)
