@@ -5,7 +5,9 @@ and head h, softmax over the selected tokens of scale * (q_latent . c[:L] + q_pe
 probs @ c[:L] in fp32 [B, H, L]. Latents are read in place from the paged cache [P, block_size,
 L + R] (a strided view of the page pool: any page stride, last dim contiguous) and dequantised
 to `dtype` in registers, exactly as the reference does (fp8 code * latent_scale in fp32, rounded
-to `dtype`).
+to `dtype`). NVFP4 latents (uint8 rows of 9 * ceil((L + R) / 16) bytes, latent_scale their global
+scale) run in `_split_fp4_kernel`: e2m1 * (e4m3 group scale * global scale) in fp32, rounded to
+`dtype`, bit for bit as the reference (`dequantize_fp4_rows` exposes that code to the tests).
 
 Design. Stage 1, grid (cdiv(H, BLOCK_H), num_splits, B), head blocks fastest so the programs
 sharing a (sequence, split) run together and re-read its latents from L2: a program loads
@@ -67,6 +69,14 @@ def default_config(dtype: torch.dtype, scale_each: bool = False) -> DecodeConfig
     if scale_each:  # the per-element scale costs registers: 16 heads, 4 warps has no spills
         return DecodeConfig(block_h=16, num_warps=4)
     return DecodeConfig(block_n=64, num_stages=1)
+
+
+def default_fp4_config(dtype: torch.dtype) -> DecodeConfig:
+    """NVFP4 latents: each tile is read and dequantised once (reload is ignored), its values kept in
+    registers for both dots; fp32 as `default_config`."""
+    if dtype == torch.float32:
+        return default_config(dtype)
+    return DecodeConfig(block_h=16, block_n=32, num_warps=4, num_stages=1, reload=False)
 
 
 @triton.jit
@@ -160,6 +170,136 @@ def _split_kernel(
 
 
 @triton.jit
+def _fp4_tile(row, ok, global_scale, CODES: tl.constexpr, SCALES: tl.constexpr, NBYTES: tl.constexpr,
+              DTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr):
+    """NVFP4 values of a run of whole groups in BLOCK_N rows, as the reference dequantises them:
+    e2m1 * (float(e4m3 scale) * global_scale) in fp32, rounded to DTYPE. CODES, SCALES: the byte
+    offsets of the run's first code and scale byte in a row; NBYTES: its code bytes. Returns (low
+    nibbles, high nibbles) [BLOCK_N, 8 * BLOCK_G]: column k holds value 2k, resp. 2k + 1, of the run."""
+    g = tl.arange(0, BLOCK_G)
+    k = g[:, None] * 8 + tl.arange(0, 8)[None, :]
+    if NBYTES == 8 * BLOCK_G:  # masks constant along a row, so the loads vectorise
+        b_ok = ok[:, None, None]
+        s_ok = ok[:, None]
+    else:
+        b_ok = ok[:, None, None] & (k < NBYTES)[None, :, :]
+        s_ok = ok[:, None] & (g * 8 < NBYTES)[None, :]
+    b = tl.load(row[:, None, None] + CODES + k[None, :, :], mask=b_ok, other=0).to(tl.int32)
+    s = tl.load(row[:, None] + SCALES + g[None, :], mask=s_ok, other=0)
+    # e2m1 placed in an fp16's sign, exponent and top mantissa bit is e2m1 * 2^-14 (0.5 a subnormal),
+    # exact in fp32; the 2^14 rides on the group scale (exact), so each product is e2m1 * scale rounded once
+    s = (s.to(tl.float8e4nv, bitcast=True).to(tl.float32) * global_scale * 16384.0)[:, :, None]
+    lo = ((b & 7) << 9) | ((b & 8) << 12)
+    hi = ((b & 0x70) << 5) | ((b & 0x80) << 8)
+    lo = lo.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * s
+    hi = hi.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * s
+    return (tl.reshape(lo.to(DTYPE), [BLOCK_N, 8 * BLOCK_G]), tl.reshape(hi.to(DTYPE), [BLOCK_N, 8 * BLOCK_G]))
+
+
+@triton.jit
+def _load_pairs(ptr, rows, rows_ok, n, BLOCK_C: tl.constexpr):
+    """[rows, BLOCK_C] x2: values 2c and 2c + 1 of each row (of n values; zeros past them)."""
+    c = tl.arange(0, BLOCK_C)
+    even = tl.load(ptr + rows[:, None] + 2 * c[None, :], mask=rows_ok[:, None] & (2 * c < n)[None, :], other=0.0)
+    odd = tl.load(ptr + rows[:, None] + 2 * c[None, :] + 1, mask=rows_ok[:, None] & (2 * c + 1 < n)[None, :],
+                  other=0.0)
+    return even, odd
+
+
+@triton.jit
+def _split_fp4_kernel(
+    q_lat_ptr, q_pe_ptr, cache_ptr, tables_ptr, sel_ptr, part_ptr, lse_ptr,
+    global_scale, qk_scale, H, n_sel, split_len,
+    s_qlb, s_qlh, s_qpb, s_qph, s_cp, s_cr, s_tb, s_sb, s_pb, s_ps, s_ph, s_lb, s_ls,
+    L: tl.constexpr, R: tl.constexpr, GROUPS: tl.constexpr, BLOCK_GL: tl.constexpr, BLOCK_GR: tl.constexpr,
+    ROW_ALIGN: tl.constexpr, PAGE: tl.constexpr, SPARSE: tl.constexpr,
+    DTYPE: tl.constexpr, PRECISION: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """`_split_kernel` over NVFP4 rows (bytes: 8 * GROUPS codes, then GROUPS e4m3 scales; value v of
+    the L + R in byte v / 2, low nibble first, group v / 16; L a multiple of 16, so the R values start
+    at group L / 16). A tile's rows are read once, as bytes, and dequantised in registers. The latent
+    dim is contracted as even and odd values (the low and high nibbles of the code bytes, each a
+    [BLOCK_N, L / 2] operand without a shuffle): the queries are split the same way and the output is
+    accumulated as its even and odd columns. s_cp, s_cr: strides in units of ROW_ALIGN bytes, so the
+    compiler knows the rows' alignment and vectorises the loads."""
+    hb = tl.program_id(0)
+    split = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = heads < H
+    if SPARSE:
+        n = n_sel
+    else:
+        n = tl.load(sel_ptr + b * s_sb).to(tl.int32)  # context length
+    start = split * split_len
+    end = tl.minimum(start + split_len, n)
+    live = h_ok & ((start < end) | (split == 0))  # as in _split_kernel
+    ql_e, ql_o = _load_pairs(q_lat_ptr + b * s_qlb, heads * s_qlh, live, L, 8 * BLOCK_GL)
+    qr_e, qr_o = _load_pairs(q_pe_ptr + b * s_qpb, heads * s_qph, live, R, 8 * BLOCK_GR)
+    ql_e, ql_o, qr_e, qr_o = ql_e.to(DTYPE), ql_o.to(DTYPE), qr_e.to(DTYPE), qr_o.to(DTYPE)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc_e = tl.zeros([BLOCK_H, 8 * BLOCK_GL], tl.float32)
+    acc_o = tl.zeros([BLOCK_H, 8 * BLOCK_GL], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        offs = n0 + tl.arange(0, BLOCK_N)
+        if SPARSE:
+            pos = tl.load(sel_ptr + b * s_sb + offs, mask=offs < end, other=-1)
+            ok = pos >= 0
+        else:
+            pos = offs
+            ok = offs < end
+        pos = tl.where(ok, pos, 0)
+        page = tl.load(tables_ptr + b * s_tb + pos // PAGE, mask=ok, other=0).to(tl.int64)
+        row = cache_ptr + (page * s_cp + (pos % PAGE).to(tl.int64) * s_cr) * ROW_ALIGN
+        cl_e, cl_o = _fp4_tile(row, ok, global_scale, 0, 8 * GROUPS, L // 2, DTYPE, BLOCK_N, BLOCK_GL)
+        cr_e, cr_o = _fp4_tile(row, ok, global_scale, L // 2, 8 * GROUPS + L // 16, (R + 1) // 2, DTYPE, BLOCK_N,
+                               BLOCK_GR)
+        s = tl.dot(ql_e, tl.trans(cl_e), input_precision=PRECISION)
+        s = tl.dot(ql_o, tl.trans(cl_o), s, input_precision=PRECISION)
+        s = tl.dot(qr_e, tl.trans(cr_e), s, input_precision=PRECISION)
+        s = tl.dot(qr_o, tl.trans(cr_o), s, input_precision=PRECISION)
+        s = tl.where(ok[None, :], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        p = p.to(DTYPE)
+        acc_e = tl.dot(p, cl_e, acc_e * alpha[:, None], input_precision=PRECISION)
+        acc_o = tl.dot(p, cl_o, acc_o * alpha[:, None], input_precision=PRECISION)
+        m_i = m_new
+    inv = 1.0 / l_i
+    c = tl.arange(0, 8 * BLOCK_GL)
+    out = part_ptr + b * s_pb + split * s_ps + heads[:, None] * s_ph + 2 * c[None, :]
+    mask = live[:, None] & (2 * c < L)[None, :]
+    tl.store(out, acc_e * inv[:, None], mask=mask)
+    tl.store(out + 1, acc_o * inv[:, None], mask=mask)
+    tl.store(lse_ptr + b * s_lb + split * s_ls + heads, m_i + tl.log2(l_i), mask=h_ok)
+
+
+@triton.jit
+def _dequant_fp4_kernel(rows_ptr, out_ptr, n_rows, s_r, s_o, global_scale, L: tl.constexpr, R: tl.constexpr,
+                        GROUPS: tl.constexpr, BLOCK_GL: tl.constexpr, BLOCK_GR: tl.constexpr, DTYPE: tl.constexpr,
+                        BLOCK_N: tl.constexpr):
+    """NVFP4 rows -> [n_rows, L + R] through `_fp4_tile` as `_split_fp4_kernel` calls it (a check of the
+    in-register dequantisation against the reference's)."""
+    r = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = r < n_rows
+    row = rows_ptr + r.to(tl.int64) * s_r
+    dst = out_ptr + r.to(tl.int64)[:, None] * s_o
+    l_e, l_o = _fp4_tile(row, ok, global_scale, 0, 8 * GROUPS, L // 2, DTYPE, BLOCK_N, BLOCK_GL)
+    r_e, r_o = _fp4_tile(row, ok, global_scale, L // 2, 8 * GROUPS + L // 16, (R + 1) // 2, DTYPE, BLOCK_N, BLOCK_GR)
+    c = tl.arange(0, 8 * BLOCK_GL)
+    tl.store(dst + 2 * c[None, :], l_e, mask=ok[:, None] & (2 * c < L)[None, :])
+    tl.store(dst + 2 * c[None, :] + 1, l_o, mask=ok[:, None] & (2 * c + 1 < L)[None, :])
+    c = tl.arange(0, 8 * BLOCK_GR)
+    tl.store(dst + L + 2 * c[None, :], r_e, mask=ok[:, None] & (2 * c < R)[None, :])
+    tl.store(dst + L + 2 * c[None, :] + 1, r_o, mask=ok[:, None] & (2 * c + 1 < R)[None, :])
+
+
+@triton.jit
 def _merge_kernel(
     part_ptr, lse_ptr, out_ptr, num_splits,
     s_pb, s_ps, s_ph, s_lb, s_ls, s_ob, s_oh,
@@ -209,7 +349,13 @@ def _check(q_latent, q_pe, latent_cache, dtype):
     if dtype not in _DOT_DTYPES:
         raise ValueError(f"dtype must be one of {list(_DOT_DTYPES)}, got {dtype}")
     B, H, L = q_latent.shape
-    R = latent_cache.shape[-1] - L
+    if latent_cache.dtype == torch.uint8:
+        R = q_pe.shape[-1]
+        if L % 16 or q_pe.shape[:2] != (B, H) or latent_cache.shape[-1] != 9 * triton.cdiv(L + R, 16):
+            raise ValueError(f"NVFP4 latents need L a multiple of 16 and 9 * ceil((L + R) / 16)-byte rows: L={L}, "
+                             f"q_pe {tuple(q_pe.shape)}, rows of {latent_cache.shape[-1]} bytes")
+    else:
+        R = latent_cache.shape[-1] - L
     if q_pe.shape != (B, H, R):
         raise ValueError(f"q_pe {tuple(q_pe.shape)} does not match q_latent {tuple(q_latent.shape)} and a "
                          f"{latent_cache.shape[-1]}-wide latent")
@@ -221,12 +367,15 @@ def _decode(q_latent, q_pe, latent_cache, latent_scale, block_tables, sel, spars
             scale: float, dtype: torch.dtype, cfg: DecodeConfig | None = None, out: torch.Tensor | None = None):
     """Both variants: `sel` is indices [B, k] (sparse) or context_lens [B] (dense, `tokens` = max context)."""
     _check(q_latent, q_pe, latent_cache, dtype)
+    fp4 = latent_cache.dtype == torch.uint8
+    if fp4 and latent_scale is None:
+        raise ValueError("NVFP4 latents need their global scale (latent_scale)")
     ls = 1.0 if latent_scale is None else float(latent_scale)
     # folding a power-of-two scale out of the loop is exact (fp16 could overflow where the reference does not)
     fold = ls == 1.0 or (math.frexp(ls)[0] == 0.5 and dtype != torch.float16)
-    cfg = cfg or default_config(dtype, not fold)
+    cfg = cfg or (default_fp4_config(dtype) if fp4 else default_config(dtype, not fold))
     B, H, L = q_latent.shape
-    R = latent_cache.shape[-1] - L
+    R = q_pe.shape[-1] if fp4 else latent_cache.shape[-1] - L
     dev = q_latent.device
     if out is None:
         out = torch.empty(B, H, L, dtype=torch.float32, device=dev)
@@ -245,6 +394,21 @@ def _decode(q_latent, q_pe, latent_cache, latent_scale, block_tables, sel, spars
         s_part = (part.stride(0), part.stride(1), part.stride(2))
     lse = torch.empty(B, num_splits, H, dtype=torch.float32, device=dev)
 
+    if fp4:
+        # the compiler assumes nothing of a stride that is not a multiple of 16: give it the rows' alignment
+        align = math.gcd(4, latent_cache.data_ptr(), latent_cache.stride(0), latent_cache.stride(1))
+        _split_fp4_kernel[(head_blocks, num_splits, B)](
+            q_latent, q_pe, latent_cache, block_tables, sel, part, lse,
+            ls, scale * LOG2E, H, tokens if sparse else 0, split_len,
+            q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1),
+            latent_cache.stride(0) // align, latent_cache.stride(1) // align, block_tables.stride(0), sel.stride(0),
+            *s_part, lse.stride(0), lse.stride(1),
+            L=L, R=R, GROUPS=latent_cache.shape[-1] // 9, BLOCK_GL=_pow2(L // 2) // 8,
+            BLOCK_GR=_pow2(triton.cdiv(R, 2)) // 8, ROW_ALIGN=align, PAGE=latent_cache.shape[1], SPARSE=sparse,
+            DTYPE=_DOT_DTYPES[dtype], PRECISION="ieee" if dtype == torch.float32 else "tf32",
+            BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+        return _merge(out, part, lse, s_part, num_splits, L)
     qk_scale = scale * LOG2E * (ls if fold else 1.0)
     out_scale = ls if fold else 1.0
     _split_kernel[(head_blocks, num_splits, B)](
@@ -257,11 +421,32 @@ def _decode(q_latent, q_pe, latent_cache, latent_scale, block_tables, sel, spars
         SCALE_EACH=not fold, DTYPE=_DOT_DTYPES[dtype], PRECISION="ieee" if dtype == torch.float32 else "tf32",
         BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, RELOAD=cfg.reload, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+    return _merge(out, part, lse, s_part, num_splits, L)
+
+
+def _merge(out, part, lse, s_part, num_splits: int, L: int) -> torch.Tensor:
     if num_splits > 1:
+        B, H = out.shape[:2]
         _merge_kernel[(H, B)](
             part, lse, out, num_splits, *s_part, lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
             L=L, BLOCK_L=_pow2(L), BLOCK_S=_pow2(num_splits), num_warps=4,
         )
+    return out
+
+
+def dequantize_fp4_rows(rows: torch.Tensor, global_scale: float, L: int, R: int, dtype: torch.dtype) -> torch.Tensor:
+    """NVFP4 latent rows [N, 9 * ceil((L + R) / 16)] -> [N, L + R] in dtype, dequantised by the decode
+    kernel's own code (for tests: it must equal `quant.reference.dequantize_nvfp4` bit for bit)."""
+    if L % 16 or rows.dim() != 2 or rows.dtype != torch.uint8 or rows.shape[1] != 9 * triton.cdiv(L + R, 16):
+        raise ValueError(f"rows {rows.dtype} {tuple(rows.shape)} are not NVFP4 rows of L={L} + R={R} values")
+    rows = rows if rows.stride(-1) == 1 else rows.contiguous()
+    out = torch.empty(rows.shape[0], L + R, dtype=dtype, device=rows.device)
+    block_n = 16
+    _dequant_fp4_kernel[(triton.cdiv(rows.shape[0], block_n),)](
+        rows, out, rows.shape[0], rows.stride(0), out.stride(0), float(global_scale), L=L, R=R,
+        GROUPS=rows.shape[1] // 9, BLOCK_GL=_pow2(L // 2) // 8, BLOCK_GR=_pow2(triton.cdiv(R, 2)) // 8,
+        DTYPE=_DOT_DTYPES[dtype], BLOCK_N=block_n,
+    )
     return out
 
 
@@ -270,7 +455,8 @@ def paged_sparse_mla_decode(q_latent, q_pe, latent_cache, latent_scale, block_ta
     """Sparse decode over indices [B, k] (token positions, -1 = none); see `reference.paged_sparse_mla_decode`.
 
     q_latent [B, H, L], q_pe [B, H, R] (any float dtype), latent_cache [P, block_size, L + R] (bf16, or
-    e4m3 times latent_scale), block_tables [B, M] -> [B, H, L] fp32 (into `out` when given)."""
+    e4m3 times latent_scale) or uint8 NVFP4 rows [P, block_size, 9 * ceil((L + R) / 16)] (L a multiple
+    of 16, latent_scale the global scale), block_tables [B, M] -> [B, H, L] fp32 (into `out` when given)."""
     return _decode(q_latent, q_pe, latent_cache, latent_scale, block_tables, indices, True, indices.shape[1],
                    scale, dtype, config, out)
 
@@ -288,4 +474,5 @@ def paged_dense_mla_decode(q_latent, q_pe, latent_cache, latent_scale, block_tab
                    scale, dtype, config, out)
 
 
-__all__ = ["DecodeConfig", "default_config", "paged_dense_mla_decode", "paged_sparse_mla_decode", "plan_splits"]
+__all__ = ["DecodeConfig", "default_config", "default_fp4_config", "dequantize_fp4_rows", "paged_dense_mla_decode",
+           "paged_sparse_mla_decode", "plan_splits"]
