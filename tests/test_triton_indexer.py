@@ -22,39 +22,57 @@ import pytest
 import torch
 
 from conftest import rel_rms
+from kimiserve.cache.formats import store_index_key
 from kimiserve.cache.layout import CacheLayout, Region
 from kimiserve.config import load_preset
 from kimiserve.ops.indexer.reference import paged_indexer_scores as reference_scores
-from kimiserve.ops.quant.reference import FP8_DTYPE, quantize_fp8_rowwise
+from kimiserve.ops.quant.reference import FP8_DTYPE
 
 pytestmark = pytest.mark.gpu
 
 TOL = 1e-4
 
 
-def _key_views(kv: str, num_pages: int, block_size: int | None, D: int, device: str):
-    """(key_cache [P, bs, D], key_scales [P, bs] or None) as strided views of a 0xFF-filled pool:
-    the real K3.1 layout's layer 5 when D == 128 and block_size is None, else one custom region."""
+def _key_views(kv: str, num_pages: int, block_size: int | None, D: int, device: str, preset: str = "kimi-k3.1-pro",
+               scale_offset: int = 0):
+    """(key_cache, key_scales) as strided views of a 0xFF-filled pool: bf16 / e4m3 keys [P, bs, D]
+    with fp32 scales [P, bs] (e4m3), or MXFP4 codes [P, bs, 16 * groups] with ue8m0 scales [P, bs,
+    groups] (fp4). block_size None: a real layout's last indexed layer (the preset's block size),
+    else one custom region; scale_offset shifts the custom scale region off its alignment."""
     if block_size is None:
-        layout = CacheLayout.from_config(load_preset("kimi-k3.1-pro"), kv, torch.bfloat16)
-        key, page_bytes = layout.index_key[5], layout.page_bytes
-        scale = layout.index_scale[5] if layout.index_scale else None
+        layout = CacheLayout.from_config(load_preset(preset), kv, torch.bfloat16)
+        key, page_bytes = layout.index_key[-1], layout.page_bytes
+        scale = layout.index_scale[-1] if layout.index_scale else None
     else:
-        store = FP8_DTYPE if kv == "fp8" else torch.bfloat16
-        key = Region(48, store, (block_size, D))
-        scale = Region(-(-(48 + key.nbytes) // 16) * 16, torch.float32, (block_size,)) if kv == "fp8" else None
-        page_bytes = -(-(48 + key.nbytes + 4 * block_size + 112) // 16) * 16
+        groups = -(-D // 32)
+        if kv == "fp4":
+            key = Region(48, torch.uint8, (block_size, 16 * groups))
+            scale = Region(-(-(48 + key.nbytes) // 16) * 16 + scale_offset, torch.uint8, (block_size, groups))
+        else:
+            key = Region(48, FP8_DTYPE if kv == "fp8" else torch.bfloat16, (block_size, D))
+            scale = Region(-(-(48 + key.nbytes) // 16) * 16, torch.float32, (block_size,)) if kv == "fp8" else None
+        page_bytes = -(-(scale.offset + scale.nbytes if scale else 48 + key.nbytes) // 16) * 16 + 112
     pool = torch.full((num_pages, page_bytes), 0xFF, dtype=torch.uint8, device=device)
     return key.view(pool), scale.view(pool) if scale is not None else None
 
 
+def realistic_keys(n: int, D: int, device: str) -> torch.Tensor:
+    """Gaussian keys with per-token magnitudes over 2^-3..2^3 and a few outlier channels (x8 .. x30),
+    as index keys have: what MXFP4's shared group scales must cope with."""
+    keys = torch.randn(n, D, device=device) * torch.exp2(torch.randint(-3, 4, (n, 1), device=device).float())
+    outliers = torch.arange(3, D, max(4, D // 5), device=device)
+    keys[:, outliers] *= torch.linspace(8, 30, len(outliers), device=device)
+    return keys
+
+
 def make_case(kv: str, lens: list[int], H: int, D: int, device: str, block_size: int | None = None,
-              q_dtype: torch.dtype = torch.bfloat16, spare_pages: int = 3):
+              q_dtype: torch.dtype = torch.bfloat16, spare_pages: int = 3, preset: str = "kimi-k3.1-pro",
+              scale_offset: int = 0):
     """Random q, weights and a paged index-key cache holding len(lens) sequences in scattered pages."""
-    bs = block_size or CacheLayout.from_config(load_preset("kimi-k3.1-pro"), kv, torch.bfloat16).block_size
+    bs = block_size or CacheLayout.from_config(load_preset(preset), kv, torch.bfloat16).block_size
     need = [-(-n // bs) for n in lens]
     P = sum(need) + spare_pages
-    key_cache, key_scales = _key_views(kv, P, block_size, D, device)
+    key_cache, key_scales = _key_views(kv, P, block_size, D, device, preset, scale_offset)
     perm = torch.randperm(P, device=device)
     tables = torch.full((len(lens), max(need) + 1), int(perm[-1]), dtype=torch.int32, device=device)
     used = 0
@@ -63,9 +81,9 @@ def make_case(kv: str, lens: list[int], H: int, D: int, device: str, block_size:
         used += need[b]
         pos = torch.arange(n, device=device)
         pages, offsets = tables[b, pos // bs].long(), pos % bs
-        keys = torch.randn(n, D, device=device) * torch.exp2(torch.randint(-3, 4, (n, 1), device=device).float())
-        if kv == "fp8":
-            codes, scales = quantize_fp8_rowwise(keys)
+        keys = realistic_keys(n, D, device)
+        if key_scales is not None:
+            codes, scales = store_index_key(keys, kv)
             key_cache[pages, offsets] = codes
             key_scales[pages, offsets] = scales
         else:
@@ -77,16 +95,20 @@ def make_case(kv: str, lens: list[int], H: int, D: int, device: str, block_size:
 
 def check_scores(kv: str, lens: list[int], H: int, D: int, device: str = "cuda", block_size: int | None = None,
                  dtype: torch.dtype = torch.bfloat16, q_dtype: torch.dtype = torch.bfloat16, extra: int = 0,
-                 **launch) -> float:
-    """Triton vs reference on one random case; returns the rel RMS error of the finite scores."""
+                 preset: str = "kimi-k3.1-pro", scale_offset: int = 0, **launch) -> float:
+    """Triton vs reference on one random case; returns the rel RMS error of the finite scores. The
+    output is a NaN-filled view of a wider buffer: columns past max_context must stay NaN."""
     from kimiserve.ops.indexer.triton import paged_indexer_scores
 
-    q, w, kc, ks, tables, ctx = make_case(kv, lens, H, D, device, block_size, q_dtype)
+    q, w, kc, ks, tables, ctx = make_case(kv, lens, H, D, device, block_size, q_dtype, preset=preset,
+                                          scale_offset=scale_offset)
     ref = reference_scores(q, w, kc, ks, tables, ctx, dtype)
     S = max(lens) + extra
-    out = torch.full((len(lens), S), float("nan"), device=device)
+    wide = torch.full((len(lens), S + 7), float("nan"), device=device)
+    out = wide[:, :S]
     got = paged_indexer_scores(q, w, kc, ks, tables, ctx, dtype, max_context=S, out=out, **launch)
     assert got.data_ptr() == out.data_ptr() and got.shape == (len(lens), S)
+    assert wide[:, S:].isnan().all(), "a column past max_context was written"
     visible = torch.arange(S, device=device)[None, :] < ctx[:, None]
     assert torch.isfinite(got[visible]).all(), "a visible score is not finite (stray read of a NaN slot?)"
     assert (got[~visible] == float("-inf")).all(), "a score past context_len is not -inf"
@@ -100,46 +122,50 @@ def _report(capsys, msg: str) -> None:
         print(f"\n{msg}", end="")
 
 
-@pytest.mark.parametrize("kv", ["fp8", "bf16"])
+@pytest.mark.parametrize("kv", ["fp8", "bf16", "fp4", "fp8+fp4"])
 @pytest.mark.parametrize("lens", [[1], [383, 1, 2049], [1, 384, 385, 2100, 3001, 17, 64, 65, 767, 768, 769, 1000,
                                                         2047, 2048, 2500, 129, 5]])
 def test_k31_layout_32_heads(kv, lens, capsys):
-    """Real K3.1 pages (fp8: 384 tokens/page, bf16: 256), 32 heads x 128, batch 1 / 3 / 17."""
+    """Real K3.1 pages (fp8: 384 tokens/page, bf16: 256, fp4: 704, fp8+fp4: 448), 32 heads x 128, batch 1 / 3 / 17."""
     err = check_scores(kv, lens, 32, 128)
     _report(capsys, f"indexer {kv} K3.1 layout B={len(lens)}: rel RMS {err:.2e}")
 
 
-@pytest.mark.parametrize("kv", ["fp8", "bf16"])
+@pytest.mark.parametrize("kv", ["fp8", "bf16", "fp4"])
 @pytest.mark.parametrize("H, D", [(3, 64), (3, 128), (32, 64)])
 def test_other_shapes_block_64(kv, H, D):
     check_scores(kv, [1, 65, 130, 2049], H, D, block_size=64)
 
 
-@pytest.mark.parametrize("kv", ["fp8", "bf16"])
+@pytest.mark.parametrize("kv", ["fp8", "bf16", "fp4"])
 def test_large_context(kv, capsys):
     err = check_scores(kv, [200_003], 32, 128)
     _report(capsys, f"indexer {kv} context 200003: rel RMS {err:.2e}")
 
 
+@pytest.mark.parametrize("kv", ["fp8", "fp4"])
 @pytest.mark.parametrize("block_s, tiles, num_warps, num_stages", [(64, 1, 4, 1), (128, 3, 8, 3), (32, 5, 4, 2)])
-def test_launch_configs_and_wider_output(block_s, tiles, num_warps, num_stages):
-    """Tuning knobs do not change results; columns past max(context_lens) come out -inf."""
-    check_scores("fp8", [1, 700, 2049], 32, 128, extra=300, block_s=block_s, tiles=tiles,
-                 num_warps=num_warps, num_stages=num_stages)
+def test_launch_configs_and_wider_output(kv, block_s, tiles, num_warps, num_stages):
+    """Tuning knobs do not change results; columns past max(context_lens) come out -inf. fp4 pages
+    hold 704 tokens: its tiles of 128 and 32 span pages."""
+    check_scores(kv, [1, 700, 2049], 32, 128, extra=300, block_s=block_s, tiles=tiles, num_warps=num_warps,
+                 num_stages=num_stages)
 
 
 @pytest.mark.parametrize("dtype, q_dtype", [(torch.bfloat16, torch.float32), (torch.float32, torch.float32),
                                              (torch.float16, torch.float16)])
-def test_other_dtypes(dtype, q_dtype):
-    """fp32 q with bf16 keys (q split in two bf16 parts), an fp32 dot, fp16 throughout."""
-    check_scores("fp8", [5, 1000], 32, 128, block_size=128, dtype=dtype, q_dtype=q_dtype)
+@pytest.mark.parametrize("kv", ["fp8", "fp4"])
+def test_other_dtypes(kv, dtype, q_dtype):
+    """fp32 q with a bf16 dtype (q split in two fp16 parts), an fp32 dot, fp16 throughout."""
+    check_scores(kv, [5, 1000], 32, 128, block_size=128, dtype=dtype, q_dtype=q_dtype)
 
 
-def test_cuda_graph_capture():
+@pytest.mark.parametrize("kv", ["fp8", "fp4"])
+def test_cuda_graph_capture(kv):
     """With max_context and out given there is no host sync: the call captures and replays."""
     from kimiserve.ops.indexer.triton import paged_indexer_scores
 
-    q, w, kc, ks, tables, ctx = make_case("fp8", [100, 1500], 32, 128, "cuda")
+    q, w, kc, ks, tables, ctx = make_case(kv, [100, 1500], 32, 128, "cuda")
     out = torch.empty(2, 2048, device="cuda")
     call = lambda: paged_indexer_scores(q, w, kc, ks, tables, ctx, torch.bfloat16, max_context=2048, out=out)
     call()
@@ -157,6 +183,7 @@ def test_cuda_graph_capture():
 CONFIGS = [  # (block_s, tiles, num_warps, num_stages)
     (64, 4, 4, 2), (64, 1, 4, 1), (64, 8, 4, 3), (64, 6, 4, 3), (128, 3, 8, 3), (128, 1, 8, 1), (128, 4, 4, 2),
 ]
+FP4_CONFIGS = [(64, 1, 4, 2), (64, 2, 4, 2), (64, 4, 4, 3), (32, 1, 4, 1)]  # fp4 K3.1 pages hold 704 tokens
 
 
 def gpu_time(fn, iters: int = 20, warmup: int = 3) -> float:
@@ -182,7 +209,8 @@ def time_indexer(B: int, context: int, kv: str = "fp8", configs=CONFIGS) -> list
     from kimiserve.ops.indexer.triton import paged_indexer_scores
 
     q, w, kc, ks, tables, ctx = make_case(kv, [context] * B, 32, 128, "cuda", spare_pages=0)
-    read = B * context * (kc.shape[-1] * kc.element_size() + (4 if ks is not None else 0))
+    scale_bytes = 0 if ks is None else ks.element_size() * (ks.shape[-1] if ks.dim() == 3 else 1)
+    read = B * context * (kc.shape[-1] * kc.element_size() + scale_bytes)
     written = B * context * 4
     t = _copy_time(read)
     lines = [f"device copy of {read / 1e6:.0f} MB: {t * 1e6:8.1f} us, {2 * read / t / 1e9:7.0f} GB/s read+write"]
@@ -201,9 +229,9 @@ def _copy_time(nbytes: int) -> float:
     return gpu_time(lambda: dst.copy_(src))
 
 
-@pytest.mark.parametrize("B, context", [(1, 1_048_576), (16, 131_072)])
-def test_indexer_timing(B, context, capsys):
-    for line in time_indexer(B, context):
+@pytest.mark.parametrize("B, context, kv", [(1, 1_048_576, "fp8"), (1, 1_048_576, "fp4"), (16, 131_072, "fp8")])
+def test_indexer_timing(B, context, kv, capsys):
+    for line in time_indexer(B, context, kv, FP4_CONFIGS if kv == "fp4" else CONFIGS):
         _report(capsys, line)
     torch.cuda.empty_cache()
 
@@ -211,7 +239,7 @@ def test_indexer_timing(B, context, capsys):
 def _interpreter_smoke() -> None:
     """Small CPU cases under TRITON_INTERPRET=1."""
     torch.manual_seed(0)
-    for kv in ("fp8", "bf16"):
+    for kv in ("fp8", "bf16", "fp4"):
         for H, D in ((3, 64), (32, 128)):
             err = check_scores(kv, [1, 65, 130], H, D, "cpu", block_size=64, extra=40, block_s=32, tiles=3)
             print(f"{kv} Hi={H} D={D}: rel RMS {err:.2e}")

@@ -1,7 +1,7 @@
 """Triton kernel for the decode-time indexer scan `paged_indexer_scores` (the long-context hot loop).
 
 At a 1M-token context this reads 132 B per token (128 e4m3 key bytes + a 4-byte fp32 scale) and
-writes 4 B per token, so it is bound by memory bandwidth. Design:
+writes 4 B per token, so it is bound by memory bandwidth (MXFP4 keys: 68 B, see below). Design:
 
 - grid (token chunks, batch): program (c, b) owns positions [c * CHUNK, (c + 1) * CHUNK) of sequence
   b, CHUNK = TILES * BLOCK_S. It loads the query q[b] [Hi, D] once (transposed, in the dot dtype) and
@@ -14,6 +14,23 @@ writes 4 B per token, so it is bound by memory bandwidth. Design:
   scale), as the reference defines it. bf16 keys are cast to `dtype` and dotted in `dtype`. The H200
   measurement behind the fp16 dot (benchmarks/scan_variants.py, results/scan_variants.json): the
   per-element dequantisation to bf16 cost ~16% at batch 1 (59.9 -> 50.5 us at 1M tokens).
+- MXFP4 keys (uint8 codes [P, block_size, 16 * groups], ue8m0 scales [P, block_size, groups]; K3.1:
+  68 B per token against fp8's 132) have their own kernel, same grid, with tiles that may span pages
+  (one block-table entry per token; K3.1's fp4 pages hold 704 tokens, 64 x 11). Per tile: the code
+  bytes as [BLOCK_S, groups, 16] (a 16-byte vector per token and group) and a token's 4 scale bytes
+  as one int32 where the layout allows. Keys are dequantised in registers to fp16 e2m1 *
+  2^(e - emax + 1), emax the token's largest scale exponent: the code bits placed in fp16's exponent
+  and mantissa give e2m1 * 2^-14 exactly (`_e2m1_fp16`, no table; PTX on packed registers on the
+  GPU), times the group's fp16 power of two. One fp16 dot as for e4m3, then the token's score times
+  2^(emax - 128) in fp32. Every key value the reference dequantises is exact here too, so scores
+  differ only in the fp32 summation order, except in corners the quantiser never produces from real
+  keys: a group whose scale is 2^24 or more below its token's largest rounds (fp16 subnormals; its
+  values are < 2^-21 of the token's largest), and with `dtype=torch.float16` the reference rounds
+  keys outside fp16's range where the kernel does not. A 0xFF scale byte is NaN (as in OCP MX).
+  H200, 1M tokens x batch 1, 32 heads x 128: 68.9 us (~1.0 TB/s read) against fp8's 52 us, so it is
+  NOT memory-bound: leaving out the scale path saves ~21 us, replacing the e2m1 decode by a plain
+  cast ~16 us; the rest (~48 us) is the fp8 kernel's own per-token cost (dot operand staging,
+  epilogue), which fp8 also pays (its 52 us read 132 B per token at 2.7 TB/s).
 - slots at or past context_len are masked off (never read; their scores are -inf): only slots
   s < context_len of the first ceil(context_len / block_size) block-table entries are read. The
   tile loop has a fixed trip count (TILES) so Triton can pipeline it.
@@ -101,6 +118,129 @@ def _indexer_scores_kernel(
         tl.store(out_row + pos, tl.where(valid, score, float("-inf")), mask=pos < max_context)
 
 
+@triton.jit
+def _e2m1_fp16(c):
+    """e2m1 codes (int32, low 4 bits) as fp16 e2m1 * 2^-14, exactly and without a lookup: the
+    magnitude bits land on fp16's two lowest exponent bits and top mantissa bit, so codes of
+    exponent 0 (0 and 0.5) come out as fp16 subnormals and the rest as normals."""
+    return (((c << 12) & 0x8000) | ((c << 9) & 0x0E00)).to(tl.int16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _mxfp4_keys(c, f, ASM: tl.constexpr):
+    """(even, odd) dims of MXFP4 keys: `_e2m1_fp16` of the low / high nibbles of the uint8 codes c,
+    times the fp16 factors f (one per code byte). ASM: the same in PTX on packed registers, 4 code
+    bytes -> 8 fp16 values in 26 instructions."""
+    if ASM:
+        return tl.inline_asm_elementwise(
+            asm="""
+            {
+            .reg .b32 t, a, s;
+            prmt.b32 t, $4, 0, 0x4140;
+            shl.b32 a, t, 9;
+            and.b32 a, a, 0x0E000E00;
+            shl.b32 s, t, 12;
+            and.b32 s, s, 0x80008000;
+            or.b32 a, a, s;
+            mul.rn.f16x2 $0, a, $5;
+            shl.b32 a, t, 5;
+            and.b32 a, a, 0x0E000E00;
+            shl.b32 s, t, 8;
+            and.b32 s, s, 0x80008000;
+            or.b32 a, a, s;
+            mul.rn.f16x2 $2, a, $5;
+            prmt.b32 t, $4, 0, 0x4342;
+            shl.b32 a, t, 9;
+            and.b32 a, a, 0x0E000E00;
+            shl.b32 s, t, 12;
+            and.b32 s, s, 0x80008000;
+            or.b32 a, a, s;
+            mul.rn.f16x2 $1, a, $6;
+            shl.b32 a, t, 5;
+            and.b32 a, a, 0x0E000E00;
+            shl.b32 s, t, 8;
+            and.b32 s, s, 0x80008000;
+            or.b32 a, a, s;
+            mul.rn.f16x2 $3, a, $6;
+            }
+            """,
+            constraints="=r,=r,=r,=r,r,r,r",
+            args=[c, f],
+            dtype=(tl.float16, tl.float16),
+            is_pure=True,
+            pack=4,
+        )
+    else:
+        c = c.to(tl.int32)
+        return _e2m1_fp16(c) * f, _e2m1_fp16(c >> 4) * f
+
+
+@triton.jit
+def _indexer_scores_mxfp4_kernel(
+    q_ptr, w_ptr, k_ptr, ks_ptr, bt_ptr, cl_ptr, out_ptr,
+    q_sb, q_sh, q_sd, w_sb, w_sh, k_sp, k_st, ks_sp, ks_st, ks_sg, bt_sb, bt_sm, out_sb,
+    H, max_context,
+    D: tl.constexpr, GROUPS: tl.constexpr, SCALE_WORDS: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, TILES: tl.constexpr, DT: tl.constexpr,
+    SPLIT_Q: tl.constexpr, EMULATE: tl.constexpr, PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
+    ASM: tl.constexpr,
+):
+    """`_indexer_scores_kernel` for MXFP4 keys (see module doc)."""
+    chunk = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    ctx = tl.load(cl_ptr + b).to(tl.int32)
+    start = chunk * (TILES * BLOCK_S)
+
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, 32 * GROUPS)
+    qt = tl.load(q_ptr + b * q_sb + d[:, None] * q_sd + h[None, :] * q_sh,
+                 mask=(d[:, None] < D) & (h[None, :] < H), other=0.0).to(tl.float32)  # [32 * GROUPS, BLOCK_H]
+    q_hi = _operand(qt, DT, EMULATE)
+    if SPLIT_Q:
+        q_lo = _operand(qt - q_hi.to(tl.float32), DT, EMULATE)
+    w = tl.load(w_ptr + b * w_sb + h * w_sh, mask=h < H, other=0.0).to(tl.float32)
+
+    rows = tl.arange(0, BLOCK_S)
+    grp = tl.arange(0, GROUPS)
+    byte = tl.arange(0, 16)
+    out_row = out_ptr + b * out_sb
+    for t in tl.range(0, TILES, num_stages=NUM_STAGES):
+        s0 = start + t * BLOCK_S
+        valid = s0 + rows < ctx
+        if PAGE % BLOCK_S:  # a tile may span pages: one block-table entry per token (cache hits)
+            page = tl.load(bt_ptr + b * bt_sb + ((s0 + rows) // PAGE) * bt_sm, mask=valid, other=0).to(tl.int64)
+            slot = (s0 + rows) % PAGE
+        else:
+            page = tl.load(bt_ptr + b * bt_sb + (s0 // PAGE) * bt_sm, mask=s0 < ctx, other=0).to(tl.int64)
+            slot = s0 % PAGE + rows
+        scales = (ks_ptr + page * ks_sp + slot * ks_st)[:, None]
+        codes = k_ptr + page * k_sp + slot * k_st
+        if SCALE_WORDS:  # 4 ue8m0 bytes per int32 word: one load per token and 4 groups
+            words = tl.load(scales + tl.arange(0, GROUPS // 4)[None, :] * ks_sg, mask=valid[:, None], other=0)
+            e = (words[:, :, None] >> (8 * tl.arange(0, 4))[None, None, :]) & 0xFF
+            e = tl.reshape(e, [BLOCK_S, GROUPS])
+        else:
+            e = tl.load(scales + grp[None, :] * ks_sg, mask=valid[:, None], other=0).to(tl.int32)
+        # keys enter the dot as e2m1 * 2^(e - emax + 1), emax the token's largest scale exponent:
+        # factor 2^(e - emax + 15) on _e2m1_fp16's values; the token's 2^(emax - 128) scales its score
+        emax = tl.max(e, axis=1)
+        f = (tl.maximum(e - emax[:, None] + 142, 0) << 23).to(tl.float32, bitcast=True).to(tl.float16)
+        c = tl.load(codes[:, None, None] + (grp * 16)[None, :, None] + byte[None, None, :],
+                    mask=valid[:, None, None], other=0)  # [BLOCK_S, GROUPS, 16] code bytes
+        k_even, k_odd = _mxfp4_keys(c, tl.broadcast_to(f[:, :, None], [BLOCK_S, GROUPS, 16]), ASM)
+        k = tl.reshape(tl.join(k_even, k_odd), [BLOCK_S, 32 * GROUPS])  # dims in order: 2j even, 2j + 1 odd
+        kd = k.to(tl.float32) if EMULATE else k.to(DT)
+        acc = tl.dot(kd, q_hi, input_precision=PRECISION)  # [BLOCK_S, BLOCK_H] fp32
+        if SPLIT_Q:
+            acc = tl.dot(kd, q_lo, acc, input_precision=PRECISION)
+        score = tl.sum(tl.maximum(acc, 0.0) * w[None, :], axis=1)
+        # 2^(emax - 128) exactly (emax 0: 2^-127 halved, a subnormal); a 0xFF scale byte is NaN (OCP)
+        tok = ((emax << 23) | ((emax == 0).to(tl.int32) << 22)).to(tl.float32, bitcast=True) * 0.5
+        score = score * tl.where(emax == 255, float("nan"), tok)
+        pos = s0 + rows
+        tl.store(out_row + pos, tl.where(valid, score, float("-inf")), mask=pos < max_context)
+
+
 def _default_block_s(block_size: int) -> int:
     """128 tokens per tile where that divides block_size (the H200 sweep's best,
     benchmarks/results/sweep_decode.json), else the largest power of two dividing it."""
@@ -112,6 +252,14 @@ def _default_tiles(batch: int) -> tuple[int, int]:
     large batches fill the GPU anyway and prefer long pipelined runs (H200: sweep_decode.json,
     scan_variants.json)."""
     return (1, 2) if batch <= 8 else (16, 3)
+
+
+def _mxfp4_defaults(batch: int) -> tuple[int, int, int]:
+    """(block_s, tiles, stages) for MXFP4 keys, from an H200 sweep at 1M tokens x batch 1 and 128K x
+    16 (32 heads x 128, 704-token pages): 128-token tiles (spanning pages) beat 64 (68.9 against
+    76.4 us at batch 1) and 256 (74.5); at batch 16, 4 tiles per program with 2 stages (141 us)
+    beat 16 with 3 (145) and 1 (162)."""
+    return (128, 1, 2) if batch <= 8 else (128, 4, 2)
 
 
 def paged_indexer_scores(
@@ -133,8 +281,10 @@ def paged_indexer_scores(
     """Decode-time indexer scan: one query per sequence scores every cached index key.
 
     q [B, Hi, D]; weights [B, Hi]; key_cache [P, block_size, D] (bf16 or e4m3, any strides: pages
-    are read in place) with key_scales [P, block_size] fp32 for e4m3 (None otherwise); block_tables
-    [B, M] page ids; context_lens [B]. Keys are dequantised to `dtype` before scoring. Returns fp32
+    are read in place) with key_scales [P, block_size] fp32 for e4m3 (None for bf16), or MXFP4 keys:
+    uint8 codes [P, block_size, 16 * ceil(D / 32)] (unit stride along bytes) with uint8 ue8m0 scales
+    [P, block_size, ceil(D / 32)]; block_tables [B, M] page ids; context_lens [B]. Keys are
+    dequantised to `dtype` before scoring. Returns fp32
     [B, max_context]: score[b, s] = sum_h weights[b, h] ReLU(q[b, h] . k_s), -inf for s >= context_lens[b].
 
     max_context: the output width, >= max(context_lens) (not checked); None takes
@@ -145,18 +295,29 @@ def paged_indexer_scores(
     """
     B, H, D = q.shape
     _, page, Dk = key_cache.shape
-    if Dk != D or D < 16 or D & (D - 1):
+    mxfp4 = key_cache.dtype == torch.uint8
+    if mxfp4:
+        groups = -(-D // 32)
+        if groups & (groups - 1) or Dk != 16 * groups or key_scales is None or key_scales.dtype != torch.uint8 \
+                or key_scales.shape != (*key_cache.shape[:2], groups) or key_cache.stride(2) != 1:
+            raise ValueError(f"MXFP4 keys for head dim {D} (ceil(D / 32) a power of two) need uint8 codes [P, block_size, {16 * groups}] (unit "
+                             f"stride along bytes) and uint8 scales [P, block_size, {groups}]")
+    elif Dk != D or D < 16 or D & (D - 1):
         raise ValueError(f"q has head dim {D} and keys {Dk}: they must agree and be a power of two >= 16")
+    elif (key_scales is not None) != (key_cache.dtype == torch.float8_e4m3fn):
+        raise ValueError("key_scales must be given exactly when the key cache is e4m3")
     if dtype not in _DOT_DTYPES:
         raise ValueError(f"dtype must be one of {list(_DOT_DTYPES)}, got {dtype}")
-    if (key_scales is not None) != (key_cache.dtype == torch.float8_e4m3fn):
-        raise ValueError("key_scales must be given exactly when the key cache is e4m3")
-    block_s = _default_block_s(page) if block_s is None else block_s
-    default_tiles, default_stages = _default_tiles(B)
+    if mxfp4:
+        default_block_s, default_tiles, default_stages = _mxfp4_defaults(B)
+    else:
+        default_block_s, (default_tiles, default_stages) = _default_block_s(page), _default_tiles(B)
+    block_s = default_block_s if block_s is None else block_s
     tiles = default_tiles if tiles is None else tiles
     num_stages = default_stages if num_stages is None else num_stages
-    if page % block_s or block_s < 16 or block_s & (block_s - 1):
-        raise ValueError(f"block_s {block_s} must be a power of two >= 16 dividing block_size {page}")
+    if (page % block_s and not mxfp4) or block_s < 16 or block_s & (block_s - 1):
+        raise ValueError(f"block_s {block_s} must be a power of two >= 16 dividing block_size {page} "
+                         "(MXFP4 keys: any power of two >= 16)")
     if max_context is None:
         max_context = int(context_lens.max())
     if out is None:
@@ -165,20 +326,43 @@ def paged_indexer_scores(
         raise ValueError(f"out must be fp32 [B, max_context] = [{B}, {max_context}] with unit stride along tokens")
     if B == 0 or max_context == 0:
         return out
-    ks = key_scales if key_scales is not None else key_cache  # unused placeholder without scales
     emulate = q.device.type != "cuda"
     dot_dtype = torch.float16 if key_scales is not None and dtype == torch.bfloat16 else dtype
     split_q = dot_dtype != torch.float32 and q.dtype not in (dot_dtype, torch.bfloat16)
     grid = (triton.cdiv(max_context, block_s * tiles), B)
+    common = dict(BLOCK_H=max(16, triton.next_power_of_2(H)), BLOCK_S=block_s, TILES=tiles,
+                  DT=_DOT_DTYPES[dot_dtype], SPLIT_Q=split_q, EMULATE=emulate,
+                  PRECISION="ieee" if emulate or dot_dtype == torch.float32 else None,
+                  NUM_STAGES=num_stages, num_warps=num_warps)
+    if mxfp4:
+        ks, words = _scale_words(key_scales)
+        _indexer_scores_mxfp4_kernel[grid](
+            q, weights, key_cache, ks, block_tables, context_lens, out,
+            q.stride(0), q.stride(1), q.stride(2), weights.stride(0), weights.stride(1),
+            key_cache.stride(0), key_cache.stride(1), ks.stride(0), ks.stride(1), ks.stride(2),
+            block_tables.stride(0), block_tables.stride(1), out.stride(0),
+            H, max_context,
+            D=D, GROUPS=groups, SCALE_WORDS=words, PAGE=page, ASM=not emulate, **common,
+        )
+        return out
+    ks = key_scales if key_scales is not None else key_cache  # unused placeholder without scales
     _indexer_scores_kernel[grid](
         q, weights, key_cache, ks, block_tables, context_lens, out,
         q.stride(0), q.stride(1), q.stride(2), weights.stride(0), weights.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), ks.stride(0), ks.stride(1),
         block_tables.stride(0), block_tables.stride(1), out.stride(0),
         H, max_context,
-        D=D, PAGE=page, BLOCK_H=max(16, triton.next_power_of_2(H)), BLOCK_S=block_s, TILES=tiles,
-        HAS_SCALE=key_scales is not None, DT=_DOT_DTYPES[dot_dtype], SPLIT_Q=split_q, EMULATE=emulate,
-        PRECISION="ieee" if emulate or dot_dtype == torch.float32 else None,
-        NUM_STAGES=num_stages, num_warps=num_warps,
+        D=D, PAGE=page, HAS_SCALE=key_scales is not None, **common,
     )
     return out
+
+
+def _scale_words(scales: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """(tensor, words): the ue8m0 scales as int32 words of 4 groups where the layout allows (K3.1:
+    a token's 4 scale bytes in one aligned load), else the bytes themselves."""
+    if scales.shape[-1] % 4 == 0 and scales.stride(-1) == 1:
+        try:
+            return scales.view(torch.int32), True
+        except RuntimeError:  # a stride or offset not a multiple of 4 bytes
+            pass
+    return scales, False
