@@ -203,7 +203,7 @@ def test_still_healthy_after_all_of_them(server, http):
     (["--reasoning-parser", "deepseek"], "--reasoning-parser"),
     (["--max-num-seqs", "0"], "max_num_seqs"),
     (["--gpu-memory-utilization", "2"], "gpu_memory_utilization"),
-    (["--kv-cache-dtype", "fp4"], "kv_cache_dtype"),
+    (["--kv-cache-dtype", "fp6"], "kv_cache_dtype"),
     (["--enable-auto-tool-choice"], "enable_auto_tool_choice"),
     (["--port", "70000"], "port"),
 ])
