@@ -27,7 +27,6 @@ import math
 import os
 import subprocess
 import sys
-import time
 import traceback
 from types import SimpleNamespace
 
@@ -42,7 +41,7 @@ from kimiserve.ops.indexer import reference as indexer_ref  # noqa: E402
 from kimiserve.ops.mla import reference as mla_ref  # noqa: E402
 from kimiserve.ops.quant.reference import hadamard  # noqa: E402
 from kimiserve.ops.topk.reference import topk_reference  # noqa: E402
-from kimiserve.utils.cuda_timing import cuda_time, graph_time  # noqa: E402
+from kimiserve.utils.cuda_timing import cuda_time, graph_time, wall_time  # noqa: E402
 
 KV_CACHE_DTYPES = ("fp8", "fp4")
 INDEX_BYTES = 132  # fp8 key + fp32 scale per token (fp4: 68, see `read_bytes`); sweep_decode.py imports these
@@ -50,18 +49,6 @@ LATENT_BYTES = 576  # fp8 latent row (fp4: 324)
 NAIVE_BYTES_PER_KEY_VALUE = 24
 """Peak bytes per index-key value of the naive scan (gathered codes, int64 code indices, fp32 values,
 their product): sizes the memory check that drops the naive version from a row."""
-
-
-def wall_time(fn, repeats: int = 3, warmup: int = 1) -> float:
-    """Median milliseconds of fn() by the host clock (the CPU smoke run)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return sorted(times)[len(times) // 2]
 
 
 def copy_bandwidth_gbps(device: str = "cuda", nbytes: int = 2**32) -> float:

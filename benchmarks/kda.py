@@ -28,7 +28,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from types import SimpleNamespace
 
 import torch
@@ -41,19 +40,7 @@ from kimiserve.config import load_preset  # noqa: E402
 from kimiserve.ops.kda import paged as paged_ref  # noqa: E402
 from kimiserve.ops.kda.reference import chunk_kda, kda_gate, recurrent_kda  # noqa: E402
 from kimiserve.ops.norm.reference import l2_normalize  # noqa: E402
-from kimiserve.utils.cuda_timing import cuda_time, graph_time  # noqa: E402
-
-
-def wall_time(fn, repeats: int = 3, warmup: int = 1) -> float:
-    """Median milliseconds of fn() by the host clock (the CPU smoke run)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return sorted(times)[len(times) // 2]
+from kimiserve.utils.cuda_timing import cuda_time, graph_time, wall_time  # noqa: E402
 
 
 def reference_ops() -> SimpleNamespace:

@@ -3,6 +3,8 @@ from a CUDA graph (how the engine will run decode steps, without the host's laun
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 
@@ -34,3 +36,15 @@ def graph_time(fn, repeats: int = 20, calls: int = 1) -> float:
         for _ in range(calls):
             fn()
     return cuda_time(graph.replay, repeats) / calls
+
+
+def wall_time(fn, repeats: int = 3, warmup: int = 1) -> float:
+    """Median milliseconds of fn() by the host clock (the CPU smoke run)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return sorted(times)[len(times) // 2]
