@@ -229,6 +229,7 @@ def _copy_time(nbytes: int) -> float:
     return gpu_time(lambda: dst.copy_(src))
 
 
+@pytest.mark.timing
 @pytest.mark.parametrize("B, context, kv", [(1, 1_048_576, "fp8"), (1, 1_048_576, "fp4"), (16, 131_072, "fp8")])
 def test_indexer_timing(B, context, kv, capsys):
     for line in time_indexer(B, context, kv, FP4_CONFIGS if kv == "fp4" else CONFIGS):

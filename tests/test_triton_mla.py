@@ -290,6 +290,7 @@ def _time_case(tt, kind: str, B: int, ctx: int, sms: int, kv: str = "fp8", confi
     return lines
 
 
+@pytest.mark.timing
 def test_timing(tt, capsys):
     """Sparse top-2048 at B=1 and 64 and dense over 8K/32K/128K at B=1 (K3.1 fp8 pages, 96 heads, bf16)
     for every config: median of 20 by CUDA events per call (eager: includes the host's launch cost when
@@ -305,6 +306,7 @@ def test_timing(tt, capsys):
         print("\n" + "\n".join(lines))
 
 
+@pytest.mark.timing
 def test_timing_fp4(tt, capsys):
     """NVFP4 latents (324 B per token) under FP4_CONFIGS next to fp8's default tiling (576 B per token),
     as test_timing measures them."""

@@ -213,6 +213,7 @@ def time_topk(B: int, S: int, k: int, kind: str = "randn", **tuning) -> list[str
     return lines
 
 
+@pytest.mark.timing
 @pytest.mark.parametrize("B, S", [(1, 1_048_576), (64, 131_072)])
 def test_topk_timing(B, S, capsys):
     check_topk(make_scores("randn", B, S), 2048)
