@@ -1,4 +1,4 @@
-"""`kimiserve` command line: inspect, plan, make-checkpoint, generate, serve, bench serve."""
+"""`kimiserve` command line: inspect, plan, make-checkpoint, smooth-index-keys, generate, serve, bench serve."""
 
 from __future__ import annotations
 
@@ -41,6 +41,43 @@ def cmd_make_checkpoint(args: argparse.Namespace) -> int:
     shards = save_checkpoint(model, args.out, max_shard_bytes=int(args.max_shard_mb * 2**20))
     load_tokenizer("tiny").save_pretrained(args.out)
     print(f"wrote {args.out}: config.json, {len(shards)} safetensors shards + index, tokenizer files")
+    return 0
+
+
+def cmd_smooth_index_keys(args: argparse.Namespace) -> int:
+    import torch
+
+    from kimiserve.config import resolve_model
+    from kimiserve.engine.args import EngineArgs, tokenizer_source
+    from kimiserve.model.loader import load_model, save_checkpoint
+    from kimiserve.model.smoothing import smooth_index_keys
+    from kimiserve.tokenizer import load_tokenizer
+
+    config = resolve_model(args.model)
+    if args.num_prompts < 1 or args.prompt_len < 1:
+        raise ValueError("--num-prompts and --prompt-len must be >= 1")
+    source = tokenizer_source(EngineArgs(model=args.model))
+    tokenizer = load_tokenizer(source) if source else None
+    if args.prompts_file:
+        if tokenizer is None:
+            raise ValueError(f"--prompts-file needs a tokenizer, and {args.model!r} has none")
+        with open(args.prompts_file, encoding="utf-8") as f:
+            texts = [line.strip() for line in f if line.strip()]
+        prompts = [torch.tensor(tokenizer.encode(t)[: args.prompt_len]) for t in texts[: args.num_prompts]]
+        prompts = [p for p in prompts if p.numel()]
+    else:  # random ids: fine for random-weight presets; give real text for a trained checkpoint
+        gen = torch.Generator().manual_seed(args.seed)
+        prompts = [torch.randint(0, config.vocab_size, (args.prompt_len,), generator=gen) for _ in range(args.num_prompts)]
+    model = load_model(args.model, _dtype(args.dtype), args.seed)
+    scales = smooth_index_keys(model, prompts)
+    save_checkpoint(model, args.out)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(args.out)
+    for i, s in enumerate(scales):
+        shifts = torch.log2(s)
+        print(f"indexer {i}: {int((shifts != 0).sum())} of {s.numel()} key channels rescaled "
+              f"(2^{int(shifts.min())} .. 2^{int(shifts.max())})")
+    print(f"wrote {args.out}: index-key smoothing folded into k_norm and wq_b (scores unchanged)")
     return 0
 
 
@@ -169,6 +206,21 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES), help="dtype of the non-quantised weights")
     p.add_argument("--max-shard-mb", type=float, default=2048, help="largest safetensors shard, MiB")
     p.set_defaults(func=cmd_make_checkpoint)
+
+    p = sub.add_parser("smooth-index-keys", help="fold per-channel index-key smoothing into a checkpoint "
+                       "(better fp4 index keys; scores unchanged)",
+                       description="Calibrate power-of-two per-channel scales of the indexer's keys on prompts "
+                                   "and fold them into k_norm (divided) and wq_b (multiplied): an exact change "
+                                   "of basis that keeps every score, so fp4 (MXFP4) index keys lose less to "
+                                   "outlier channels. Writes a new model folder.")
+    p.add_argument("--model", required=True, help="a preset or a model folder")
+    p.add_argument("--out", required=True, help="folder to write")
+    p.add_argument("--prompts-file", default=None, help="calibration text, one prompt per line (default: random ids)")
+    p.add_argument("--num-prompts", type=int, default=8, help="calibration prompts")
+    p.add_argument("--prompt-len", type=int, default=512, help="tokens per calibration prompt (longer ones are cut)")
+    p.add_argument("--seed", type=int, default=0, help="seed of preset weights and of random prompts")
+    p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES), help="dtype of the non-quantised weights")
+    p.set_defaults(func=cmd_smooth_index_keys)
 
     p = sub.add_parser("generate", help="generate text with the engine (the offline LLM API)",
                        description="Generate a completion for each prompt; engine flags follow the sampling flags.")

@@ -40,7 +40,11 @@ class Indexer(nn.Module):
 
     def keys(self, x: torch.Tensor) -> torch.Tensor:
         """One index key per token: [B, T, D]."""
-        return layer_norm(self.wk(x), self.k_norm.weight, self.k_norm.bias, INDEX_KEY_NORM_EPS)
+        return self.keys_from_projection(self.wk(x))
+
+    def keys_from_projection(self, projected: torch.Tensor) -> torch.Tensor:
+        """The index keys of wk's output (the key LayerNorm)."""
+        return layer_norm(projected, self.k_norm.weight, self.k_norm.bias, INDEX_KEY_NORM_EPS)
 
     def queries(self, x: torch.Tensor, q_latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(index queries [B, T, Hi, D], head weights [B, T, Hi] with both scales folded in)."""
