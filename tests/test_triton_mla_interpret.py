@@ -129,3 +129,23 @@ def test_k31_dims_fp4(num_splits):
     bad[0, 0] = tables[0, -1]
     got = tt.paged_dense_mla_decode(q_lat, q_pe, cache, ls, bad, torch.tensor(lens), scale, torch.bfloat16, config=cfg)
     assert got[0].isnan().all() and torch.isfinite(got[1:]).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("preset, heads", [("tiny", None), ("kimi-k3.1-pro", 16)])
+def test_fp4_dequant_first(preset, heads, dtype):
+    """Sparse NVFP4 through the dequantised scratch (`DecodeConfig.dequant_first`): equal to the
+    reference, and to the fused fp4 kernel up to summation order; a row of only -1 gives NaN."""
+    lens = [1, 63, 130]
+    cache, ls, tables, q_lat, q_pe, scale = build_case(preset, "fp4", lens, heads, "cpu", 0.05)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    idx = make_indices(lens, 70, "cpu")
+    cfg = tt.DecodeConfig(dequant_first=True)
+    want = ref.paged_sparse_mla_decode(q_lat, q_pe, cache, ls, tables, idx, scale, dtype)
+    got = tt.paged_sparse_mla_decode(q_lat, q_pe, cache, ls, tables, idx, scale, dtype, out=_nan_out(q_lat), config=cfg)
+    assert torch.isfinite(got).all() and rel_rms(got, want) < tol
+    fused = tt.paged_sparse_mla_decode(q_lat, q_pe, cache, ls, tables, idx, scale, dtype)
+    assert rel_rms(got, fused) < tol
+    idx[1] = -1
+    got = tt.paged_sparse_mla_decode(q_lat, q_pe, cache, ls, tables, idx, scale, dtype, config=cfg)
+    assert got[1].isnan().all() and torch.isfinite(got[0::2]).all() and rel_rms(got[0::2], want[0::2]) < tol

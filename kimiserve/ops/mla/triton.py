@@ -58,6 +58,10 @@ class DecodeConfig:
     waves: int = 2
     min_split_tokens: int = 64
     num_splits: int | None = None
+    dequant_first: bool = False
+    """Sparse NVFP4 only: dequantise the selected rows once into a [B, k, L + R] scratch in the dot
+    dtype (`_gather_fp4_kernel`), then run the bf16-cache kernel (with its default tiling) on it,
+    instead of dequantising each tile once per head block (not yet timed on a GPU)."""
 
 
 def default_config(dtype: torch.dtype, scale_each: bool = False) -> DecodeConfig:
@@ -280,6 +284,37 @@ def _split_fp4_kernel(
 
 
 @triton.jit
+def _gather_fp4_kernel(cache_ptr, tables_ptr, sel_ptr, out_ptr, sel_out_ptr, tables_out_ptr, n_sel, global_scale,
+                       s_cp, s_cr, s_tb, s_sb, s_ob, s_on,
+                       L: tl.constexpr, R: tl.constexpr, GROUPS: tl.constexpr, BLOCK_GL: tl.constexpr,
+                       BLOCK_GR: tl.constexpr, ROW_ALIGN: tl.constexpr, PAGE: tl.constexpr, DTYPE: tl.constexpr,
+                       BLOCK_N: tl.constexpr):
+    """Selected NVFP4 rows of sequence b (positions sel[b, i], -1 = none) dequantised into out[b, i]
+    (`_fp4_tile`, as `_split_fp4_kernel` reads them), with sel_out[b, i] = i (or -1) and
+    tables_out[b] = b: out is then a bf16-style cache of one k-token page per sequence."""
+    i = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    b = tl.program_id(1).to(tl.int64)
+    in_range = i < n_sel
+    pos = tl.load(sel_ptr + b * s_sb + i, mask=in_range, other=-1)
+    ok = pos >= 0
+    pos = tl.where(ok, pos, 0)
+    page = tl.load(tables_ptr + b * s_tb + pos // PAGE, mask=ok, other=0).to(tl.int64)
+    row = cache_ptr + (page * s_cp + (pos % PAGE).to(tl.int64) * s_cr) * ROW_ALIGN
+    dst = out_ptr + b * s_ob + i.to(tl.int64)[:, None] * s_on
+    l_e, l_o = _fp4_tile(row, ok, global_scale, 0, 8 * GROUPS, L // 2, DTYPE, BLOCK_N, BLOCK_GL)
+    r_e, r_o = _fp4_tile(row, ok, global_scale, L // 2, 8 * GROUPS + L // 16, (R + 1) // 2, DTYPE, BLOCK_N, BLOCK_GR)
+    c = tl.arange(0, 8 * BLOCK_GL)
+    tl.store(dst + 2 * c[None, :], l_e, mask=ok[:, None] & (2 * c < L)[None, :])
+    tl.store(dst + 2 * c[None, :] + 1, l_o, mask=ok[:, None] & (2 * c + 1 < L)[None, :])
+    c = tl.arange(0, 8 * BLOCK_GR)
+    tl.store(dst + L + 2 * c[None, :], r_e, mask=ok[:, None] & (2 * c < R)[None, :])
+    tl.store(dst + L + 2 * c[None, :] + 1, r_o, mask=ok[:, None] & (2 * c + 1 < R)[None, :])
+    tl.store(sel_out_ptr + b * n_sel + i, tl.where(ok, i, -1), mask=in_range)
+    if tl.program_id(0) == 0:
+        tl.store(tables_out_ptr + b, b.to(tl.int32))
+
+
+@triton.jit
 def _dequant_fp4_kernel(rows_ptr, out_ptr, n_rows, s_r, s_o, global_scale, L: tl.constexpr, R: tl.constexpr,
                         GROUPS: tl.constexpr, BLOCK_GL: tl.constexpr, BLOCK_GR: tl.constexpr, DTYPE: tl.constexpr,
                         BLOCK_N: tl.constexpr):
@@ -397,6 +432,8 @@ def _decode(q_latent, q_pe, latent_cache, latent_scale, block_tables, sel, spars
     if fp4:
         # the compiler assumes nothing of a stride that is not a multiple of 16: give it the rows' alignment
         align = math.gcd(4, latent_cache.data_ptr(), latent_cache.stride(0), latent_cache.stride(1))
+        if sparse and cfg.dequant_first:
+            return _dequant_first(q_latent, q_pe, latent_cache, ls, block_tables, sel, align, scale, dtype, out)
         _split_fp4_kernel[(head_blocks, num_splits, B)](
             q_latent, q_pe, latent_cache, block_tables, sel, part, lse,
             ls, scale * LOG2E, H, tokens if sparse else 0, split_len,
@@ -422,6 +459,27 @@ def _decode(q_latent, q_pe, latent_cache, latent_scale, block_tables, sel, spars
         BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, RELOAD=cfg.reload, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return _merge(out, part, lse, s_part, num_splits, L)
+
+
+def _dequant_first(q_latent, q_pe, latent_cache, ls, block_tables, sel, align, scale, dtype, out):
+    """Sparse NVFP4 decode as `DecodeConfig.dequant_first` describes."""
+    B, H, L = q_latent.shape
+    R, k = q_pe.shape[-1], sel.shape[1]
+    dev = q_latent.device
+    scratch = torch.empty(B, max(k, 1), L + R, dtype=dtype, device=dev)
+    local_sel = torch.empty(B, k, dtype=torch.int32, device=dev)
+    tables = torch.empty(B, 1, dtype=torch.int32, device=dev)
+    block_n = 16
+    _gather_fp4_kernel[(max(1, triton.cdiv(k, block_n)), B)](
+        latent_cache, block_tables, sel, scratch, local_sel, tables, k, ls,
+        latent_cache.stride(0) // align, latent_cache.stride(1) // align, block_tables.stride(0), sel.stride(0),
+        scratch.stride(0), scratch.stride(1),
+        L=L, R=R, GROUPS=latent_cache.shape[-1] // 9, BLOCK_GL=_pow2(L // 2) // 8,
+        BLOCK_GR=_pow2(triton.cdiv(R, 2)) // 8, ROW_ALIGN=align, PAGE=latent_cache.shape[1],
+        DTYPE=_DOT_DTYPES[dtype], BLOCK_N=block_n,
+    )
+    return _decode(q_latent, q_pe, scratch, None, tables, local_sel, True, k, scale, dtype, default_config(dtype),
+                   out)
 
 
 def _merge(out, part, lse, s_part, num_splits: int, L: int) -> torch.Tensor:
