@@ -69,7 +69,6 @@ import gc
 import json
 import platform
 import shlex
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -83,6 +82,7 @@ from kimiserve.cache import formats  # noqa: E402
 from kimiserve.ops.indexer.reference import indexer_scores  # noqa: E402
 from kimiserve.ops.mla.reference import paged_sparse_mla_decode  # noqa: E402
 from kimiserve.ops.quant.reference import FP8_MAX  # noqa: E402
+from kimiserve.utils.run_info import git_commit  # noqa: E402
 
 INDEX_FORMATS = {"fp8": ("fp8", False, False), "fp4": ("fp4", False, False), "fp4_rotated": ("fp4", True, False),
                  "fp4_smoothed": ("fp4", False, True)}
@@ -390,15 +390,6 @@ def _mean(xs) -> float:
 
 def _ints(s: str) -> tuple[int, ...]:
     return tuple(int(x) for x in s.split(",") if x)
-
-
-def git_commit() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                             timeout=10)
-        return out.stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
 
 
 def table(data: dict) -> str:

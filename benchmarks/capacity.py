@@ -18,7 +18,6 @@ import argparse
 import datetime
 import json
 import os
-import subprocess
 import sys
 
 import torch
@@ -28,6 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from kimiserve.cache.layout import CacheLayout  # noqa: E402
 from kimiserve.cache.pool import PagePool  # noqa: E402
 from kimiserve.config import load_preset  # noqa: E402
+from kimiserve.utils.run_info import git_commit  # noqa: E402
 
 KV_CACHE_DTYPES = ("bf16", "fp8", "fp4")
 
@@ -69,7 +69,7 @@ def main() -> int:
         if args.device == "cuda":
             torch.cuda.empty_cache()
     tokens = {kv: r["tokens"] for kv, r in per_kv.items()}
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = git_commit()
     result = dict(
         budget_bytes=budget, tokens=tokens,
         ratios=dict(fp4_over_fp8=tokens["fp4"] / tokens["fp8"], fp8_over_bf16=tokens["fp8"] / tokens["bf16"],

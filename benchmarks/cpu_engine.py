@@ -54,6 +54,7 @@ import torch
 from kimiserve.engine.args import EngineArgs
 from kimiserve.engine.engine import LLMEngine
 from kimiserve.sampling_params import SamplingParams
+from kimiserve.utils.run_info import git_commit
 
 REPO = Path(__file__).resolve().parent.parent
 VOCAB_PROMPT = 768  # prompts use token ids 0..767 (the tiny tokenizer's ordinary tokens)
@@ -80,15 +81,6 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or "unknown"
-
-
-def git_commit() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                             timeout=10)
-        return out.stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
 
 
 def git_dirty() -> bool | None:

@@ -25,7 +25,6 @@ import datetime
 import json
 import math
 import os
-import subprocess
 import sys
 import traceback
 from types import SimpleNamespace
@@ -42,6 +41,7 @@ from kimiserve.ops.mla import reference as mla_ref  # noqa: E402
 from kimiserve.ops.quant.reference import hadamard  # noqa: E402
 from kimiserve.ops.topk.reference import topk_reference  # noqa: E402
 from kimiserve.utils.cuda_timing import cuda_time, graph_time, wall_time  # noqa: E402
+from kimiserve.utils.run_info import git_commit  # noqa: E402
 
 KV_CACHE_DTYPES = ("fp8", "fp4")
 INDEX_BYTES = 132  # fp8 key + fp32 scale per token (fp4: 68, see `read_bytes`); sweep_decode.py imports these
@@ -288,7 +288,7 @@ def main() -> int:
         torch.cuda.empty_cache()
         free_bytes = lambda: torch.cuda.mem_get_info()[0]
     config = load_preset(preset)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = git_commit()
     result = dict(device=torch.cuda.get_device_name() if device == "cuda" else "cpu", torch=torch.__version__,
                   date=datetime.datetime.now(datetime.timezone.utc).isoformat(), commit=commit,
                   command=" ".join(sys.argv), model=preset, cpu_smoke=args.cpu_smoke,

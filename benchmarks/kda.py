@@ -26,7 +26,6 @@ import argparse
 import datetime
 import json
 import os
-import subprocess
 import sys
 from types import SimpleNamespace
 
@@ -41,6 +40,7 @@ from kimiserve.ops.kda import paged as paged_ref  # noqa: E402
 from kimiserve.ops.kda.reference import chunk_kda, kda_gate, recurrent_kda  # noqa: E402
 from kimiserve.ops.norm.reference import l2_normalize  # noqa: E402
 from kimiserve.utils.cuda_timing import cuda_time, graph_time, wall_time  # noqa: E402
+from kimiserve.utils.run_info import git_commit  # noqa: E402
 
 
 def reference_ops() -> SimpleNamespace:
@@ -224,7 +224,7 @@ def main() -> int:
                                  graph=graph_or_none, graph_name="graph", eager_name="eager")
         copy_gbps = copy_bandwidth_gbps(device, 2**32)
     gen = torch.Generator(device=device).manual_seed(0)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = git_commit()
     result = dict(benchmark="kda", device=torch.cuda.get_device_name() if device == "cuda" else "cpu",
                   torch=torch.__version__, date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
                   commit=commit, command=" ".join(sys.argv), model="tiny" if args.cpu_smoke else "kimi-k3.1-pro",

@@ -30,7 +30,6 @@ import json
 import math
 import multiprocessing
 import os
-import subprocess
 import sys
 import time
 
@@ -42,6 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from decode_attention import INDEX_BYTES, LATENT_BYTES, build_case, copy_bandwidth_gbps  # noqa: E402
 from kimiserve.cache.layout import CacheLayout  # noqa: E402
 from kimiserve.config import load_preset  # noqa: E402
+from kimiserve.utils.run_info import git_commit  # noqa: E402
 
 KERNELS = ("scan", "topk", "mla")
 PRESET = "small"
@@ -311,7 +311,7 @@ def main() -> int:
     compile_info = precompile(tasks, cases, defaults, args.compile_workers, start + args.max_seconds / 2)
     print(f"precompile: {json.dumps(compile_info)}", flush=True)
     copy_gbps = copy_bandwidth_gbps()
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = git_commit()
     result = dict(benchmark="sweep_decode", device=torch.cuda.get_device_name(), torch=torch.__version__,
                   triton=triton.__version__, date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
                   commit=commit, command=" ".join(sys.argv), preset=PRESET, max_seconds=args.max_seconds,
