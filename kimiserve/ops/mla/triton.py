@@ -103,6 +103,23 @@ def _load_latent(ptrs, mask, latent_scale, SCALE_EACH: tl.constexpr, DTYPE: tl.c
 
 
 @triton.jit
+def _tile_rows(sel_ptr, tables_ptr, b, s_sb, s_tb, n0, end, PAGE: tl.constexpr, SPARSE: tl.constexpr,
+               BLOCK_N: tl.constexpr):
+    """(page, slot in the page, ok) of a tile's BLOCK_N tokens: the selected positions n0.. of row b
+    (sparse; -1 = none) or the positions n0.. themselves (dense), below `end`."""
+    offs = n0 + tl.arange(0, BLOCK_N)
+    if SPARSE:
+        pos = tl.load(sel_ptr + b * s_sb + offs, mask=offs < end, other=-1)
+        ok = pos >= 0
+    else:
+        pos = offs
+        ok = offs < end
+    pos = tl.where(ok, pos, 0)
+    page = tl.load(tables_ptr + b * s_tb + pos // PAGE, mask=ok, other=0).to(tl.int64)
+    return page, (pos % PAGE).to(tl.int64), ok
+
+
+@triton.jit
 def _split_kernel(
     q_lat_ptr, q_pe_ptr, cache_ptr, tables_ptr, sel_ptr, part_ptr, lse_ptr,
     latent_scale, qk_scale, out_scale, H, n_sel, split_len,
@@ -138,16 +155,8 @@ def _split_kernel(
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_L], tl.float32)
     for n0 in range(start, end, BLOCK_N):
-        offs = n0 + tl.arange(0, BLOCK_N)
-        if SPARSE:
-            pos = tl.load(sel_ptr + b * s_sb + offs, mask=offs < end, other=-1)
-            ok = pos >= 0
-        else:
-            pos = offs
-            ok = offs < end
-        pos = tl.where(ok, pos, 0)
-        page = tl.load(tables_ptr + b * s_tb + pos // PAGE, mask=ok, other=0).to(tl.int64)
-        row = cache_ptr + page * s_cp + (pos % PAGE).to(tl.int64) * s_cr
+        page, slot, ok = _tile_rows(sel_ptr, tables_ptr, b, s_sb, s_tb, n0, end, PAGE, SPARSE, BLOCK_N)
+        row = cache_ptr + page * s_cp + slot * s_cr
         c_l = _load_latent(row[:, None] + ol[None, :], _mask2(ok, ol, L, BLOCK_L), latent_scale, SCALE_EACH, DTYPE,
                            "")
         c_r = _load_latent(row[:, None] + L + orr[None, :], _mask2(ok, orr, R, BLOCK_R), latent_scale, SCALE_EACH,
@@ -247,16 +256,8 @@ def _split_fp4_kernel(
     acc_e = tl.zeros([BLOCK_H, 8 * BLOCK_GL], tl.float32)
     acc_o = tl.zeros([BLOCK_H, 8 * BLOCK_GL], tl.float32)
     for n0 in range(start, end, BLOCK_N):
-        offs = n0 + tl.arange(0, BLOCK_N)
-        if SPARSE:
-            pos = tl.load(sel_ptr + b * s_sb + offs, mask=offs < end, other=-1)
-            ok = pos >= 0
-        else:
-            pos = offs
-            ok = offs < end
-        pos = tl.where(ok, pos, 0)
-        page = tl.load(tables_ptr + b * s_tb + pos // PAGE, mask=ok, other=0).to(tl.int64)
-        row = cache_ptr + (page * s_cp + (pos % PAGE).to(tl.int64) * s_cr) * ROW_ALIGN
+        page, slot, ok = _tile_rows(sel_ptr, tables_ptr, b, s_sb, s_tb, n0, end, PAGE, SPARSE, BLOCK_N)
+        row = cache_ptr + (page * s_cp + slot * s_cr) * ROW_ALIGN
         cl_e, cl_o = _fp4_tile(row, ok, global_scale, 0, 8 * GROUPS, L // 2, DTYPE, BLOCK_N, BLOCK_GL)
         cr_e, cr_o = _fp4_tile(row, ok, global_scale, L // 2, 8 * GROUPS + L // 16, (R + 1) // 2, DTYPE, BLOCK_N,
                                BLOCK_GR)
@@ -292,14 +293,11 @@ def _gather_fp4_kernel(cache_ptr, tables_ptr, sel_ptr, out_ptr, sel_out_ptr, tab
     """Selected NVFP4 rows of sequence b (positions sel[b, i], -1 = none) dequantised into out[b, i]
     (`_fp4_tile`, as `_split_fp4_kernel` reads them), with sel_out[b, i] = i (or -1) and
     tables_out[b] = b: out is then a bf16-style cache of one k-token page per sequence."""
-    i = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n0 = tl.program_id(0) * BLOCK_N
+    i = n0 + tl.arange(0, BLOCK_N)
     b = tl.program_id(1).to(tl.int64)
-    in_range = i < n_sel
-    pos = tl.load(sel_ptr + b * s_sb + i, mask=in_range, other=-1)
-    ok = pos >= 0
-    pos = tl.where(ok, pos, 0)
-    page = tl.load(tables_ptr + b * s_tb + pos // PAGE, mask=ok, other=0).to(tl.int64)
-    row = cache_ptr + (page * s_cp + (pos % PAGE).to(tl.int64) * s_cr) * ROW_ALIGN
+    page, slot, ok = _tile_rows(sel_ptr, tables_ptr, b, s_sb, s_tb, n0, n_sel, PAGE, True, BLOCK_N)
+    row = cache_ptr + (page * s_cp + slot * s_cr) * ROW_ALIGN
     dst = out_ptr + b * s_ob + i.to(tl.int64)[:, None] * s_on
     l_e, l_o = _fp4_tile(row, ok, global_scale, 0, 8 * GROUPS, L // 2, DTYPE, BLOCK_N, BLOCK_GL)
     r_e, r_o = _fp4_tile(row, ok, global_scale, L // 2, 8 * GROUPS + L // 16, (R + 1) // 2, DTYPE, BLOCK_N, BLOCK_GR)
@@ -309,7 +307,7 @@ def _gather_fp4_kernel(cache_ptr, tables_ptr, sel_ptr, out_ptr, sel_out_ptr, tab
     c = tl.arange(0, 8 * BLOCK_GR)
     tl.store(dst + L + 2 * c[None, :], r_e, mask=ok[:, None] & (2 * c < R)[None, :])
     tl.store(dst + L + 2 * c[None, :] + 1, r_o, mask=ok[:, None] & (2 * c + 1 < R)[None, :])
-    tl.store(sel_out_ptr + b * n_sel + i, tl.where(ok, i, -1), mask=in_range)
+    tl.store(sel_out_ptr + b * n_sel + i, tl.where(ok, i, -1), mask=i < n_sel)
     if tl.program_id(0) == 0:
         tl.store(tables_out_ptr + b, b.to(tl.int32))
 
