@@ -100,6 +100,12 @@ def index_key_storage(kv_cache_dtype: str, dim: int) -> tuple[torch.dtype, int, 
     return torch.bfloat16, dim, None, 0
 
 
+def rotates_index_keys(kv_cache_dtype: str, index_key_rotation: bool | None) -> bool:
+    """Whether index keys are stored rotated: as asked, or by default (None) for fp4 keys, where the
+    rotation raises top-k recall (BENCHMARKS.md)."""
+    return index_key_format(kv_cache_dtype) == "fp4" if index_key_rotation is None else index_key_rotation
+
+
 def index_key_has_scale(kv_cache_dtype: str) -> bool:
     return index_key_format(kv_cache_dtype) != "bf16"
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kimiserve.cache.formats import check_kv_cache_dtype, index_key_format, index_key_storage, latent_storage
+from kimiserve.cache.formats import check_kv_cache_dtype, index_key_storage, latent_storage, rotates_index_keys
 from kimiserve.config import ModelConfig
 
 PAGE_TOKEN_MULTIPLE = 64
@@ -93,8 +93,7 @@ class CacheLayout:
     ) -> "CacheLayout":
         """index_key_rotation: None = on for fp4 index keys (where it raises top-k recall), off otherwise."""
         check_kv_cache_dtype(kv_cache_dtype)
-        if index_key_rotation is None:
-            index_key_rotation = index_key_format(kv_cache_dtype) == "fp4"
+        index_key_rotation = rotates_index_keys(kv_cache_dtype, index_key_rotation)
         if index_key_rotation and config.has_indexer and config.index_head_dim & (config.index_head_dim - 1):
             raise ValueError(f"index_key_rotation needs a power-of-two index_head_dim, got {config.index_head_dim}")
         latent_dtype, latent_width = latent_storage(kv_cache_dtype, config.kv_latent_dim)

@@ -33,9 +33,9 @@ class PagePool:
         if len(scales) != layout.num_mla_layers or min(scales, default=1.0) <= 0:
             raise ValueError(f"latent_scales needs one positive scale per MLA layer ({layout.num_mla_layers})")
         self.latent_scales = list(scales)
+        """Per MLA layer: fp8's latent scale (stored value = latent / scale), fp4's NVFP4 global scale."""
         self.index_rotation = hadamard(layout.index_dim, torch.float32, device) if layout.index_key_rotation else None
         """The Hadamard matrix rotated index keys are stored with (None when they are not rotated)."""
-        """Per MLA layer: fp8's latent scale (stored value = latent / scale), fp4's NVFP4 global scale."""
 
     @property
     def block_size(self) -> int:

@@ -6,7 +6,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from kimiserve.cache.formats import index_key_format
+from kimiserve.cache.formats import rotates_index_keys
 from kimiserve.cache.pool import PagePool
 from kimiserve.ops.backend import REFERENCE_OPS, DecodeOps
 
@@ -111,9 +111,7 @@ class CacheRoundTrip:
 
     @property
     def rotates_index_keys(self) -> bool:
-        if self.index_key_rotation is None:
-            return index_key_format(self.kv_cache_dtype) == "fp4"
-        return self.index_key_rotation
+        return rotates_index_keys(self.kv_cache_dtype, self.index_key_rotation)
 
     def latent_scale(self, mla_layer: int) -> float:
         return self.latent_scales[mla_layer] if self.latent_scales else 1.0
