@@ -106,10 +106,6 @@ def rotates_index_keys(kv_cache_dtype: str, index_key_rotation: bool | None) -> 
     return index_key_format(kv_cache_dtype) == "fp4" if index_key_rotation is None else index_key_rotation
 
 
-def index_key_has_scale(kv_cache_dtype: str) -> bool:
-    return index_key_format(kv_cache_dtype) != "bf16"
-
-
 def latent_scale_of(kv_cache_dtype: str, scale: float) -> float | None:
     """The per-layer latent scale the decode ops take: fp8's scale, fp4's global scale, None for bf16."""
     return None if latent_format(kv_cache_dtype) == "bf16" else scale
