@@ -1,0 +1,56 @@
+"""The engine on `tiny` with the Triton MLA kernels (cache write, index scan, top-k, sparse and dense
+MLA; run by Triton's CPU interpreter) in place of the reference ops: the same tokens and logits as
+the reference-ops engine, for every cache format. This checks how the model drives the kernels (4-bit
+page views, rotated index queries, the fp4 global scale, prefill rows in place) before a GPU does.
+KDA keeps its reference ops (fla-core needs CUDA).
+
+Skipped unless KIMISERVE_TRITON_INTERPRET=1 (see tests/test_triton_mla_interpret.py):
+
+    KIMISERVE_TRITON_INTERPRET=1 .venv/bin/python -m pytest tests/test_engine_triton_interpret.py -q
+"""
+
+import dataclasses
+import os
+
+import pytest
+
+if os.environ.get("KIMISERVE_TRITON_INTERPRET") != "1":
+    pytest.skip("set KIMISERVE_TRITON_INTERPRET=1 to run the Triton interpreter checks", allow_module_level=True)
+import triton_interpreter_shims  # noqa: E402
+
+triton_interpreter_shims.enable()
+
+from conftest import rel_rms  # noqa: E402
+from engine_utils import GREEDY, make_engine, random_prompts, run  # noqa: E402
+from kimiserve.ops.backend import REFERENCE_OPS  # noqa: E402
+from kimiserve.ops.cache_write import triton as cache_write_tt  # noqa: E402
+from kimiserve.ops.indexer import triton as indexer_tt  # noqa: E402
+from kimiserve.ops.mla import triton as mla_tt  # noqa: E402
+from kimiserve.ops.topk import triton as topk_tt  # noqa: E402
+from kimiserve.sampling_params import SamplingParams  # noqa: E402
+
+TRITON_MLA_OPS = dataclasses.replace(
+    REFERENCE_OPS, name="triton-interpreted", write_mla_tokens=cache_write_tt.write_mla_tokens,
+    indexer_scores=indexer_tt.paged_indexer_scores, topk=topk_tt.topk_indices,
+    sparse_mla_decode=mla_tt.paged_sparse_mla_decode, dense_mla_decode=mla_tt.paged_dense_mla_decode,
+    prefill_in_place=True,
+)
+
+
+@pytest.mark.parametrize("kv", ["bf16", "fp8", "fp4", "fp8+fp4"])
+def test_engine_with_triton_mla_ops_matches_reference_ops(kv):
+    # 40 tokens: dense MLA (within tiny's top-8 window only at first); 90: sparse, across two pages
+    prompts = random_prompts([40, 90], seed=11)
+    params = SamplingParams(max_tokens=6, **GREEDY)
+    outs = {}
+    for name, ops in (("reference", REFERENCE_OPS), ("kernels", TRITON_MLA_OPS)):
+        engine = make_engine("float32", kv, max_num_batched_tokens=64)
+        engine.runner.ops = ops
+        outs[name] = (engine, run(engine, prompts, params))
+        engine.check_idle()
+    (ref_engine, ref_out), (k_engine, k_out) = outs["reference"], outs["kernels"]
+    for i, prompt in enumerate(prompts):
+        assert k_out[f"r{i}"].outputs[0].token_ids == ref_out[f"r{i}"].outputs[0].token_ids
+        for step in range(6):
+            key = (tuple(prompt), None, step)
+            assert rel_rms(k_engine.recorded[key], ref_engine.recorded[key]) < 1e-4
