@@ -285,6 +285,21 @@ def _split_fp4_kernel(
 
 
 @triton.jit
+def _store_fp4_rows(row, ok, dst, global_scale, L: tl.constexpr, R: tl.constexpr, GROUPS: tl.constexpr,
+                    BLOCK_GL: tl.constexpr, BLOCK_GR: tl.constexpr, DTYPE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The L + R values of BLOCK_N NVFP4 rows (rows where ok), dequantised by `_fp4_tile`, stored to
+    dst [BLOCK_N, L + R] (a pointer per row)."""
+    l_e, l_o = _fp4_tile(row, ok, global_scale, 0, 8 * GROUPS, L // 2, DTYPE, BLOCK_N, BLOCK_GL)
+    r_e, r_o = _fp4_tile(row, ok, global_scale, L // 2, 8 * GROUPS + L // 16, (R + 1) // 2, DTYPE, BLOCK_N, BLOCK_GR)
+    c = tl.arange(0, 8 * BLOCK_GL)
+    tl.store(dst + 2 * c[None, :], l_e, mask=ok[:, None] & (2 * c < L)[None, :])
+    tl.store(dst + 2 * c[None, :] + 1, l_o, mask=ok[:, None] & (2 * c + 1 < L)[None, :])
+    c = tl.arange(0, 8 * BLOCK_GR)
+    tl.store(dst + L + 2 * c[None, :], r_e, mask=ok[:, None] & (2 * c < R)[None, :])
+    tl.store(dst + L + 2 * c[None, :] + 1, r_o, mask=ok[:, None] & (2 * c + 1 < R)[None, :])
+
+
+@triton.jit
 def _gather_fp4_kernel(cache_ptr, tables_ptr, sel_ptr, out_ptr, sel_out_ptr, tables_out_ptr, n_sel, global_scale,
                        s_cp, s_cr, s_tb, s_sb, s_ob, s_on,
                        L: tl.constexpr, R: tl.constexpr, GROUPS: tl.constexpr, BLOCK_GL: tl.constexpr,
@@ -299,14 +314,7 @@ def _gather_fp4_kernel(cache_ptr, tables_ptr, sel_ptr, out_ptr, sel_out_ptr, tab
     page, slot, ok = _tile_rows(sel_ptr, tables_ptr, b, s_sb, s_tb, n0, n_sel, PAGE, True, BLOCK_N)
     row = cache_ptr + (page * s_cp + slot * s_cr) * ROW_ALIGN
     dst = out_ptr + b * s_ob + i.to(tl.int64)[:, None] * s_on
-    l_e, l_o = _fp4_tile(row, ok, global_scale, 0, 8 * GROUPS, L // 2, DTYPE, BLOCK_N, BLOCK_GL)
-    r_e, r_o = _fp4_tile(row, ok, global_scale, L // 2, 8 * GROUPS + L // 16, (R + 1) // 2, DTYPE, BLOCK_N, BLOCK_GR)
-    c = tl.arange(0, 8 * BLOCK_GL)
-    tl.store(dst + 2 * c[None, :], l_e, mask=ok[:, None] & (2 * c < L)[None, :])
-    tl.store(dst + 2 * c[None, :] + 1, l_o, mask=ok[:, None] & (2 * c + 1 < L)[None, :])
-    c = tl.arange(0, 8 * BLOCK_GR)
-    tl.store(dst + L + 2 * c[None, :], r_e, mask=ok[:, None] & (2 * c < R)[None, :])
-    tl.store(dst + L + 2 * c[None, :] + 1, r_o, mask=ok[:, None] & (2 * c + 1 < R)[None, :])
+    _store_fp4_rows(row, ok, dst, global_scale, L, R, GROUPS, BLOCK_GL, BLOCK_GR, DTYPE, BLOCK_N)
     tl.store(sel_out_ptr + b * n_sel + i, tl.where(ok, i, -1), mask=i < n_sel)
     if tl.program_id(0) == 0:
         tl.store(tables_out_ptr + b, b.to(tl.int32))
@@ -322,14 +330,7 @@ def _dequant_fp4_kernel(rows_ptr, out_ptr, n_rows, s_r, s_o, global_scale, L: tl
     ok = r < n_rows
     row = rows_ptr + r.to(tl.int64) * s_r
     dst = out_ptr + r.to(tl.int64)[:, None] * s_o
-    l_e, l_o = _fp4_tile(row, ok, global_scale, 0, 8 * GROUPS, L // 2, DTYPE, BLOCK_N, BLOCK_GL)
-    r_e, r_o = _fp4_tile(row, ok, global_scale, L // 2, 8 * GROUPS + L // 16, (R + 1) // 2, DTYPE, BLOCK_N, BLOCK_GR)
-    c = tl.arange(0, 8 * BLOCK_GL)
-    tl.store(dst + 2 * c[None, :], l_e, mask=ok[:, None] & (2 * c < L)[None, :])
-    tl.store(dst + 2 * c[None, :] + 1, l_o, mask=ok[:, None] & (2 * c + 1 < L)[None, :])
-    c = tl.arange(0, 8 * BLOCK_GR)
-    tl.store(dst + L + 2 * c[None, :], r_e, mask=ok[:, None] & (2 * c < R)[None, :])
-    tl.store(dst + L + 2 * c[None, :] + 1, r_o, mask=ok[:, None] & (2 * c + 1 < R)[None, :])
+    _store_fp4_rows(row, ok, dst, global_scale, L, R, GROUPS, BLOCK_GL, BLOCK_GR, DTYPE, BLOCK_N)
 
 
 @triton.jit
