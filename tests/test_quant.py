@@ -94,3 +94,13 @@ def test_hadamard_is_orthonormal_and_symmetric():
         assert torch.allclose(h @ h.T, torch.eye(n, dtype=torch.float64)) and torch.equal(h, h.T)
     with pytest.raises(ValueError, match="power-of-two"):
         hadamard(24)
+
+
+def test_ue8m0_powers_of_two_are_exact():
+    """Every MXFP4 scale byte (0: the subnormal 2^-127; 255: inf, read as NaN by the scan) is the
+    exact fp32 power of two, whatever exp2 would round to on the device."""
+    from kimiserve.ops.quant.reference import _pow2
+
+    b = torch.arange(256, dtype=torch.uint8)
+    want = torch.ldexp(torch.ones(256, dtype=torch.float64), b.double() - 127).float()
+    assert torch.equal(_pow2(b), want)

@@ -20,10 +20,7 @@ triton_interpreter_shims.enable()
 from test_triton_topk import check_topk, make_scores  # noqa: E402
 
 # block 256 puts several programs on a row at small S; the others force the other histogram / slot paths
-TUNINGS = [dict(block=256), dict(block=256, window=32, sparse=4, group=4, cap=16), dict(block=512, group=2, cap=1),
-           # the fused finish: one tile, several tiles per block (finish_width 2), overflowing slots (cap 1)
-           dict(block=256, fused_finish=True), dict(block=256, group=4, cap=16, fused_finish=True, finish_width=2),
-           dict(block=512, group=2, cap=1, fused_finish=True)]
+TUNINGS = [dict(block=256), dict(block=256, window=32, sparse=4, group=4, cap=16), dict(block=512, group=2, cap=1)]
 
 
 @pytest.mark.parametrize("tuning", TUNINGS)
@@ -34,16 +31,14 @@ def test_small(kind, S, k, tuning):
 
 
 @pytest.mark.parametrize("kind", ["randn", "few", "ninf"])
-@pytest.mark.parametrize("fused", [False, True])
-def test_lengths(kind, fused):
+def test_lengths(kind):
     lens = torch.tensor([0, 1, 7, 299, 300, 301, 1200, 1500, 1600])
     scores = make_scores(kind, len(lens), 1500, "cpu")
-    check_topk(scores, 300, lens, block=256, fused_finish=fused)
-    check_topk(scores, 300, lens.int(), block=256, fused_finish=fused)
+    check_topk(scores, 300, lens, block=256)
+    check_topk(scores, 300, lens.int(), block=256)
 
 
-@pytest.mark.parametrize("fused", [False, True])
-def test_default_block_and_strided(fused):
+def test_default_block_and_strided():
     big = torch.randn(2, 9000)
-    check_topk(big[:, 1 : 1 + 8200], 2048, fused_finish=fused)  # two programs of 4096, row stride 9000
-    check_topk(big[:, :100], 2048, fused_finish=fused)
+    check_topk(big[:, 1 : 1 + 8200], 2048)  # two programs of 4096, row stride 9000
+    check_topk(big[:, :100], 2048)

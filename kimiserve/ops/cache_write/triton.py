@@ -7,12 +7,8 @@ kv_cache_dtype (latents and index keys each bf16, fp8 or fp4). The details that 
   `fp8e4m3fn_from_fp32_value` and `round_to_nearest_even` do) rather than by a cast, so the
   result does not depend on Triton's conversion lowering (the interpreter's casts truncate or
   round half up; hardware `cvt.rn.satfinite` would agree on sm_90, the bit code agrees everywhere).
-- PyTorch divides a CUDA tensor by a Python number or a CPU scalar tensor as `x * (1 / b)` (both
-  in fp32), but divides a CPU tensor truly. The reference's `x / latent_scale`, `amax / 448` and
-  NVFP4's `amax / (6 * g)` (g a CPU fp32 scalar tensor, 6 * g rounded to fp32) therefore round
-  differently per device; the kernel does what torch does on the device of its tensors (reciprocal
-  multiply on CUDA, IEEE division elsewhere, i.e. under TRITON_INTERPRET=1). Divisions by a tensor
-  (fp8 keys' x / scale, NVFP4's x / (s * g), MXFP4's x / 2^e) are IEEE divisions (`div_rn`) on both.
+- Every division is an IEEE division (`div_rn`), as the reference's (which divides by scalars
+  through a device tensor, so no device or PyTorch version turns it into a reciprocal multiply).
 - e2m1 codes come from the same boundary comparisons as the reference's `_e2m1_code` (ties to the
   even code; no clamp needed: anything past 5 is code 7, as the reference's clamp to +-6 gives);
   MXFP4's scale exponent is read from amax's fp32 bits (exponent field, and the two top mantissa
@@ -33,7 +29,7 @@ import triton
 import triton.language as tl
 
 from kimiserve.cache import formats
-from kimiserve.ops.quant.reference import FP8_MAX, MXFP4_GROUP, NVFP4_GROUP
+from kimiserve.ops.quant.reference import MXFP4_GROUP, NVFP4_GROUP
 
 _CODE = {"bf16": 0, "fp8": 1, "fp4": 2}  # the kernel's LAT / KEY constexprs
 
@@ -93,8 +89,7 @@ def _e2m1_code(y):
 
 
 @triton.jit
-def _nvfp4_row(src, s_stride, dst, d_stride, L, g, g6, inv_g6,
-               BLOCK_G: tl.constexpr, RECIPROCAL: tl.constexpr):
+def _nvfp4_row(src, s_stride, dst, d_stride, L, g, g6, BLOCK_G: tl.constexpr):
     """One NVFP4 row: L values at src (stride s_stride) -> 8 * G code bytes, then G e4m3 block-scale
     bytes, at dst (stride d_stride), G = ceil(L / 16). Even and odd elements are loaded as two
     [BLOCK_G, 8] tiles (same cache lines), so a byte's two codes meet without a reshape."""
@@ -105,10 +100,7 @@ def _nvfp4_row(src, s_stride, dst, d_stride, L, g, g6, inv_g6,
     lo = tl.load(src + col * s_stride, mask=col < L, other=0.0).to(tl.float32)
     hi = tl.load(src + (col + 1) * s_stride, mask=col + 1 < L, other=0.0).to(tl.float32)
     amax = tl.maximum(tl.max(tl.abs(lo), axis=1), tl.max(tl.abs(hi), axis=1))
-    if RECIPROCAL:
-        s = amax * inv_g6
-    else:
-        s = tl.math.div_rn(amax, g6)
+    s = tl.math.div_rn(amax, g6)
     s = tl.where(s > 448.0, 448.0, s)  # clamp(max=448), NaN passes through
     sbits = _e4m3_bits(s)
     denom = _e4m3_value(sbits.to(tl.int32)) * g
@@ -150,14 +142,14 @@ def _mxfp4_row(src, s_stride, dst, d_stride, sc, sc_stride, D, BLOCK_G: tl.const
 def _write_mla_kernel(
     lat_ptr, lat_sn, lat_sc, key_ptr, key_sn, key_sc, pages_ptr, offs_ptr,
     lc_ptr, lc_sp, lc_st, lc_sc, kc_ptr, kc_sp, kc_st, kc_sc, ks_ptr, ks_sp, ks_st, ks_sg,
-    scale, scale_div, scale_inv, inv_fp8_max, L, D,
+    scale, scale_div, L, D,
     BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr, LAT: tl.constexpr, KEY: tl.constexpr,
-    HAS_KEYS: tl.constexpr, RECIPROCAL: tl.constexpr,
+    HAS_KEYS: tl.constexpr,
 ):
     """One program per token n: latent row -> latent_cache[page, off], key row -> key_cache[page, off]
     (+ its scale(s) -> key_scales[page, off]). Formats: 0 bf16, 1 fp8, 2 fp4; caches are raw-bit views
     (uint8 / int16). BLOCK_L / BLOCK_D count elements, or groups for fp4. The latent divisor
-    scale_div is fp8's scale or fp4's 6 * g (scale_inv its fp32 reciprocal); `scale` is fp4's g."""
+    scale_div is fp8's scale or fp4's 6 * g (an fp32 product); `scale` is fp4's g."""
     n = tl.program_id(0).to(tl.int64)
     page = tl.load(pages_ptr + n).to(tl.int64)
     off = tl.load(offs_ptr + n).to(tl.int64)
@@ -165,15 +157,12 @@ def _write_mla_kernel(
     lat_row = lat_ptr + n * lat_sn
     lc_row = lc_ptr + page * lc_sp + off * lc_st
     if LAT == 2:
-        _nvfp4_row(lat_row, lat_sc, lc_row, lc_sc, L, scale, scale_div, scale_inv, BLOCK_L, RECIPROCAL)
+        _nvfp4_row(lat_row, lat_sc, lc_row, lc_sc, L, scale, scale_div, BLOCK_L)
     else:
         c = tl.arange(0, BLOCK_L)
         x = tl.load(lat_row + c * lat_sc, mask=c < L, other=0.0).to(tl.float32)
         if LAT == 1:
-            if RECIPROCAL:
-                y = x * scale_inv
-            else:
-                y = tl.math.div_rn(x, scale_div)
+            y = tl.math.div_rn(x, scale_div)
             codes = _e4m3_bits(_clamp_fp8(y))
         else:
             codes = _bf16_bits(x)
@@ -190,10 +179,7 @@ def _write_mla_kernel(
             if KEY == 1:
                 amax = tl.max(tl.abs(k), axis=0)
                 nans = tl.sum((k != k).to(tl.int32), axis=0)  # a NaN makes torch's amax NaN: the scale becomes 1
-                if RECIPROCAL:
-                    s = amax * inv_fp8_max
-                else:
-                    s = tl.math.div_rn(amax, 448.0)
+                s = tl.math.div_rn(amax, 448.0)
                 s = tl.maximum(s, 1.1754943508222875e-38)
                 s = tl.where((amax > 0) & (nans == 0), s, 1.0)
                 kcodes = _e4m3_bits(_clamp_fp8(tl.math.div_rn(k, s)))
@@ -222,11 +208,6 @@ def _kernel_input(x: torch.Tensor, fmt: str) -> torch.Tensor:
     if x.device.type != "cuda" and x.dtype in (torch.bfloat16, torch.float16):
         return x.float()
     return x
-
-
-def _f32(x: float) -> float:
-    """x rounded to fp32 (as a Python float holding that fp32 value)."""
-    return float(np.float32(x))
 
 
 def _fp4_groups_block(n: int, group: int) -> int:
@@ -283,17 +264,14 @@ def write_mla_tokens(
         block_d = _fp4_groups_block(D, MXFP4_GROUP) if key_fmt == "fp4" else triton.next_power_of_2(D)
     else:
         keys, kc, ks, ks_sg, D, block_d = latent, lc, lc, 0, 1, 1  # placeholders, never touched (HAS_KEYS=False)
-    reciprocal = latent.device.type == "cuda"  # torch's tensor / Python-number rule on this device
     g = np.float32(latent_scale) if lat_fmt != "bf16" else np.float32(1.0)
     div = g * np.float32(6.0) if lat_fmt == "fp4" else g  # the reference's 6 * g, an fp32 product
-    with np.errstate(divide="ignore", over="ignore"):
-        inv = np.float32(1.0) / div
     block_l = _fp4_groups_block(L, NVFP4_GROUP) if lat_fmt == "fp4" else triton.next_power_of_2(L)
     _write_mla_kernel[(N,)](
         latent, latent.stride(0), latent.stride(1), keys, keys.stride(0), keys.stride(-1), pages, offsets,
         lc, lc.stride(0), lc.stride(1), lc.stride(2), kc, kc.stride(0), kc.stride(1), kc.stride(-1),
         ks, ks.stride(0), ks.stride(1), ks_sg,
-        float(g), float(div), float(inv), _f32(np.float32(1.0) / np.float32(FP8_MAX)),
+        float(g), float(div),
         L, D, BLOCK_L=block_l, BLOCK_D=block_d, LAT=_CODE[lat_fmt], KEY=_CODE[key_fmt],
-        HAS_KEYS=has_keys, RECIPROCAL=reciprocal, num_warps=4,
+        HAS_KEYS=has_keys, num_warps=4,
     )

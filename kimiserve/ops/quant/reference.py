@@ -46,7 +46,7 @@ def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     mantissa, exponent = torch.frexp(amax)  # amax = mantissa * 2^exponent, mantissa in [0.5, 1)
     e = exponent - 1 + (mantissa >= 0.875).to(exponent.dtype) - 2  # significand >= 1.75 rounds up
     biased = torch.where(amax > 0, e + 127, torch.zeros_like(e)).clamp(0, 254)
-    scale = torch.exp2(biased.float() - 127).unsqueeze(-1)
+    scale = _pow2(biased).unsqueeze(-1)
     codes = _e2m1_code((groups / scale).clamp(-6.0, 6.0)).view(*wf.shape[:-1], -1, 2)
     packed = codes[..., 0] | (codes[..., 1] << 4)
     return packed.contiguous(), biased.to(torch.uint8)
@@ -59,8 +59,23 @@ def dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
     codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).view(*packed.shape[:-1], -1)
     table = _e2m1_value(torch.arange(16, dtype=torch.uint8, device=packed.device))  # 16 values: cheap, no copy
     values = table[codes.long()].view(*packed.shape[:-1], -1, MXFP4_GROUP)
-    scale = torch.exp2(scales.float() - 127).unsqueeze(-1)
+    scale = _pow2(scales).unsqueeze(-1)
     return (values * scale).view(*packed.shape[:-1], -1).to(dtype)
+
+
+def _pow2(biased: torch.Tensor) -> torch.Tensor:
+    """2^(biased - 127) in fp32, exactly, for ue8m0 bytes 0..254 (byte 0: the subnormal 2^-127),
+    built from the bits: CUDA's exp2 is not exact for subnormal results."""
+    b = biased.to(torch.int32)
+    return torch.where(b > 0, b << 23, 0x400000).view(torch.float32)
+
+
+def _true_div(x: torch.Tensor, divisor: float) -> torch.Tensor:
+    """fp32 x / fp32(divisor), IEEE-rounded on every device. (PyTorch divides a CUDA tensor by a
+    Python number or CPU scalar either truly or as x * (1 / divisor) depending on version and
+    operand kind; a divisor tensor on x's device always divides truly. `torch.full` launches a
+    fill, so this is safe inside CUDA-graph capture.)"""
+    return x / torch.full((), divisor, dtype=torch.float32, device=x.device)
 
 
 def _check_finite(x: torch.Tensor, fmt: str) -> None:
@@ -96,7 +111,7 @@ def quantize_nvfp4(x: torch.Tensor, global_scale: float) -> torch.Tensor:
     g = torch.tensor(global_scale, dtype=torch.float32)
     groups = xf.view(*xf.shape[:-1], -1, NVFP4_GROUP)
     amax = groups.abs().amax(-1)
-    block = (amax / (6 * g)).clamp(max=FP8_MAX).to(FP8_DTYPE)
+    block = _true_div(amax, float(6 * g)).clamp(max=FP8_MAX).to(FP8_DTYPE)
     denom = block.float() * g
     y = torch.where(denom.unsqueeze(-1) > 0, groups / denom.unsqueeze(-1).clamp_min(torch.finfo(torch.float32).tiny), 0)
     codes = _e2m1_code(y.clamp(-6.0, 6.0)).view(*xf.shape[:-1], -1, 2)
@@ -145,7 +160,7 @@ def quantize_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
     """x / scale rounded to e4m3 (nearest, ties to even), saturating at +-448. `scale` is one per tensor."""
     if not scale > 0:
         raise ValueError(f"an FP8 scale must be > 0, got {scale}")
-    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return _true_div(x.float(), scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 
 def dequantize_fp8(q: torch.Tensor, scale: float | torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -161,7 +176,7 @@ def quantize_fp8_rowwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """
     xf = x.float()
     amax = xf.abs().amax(-1)
-    scale = torch.where(amax > 0, (amax / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny), torch.ones_like(amax))
+    scale = torch.where(amax > 0, _true_div(amax, FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny), torch.ones_like(amax))
     return (xf / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
 
 

@@ -94,14 +94,7 @@ def _find_digit(hist_ptr, k_rem, NB: tl.constexpr):
     Volatile loads: the histogram was just completed by other programs of this launch."""
     r = tl.arange(0, NB // 32)
     c = tl.arange(0, 32)
-    return _find_digit_rows(tl.load(hist_ptr + r[:, None] * 32 + c[None, :], volatile=True), k_rem, NB)
-
-
-@triton.jit
-def _find_digit_rows(h2, k_rem, NB: tl.constexpr):
-    """`_find_digit` of a histogram held as [NB / 32, 32] (bin = row * 32 + column)."""
-    r = tl.arange(0, NB // 32)
-    c = tl.arange(0, 32)
+    h2 = tl.load(hist_ptr + r[:, None] * 32 + c[None, :], volatile=True)
     rows = tl.sum(h2, axis=1)
     total = tl.sum(rows, axis=0)
     k_rem = tl.minimum(k_rem, total)
@@ -176,117 +169,9 @@ def _slot_keys(scores_ptr, lengths_ptr, cp_ptr, b, slot, n, S, row_stride, HAS_L
 
 
 @triton.jit
-def _finish_chunk(scores_ptr, lengths_ptr, cp_ptr, b, P, j, ccv, c0, S, row_stride, HAS_LEN: tl.constexpr,
-                  CAP: tl.constexpr, FW: tl.constexpr):
-    """(positions, keys, valid) [P_POW2, FW]: candidates c0 .. c0 + FW - 1 of every block whose slot
-    holds them (row j = block j; increasing positions along a row and down the rows)."""
-    col = c0 + tl.arange(0, FW)
-    m = (j[:, None] < P) & (ccv[:, None] <= CAP) & (col[None, :] < ccv[:, None])
-    slot = (b.to(tl.int64) * P + j)[:, None] * CAP + col[None, :]
-    pos = tl.load(cp_ptr + slot, mask=m, other=0, volatile=True)  # written by other programs of this launch
-    key, valid = _keys(scores_ptr, lengths_ptr, b, pos, S, row_stride, HAS_LEN)
-    return pos, key, valid & m
-
-
-@triton.jit
-def _nth_overflow_block(j, over, t):
-    """Index of the t-th block (in order) whose candidates overflowed their slot."""
-    rank = tl.cumsum(over.to(tl.int32), axis=0) - 1
-    return tl.sum(tl.where(over & (rank == t), j, 0), axis=0)
-
-
-@triton.jit
-def _digit_hist(key, match, N: tl.constexpr, SHIFT: tl.constexpr, NB: tl.constexpr):
-    """[NB / 32, 32] histogram of digit (key >> SHIFT) & (NB - 1) over the matching keys (N of them, any shape)."""
-    d = tl.reshape(tl.where(match, (key >> SHIFT) & (NB - 1), 0), [N], can_reorder=True)
-    h = tl.histogram(d, NB, mask=tl.reshape(match, [N], can_reorder=True))
-    return tl.reshape(h, [NB // 32, 32])
-
-
-@triton.jit
-def _match12(key, valid, d1, d2):
-    return valid & ((key >> 21) + 1024 == d1) & (((key >> 10) & 0x7FF) == d2)
-
-
-@triton.jit
-def _finish_row(scores_ptr, lengths_ptr, ws, cc_ptr, cp_ptr, out_ptr, b, S, row_stride, P, k, d1, k_rem, k_sel,
-                HAS_LEN: tl.constexpr, BLOCK: tl.constexpr, CAP: tl.constexpr, FW: tl.constexpr,
-                P_POW2: tl.constexpr):
-    """Passes 2 and 3, count and write of row b in ONE program (the last of pass 1), over the row's
-    candidate slots: tiles [blocks, FW] of the slots (usually one tile: a few candidates per block),
-    then the blocks whose candidates overflowed CAP, scanned whole. Histograms stay in registers."""
-    j = tl.arange(0, P_POW2)
-    ccv = tl.load(cc_ptr + b.to(tl.int64) * P + j, mask=j < P, other=0, volatile=True)
-    over = (j < P) & (ccv > CAP)
-    n_over = tl.sum(over.to(tl.int32), axis=0)
-    longest = tl.max(tl.where(over, 0, ccv), axis=0)
-    # pass 2: digit 2 of the keys with digit 1 == d1
-    h = tl.zeros([64, 32], tl.int32)
-    for c0 in range(0, longest, FW):
-        _pos, key, valid = _finish_chunk(scores_ptr, lengths_ptr, cp_ptr, b, P, j, ccv, c0, S, row_stride, HAS_LEN,
-                                         CAP, FW)
-        h += _digit_hist(key, valid & ((key >> 21) + 1024 == d1), P_POW2 * FW, 10, 2048)
-    for t in range(n_over):
-        _pos, key, valid = _row_keys(scores_ptr, lengths_ptr, b, _nth_overflow_block(j, over, t), S, row_stride,
-                                     HAS_LEN, BLOCK)
-        h += _digit_hist(key, valid & ((key >> 21) + 1024 == d1), BLOCK, 10, 2048)
-    d2, k_rem, _ = _find_digit_rows(h, k_rem, 2048)
-    # pass 3: digit 3 of the keys matching d1 d2
-    h3 = tl.zeros([32, 32], tl.int32)
-    for c0 in range(0, longest, FW):
-        _pos, key, valid = _finish_chunk(scores_ptr, lengths_ptr, cp_ptr, b, P, j, ccv, c0, S, row_stride, HAS_LEN,
-                                         CAP, FW)
-        h3 += _digit_hist(key, _match12(key, valid, d1, d2), P_POW2 * FW, 0, 1024)
-    for t in range(n_over):
-        _pos, key, valid = _row_keys(scores_ptr, lengths_ptr, b, _nth_overflow_block(j, over, t), S, row_stride,
-                                     HAS_LEN, BLOCK)
-        h3 += _digit_hist(key, _match12(key, valid, d1, d2), BLOCK, 0, 1024)
-    d3, need, _ = _find_digit_rows(h3, k_rem, 1024)
-    T = ((d1 - 1024) << 21) | (d2 << 10) | d3
-    # count: per block #(key > T) and #(key == T)
-    gt = tl.zeros([P_POW2], tl.int32)
-    eq = tl.zeros([P_POW2], tl.int32)
-    for c0 in range(0, longest, FW):
-        _pos, key, valid = _finish_chunk(scores_ptr, lengths_ptr, cp_ptr, b, P, j, ccv, c0, S, row_stride, HAS_LEN,
-                                         CAP, FW)
-        gt += tl.sum((valid & (key > T)).to(tl.int32), axis=1)
-        eq += tl.sum((valid & (key == T)).to(tl.int32), axis=1)
-    for t in range(n_over):
-        jo = _nth_overflow_block(j, over, t)
-        g, e = _count(*_row_keys(scores_ptr, lengths_ptr, b, jo, S, row_stride, HAS_LEN, BLOCK)[1:], T)
-        gt = tl.where(j == jo, g, gt)
-        eq = tl.where(j == jo, e, eq)
-    # write: block j's selections start after the earlier blocks' (keys > T, and ties up to `need`)
-    pre_gt = tl.cumsum(gt, axis=0) - gt
-    pre_eq = tl.cumsum(eq, axis=0) - eq
-    out_row = out_ptr + b.to(tl.int64) * k
-    run_gt = tl.zeros([P_POW2], tl.int32)
-    run_eq = tl.zeros([P_POW2], tl.int32)
-    for c0 in range(0, longest, FW):
-        pos, key, valid = _finish_chunk(scores_ptr, lengths_ptr, cp_ptr, b, P, j, ccv, c0, S, row_stride, HAS_LEN,
-                                        CAP, FW)
-        is_eq = valid & (key == T)
-        is_gt = valid & (key > T)
-        tie_rank = (pre_eq + run_eq)[:, None] + tl.cumsum(is_eq.to(tl.int32), axis=1) - 1
-        sel = is_gt | (is_eq & (tie_rank < need))
-        taken_eq = tl.minimum(pre_eq + run_eq, need)  # ties taken before this tile's row
-        slot = (pre_gt + run_gt + taken_eq)[:, None] + tl.cumsum(sel.to(tl.int32), axis=1) - 1
-        tl.store(out_row + slot, pos.to(tl.int64), mask=sel)
-        run_gt += tl.sum(is_gt.to(tl.int32), axis=1)
-        run_eq += tl.sum(is_eq.to(tl.int32), axis=1)
-    for t in range(n_over):
-        jo = _nth_overflow_block(j, over, t)
-        _write_sel(out_row, *_row_keys(scores_ptr, lengths_ptr, b, jo, S, row_stride, HAS_LEN, BLOCK), T, need,
-                   tl.sum(tl.where(j == jo, pre_gt, 0), axis=0), tl.sum(tl.where(j == jo, pre_eq, 0), axis=0))
-    for start in range(0, k, BLOCK):
-        s_ = start + tl.arange(0, BLOCK)
-        tl.store(out_row + s_, tl.full([BLOCK], -1, tl.int64), mask=(s_ >= k_sel) & (s_ < k))
-
-
-@triton.jit
-def _candidates_kernel(scores_ptr, lengths_ptr, ws_ptr, cc_ptr, cp_ptr, out_ptr, S, row_stride, P, k,
+def _candidates_kernel(scores_ptr, lengths_ptr, ws_ptr, cc_ptr, cp_ptr, S, row_stride, P, k,
                        BOUND: tl.constexpr, HAS_LEN: tl.constexpr, BLOCK: tl.constexpr, CAP: tl.constexpr,
-                       W: tl.constexpr, FINISH: tl.constexpr, FW: tl.constexpr, P_POW2: tl.constexpr):
+                       W: tl.constexpr):
     """Pass 1: the block's candidates (valid, digit 1 >= dm): count -> cc, positions in increasing
     order -> candidate slot (when at most CAP), digit 1 -> hist1 (histogram windows even for a few
     candidates: their digits 1 crowd into a few bins, per-element atomics would collide there).
@@ -314,13 +199,9 @@ def _candidates_kernel(scores_ptr, lengths_ptr, ws_ptr, cc_ptr, cp_ptr, out_ptr,
         _hist_add(ws + _H1, digit1, valid, 2048, W, 8)
     if _is_last(ws + _ST + 10, P):
         d1, k_rem, k_sel = _find_digit(ws + _H1, tl.minimum(tl.load(ws + _ST + 0, volatile=True), k), 2048)
-        if FINISH:
-            _finish_row(scores_ptr, lengths_ptr, ws, cc_ptr, cp_ptr, out_ptr, b, S, row_stride, P, k, d1, k_rem,
-                        k_sel, HAS_LEN, BLOCK, CAP, FW, P_POW2)
-        else:
-            tl.store(ws + _ST + 2, d1)
-            tl.store(ws + _ST + 3, k_rem)
-            tl.store(ws + _ST + 4, k_sel)
+        tl.store(ws + _ST + 2, d1)
+        tl.store(ws + _ST + 3, k_rem)
+        tl.store(ws + _ST + 4, k_sel)
 
 
 @triton.jit
@@ -447,8 +328,6 @@ def topk_indices(
     cap: int = 256,
     slot_warps: int = 4,
     maxnreg: int | None = 64,
-    fused_finish: bool = False,
-    finish_width: int = 16,
 ) -> torch.Tensor:
     """Positions of the k largest scores of each row among positions < lengths[b] with score > -inf.
 
@@ -461,10 +340,7 @@ def topk_indices(
     >= 32; num_warps (passes 0 and 1, which scan the scores), slot_warps (the passes over the
     candidate slots), maxnreg (register cap: 64 keeps 4 8-warp programs per SM, no spills); sparse
     (most matches counted by per-element atomics in passes 2 and 3); group (pass-0 run length, a
-    power of two <= block, 1 = no pass 0; default `_group_size`); fused_finish: passes 2 and 3, count
-    and write run in the last program of pass 1 of each row (`_finish_row`: 3 launches instead of 7;
-    checked under the interpreter, not yet timed on a GPU), over tiles of finish_width candidates
-    per block (a power of two).
+    power of two <= block, 1 = no pass 0; default `_group_size`).
     """
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
@@ -477,7 +353,7 @@ def topk_indices(
         raise ValueError(f"out must be a contiguous int64 [{B}, {k}] tensor")
     if lengths is not None and lengths.shape != (B,):
         raise ValueError(f"lengths must be [B] = [{B}], got {tuple(lengths.shape)}")
-    for name, v, lo in (("block", block, 32), ("window", window, 32), ("cap", cap, 1), ("finish_width", finish_width, 1)):
+    for name, v, lo in (("block", block, 32), ("window", window, 32), ("cap", cap, 1)):
         if v < lo or v & (v - 1):
             raise ValueError(f"{name} must be a power of two >= {lo}, got {v}")
     if B == 0:
@@ -502,13 +378,9 @@ def topk_indices(
     grid = (P, B)
     if G > 1:
         _group_max_kernel[grid](*a, S, st, P, k, G=G, W=window, **dense)
-    p_pow2 = max(2, triton.next_power_of_2(P))
-    _candidates_kernel[grid](*a, cc, cp, out, S, st, P, k, BOUND=G > 1, CAP=cap, W=window, FINISH=fused_finish,
-                             FW=finish_width, P_POW2=p_pow2, **dense)
-    if fused_finish:
-        return out
+    _candidates_kernel[grid](*a, cc, cp, S, st, P, k, BOUND=G > 1, CAP=cap, W=window, **dense)
     for p in (2, 3):
         _refine_kernel[grid](*a, cc, cp, S, st, P, PASS=p, W=window, SPARSE=sparse, **slots)
     _count_kernel[grid](*a, cc, cp, cnt, S, st, P, **slots)
-    _write_kernel[grid](*a, cc, cp, cnt, out, S, st, P, k, P_POW2=p_pow2, **slots)
+    _write_kernel[grid](*a, cc, cp, cnt, out, S, st, P, k, P_POW2=max(2, triton.next_power_of_2(P)), **slots)
     return out
