@@ -60,14 +60,13 @@ def test_small_preset_forward_on_cuda(capsys):
 @pytest.mark.parametrize("dtype,kv", [("float32", "bf16"), ("float32", "fp8"), ("bfloat16", "fp8"), ("float32", "fp4"),
                                       ("bfloat16", "fp4"), ("float32", "fp8+fp4")])
 def test_engine_on_cuda_matches_full_forward(dtype, kv):
-    from engine_utils import GREEDY, assert_matches_full_forward, make_engine, random_prompts, run
+    from engine_utils import GREEDY, assert_all_match_full_forward, make_engine, random_prompts, run
     from kimiserve.sampling_params import SamplingParams
 
     engine = make_engine(dtype, kv, device="cuda", max_num_batched_tokens=64)
     prompts = random_prompts([3, 70, 150])
     outs = run(engine, prompts, SamplingParams(max_tokens=16, **GREEDY))
-    for i, prompt in enumerate(prompts):
-        assert_matches_full_forward(engine, prompt, outs[f"r{i}"].outputs[0].token_ids)
+    assert_all_match_full_forward(engine, prompts, [outs[f"r{i}"].outputs[0].token_ids for i in range(len(prompts))])
     again = run(engine, [prompts[2]], SamplingParams(max_tokens=4, **GREEDY), ids=["again"])["again"]
     assert again.num_cached_tokens == 149
     engine.check_idle()
