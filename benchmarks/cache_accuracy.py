@@ -324,7 +324,11 @@ def agreement(tokens: list[int], ref: list[int]) -> tuple[float, float]:
 
 
 def generate(model: str, kv: str, model_dtype: str, prompts, max_tokens: int, device: str, seed: int,
-             repeat: bool) -> list[list[list[int]]]:
+             repeat: bool, forced: list[list[int]] | None = None) -> tuple[list[list[list[int]]], list[list[int]]]:
+    """(greedy runs, teacher-forced argmaxes): each run's generated tokens per prompt; then, in the
+    same engine, one prefill of prompt + forced tokens per prompt (default: this engine's own first
+    run) whose prompt_logprobs give the argmax at every forced position (next-token choices given
+    the same context, so one flip does not carry over to the rest of the sequence)."""
     from kimiserve import LLM, SamplingParams
 
     kw = dict(kv_cache_dtype=kv, dtype=model_dtype, device=device, seed=seed, enable_prefix_caching=False,
@@ -338,7 +342,11 @@ def generate(model: str, kv: str, model_dtype: str, prompts, max_tokens: int, de
         for _ in range(2 if repeat else 1):
             outs = llm.generate(prompts, params, use_tqdm=False)
             runs.append([list(o.outputs[0].token_ids) for o in outs])
-        return runs
+        forced = runs[0] if forced is None else forced
+        scoring = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
+        outs = llm.generate([p + f for p, f in zip(prompts, forced)], scoring, use_tqdm=False)
+        argmax = [[lp.top[0][0] for lp in o.prompt_logprobs[len(p):]] for o, p in zip(outs, prompts)]
+        return runs, argmax
     finally:
         del llm
         gc.collect()
@@ -347,6 +355,10 @@ def generate(model: str, kv: str, model_dtype: str, prompts, max_tokens: int, de
 
 
 def run_generation(cfg: dict, device, seed: int) -> dict:
+    """Greedy generation with each cache against the bf16 cache's, and the teacher-forced argmax
+    agreement over the bf16 cache's generated tokens. "bf16_decode_vs_prefill" calibrates both: the
+    bf16 cache's own decode-time tokens against its prefill argmax over the same tokens (the same
+    cache, only another kernel path and summation order)."""
     from kimiserve.config import load_preset
 
     vocab = load_preset(cfg["gen_model"]).vocab_size
@@ -360,16 +372,17 @@ def run_generation(cfg: dict, device, seed: int) -> dict:
         rows = {}
         log(f"generation: {cfg['gen_model']} {model_dtype}, kv bf16")
         repeat = device.type == "cuda"
-        ref, *again = generate(cfg["gen_model"], "bf16", model_dtype, prompts, cfg["gen_tokens"], str(device), seed,
-                               repeat)
+        (ref, *again), ref_forced = generate(cfg["gen_model"], "bf16", model_dtype, prompts, cfg["gen_tokens"],
+                                             str(device), seed, repeat)
         runs = {"bf16_repeat": again[0]} if repeat else {}
+        forced = {"bf16_decode_vs_prefill": ref}
         for kv in cfg["gen_dtypes"]:
             if kv == "bf16":
                 continue
             log(f"generation: {cfg['gen_model']} {model_dtype}, kv {kv}")
             try:
-                runs[kv] = generate(cfg["gen_model"], kv, model_dtype, prompts, cfg["gen_tokens"], str(device), seed,
-                                    False)[0]
+                (runs[kv],), forced[kv] = generate(cfg["gen_model"], kv, model_dtype, prompts, cfg["gen_tokens"],
+                                                   str(device), seed, False, forced=ref)
             except Exception as e:  # refused (ValueError) or broken: keep the other dtypes' results
                 rows[kv] = {"error": f"{type(e).__name__}: {e}"}
                 log(f"generation with kv {kv} failed: {rows[kv]['error']}")
@@ -379,6 +392,9 @@ def run_generation(cfg: dict, device, seed: int) -> dict:
                         "position_agreement": _mean([a for _, a in pairs]),
                         "prefix_per_prompt": [p for p, _ in pairs], "position_per_prompt": [a for _, a in pairs],
                         "tokens_per_prompt": [len(t) for t in toks]}
+        for kv, argmax in forced.items():
+            same = [agreement(a, r)[1] for a, r in zip(argmax, ref_forced)]
+            rows.setdefault(kv, {}).update(teacher_forced_agreement=_mean(same), teacher_forced_per_prompt=same)
         out["model_dtypes"][model_dtype] = rows
     return out
 
@@ -416,14 +432,16 @@ def table(data: dict) -> str:
         gen = data["generation"]
         lines.append(f"greedy agreement vs the bf16 cache, {gen['model']} preset (RANDOM weights), "
                      f"{gen['max_tokens']} tokens, prompts {gen['prompt_lens']}")
-        lines.append(f"  {'model dtype':<12}{'cache':<12}{'prefix':>10}{'position':>10}")
+        lines.append(f"  {'model dtype':<12}{'cache':<24}{'prefix':>10}{'position':>10}{'forced':>10}  "
+                     "(forced: teacher-forced argmax vs the bf16 cache's)")
         for model_dtype, rows in gen["model_dtypes"].items():
             for kv, res in rows.items():
                 if "error" in res:
-                    lines.append(f"  {model_dtype:<12}{kv:<12}  refused: {res['error'][:60]}")
-                else:
-                    lines.append(f"  {model_dtype:<12}{kv:<12}{res['prefix_agreement']:>10.3f}"
-                                 f"{res['position_agreement']:>10.3f}")
+                    lines.append(f"  {model_dtype:<12}{kv:<24}  refused: {res['error'][:60]}")
+                    continue
+                cells = [f"{res[k]:>10.3f}" if k in res else f"{'-':>10}"
+                         for k in ("prefix_agreement", "position_agreement", "teacher_forced_agreement")]
+                lines.append(f"  {model_dtype:<12}{kv:<24}" + "".join(cells))
     return "\n".join(lines)
 
 
