@@ -142,7 +142,6 @@ CONFIGS = {
     "split>=256": dict(min_split_tokens=256),
     "one split": dict(num_splits=1),
     "40 splits": dict(num_splits=40),
-    "dequant first": dict(dequant_first=True),
 }
 
 
@@ -175,7 +174,6 @@ FP4_CONFIGS = {
     "h64 w8": dict(block_h=64, num_warps=8, reload=False),
     "one split": dict(num_splits=1),
     "40 splits": dict(num_splits=40),
-    "dequant first": dict(dequant_first=True),
 }
 
 

@@ -58,10 +58,6 @@ class DecodeConfig:
     waves: int = 2
     min_split_tokens: int = 64
     num_splits: int | None = None
-    dequant_first: bool = False
-    """Sparse NVFP4 only: dequantise the selected rows once into a [B, k, L + R] scratch in the dot
-    dtype (`_gather_fp4_kernel`), then run the bf16-cache kernel (with its default tiling) on it,
-    instead of dequantising each tile once per head block (not yet timed on a GPU)."""
 
 
 def default_config(dtype: torch.dtype, scale_each: bool = False) -> DecodeConfig:
@@ -75,11 +71,20 @@ def default_config(dtype: torch.dtype, scale_each: bool = False) -> DecodeConfig
     return DecodeConfig(block_n=64, num_stages=1)
 
 
-def default_fp4_config(dtype: torch.dtype) -> DecodeConfig:
-    """NVFP4 latents: each tile is read and dequantised once (reload is ignored), its values kept in
-    registers for both dots; fp32 as `default_config`."""
+SPARSE_FP4_WIDE_HEADS_FROM_BATCH = 32
+
+
+def default_fp4_config(dtype: torch.dtype, batch: int = 1, sparse: bool = True) -> DecodeConfig:
+    """NVFP4 latents: each tile is read and dequantised once per head block (reload is ignored), its
+    values kept in registers for both dots; fp32 as `default_config`. From the H200 (K3.1 pages, 96
+    heads, top-2048, bf16; BENCHMARKS.md): 16 heads x 32 tokens, 4 warps is best at small batches
+    (33.7 us at batch 1 against 65-81 with 32- or 64-head blocks); from batch 32, sparse decode takes
+    64-head blocks with 8 warps, which dequantise each tile for fewer head blocks (374 against 389 us
+    at batch 32, 535 against 738 at batch 64; a tie at 16)."""
     if dtype == torch.float32:
         return default_config(dtype)
+    if sparse and batch >= SPARSE_FP4_WIDE_HEADS_FROM_BATCH:
+        return DecodeConfig(block_h=64, num_warps=8, reload=False)
     return DecodeConfig(block_h=16, block_n=32, num_warps=4, num_stages=1, reload=False)
 
 
@@ -300,27 +305,6 @@ def _store_fp4_rows(row, ok, dst, global_scale, L: tl.constexpr, R: tl.constexpr
 
 
 @triton.jit
-def _gather_fp4_kernel(cache_ptr, tables_ptr, sel_ptr, out_ptr, sel_out_ptr, tables_out_ptr, n_sel, global_scale,
-                       s_cp, s_cr, s_tb, s_sb, s_ob, s_on,
-                       L: tl.constexpr, R: tl.constexpr, GROUPS: tl.constexpr, BLOCK_GL: tl.constexpr,
-                       BLOCK_GR: tl.constexpr, ROW_ALIGN: tl.constexpr, PAGE: tl.constexpr, DTYPE: tl.constexpr,
-                       BLOCK_N: tl.constexpr):
-    """Selected NVFP4 rows of sequence b (positions sel[b, i], -1 = none) dequantised into out[b, i]
-    (`_fp4_tile`, as `_split_fp4_kernel` reads them), with sel_out[b, i] = i (or -1) and
-    tables_out[b] = b: out is then a bf16-style cache of one k-token page per sequence."""
-    n0 = tl.program_id(0) * BLOCK_N
-    i = n0 + tl.arange(0, BLOCK_N)
-    b = tl.program_id(1).to(tl.int64)
-    page, slot, ok = _tile_rows(sel_ptr, tables_ptr, b, s_sb, s_tb, n0, n_sel, PAGE, True, BLOCK_N)
-    row = cache_ptr + (page * s_cp + slot * s_cr) * ROW_ALIGN
-    dst = out_ptr + b * s_ob + i.to(tl.int64)[:, None] * s_on
-    _store_fp4_rows(row, ok, dst, global_scale, L, R, GROUPS, BLOCK_GL, BLOCK_GR, DTYPE, BLOCK_N)
-    tl.store(sel_out_ptr + b * n_sel + i, tl.where(ok, i, -1), mask=i < n_sel)
-    if tl.program_id(0) == 0:
-        tl.store(tables_out_ptr + b, b.to(tl.int32))
-
-
-@triton.jit
 def _dequant_fp4_kernel(rows_ptr, out_ptr, n_rows, s_r, s_o, global_scale, L: tl.constexpr, R: tl.constexpr,
                         GROUPS: tl.constexpr, BLOCK_GL: tl.constexpr, BLOCK_GR: tl.constexpr, DTYPE: tl.constexpr,
                         BLOCK_N: tl.constexpr):
@@ -407,8 +391,8 @@ def _decode(q_latent, q_pe, latent_cache, latent_scale, block_tables, sel, spars
     ls = 1.0 if latent_scale is None else float(latent_scale)
     # folding a power-of-two scale out of the loop is exact (fp16 could overflow where the reference does not)
     fold = ls == 1.0 or (math.frexp(ls)[0] == 0.5 and dtype != torch.float16)
-    cfg = cfg or (default_fp4_config(dtype) if fp4 else default_config(dtype, not fold))
     B, H, L = q_latent.shape
+    cfg = cfg or (default_fp4_config(dtype, B, sparse) if fp4 else default_config(dtype, not fold))
     R = q_pe.shape[-1] if fp4 else latent_cache.shape[-1] - L
     dev = q_latent.device
     if out is None:
@@ -431,8 +415,6 @@ def _decode(q_latent, q_pe, latent_cache, latent_scale, block_tables, sel, spars
     if fp4:
         # the compiler assumes nothing of a stride that is not a multiple of 16: give it the rows' alignment
         align = math.gcd(4, latent_cache.data_ptr(), latent_cache.stride(0), latent_cache.stride(1))
-        if sparse and cfg.dequant_first:
-            return _dequant_first(q_latent, q_pe, latent_cache, ls, block_tables, sel, align, scale, dtype, out)
         _split_fp4_kernel[(head_blocks, num_splits, B)](
             q_latent, q_pe, latent_cache, block_tables, sel, part, lse,
             ls, scale * LOG2E, H, tokens if sparse else 0, split_len,
@@ -458,27 +440,6 @@ def _decode(q_latent, q_pe, latent_cache, latent_scale, block_tables, sel, spars
         BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, RELOAD=cfg.reload, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return _merge(out, part, lse, s_part, num_splits, L)
-
-
-def _dequant_first(q_latent, q_pe, latent_cache, ls, block_tables, sel, align, scale, dtype, out):
-    """Sparse NVFP4 decode as `DecodeConfig.dequant_first` describes."""
-    B, H, L = q_latent.shape
-    R, k = q_pe.shape[-1], sel.shape[1]
-    dev = q_latent.device
-    scratch = torch.empty(B, max(k, 1), L + R, dtype=dtype, device=dev)
-    local_sel = torch.empty(B, k, dtype=torch.int32, device=dev)
-    tables = torch.empty(B, 1, dtype=torch.int32, device=dev)
-    block_n = 16
-    _gather_fp4_kernel[(max(1, triton.cdiv(k, block_n)), B)](
-        latent_cache, block_tables, sel, scratch, local_sel, tables, k, ls,
-        latent_cache.stride(0) // align, latent_cache.stride(1) // align, block_tables.stride(0), sel.stride(0),
-        scratch.stride(0), scratch.stride(1),
-        L=L, R=R, GROUPS=latent_cache.shape[-1] // 9, BLOCK_GL=_pow2(L // 2) // 8,
-        BLOCK_GR=_pow2(triton.cdiv(R, 2)) // 8, ROW_ALIGN=align, PAGE=latent_cache.shape[1],
-        DTYPE=_DOT_DTYPES[dtype], BLOCK_N=block_n,
-    )
-    return _decode(q_latent, q_pe, scratch, None, tables, local_sel, True, k, scale, dtype, default_config(dtype),
-                   out)
 
 
 def _merge(out, part, lse, s_part, num_splits: int, L: int) -> torch.Tensor:
