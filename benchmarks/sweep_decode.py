@@ -65,8 +65,6 @@ def grids(block_size: int) -> dict[str, list[dict]]:
     topk_default = defaults(topk_indices, ("block", "num_warps", "window", "cap"))
     topk = [dict(block=b, num_warps=w, window=win, cap=c)
             for b, w, win, c in itertools.product((2048, 4096, 8192, 16384), (4, 8), (128, 256), (128, 256, 512))]
-    topk += [dict(block=b, num_warps=8, window=128, cap=256, fused_finish=True, finish_width=fw)
-             for b, fw in itertools.product((2048, 4096, 8192), (8, 16, 32))]
     mla_default = dataclasses.asdict(default_config(torch.bfloat16))
     mla = [dict(mla_default, block_n=n, num_warps=w, num_stages=s, waves=v)
            for n, w, s, v in itertools.product((16, 32, 64), (4, 8), (1, 2, 3), (1, 2, 4))]
