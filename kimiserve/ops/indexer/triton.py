@@ -16,9 +16,9 @@ writes 4 B per token, so it is bound by memory bandwidth (MXFP4 keys: 68 B, see 
   per-element dequantisation to bf16 cost ~16% at batch 1 (59.9 -> 50.5 us at 1M tokens).
 - MXFP4 keys (uint8 codes [P, block_size, 16 * groups], ue8m0 scales [P, block_size, groups]; K3.1:
   68 B per token against fp8's 132) have their own kernel, same grid, with tiles that may span pages
-  (one block-table entry per token; K3.1's fp4 pages hold 704 tokens, 64 x 11). Per tile: the code
-  bytes as [BLOCK_S, groups, 16] (a 16-byte vector per token and group) and a token's 4 scale bytes
-  as one int32 where the layout allows. Keys are dequantised in registers to fp16 e2m1 *
+  (one block-table entry per token; K3.1's fp4 pages hold 704 tokens, 64 x 11). Per tile: a token's
+  16 * groups code bytes as one contiguous run (then viewed as [BLOCK_S, groups, 16]) and its 4
+  scale bytes as one int32 where the layout allows. Keys are dequantised in registers to fp16 e2m1 *
   2^(e - emax + 1), emax the token's largest scale exponent: the code bits placed in fp16's exponent
   and mantissa give e2m1 * 2^-14 exactly (`_e2m1_fp16`, no table; PTX on packed registers on the
   GPU), times the group's fp16 power of two. One fp16 dot as for e4m3, then the token's score times
@@ -202,7 +202,6 @@ def _indexer_scores_mxfp4_kernel(
 
     rows = tl.arange(0, BLOCK_S)
     grp = tl.arange(0, GROUPS)
-    byte = tl.arange(0, 16)
     out_row = out_ptr + b * out_sb
     for t in tl.range(0, TILES, num_stages=NUM_STAGES):
         s0 = start + t * BLOCK_S
@@ -225,8 +224,11 @@ def _indexer_scores_mxfp4_kernel(
         # factor 2^(e - emax + 15) on _e2m1_fp16's values; the token's 2^(emax - 128) scales its score
         emax = tl.max(e, axis=1)
         f = (tl.maximum(e - emax[:, None] + 142, 0) << 23).to(tl.float32, bitcast=True).to(tl.float16)
-        c = tl.load(codes[:, None, None] + (grp * 16)[None, :, None] + byte[None, None, :],
-                    mask=valid[:, None, None], other=0)  # [BLOCK_S, GROUPS, 16] code bytes
+        # a token's code bytes as one contiguous run: its lanes then hold consecutive dims, so the
+        # decoded keys reach shared memory as 16-byte stores (a [BLOCK_S, GROUPS, 16] load gave one
+        # token per lane and 2-byte stores, 128 per thread: sm_90 SASS, benchmarks/sass_report.py)
+        c = tl.load(codes[:, None] + tl.arange(0, 16 * GROUPS)[None, :], mask=valid[:, None], other=0)
+        c = tl.reshape(c, [BLOCK_S, GROUPS, 16])
         k_even, k_odd = _mxfp4_keys(c, tl.broadcast_to(f[:, :, None], [BLOCK_S, GROUPS, 16]), ASM)
         k = tl.reshape(tl.join(k_even, k_odd), [BLOCK_S, 32 * GROUPS])  # dims in order: 2j even, 2j + 1 odd
         kd = k.to(tl.float32) if EMULATE else k.to(DT)
