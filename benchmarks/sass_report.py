@@ -1,16 +1,18 @@
-"""What the decode index scan compiles to on Hopper, without a GPU: compiles the library's scan kernels
-for sm_90 (Triton's bundled ptxas and cuobjdump) with the launch constants of Kimi-K3.1-Pro's pages
-(32 index heads x 128, batch 1 tiling) and prints the SASS instruction mix of one program.
+"""What the decode kernels compile to on Hopper, without a GPU: compiles the library's index scan and
+sparse MLA kernels for sm_90 (Triton's bundled ptxas and cuobjdump) with the launch constants of
+Kimi-K3.1-Pro's pages (32 index heads x 128; 96 MLA heads, 512 + 64 latent; batch-1 tilings) and
+prints the SASS instruction mix.
 
-A static proxy for where the per-token time goes, for sessions without device time: the counts are
-per thread per 128-token tile (one program at batch 1), so e.g. 128 `STS.U16` means every decoded
-key value is stored to shared memory on its own. It measures nothing: timings come from
+A static proxy for where the time goes, for sessions without device time. Scan counts are per
+thread per 128-token tile (one program at batch 1, no loop), so e.g. 128 `STS.U16` means every
+decoded key value is stored to shared memory on its own; the MLA kernels loop over their tiles, so
+theirs are static counts of the code (the loop body once). It measures nothing: timings come from
 decode_attention.py on the GPU.
 
-    python benchmarks/sass_report.py [--kernels scan_fp8,scan_fp4] [--top 25] [--out PATH]
+    python benchmarks/sass_report.py [--kernels scan_fp8,scan_fp4,mla_fp8,mla_fp4] [--top 25] [--out PATH]
 
 Integer arguments are specialised as a launch specialises them: strides of 1 become constants,
-the rest are marked divisible by 16 (true of every stride of the engine's pages).
+the rest are marked divisible by 16 where the engine's pages make them so.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ import subprocess
 import sys
 import tempfile
 
+import torch
+
 try:
     import triton
     import triton.language as tl
@@ -34,8 +38,12 @@ except ImportError:
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kimiserve.ops.indexer import triton as indexer  # noqa: E402
+from kimiserve.ops.mla import triton as mla  # noqa: E402
 
 SCAN_INTS = ["q_sb", "q_sh", "w_sb", "k_sp", "k_st", "ks_sp", "bt_sb", "out_sb", "H", "max_context"]
+MLA_INTS = ["H", "n_sel", "split_len", "s_qlb", "s_qlh", "s_qpb", "s_qph", "s_cp", "s_cr", "s_tb", "s_sb", "s_pb",
+            "s_ps", "s_ph", "s_lb", "s_ls"]
+MLA_DIV16 = [n for n in MLA_INTS if n not in ("split_len", "s_cr")]  # fp4 rows: 81 words of 4 bytes
 
 
 def scan_fp8():
@@ -43,7 +51,7 @@ def scan_fp8():
                  out_ptr="*fp32", **{n: "i32" for n in SCAN_INTS})
     consts = dict(q_sd=1, k_sd=1, w_sh=1, ks_st=1, bt_sm=1, D=128, PAGE=384, BLOCK_H=32, BLOCK_S=128, TILES=1,
                   HAS_SCALE=True, DT=tl.float16, SPLIT_Q=False, EMULATE=False, PRECISION="tf32", NUM_STAGES=2)
-    return indexer._indexer_scores_kernel, types, consts, dict(num_warps=4, num_stages=2)
+    return indexer._indexer_scores_kernel, types, consts, dict(num_warps=4, num_stages=2), SCAN_INTS
 
 
 def scan_fp4():
@@ -52,13 +60,33 @@ def scan_fp4():
     consts = dict(q_sd=1, w_sh=1, ks_sg=1, bt_sm=1, D=128, GROUPS=4, SCALE_WORDS=True, PAGE=704, BLOCK_H=32,
                   BLOCK_S=128, TILES=1, DT=tl.float16, SPLIT_Q=False, EMULATE=False, PRECISION="tf32",
                   NUM_STAGES=2, ASM=True)
-    return indexer._indexer_scores_mxfp4_kernel, types, consts, dict(num_warps=4, num_stages=2)
+    return indexer._indexer_scores_mxfp4_kernel, types, consts, dict(num_warps=4, num_stages=2), SCAN_INTS
 
 
-KERNELS = dict(scan_fp8=scan_fp8, scan_fp4=scan_fp4)
+def mla_fp8():
+    cfg = mla.default_config(torch.bfloat16)
+    types = dict(q_lat_ptr="*bf16", q_pe_ptr="*bf16", cache_ptr="*fp8e4nv", tables_ptr="*i32", sel_ptr="*i32",
+                 part_ptr="*fp32", lse_ptr="*fp32", latent_scale="fp32", qk_scale="fp32", out_scale="fp32",
+                 **{n: "i32" for n in MLA_INTS})
+    consts = dict(L=512, R=64, BLOCK_L=512, BLOCK_R=64, PAGE=384, SPARSE=True, SCALE_EACH=False, DTYPE=tl.bfloat16,
+                  PRECISION="tf32", BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, RELOAD=cfg.reload)
+    return mla._split_kernel, types, consts, dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages), MLA_DIV16 + ["s_cr"]
 
 
-def compile_sm90(fn, types: dict, consts: dict, options: dict):
+def mla_fp4():
+    cfg = mla.default_fp4_config(torch.bfloat16, 1)
+    types = dict(q_lat_ptr="*bf16", q_pe_ptr="*bf16", cache_ptr="*u8", tables_ptr="*i32", sel_ptr="*i32",
+                 part_ptr="*fp32", lse_ptr="*fp32", global_scale="fp32", qk_scale="fp32",
+                 **{n: "i32" for n in MLA_INTS})
+    consts = dict(L=512, R=64, GROUPS=36, BLOCK_GL=32, BLOCK_GR=4, ROW_ALIGN=4, PAGE=704, SPARSE=True,
+                  DTYPE=tl.bfloat16, PRECISION="tf32", BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n)
+    return mla._split_fp4_kernel, types, consts, dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages), MLA_DIV16
+
+
+KERNELS = dict(scan_fp8=scan_fp8, scan_fp4=scan_fp4, mla_fp8=mla_fp8, mla_fp4=mla_fp4)
+
+
+def compile_sm90(fn, types: dict, consts: dict, options: dict, div16: list[str]):
     signature, constexprs, attrs = {}, {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in consts:
@@ -66,7 +94,7 @@ def compile_sm90(fn, types: dict, consts: dict, options: dict):
             constexprs[(i,)] = consts[name]
         else:
             signature[name] = types[name]
-            if types[name].startswith("*") or name in SCAN_INTS:
+            if types[name].startswith("*") or name in div16:
                 attrs[(i,)] = [["tt.divisibility", 16]]
     src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
