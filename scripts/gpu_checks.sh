@@ -4,7 +4,10 @@
 # tests:    every GPU test (kernels vs references, the engine vs the full forward, CUDA graphs, fla KDA)
 # bench:    decode_attention.py (fp8 and fp4 rows), capacity.py, kda.py
 # accuracy: cache_accuracy.py (index recall, MLA error, greedy agreement of the small preset)
-# timing:   the kernels' timing sweeps (-m timing) and the launch-knob sweep of top-k
+# timing:   scan_variants.py (the e4m3-query scan against the library), the kernels' timing sweeps
+#           (-m timing) and the launch-knob sweep of top-k
+# Each test file runs under its own time limit, so one slow compile does not cost the other files'
+# failure reports (pytest prints them only at the end of a run).
 # With wheels in .whl/ (no internet on the device) they are installed to /tmp/site first.
 set -euo pipefail
 stage=${1:?usage: gpu_checks.sh tests|bench|accuracy|timing [OUT_DIR]}
@@ -17,7 +20,11 @@ fi
 export PYTHONUNBUFFERED=1
 case "$stage" in
   tests)
-    python3 -m pytest -q -rf -p no:cacheprovider -m "gpu and not timing" 2>&1 | tee "$out/gpu_tests.txt" ;;
+    for f in tests/test_triton_cache_write.py tests/test_gpu.py tests/test_triton_indexer.py tests/test_triton_mla.py \
+             tests/test_triton_topk.py tests/test_fla_kda.py; do
+      timeout "${GPU_TEST_FILE_SECONDS:-240}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider \
+        -m "gpu and not timing" "$f" 2>&1 | tee -a "$out/gpu_tests.txt" | tail -15 || true
+    done ;;
   bench)
     python3 benchmarks/decode_attention.py --kv-cache-dtypes fp8,fp4 --out "$out/decode_attention.json"
     python3 benchmarks/capacity.py --out "$out/capacity.json"
@@ -25,6 +32,7 @@ case "$stage" in
   accuracy)
     python3 benchmarks/cache_accuracy.py --out "$out/cache_accuracy.json" ;;
   timing)
+    python3 benchmarks/scan_variants.py --contexts 1048576 --batches 1,64 --out "$out/scan_variants.json"
     python3 -m pytest -q -s -p no:cacheprovider -m timing tests/test_triton_mla.py tests/test_triton_indexer.py \
       tests/test_triton_topk.py 2>&1 | tee "$out/kernel_timings.txt"
     python3 benchmarks/sweep_decode.py --kernels topk --out "$out/sweep_topk.json" ;;
