@@ -355,3 +355,14 @@ def test_prefill_in_place_matches_full_forward(engines, linear_checkpoint, dtype
     again = run(engine, [prompts[2] + [7, 8, 9]], SamplingParams(max_tokens=3, **GREEDY), ids=["again"])["again"]
     assert again.num_cached_tokens == 129
     assert_matches_full_forward(engine, prompts[2] + [7, 8, 9], again.outputs[0].token_ids)
+
+
+@pytest.mark.parametrize("kv", ["fp8", "fp4"])
+def test_cache_summary_counts_the_pool(kv):
+    """The startup line's figures are the engine's own: pages x block_size tokens, and how many
+    max_model_len requests (their pages plus the KDA state pages) the pages hold."""
+    engine = make_engine("float32", kv, num_pages=50, max_model_len=300)
+    bs, state = engine.layout.block_size, engine.allocator.num_state_pages_per_seq
+    line = engine.cache_summary()
+    assert "50 pages" in line and f"{50 * bs:,} tokens" in line and f"({kv}, {bs} tokens per page)" in line
+    assert f"{50 / (-(-300 // bs) + state):.2f} requests of max_model_len=300" in line

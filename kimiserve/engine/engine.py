@@ -233,6 +233,15 @@ class LLMEngine:
             "steps": self.num_steps,
         }
 
+    def cache_summary(self) -> str:
+        """The cache's capacity in one line (printed when a server starts, as vLLM logs its KV cache
+        size and maximum concurrency)."""
+        bs, pages, state = self.layout.block_size, self.allocator.num_pages, self.allocator.num_state_pages_per_seq
+        per_request = math.ceil(self.max_model_len / bs) + state
+        return (f"KV cache: {pages} pages of {self.layout.page_bytes / 2**20:.2f} MiB ({self.layout.kv_cache_dtype}, "
+                f"{bs} tokens per page) = {pages * bs:,} tokens, each sequence also holding {state} KDA state "
+                f"pages; {pages / per_request:.2f} requests of max_model_len={self.max_model_len:,} tokens fit at once")
+
     def check_idle(self) -> None:
         """Raise RuntimeError if the engine is idle but holds pages other than the prefix cache's."""
         if self.scheduler.has_work:

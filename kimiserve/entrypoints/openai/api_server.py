@@ -12,6 +12,7 @@ import contextlib
 import hmac
 import logging
 import signal
+import sys
 import threading
 from contextlib import asynccontextmanager
 from importlib import metadata
@@ -233,6 +234,7 @@ def run_server(engine_args: EngineArgs, server_args: ServerArgs) -> int:
     `shutdown_timeout` seconds) and stop the engine. Returns the exit code."""
     server_args.validate()
     engine = AsyncLLMEngine.from_engine_args(engine_args)
+    print(engine.engine.cache_summary(), file=sys.stderr, flush=True)
     app = build_app(engine, server_args)
     config = uvicorn.Config(app, host=server_args.host, port=server_args.port, lifespan="on",
                             log_level=server_args.uvicorn_log_level,
