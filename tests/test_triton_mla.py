@@ -12,6 +12,8 @@ q_pe and the probabilities, and the summation order.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -166,15 +168,21 @@ def test_configs_and_scales(tt, cfg, scale_l):
     assert torch.isfinite(got).all() and rel_rms(got, want) < 1e-2
 
 
-# NVFP4 latents: tilings for both the K3.1 checks and test_timing_fp4 (reload does not apply)
+# NVFP4 latents: changes to the batch-1 fp4 default (`fp4_config`) for both the K3.1 checks and
+# test_timing_fp4 (reload does not apply)
 FP4_CONFIGS = {
     "default": {},
     "h32 w8": dict(block_h=32, num_warps=8, reload=False),
     "h16 n64 w8": dict(block_h=16, block_n=64, num_warps=8, reload=False),
-    "h64 w8": dict(block_h=64, num_warps=8, reload=False),
+    "h64 w8 s2": dict(block_h=64, num_warps=8, num_stages=2),  # = default_fp4_config(bf16, batch >= 32)
     "one split": dict(num_splits=1),
     "40 splits": dict(num_splits=40),
 }
+
+
+def fp4_config(tt, overrides: dict):
+    """The batch-1 fp4 default tiling with `overrides` (so "one split" changes only the split)."""
+    return dataclasses.replace(tt.default_fp4_config(torch.bfloat16), **overrides)
 
 
 def fp4_rows(n: int, L: int, R: int, device) -> torch.Tensor:
@@ -207,7 +215,7 @@ def test_fp4_configs(tt, cfg, scale_l):
     lens = [1, 63, 5000]
     cache, ls, tables, q_lat, q_pe, scale = build_case("kimi-k3.1-pro", "fp4", lens, 96, "cuda", scale_l, q_scale=2.0)
     idx = make_indices(lens, TOPK, "cuda")
-    config = tt.DecodeConfig(**FP4_CONFIGS[cfg]) if FP4_CONFIGS[cfg] else None
+    config = fp4_config(tt, FP4_CONFIGS[cfg]) if FP4_CONFIGS[cfg] else None
     want = ref.paged_sparse_mla_decode(q_lat, q_pe, cache, ls, tables, idx, scale, torch.bfloat16)
     got = tt.paged_sparse_mla_decode(q_lat, q_pe, cache, ls, tables, idx, scale, torch.bfloat16,
                                      out=poisoned_out(*q_lat.shape), config=config)
@@ -272,7 +280,7 @@ def _time_case(tt, kind: str, B: int, ctx: int, sms: int, kv: str = "fp8", confi
         extra = dict(max_context=ctx)
     lines = []
     for name, overrides in configs.items():
-        cfg = tt.DecodeConfig(**overrides) if overrides or kv != "fp4" else tt.default_fp4_config(torch.bfloat16)
+        cfg = fp4_config(tt, overrides) if kv == "fp4" else tt.DecodeConfig(**overrides)
 
         def fn():
             return op(q_lat, q_pe, cache, ls, tables, sel, scale, torch.bfloat16, config=cfg, **extra)

@@ -6,6 +6,7 @@ TRITON_INTERPRET before the kernels are defined, which a process that already im
     KIMISERVE_TRITON_INTERPRET=1 .venv/bin/python -m pytest tests/test_triton_mla_interpret.py -q
 """
 
+import dataclasses
 import os
 
 import pytest
@@ -113,7 +114,9 @@ def test_tiny_dims_fp4_large_batch_default_config():
     """From batch 32 sparse fp4 decode takes 64-head blocks (tiny has 4 heads: one masked block)."""
     lens = [1 + 7 * i for i in range(tt.SPARSE_FP4_WIDE_HEADS_FROM_BATCH)]
     cache, ls, tables, q_lat, q_pe, scale = build_case("tiny", "fp4", lens, None, "cpu", 0.05)
-    assert tt.default_fp4_config(torch.bfloat16, len(lens)).block_h == 64
+    wide = tt.default_fp4_config(torch.bfloat16, len(lens))
+    # test_triton_mla.py's "h64 w8 s2" tiling is this one
+    assert wide == dataclasses.replace(tt.default_fp4_config(torch.bfloat16), block_h=64, num_warps=8, num_stages=2)
     assert tt.default_fp4_config(torch.bfloat16, len(lens), sparse=False).block_h == 16
     idx = make_indices(lens, 70, "cpu")
     want = ref.paged_sparse_mla_decode(q_lat, q_pe, cache, ls, tables, idx, scale, torch.bfloat16)
