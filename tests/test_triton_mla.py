@@ -144,8 +144,6 @@ CONFIGS = {
     "split>=256": dict(min_split_tokens=256),
     "one split": dict(num_splits=1),
     "40 splits": dict(num_splits=40),
-    "split>=32": dict(min_split_tokens=32),  # batch 1: 64 splits of one 32-token tile (a shorter chain)
-    "n64": dict(block_n=64),  # batch 1: one 64-token tile per split, as fp8's default
 }
 
 
