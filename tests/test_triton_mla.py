@@ -177,6 +177,8 @@ FP4_CONFIGS = {
     "h64 w8 s2": dict(block_h=64, num_warps=8, num_stages=2),  # = default_fp4_config(bf16, batch >= 32)
     "one split": dict(num_splits=1),
     "40 splits": dict(num_splits=40),
+    "split>=32": dict(min_split_tokens=32),  # batch 1: 64 splits of one 32-token tile (a shorter chain)
+    "n64": dict(block_n=64),  # batch 1: one 64-token tile per split, as fp8's default
 }
 
 
