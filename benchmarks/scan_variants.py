@@ -71,7 +71,10 @@ def _rowscale_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, bt_ptr, cl_ptr, out_ptr,
     ctx = tl.load(cl_ptr + b).to(tl.int32)
     h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, D)
-    qt = tl.load(q_ptr + b * q_sb + d[:, None] + h[None, :] * q_sh, mask=h[None, :] < H, other=0.0).to(DT)
+    if DT == tl.float8e4nv:  # q quantised beforehand (fp8dot): e4m3 [H, D], the dot's K-major operand
+        qt = tl.trans(tl.load(q_ptr + b * q_sb + h[:, None] * q_sh + d[None, :], mask=h[:, None] < H, other=0.0))
+    else:
+        qt = tl.load(q_ptr + b * q_sb + d[:, None] + h[None, :] * q_sh, mask=h[None, :] < H, other=0.0).to(DT)
     w = tl.load(w_ptr + b * w_sb + h, mask=h < H, other=0.0).to(tl.float32)
     rows = tl.arange(0, BLOCK_S)
     for t in tl.range(0, TILES, num_stages=NUM_STAGES):
@@ -87,46 +90,12 @@ def _rowscale_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, bt_ptr, cl_ptr, out_ptr,
         tl.store(out_ptr + b * out_sb + pos, tl.where(valid, score, float("-inf")), mask=pos < max_context)
 
 
-@triton.jit
-def _fp8dot_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, bt_ptr, cl_ptr, out_ptr,
-                   q_sb, q_sh, w_sb, k_sp, k_st, ks_sp, bt_sb, out_sb, H, max_context,
-                   D: tl.constexpr, PAGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
-                   TILES: tl.constexpr, NUM_STAGES: tl.constexpr):
-    chunk = tl.program_id(0)
-    b = tl.program_id(1).to(tl.int64)
-    ctx = tl.load(cl_ptr + b).to(tl.int32)
-    h = tl.arange(0, BLOCK_H)
-    d = tl.arange(0, D)
-    q = tl.load(q_ptr + b * q_sb + h[:, None] * q_sh + d[None, :], mask=h[:, None] < H, other=0.0)  # e4m3 [H, D]
-    w = tl.load(w_ptr + b * w_sb + h, mask=h < H, other=0.0)  # head weight x the head's query scale
-    rows = tl.arange(0, BLOCK_S)
-    for t in tl.range(0, TILES, num_stages=NUM_STAGES):
-        s0 = (chunk * TILES + t) * BLOCK_S
-        page = tl.load(bt_ptr + b * bt_sb + s0 // PAGE, mask=s0 < ctx, other=0).to(tl.int64)
-        slot = s0 % PAGE + rows
-        valid = s0 + rows < ctx
-        k = tl.load(k_ptr + page * k_sp + slot[:, None] * k_st + d[None, :], mask=valid[:, None], other=0.0)
-        acc = tl.dot(k, tl.trans(q))  # e4m3 x e4m3 -> fp32 [BLOCK_S, BLOCK_H]
-        scale = tl.load(ks_ptr + page * ks_sp + slot, mask=valid, other=0.0)
-        score = tl.sum(tl.maximum(acc, 0.0) * w[None, :], axis=1) * scale
-        pos = s0 + rows
-        tl.store(out_ptr + b * out_sb + pos, tl.where(valid, score, float("-inf")), mask=pos < max_context)
-
-
 def run_fp8dot(c, context, block_s, tiles, warps, stages, out):
     from kimiserve.ops.quant.reference import quantize_fp8_rowwise
 
-    pool, tables, lens = c["pool"], c["tables"], c["lens"]
-    keys, scales = pool.index_key[0], pool.index_scale[0]
     q8, q_scale = quantize_fp8_rowwise(c["iq"])  # [B, H, D] e4m3, [B, H]
-    w = c["iw"].float() * q_scale
-    B, H, D = q8.shape
-    grid = (triton.cdiv(context, block_s * tiles), B)
-    _fp8dot_kernel[grid](q8, w, keys, scales, tables, lens, out, q8.stride(0), q8.stride(1), w.stride(0),
-                         keys.stride(0), keys.stride(1), scales.stride(0), tables.stride(0), out.stride(0),
-                         H, context, D=D, PAGE=keys.shape[1], BLOCK_H=max(16, triton.next_power_of_2(H)),
-                         BLOCK_S=block_s, TILES=tiles, NUM_STAGES=stages, num_warps=warps)
-    return out
+    return run_rowscale(dict(c, iq=q8, iw=c["iw"].float() * q_scale), context, tl.float8e4nv, block_s, tiles,
+                        warps, stages, out)
 
 
 def topk_overlap(scores: torch.Tensor, ref: torch.Tensor, k: int = 2048) -> float:

@@ -95,9 +95,11 @@ def test_fp4_dequantisation_is_bit_exact(L, R, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_tiny_dims_fp4_default_config(dtype):
-    """The fp4 default tiling (and its split plan) at the tiny dims."""
-    lens = [1, 63, 130]
+@pytest.mark.parametrize("batch", [3, 32], ids=["batch3", "batch32"])
+def test_tiny_dims_fp4_default_config(dtype, batch):
+    """The fp4 default tiling (and its split plan) at the tiny dims; from batch 32 sparse decode takes
+    64-head blocks (tiny has 4 heads: one masked block)."""
+    lens = [1, 63, 130] if batch == 3 else [1 + 7 * i for i in range(batch)]
     cache, ls, tables, q_lat, q_pe, scale = build_case("tiny", "fp4", lens, None, "cpu", 0.05)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     idx = make_indices(lens, 70, "cpu")
@@ -110,18 +112,15 @@ def test_tiny_dims_fp4_default_config(dtype):
     assert torch.isfinite(got).all() and rel_rms(got, want) < tol
 
 
-def test_tiny_dims_fp4_large_batch_default_config():
-    """From batch 32 sparse fp4 decode takes 64-head blocks (tiny has 4 heads: one masked block)."""
-    lens = [1 + 7 * i for i in range(tt.SPARSE_FP4_WIDE_HEADS_FROM_BATCH)]
-    cache, ls, tables, q_lat, q_pe, scale = build_case("tiny", "fp4", lens, None, "cpu", 0.05)
-    wide = tt.default_fp4_config(torch.bfloat16, len(lens))
-    # test_triton_mla.py's "h64 w8 s2" tiling is this one
-    assert wide == dataclasses.replace(tt.default_fp4_config(torch.bfloat16), block_h=64, num_warps=8, num_stages=2)
-    assert tt.default_fp4_config(torch.bfloat16, len(lens), sparse=False).block_h == 16
-    idx = make_indices(lens, 70, "cpu")
-    want = ref.paged_sparse_mla_decode(q_lat, q_pe, cache, ls, tables, idx, scale, torch.bfloat16)
-    got = tt.paged_sparse_mla_decode(q_lat, q_pe, cache, ls, tables, idx, scale, torch.bfloat16, out=_nan_out(q_lat))
-    assert torch.isfinite(got).all() and rel_rms(got, want) < 1e-2
+def test_fp4_default_config_by_batch():
+    """Sparse bf16 decode switches to 64-head blocks at SPARSE_FP4_WIDE_HEADS_FROM_BATCH (the tiling
+    test_triton_mla.py times as "h64 w8 s2"); dense decode and fp32 do not."""
+    batch1 = tt.default_fp4_config(torch.bfloat16)
+    wide = dataclasses.replace(batch1, block_h=64, num_warps=8, num_stages=2)
+    n = tt.SPARSE_FP4_WIDE_HEADS_FROM_BATCH
+    assert tt.default_fp4_config(torch.bfloat16, n - 1) == batch1 and tt.default_fp4_config(torch.bfloat16, n) == wide
+    assert tt.default_fp4_config(torch.bfloat16, n, sparse=False) == batch1
+    assert tt.default_fp4_config(torch.float32, n) == tt.default_config(torch.float32)
 
 
 @pytest.mark.parametrize("num_splits", [1, 4])
