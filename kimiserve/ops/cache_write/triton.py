@@ -89,17 +89,24 @@ def _e2m1_code(y):
 
 
 @triton.jit
+def _group_pairs(src, s_stride, n, GROUP: tl.constexpr, BLOCK_G: tl.constexpr):
+    """n values at src (stride s_stride, zero past n) in groups of GROUP, as (group index [BLOCK_G],
+    pair index [GROUP / 2], even elements, odd elements [BLOCK_G, GROUP / 2] fp32, group amax):
+    the two tiles share cache lines, and a code byte's two nibbles meet without a reshape."""
+    gi = tl.arange(0, BLOCK_G)
+    j = tl.arange(0, GROUP // 2)
+    col = gi[:, None] * GROUP + 2 * j[None, :]
+    lo = tl.load(src + col * s_stride, mask=col < n, other=0.0).to(tl.float32)
+    hi = tl.load(src + (col + 1) * s_stride, mask=col + 1 < n, other=0.0).to(tl.float32)
+    return gi, j, lo, hi, tl.maximum(tl.max(tl.abs(lo), axis=1), tl.max(tl.abs(hi), axis=1))
+
+
+@triton.jit
 def _nvfp4_row(src, s_stride, dst, d_stride, L, g, g6, BLOCK_G: tl.constexpr):
     """One NVFP4 row: L values at src (stride s_stride) -> 8 * G code bytes, then G e4m3 block-scale
-    bytes, at dst (stride d_stride), G = ceil(L / 16). Even and odd elements are loaded as two
-    [BLOCK_G, 8] tiles (same cache lines), so a byte's two codes meet without a reshape."""
+    bytes, at dst (stride d_stride), G = ceil(L / 16)."""
     G = (L + 15) // 16
-    gi = tl.arange(0, BLOCK_G)
-    j = tl.arange(0, 8)
-    col = gi[:, None] * 16 + 2 * j[None, :]
-    lo = tl.load(src + col * s_stride, mask=col < L, other=0.0).to(tl.float32)
-    hi = tl.load(src + (col + 1) * s_stride, mask=col + 1 < L, other=0.0).to(tl.float32)
-    amax = tl.maximum(tl.max(tl.abs(lo), axis=1), tl.max(tl.abs(hi), axis=1))
+    gi, j, lo, hi, amax = _group_pairs(src, s_stride, L, 16, BLOCK_G)
     s = tl.math.div_rn(amax, g6)
     s = tl.where(s > 448.0, 448.0, s)  # clamp(max=448), NaN passes through
     sbits = _e4m3_bits(s)
@@ -119,12 +126,7 @@ def _mxfp4_row(src, s_stride, dst, d_stride, sc, sc_stride, D, BLOCK_G: tl.const
     """One MXFP4 row: D values (zero-padded to groups of 32) -> 16 * G code bytes at dst and G ue8m0
     scale bytes at sc."""
     G = (D + 31) // 32
-    gi = tl.arange(0, BLOCK_G)
-    j = tl.arange(0, 16)
-    col = gi[:, None] * 32 + 2 * j[None, :]
-    lo = tl.load(src + col * s_stride, mask=col < D, other=0.0).to(tl.float32)
-    hi = tl.load(src + (col + 1) * s_stride, mask=col + 1 < D, other=0.0).to(tl.float32)
-    amax = tl.maximum(tl.max(tl.abs(lo), axis=1), tl.max(tl.abs(hi), axis=1))
+    gi, j, lo, hi, amax = _group_pairs(src, s_stride, D, 32, BLOCK_G)
     bits = amax.to(tl.int32, bitcast=True)
     # floor(log2 amax) + 127 is the exponent field; significand >= 1.75 is mantissa bits 22 and 21
     biased = (bits >> 23) + (((bits >> 21) & 3) == 3).to(tl.int32) - 2
