@@ -89,14 +89,18 @@ def test_scale_extremes_exact():
 
 
 def test_groups_far_below_their_token():
-    """Keys whose groups differ by up to 2^30 in magnitude: the kernel scales each token's groups
-    relative to its largest (fp16 keys); groups 2^24 or more below it round, harmlessly."""
+    """Keys whose groups differ by up to 2^60 in magnitude stay exact: each group's dot is scaled
+    in fp32, relative to the token's largest group."""
     q, w, kc, ks, tables, ctx = make_case("fp4", [64], 4, 128, "cpu", block_size=64)
-    keys = torch.randn(64, 128) * torch.exp2(-torch.tensor([0.0, 10.0, 23.0, 30.0]).repeat_interleave(32))
+    keys = torch.randn(64, 128) * torch.exp2(-torch.tensor([0.0, 10.0, 30.0, 60.0]).repeat_interleave(32))
     kc[tables[0, 0]], ks[tables[0, 0]] = store_index_key(keys, "fp4")
-    for dtype in (torch.bfloat16, torch.float32):
-        want = reference_scores(q, w, kc, ks, tables, ctx, dtype)
-        assert rel_rms(tt.paged_indexer_scores(q, w, kc, ks, tables, ctx, dtype), want) < 1e-6
+    q_wide = q.float()
+    q_wide[..., 32:64] *= 2.0**10
+    q_wide[..., 64:96] *= 2.0**30
+    q_wide[..., 96:] *= 2.0**60  # with the fp32 dot every group counts
+    for dtype, query in ((torch.bfloat16, q), (torch.float32, q_wide)):
+        want = reference_scores(query, w, kc, ks, tables, ctx, dtype)
+        assert rel_rms(tt.paged_indexer_scores(query, w, kc, ks, tables, ctx, dtype), want) < 1e-6
 
 
 def test_poisoned_page_reads_nan():

@@ -1,7 +1,7 @@
 """Triton kernel for the decode-time indexer scan `paged_indexer_scores` (the long-context hot loop).
 
 At a 1M-token context this reads 132 B per token (128 e4m3 key bytes + a 4-byte fp32 scale) and
-writes 4 B per token, so it is bound by memory bandwidth (MXFP4 keys: 68 B, see below). Design:
+writes 4 B per token: at large batches it is bound by memory bandwidth (MXFP4 keys: 68 B, see below). Design:
 
 - grid (token chunks, batch): program (c, b) owns positions [c * CHUNK, (c + 1) * CHUNK) of sequence
   b, CHUNK = TILES * BLOCK_S. It loads the query q[b] [Hi, D] once (transposed, in the dot dtype) and
@@ -16,21 +16,19 @@ writes 4 B per token, so it is bound by memory bandwidth (MXFP4 keys: 68 B, see 
   per-element dequantisation to bf16 cost ~16% at batch 1 (59.9 -> 50.5 us at 1M tokens).
 - MXFP4 keys (uint8 codes [P, block_size, 16 * groups], ue8m0 scales [P, block_size, groups]; K3.1:
   68 B per token against fp8's 132) have their own kernel, same grid, with tiles that may span pages
-  (one block-table entry per token; K3.1's fp4 pages hold 704 tokens, 64 x 11). Per tile: a token's
-  16 * groups code bytes as one contiguous run (then viewed as [BLOCK_S, groups, 16]) and its 4
-  scale bytes as one int32 where the layout allows. Keys are dequantised in registers to fp16 e2m1 *
-  2^(e - emax + 1), emax the token's largest scale exponent: the code bits placed in fp16's exponent
-  and mantissa give e2m1 * 2^-14 exactly (`_e2m1_fp16`, no table; PTX on packed registers on the
-  GPU), times the group's fp16 power of two. One fp16 dot as for e4m3, then the token's score times
-  2^(emax - 128) in fp32. Every key value the reference dequantises is exact here too, so scores
-  differ only in the fp32 summation order, except in corners the quantiser never produces from real
-  keys: a group whose scale is 2^24 or more below its token's largest rounds (fp16 subnormals; its
-  values are < 2^-21 of the token's largest), and with `dtype=torch.float16` the reference rounds
-  keys outside fp16's range where the kernel does not. A 0xFF scale byte is NaN (as in OCP MX).
-  H200, 1M tokens x batch 1, 32 heads x 128: 68.9 us (~1.0 TB/s read) against fp8's 52 us, so it is
-  NOT memory-bound: leaving out the scale path saves ~21 us, replacing the e2m1 decode by a plain
-  cast ~16 us; the rest (~48 us) is the fp8 kernel's own per-token cost (dot operand staging,
-  epilogue), which fp8 also pays (its 52 us read 132 B per token at 2.7 TB/s).
+  (one block-table entry per token; K3.1's fp4 pages hold 704 tokens, 64 x 11). Per tile and 32-dim
+  group: the tokens' 16 code bytes of the group as one contiguous run, decoded in registers to fp16
+  e2m1 * 2^-14 exactly (the code bits placed in fp16's exponent and mantissa, `_e2m1_fp16`: no table;
+  PTX on packed registers on the GPU), one K=32 fp16 dot with the group's query dims, its fp32
+  result times 2^(e_g - emax + 15) (emax: the token's largest scale exponent) into the tile's
+  accumulator; the token's 4 scale bytes come as one int32 where the layout allows, and its score is
+  multiplied by 2^(emax - 128). Every product and scale is exact in fp32, so scores differ from the
+  reference only in the fp32 summation order (with `dtype=torch.float16` the reference also rounds
+  keys outside fp16's range, the kernel does not). A 0xFF scale byte is NaN (as in OCP MX).
+  H200, 1M tokens x batch 1, 32 heads x 128 (benchmarks/scan_variants.py): 64.5 us against fp8's 52
+  and a read-only floor of 24 us (the same bytes and grid, no math): NOT memory-bound, the e2m1
+  decode and the per-tile work cost more than the bytes saved. Per-group dots replaced an fp16
+  multiply of every key value by its group's power of two (66.4 -> 64.5 us; batch 64: 3.64 -> 3.24 ms).
 - slots at or past context_len are masked off (never read; their scores are -inf): only slots
   s < context_len of the first ceil(context_len / block_size) block-table entries are read. The
   tile loop has a fixed trip count (TILES) so Triton can pipeline it.
@@ -127,10 +125,9 @@ def _e2m1_fp16(c):
 
 
 @triton.jit
-def _mxfp4_keys(c, f, ASM: tl.constexpr):
-    """(even, odd) dims of MXFP4 keys: `_e2m1_fp16` of the low / high nibbles of the uint8 codes c,
-    times the fp16 factors f (one per code byte). ASM: the same in PTX on packed registers, 4 code
-    bytes -> 8 fp16 values in 26 instructions."""
+def _e2m1_pairs(c, ASM: tl.constexpr):
+    """(even, odd) dims of MXFP4 code bytes c (uint8): `_e2m1_fp16` of their low / high nibbles. ASM:
+    the same in PTX on packed registers, 4 code bytes -> 8 fp16 values in 22 instructions."""
     if ASM:
         return tl.inline_asm_elementwise(
             asm="""
@@ -141,38 +138,34 @@ def _mxfp4_keys(c, f, ASM: tl.constexpr):
             and.b32 a, a, 0x0E000E00;
             shl.b32 s, t, 12;
             and.b32 s, s, 0x80008000;
-            or.b32 a, a, s;
-            mul.rn.f16x2 $0, a, $5;
+            or.b32 $0, a, s;
             shl.b32 a, t, 5;
             and.b32 a, a, 0x0E000E00;
             shl.b32 s, t, 8;
             and.b32 s, s, 0x80008000;
-            or.b32 a, a, s;
-            mul.rn.f16x2 $2, a, $5;
+            or.b32 $2, a, s;
             prmt.b32 t, $4, 0, 0x4342;
             shl.b32 a, t, 9;
             and.b32 a, a, 0x0E000E00;
             shl.b32 s, t, 12;
             and.b32 s, s, 0x80008000;
-            or.b32 a, a, s;
-            mul.rn.f16x2 $1, a, $6;
+            or.b32 $1, a, s;
             shl.b32 a, t, 5;
             and.b32 a, a, 0x0E000E00;
             shl.b32 s, t, 8;
             and.b32 s, s, 0x80008000;
-            or.b32 a, a, s;
-            mul.rn.f16x2 $3, a, $6;
+            or.b32 $3, a, s;
             }
             """,
-            constraints="=r,=r,=r,=r,r,r,r",
-            args=[c, f],
+            constraints="=r,=r,=r,=r,r",
+            args=[c],
             dtype=(tl.float16, tl.float16),
             is_pure=True,
             pack=4,
         )
     else:
         c = c.to(tl.int32)
-        return _e2m1_fp16(c) * f, _e2m1_fp16(c >> 4) * f
+        return _e2m1_fp16(c), _e2m1_fp16(c >> 4)
 
 
 @triton.jit
@@ -192,16 +185,19 @@ def _indexer_scores_mxfp4_kernel(
     start = chunk * (TILES * BLOCK_S)
 
     h = tl.arange(0, BLOCK_H)
-    d = tl.arange(0, 32 * GROUPS)
-    qt = tl.load(q_ptr + b * q_sb + d[:, None] * q_sd + h[None, :] * q_sh,
-                 mask=(d[:, None] < D) & (h[None, :] < H), other=0.0).to(tl.float32)  # [32 * GROUPS, BLOCK_H]
-    q_hi = _operand(qt, DT, EMULATE)
-    if SPLIT_Q:
-        q_lo = _operand(qt - q_hi.to(tl.float32), DT, EMULATE)
+    j = tl.arange(0, 32)
+    q_hi = ()  # per group: the query's 32 dims [32, BLOCK_H] in the dot dtype (q_lo: the rest, SPLIT_Q)
+    q_lo = ()
+    for g in tl.static_range(GROUPS):
+        d = 32 * g + j
+        qt = tl.load(q_ptr + b * q_sb + h[:, None] * q_sh + d[None, :] * q_sd,
+                     mask=(h[:, None] < H) & (d[None, :] < D), other=0.0).to(tl.float32)
+        q_hi = q_hi + (tl.trans(_operand(qt, DT, EMULATE)),)
+        if SPLIT_Q:
+            q_lo = q_lo + (tl.trans(_operand(qt - _operand(qt, DT, EMULATE).to(tl.float32), DT, EMULATE)),)
     w = tl.load(w_ptr + b * w_sb + h * w_sh, mask=h < H, other=0.0).to(tl.float32)
 
     rows = tl.arange(0, BLOCK_S)
-    grp = tl.arange(0, GROUPS)
     out_row = out_ptr + b * out_sb
     for t in tl.range(0, TILES, num_stages=NUM_STAGES):
         s0 = start + t * BLOCK_S
@@ -212,29 +208,33 @@ def _indexer_scores_mxfp4_kernel(
         else:
             page = tl.load(bt_ptr + b * bt_sb + (s0 // PAGE) * bt_sm, mask=s0 < ctx, other=0).to(tl.int64)
             slot = s0 % PAGE + rows
-        scales = (ks_ptr + page * ks_sp + slot * ks_st)[:, None]
+        scales = ks_ptr + page * ks_sp + slot * ks_st
         codes = k_ptr + page * k_sp + slot * k_st
+        e = ()  # per group: its scale exponent byte [BLOCK_S] (int32)
         if SCALE_WORDS:  # 4 ue8m0 bytes per int32 word: one load per token and 4 groups
-            words = tl.load(scales + tl.arange(0, GROUPS // 4)[None, :] * ks_sg, mask=valid[:, None], other=0)
-            e = (words[:, :, None] >> (8 * tl.arange(0, 4))[None, None, :]) & 0xFF
-            e = tl.reshape(e, [BLOCK_S, GROUPS])
+            for i in tl.static_range(GROUPS // 4):
+                word = tl.load(scales + i * ks_sg, mask=valid, other=0)
+                e = e + (word & 0xFF, (word >> 8) & 0xFF, (word >> 16) & 0xFF, (word >> 24) & 0xFF)
         else:
-            e = tl.load(scales + grp[None, :] * ks_sg, mask=valid[:, None], other=0).to(tl.int32)
-        # keys enter the dot as e2m1 * 2^(e - emax + 1), emax the token's largest scale exponent:
-        # factor 2^(e - emax + 15) on _e2m1_fp16's values; the token's 2^(emax - 128) scales its score
-        emax = tl.max(e, axis=1)
-        f = (tl.maximum(e - emax[:, None] + 142, 0) << 23).to(tl.float32, bitcast=True).to(tl.float16)
-        # a token's code bytes as one contiguous run: its lanes then hold consecutive dims, so the
-        # decoded keys reach shared memory as 16-byte stores (a [BLOCK_S, GROUPS, 16] load gave one
-        # token per lane and 2-byte stores, 128 per thread: sm_90 SASS, benchmarks/sass_report.py)
-        c = tl.load(codes[:, None] + tl.arange(0, 16 * GROUPS)[None, :], mask=valid[:, None], other=0)
-        c = tl.reshape(c, [BLOCK_S, GROUPS, 16])
-        k_even, k_odd = _mxfp4_keys(c, tl.broadcast_to(f[:, :, None], [BLOCK_S, GROUPS, 16]), ASM)
-        k = tl.reshape(tl.join(k_even, k_odd), [BLOCK_S, 32 * GROUPS])  # dims in order: 2j even, 2j + 1 odd
-        kd = k.to(tl.float32) if EMULATE else k.to(DT)
-        acc = tl.dot(kd, q_hi, input_precision=PRECISION)  # [BLOCK_S, BLOCK_H] fp32
-        if SPLIT_Q:
-            acc = tl.dot(kd, q_lo, acc, input_precision=PRECISION)
+            for g in tl.static_range(GROUPS):
+                e = e + (tl.load(scales + g * ks_sg, mask=valid, other=0).to(tl.int32),)
+        emax = e[0]
+        for g in tl.static_range(1, GROUPS):
+            emax = tl.maximum(emax, e[g])
+        # group g's keys enter their own dot as e2m1 * 2^-14 (fp16, exact); its fp32 result is scaled by
+        # 2^(e_g - emax + 15), the token's score by 2^(emax - 128): together 2^(e_g - 127) (exact in fp32)
+        acc = tl.zeros([BLOCK_S, BLOCK_H], dtype=tl.float32)
+        for g in tl.static_range(GROUPS):
+            # a token's 16 code bytes of the group as one contiguous run (16-byte loads)
+            c = tl.load(codes[:, None] + (16 * g + tl.arange(0, 16))[None, :], mask=valid[:, None], other=0)
+            k_even, k_odd = _e2m1_pairs(c, ASM)
+            k = tl.reshape(tl.join(k_even, k_odd), [BLOCK_S, 32])  # dims in order: 2j even, 2j + 1 odd
+            kd = k.to(tl.float32) if EMULATE else k.to(DT)
+            part = tl.dot(kd, q_hi[g], input_precision=PRECISION)  # [BLOCK_S, BLOCK_H] fp32
+            if SPLIT_Q:
+                part = tl.dot(kd, q_lo[g], part, input_precision=PRECISION)
+            f = (tl.maximum(e[g] - emax + 142, 0) << 23).to(tl.float32, bitcast=True)
+            acc += part * f[:, None]
         score = tl.sum(tl.maximum(acc, 0.0) * w[None, :], axis=1)
         # 2^(emax - 128) exactly (emax 0: 2^-127 halved, a subnormal); a 0xFF scale byte is NaN (OCP)
         tok = ((emax << 23) | ((emax == 0).to(tl.int32) << 22)).to(tl.float32, bitcast=True) * 0.5
@@ -256,12 +256,10 @@ def _default_tiles(batch: int) -> tuple[int, int]:
     return (1, 2) if batch <= 8 else (16, 3)
 
 
-def _mxfp4_defaults(batch: int) -> tuple[int, int, int]:
-    """(block_s, tiles, stages) for MXFP4 keys, from an H200 sweep at 1M tokens x batch 1 and 128K x
-    16 (32 heads x 128, 704-token pages): 128-token tiles (spanning pages) beat 64 (68.9 against
-    76.4 us at batch 1) and 256 (74.5); at batch 16, 4 tiles per program with 2 stages (141 us)
-    beat 16 with 3 (145) and 1 (162)."""
-    return (128, 1, 2) if batch <= 8 else (128, 4, 2)
+# (block_s, tiles, stages) for MXFP4 keys, from H200 runs of benchmarks/scan_variants.py at 1M tokens
+# (32 heads x 128, 704-token pages): 128-token tiles spanning pages, 8 per program, at batch 1 (64.8 us
+# against 68.1 with 2 and 76.3 with 1) as at batch 64 (3.26 ms against 3.34 with 4 and 4.08 with 1)
+_MXFP4_LAUNCH = (128, 8, 2)
 
 
 def paged_indexer_scores(
@@ -311,7 +309,7 @@ def paged_indexer_scores(
     if dtype not in _DOT_DTYPES:
         raise ValueError(f"dtype must be one of {list(_DOT_DTYPES)}, got {dtype}")
     if mxfp4:
-        default_block_s, default_tiles, default_stages = _mxfp4_defaults(B)
+        default_block_s, default_tiles, default_stages = _MXFP4_LAUNCH
     else:
         default_block_s, (default_tiles, default_stages) = _default_block_s(page), _default_tiles(B)
     block_s = default_block_s if block_s is None else block_s
