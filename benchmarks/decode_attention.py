@@ -135,15 +135,10 @@ def measure(ops, timers, config, kv: str, batch: int, context: int, topk: int, n
     keys, key_scales, latents = pool.index_key[0], pool.index_scale[0], pool.latent[0]
     latent_scale = pool.latent_scales[0]
     bf16 = torch.bfloat16
-    rotation = c["rotation"]
-
-    def index_query():  # the model's index query in the keys' stored basis
-        return c["iq"] if rotation is None else (c["iq"].float() @ rotation).to(bf16)
-
-    iq_stored = index_query()
+    rotation = c["rotation"]  # fp4 keys are stored rotated: the scan rotates the query first, as the model's does
 
     def scan():
-        return ops.scan(iq_stored, c["iw"], keys, key_scales, tables, lens, bf16, max_context=context)
+        return ops.scan(c["iq"], c["iw"], keys, key_scales, tables, lens, bf16, max_context=context, rotation=rotation)
 
     scores = scan()
     idx = ops.topk(scores, topk, lens)
@@ -152,7 +147,7 @@ def measure(ops, timers, config, kv: str, batch: int, context: int, topk: int, n
         return ops.sparse(c["q_latent"], c["q_pe"], latents, latent_scale, tables, idx, c["scale"], bf16)
 
     def sparse_step():
-        s = ops.scan(index_query(), c["iw"], keys, key_scales, tables, lens, bf16, max_context=context)
+        s = scan()
         i = ops.topk(s, topk, lens)
         return ops.sparse(c["q_latent"], c["q_pe"], latents, latent_scale, tables, i, c["scale"], bf16)
 
@@ -177,7 +172,8 @@ def measure(ops, timers, config, kv: str, batch: int, context: int, topk: int, n
     row["dense_graph_ms"] = timers.graph(dense)
     if naive:
         def naive_step():  # the references dequantise the gathered keys / latents (fp8 or fp4) first
-            s = indexer_ref.paged_indexer_scores(index_query(), c["iw"], keys, key_scales, tables, lens, bf16)
+            s = indexer_ref.paged_indexer_scores(c["iq"], c["iw"], keys, key_scales, tables, lens, bf16,
+                                                 rotation=rotation)
             i = torch.topk(s, topk, dim=-1).indices
             return mla_ref.paged_sparse_mla_decode(c["q_latent"], c["q_pe"], latents, latent_scale, tables, i,
                                                    c["scale"], bf16)

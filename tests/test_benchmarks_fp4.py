@@ -134,12 +134,13 @@ def test_decode_attention_real_sizes_and_cases():
     keys = pool.read_index_keys(0, pages, offsets, torch.float32)  # rotated back to the model's basis
     assert torch.isfinite(latents).all() and latents.abs().max() <= 22.5 and latents.abs().max() > 1
     assert torch.isfinite(keys).all() and keys.norm(dim=-1).max() <= 6 * 16**0.5 + 1e-4  # |code| <= 6, scale <= 1
-    # the benchmark's scan (rotated query over the stored keys) scores as the model's query over the keys
+    # the benchmark's scan (the query rotated by the scan, over the stored keys) scores as the model's
+    # query over the keys
     from kimiserve.ops.indexer.reference import paged_indexer_scores
-    iq_rot = (c["iq"].float() @ c["rotation"]).to(torch.bfloat16)
-    scores = paged_indexer_scores(iq_rot.float(), c["iw"], pool.index_key[0], pool.index_scale[0], tables, lens,
-                                  torch.float32)
-    expect = indexer_scores(iq_rot.float().unsqueeze(1) @ c["rotation"], keys, c["iw"].unsqueeze(1))[:, 0]
+    iq = c["iq"].float()
+    scores = paged_indexer_scores(iq, c["iw"], pool.index_key[0], pool.index_scale[0], tables, lens, torch.float32,
+                                  rotation=c["rotation"])
+    expect = indexer_scores(iq.unsqueeze(1), keys, c["iw"].unsqueeze(1))[:, 0]
     assert rel_rms(scores, expect) < 1e-5
 
 

@@ -160,21 +160,57 @@ def test_other_dtypes(kv, dtype, q_dtype):
     check_scores(kv, [5, 1000], 32, 128, block_size=128, dtype=dtype, q_dtype=q_dtype)
 
 
+def check_rotated_query(B: int, H: int, D: int, q_dtype: torch.dtype, device: str) -> None:
+    """`rotate_query` (one launch) against the reference's fp32 GEMM and cast: within one ulp of q's
+    dtype element by element (only the fp32 summation order differs); and a scan given the rotation
+    against the reference scan given it (fp4 keys, which the cache stores rotated)."""
+    from kimiserve.ops.indexer.reference import rotate_query as reference_rotate
+    from kimiserve.ops.indexer.triton import paged_indexer_scores, rotate_query
+    from kimiserve.ops.quant.reference import hadamard
+
+    rotation = hadamard(D, torch.float32, device)
+    q = (torch.randn(B, H, D, device=device) * 3).to(q_dtype)
+    got, want = rotate_query(q, rotation), reference_rotate(q, rotation)
+    assert got.dtype == q_dtype and got.shape == q.shape
+    # one ulp of q's dtype, plus the fp32 sums' own rounding (relative to the row's norm, for cancellations)
+    bound = want.float().abs() * torch.finfo(q_dtype).eps + 2.0**-20 * q.float().norm(dim=-1, keepdim=True)
+    assert ((got.float() - want.float()).abs() <= bound).all()
+    assert rel_rms(got.float(), want.float()) < 1e-6
+    # the scan given the rotation: a one-ulp difference in a rotated query value moves the scores by ~1e-4
+    q, w, kc, ks, tables, ctx = make_case("fp4", [300, 1, 2049][:B], H, D, device, block_size=64)
+    want = reference_scores(q, w, kc, ks, tables, ctx, torch.bfloat16, rotation=rotation)
+    got = paged_indexer_scores(q, w, kc, ks, tables, ctx, torch.bfloat16, rotation=rotation)
+    finite = torch.isfinite(want)
+    assert torch.equal(finite, torch.isfinite(got)) and rel_rms(got[finite], want[finite]) < 1e-3
+    with pytest.raises(ValueError, match="rotation"):
+        paged_indexer_scores(q, w, kc, ks, tables, ctx, torch.bfloat16, rotation=rotation[:-1])
+
+
+@pytest.mark.parametrize("B, H, D", [(1, 32, 128), (3, 17, 64), (2, 3, 32)])
+@pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float32, torch.float16])
+def test_rotated_query(B, H, D, q_dtype):
+    check_rotated_query(B, H, D, q_dtype, "cuda")
+
+
 @pytest.mark.parametrize("kv", ["fp8", "fp4"])
 def test_cuda_graph_capture(kv):
-    """With max_context and out given there is no host sync: the call captures and replays."""
+    """With max_context and out given there is no host sync: the call captures and replays (fp4:
+    with the query rotated by the scan, as the engine calls it)."""
     from kimiserve.ops.indexer.triton import paged_indexer_scores
+    from kimiserve.ops.quant.reference import hadamard
 
     q, w, kc, ks, tables, ctx = make_case(kv, [100, 1500], 32, 128, "cuda")
+    rotation = hadamard(128, torch.float32, "cuda") if kv == "fp4" else None
     out = torch.empty(2, 2048, device="cuda")
-    call = lambda: paged_indexer_scores(q, w, kc, ks, tables, ctx, torch.bfloat16, max_context=2048, out=out)
+    call = lambda: paged_indexer_scores(q, w, kc, ks, tables, ctx, torch.bfloat16, max_context=2048, out=out,
+                                        rotation=rotation)
     call()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         call()
     out.fill_(float("nan"))
     graph.replay()
-    ref = reference_scores(q, w, kc, ks, tables, ctx, torch.bfloat16)
+    ref = reference_scores(q, w, kc, ks, tables, ctx, torch.bfloat16, rotation=rotation)
     assert (out[:, 1500:] == float("-inf")).all()
     assert rel_rms(out[:, :1500][torch.isfinite(ref)], ref[torch.isfinite(ref)]) < TOL
 

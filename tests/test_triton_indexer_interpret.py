@@ -26,7 +26,7 @@ from conftest import rel_rms  # noqa: E402
 from kimiserve.cache.formats import store_index_key  # noqa: E402
 from kimiserve.ops.indexer import triton as tt  # noqa: E402
 from kimiserve.ops.indexer.reference import paged_indexer_scores as reference_scores  # noqa: E402
-from test_triton_indexer import check_scores, make_case  # noqa: E402
+from test_triton_indexer import check_rotated_query, check_scores, make_case  # noqa: E402
 
 @pytest.fixture(autouse=True)
 def _seed():
@@ -101,6 +101,13 @@ def test_groups_far_below_their_token():
     for dtype, query in ((torch.bfloat16, q), (torch.float32, q_wide)):
         want = reference_scores(query, w, kc, ks, tables, ctx, dtype)
         assert rel_rms(tt.paged_indexer_scores(query, w, kc, ks, tables, ctx, dtype), want) < 1e-6
+
+
+@pytest.mark.parametrize("B, H, D, q_dtype", [(1, 32, 128, torch.bfloat16), (3, 17, 64, torch.float32),
+                                              (2, 3, 32, torch.float16)])
+def test_rotated_query(B, H, D, q_dtype):
+    """The scan's query rotation (one launch) against the reference's, and a scan given the rotation."""
+    check_rotated_query(B, H, D, q_dtype, "cpu")
 
 
 def test_poisoned_page_reads_nan():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kimiserve.cache.formats import latent_scale_of, rotate_index_keys, roundtrip_index_key, roundtrip_latent
+from kimiserve.cache.formats import latent_scale_of, roundtrip_index_key, roundtrip_latent
 from kimiserve.config import ModelConfig
 from kimiserve.model.batch import CacheRoundTrip, ForwardBatch
 from kimiserve.model.layers import Linear, RMSNorm, Weights
@@ -191,10 +191,10 @@ class MLAAttention(nn.Module):
         latent_scale = latent_scale_of(pool.kv_cache_dtype, pool.latent_scales[layer])
         if hasattr(self, "indexer") and max_context > self.indexer.topk:
             iq, iw = self.indexer.queries(x.unsqueeze(0), q_latent.unsqueeze(0))
-            if pool.layout.index_key_rotation:  # the keys were stored rotated: q.k = (qH).(kH)
-                iq = rotate_index_keys(iq, pool.index_rotation).to(iq.dtype)
             scales = pool.index_scale[layer] if pool.index_scale else None
-            scores = ops.indexer_scores(iq[0], iw[0], pool.index_key[layer], scales, tables, lens, x.dtype, max_context)
+            # keys stored rotated (pool.index_rotation, else None): the scan rotates the query, q.k = (qH).(kH)
+            scores = ops.indexer_scores(iq[0], iw[0], pool.index_key[layer], scales, tables, lens, x.dtype, max_context,
+                                        rotation=pool.index_rotation)
             idx = ops.topk(scores, self.indexer.topk, lens)
             out = ops.sparse_mla_decode(q_abs, q_pe, pool.latent[layer], latent_scale, tables, idx, self.scale, x.dtype)
         else:

@@ -22,7 +22,8 @@ class DecodeOps:
     write_mla_tokens: Callable
     """(latent_cache, key_cache, key_scales, pages, offsets, latent, keys, kv_cache_dtype, latent_scale)"""
     indexer_scores: Callable
-    """(q, weights, key_cache, key_scales, block_tables, context_lens, dtype, max_context) -> [B, max_context] fp32"""
+    """(q, weights, key_cache, key_scales, block_tables, context_lens, dtype, max_context, *, rotation=None)
+    -> [B, max_context] fp32; rotation: the matrix the keys were stored rotated by (the query is rotated first)"""
     topk: Callable
     """(scores, k, lengths) -> [B, k] positions"""
     sparse_mla_decode: Callable

@@ -19,6 +19,12 @@ def indexer_scores(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor) -> t
     return torch.einsum("bths,bth->bts", logits, weights.to(dt))
 
 
+def rotate_query(q: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
+    """q [..., D] @ rotation [D, D] in fp32 (or q's dtype when wider), rounded to q's dtype."""
+    dt = torch.promote_types(q.dtype, torch.float32)
+    return (q.to(dt) @ rotation.to(dt)).to(q.dtype)
+
+
 def gather_paged(cache: torch.Tensor, block_tables: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """Rows of a paged cache [P, block_size, ...] at token positions [B, S] (>= 0) of each sequence's block table [B, M]."""
     bs = cache.shape[1]
@@ -35,6 +41,8 @@ def paged_indexer_scores(
     context_lens: torch.Tensor,
     dtype: torch.dtype,
     max_context: int | None = None,
+    *,
+    rotation: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode-time indexer scan: one query per sequence scores every cached index key.
 
@@ -48,7 +56,12 @@ def paged_indexer_scores(
     -inf for s >= context_lens[b]. MXFP4 keys (uint8 key_cache [P, block_size, 16 * groups] of
     `quantize_mxfp4` codes, key_scales uint8 [P, block_size, groups] ue8m0; a last partial group
     zero-padded) are dequantised exactly to `dtype` (each value is e2m1 times a power of two).
+    rotation: the orthonormal [D, D] matrix the keys were stored rotated by (`formats.rotate_index_keys`),
+    or None: the query is rotated the same way first (q @ rotation in fp32, rounded to q's dtype), so
+    that the scores are those of the unrotated query and keys.
     """
+    if rotation is not None:
+        q = rotate_query(q, rotation)
     S = int(context_lens.max()) if max_context is None else max_context
     pos = torch.arange(S, device=q.device).expand(q.shape[0], S)
     pos = torch.minimum(pos, (context_lens - 1).unsqueeze(1))  # padding rows read a valid slot; masked below

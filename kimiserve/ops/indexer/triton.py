@@ -256,6 +256,39 @@ def _default_tiles(batch: int) -> tuple[int, int]:
     return (1, 2) if batch <= 8 else (16, 3)
 
 
+@triton.jit
+def _rotate_query_kernel(q_ptr, r_ptr, out_ptr, H, q_sb, q_sh, q_sd, o_sb, o_sh,
+                         D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out[b, h] = q[b, h] @ r (fp32 [D, D], contiguous) for BLOCK_H heads of sequence b: an IEEE fp32
+    dot, stored in out's dtype (rounded to nearest)."""
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    d = tl.arange(0, D)
+    acc = tl.zeros([BLOCK_H, D], dtype=tl.float32)
+    for k0 in tl.static_range(0, D, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        qk = tl.load(q_ptr + b * q_sb + h[:, None] * q_sh + k[None, :] * q_sd, mask=h[:, None] < H, other=0.0)
+        acc = tl.dot(qk.to(tl.float32), tl.load(r_ptr + k[:, None] * D + d[None, :]), acc, input_precision="ieee")
+    tl.store(out_ptr + b * o_sb + h[:, None] * o_sh + d[None, :], acc.to(out_ptr.dtype.element_ty), mask=h[:, None] < H)
+
+
+def rotate_query(q: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
+    """`reference.rotate_query` in one launch: q [B, H, D] @ rotation [D, D] in fp32, rounded to q's
+    dtype (the reference's casts and GEMM are four kernels; at batch 1 they cost ~10 us of the fp4
+    decode step on the H200, benchmarks/step_profile.py)."""
+    B, H, D = q.shape
+    if rotation.shape != (D, D):
+        raise ValueError(f"rotation must be [{D}, {D}] for queries of head dim {D}, got {tuple(rotation.shape)}")
+    r = rotation.to(torch.float32).contiguous()
+    emulate = q.device.type != "cuda"  # the interpreter's fp32 -> bf16 cast truncates: round in torch
+    out = torch.empty(B, H, D, dtype=torch.float32 if emulate else q.dtype, device=q.device)
+    if B and H:
+        _rotate_query_kernel[(B, triton.cdiv(H, 16))](q, r, out, H, q.stride(0), q.stride(1), q.stride(2),
+                                                      out.stride(0), out.stride(1), D=D, BLOCK_H=16,
+                                                      BLOCK_K=min(32, D), num_warps=4)
+    return out.to(q.dtype) if emulate else out
+
+
 # (block_s, tiles, stages) for MXFP4 keys, from H200 runs of benchmarks/scan_variants.py at 1M tokens
 # (32 heads x 128, 704-token pages): 128-token tiles spanning pages, 8 per program, at batch 1 (64.8 us
 # against 68.1 with 2 and 76.3 with 1) as at batch 64 (3.26 ms against 3.34 with 4 and 4.08 with 1)
@@ -273,6 +306,7 @@ def paged_indexer_scores(
     max_context: int | None = None,
     out: torch.Tensor | None = None,
     *,
+    rotation: torch.Tensor | None = None,
     block_s: int | None = None,
     tiles: int | None = None,
     num_warps: int = 4,
@@ -287,12 +321,17 @@ def paged_indexer_scores(
     dequantised to `dtype` before scoring. Returns fp32
     [B, max_context]: score[b, s] = sum_h weights[b, h] ReLU(q[b, h] . k_s), -inf for s >= context_lens[b].
 
+    rotation: the orthonormal [D, D] matrix the keys were stored rotated by, or None: the query is
+    rotated first (`rotate_query`, one launch), as the reference does.
+
     max_context: the output width, >= max(context_lens) (not checked); None takes
     int(context_lens.max()), a host sync (pass it under CUDA graphs). out: optional fp32 [B,
     max_context] buffer to fill (every element is written). block_s (tokens per tile, a power of two
     >= 16 dividing block_size; default 128 where it divides), tiles (tiles per program), num_warps, num_stages: launch
     tuning, no effect on the result.
     """
+    if rotation is not None:
+        q = rotate_query(q, rotation)
     B, H, D = q.shape
     _, page, Dk = key_cache.shape
     mxfp4 = key_cache.dtype == torch.uint8
