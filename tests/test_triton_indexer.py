@@ -175,7 +175,7 @@ def check_rotated_query(B: int, H: int, D: int, q_dtype: torch.dtype, device: st
     # one ulp of q's dtype, plus the fp32 sums' own rounding (relative to the row's norm, for cancellations)
     bound = want.float().abs() * torch.finfo(q_dtype).eps + 2.0**-20 * q.float().norm(dim=-1, keepdim=True)
     assert ((got.float() - want.float()).abs() <= bound).all()
-    assert rel_rms(got.float(), want.float()) < 1e-6
+    assert rel_rms(got.float(), want.float()) < max(1e-6, 0.05 * torch.finfo(q_dtype).eps)  # rare 1-ulp flips
     # the scan given the rotation: a one-ulp difference in a rotated query value moves the scores by ~1e-4
     q, w, kc, ks, tables, ctx = make_case("fp4", [300, 1, 2049][:B], H, D, device, block_size=64)
     want = reference_scores(q, w, kc, ks, tables, ctx, torch.bfloat16, rotation=rotation)

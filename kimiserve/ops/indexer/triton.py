@@ -258,34 +258,37 @@ def _default_tiles(batch: int) -> tuple[int, int]:
 
 @triton.jit
 def _rotate_query_kernel(q_ptr, r_ptr, out_ptr, H, q_sb, q_sh, q_sd, o_sb, o_sh,
-                         D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr):
-    """out[b, h] = q[b, h] @ r (fp32 [D, D], contiguous) for BLOCK_H heads of sequence b: an IEEE fp32
-    dot, stored in out's dtype (rounded to nearest)."""
+                         D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out[b, h, n] = q[b, h] @ r[:, n] (r fp32 [D, D], contiguous) for BLOCK_H heads of sequence b and
+    BLOCK_N output dims: an IEEE fp32 dot, stored in out's dtype (rounded to nearest)."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    d = tl.arange(0, D)
-    acc = tl.zeros([BLOCK_H, D], dtype=tl.float32)
+    n = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32)
     for k0 in tl.static_range(0, D, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         qk = tl.load(q_ptr + b * q_sb + h[:, None] * q_sh + k[None, :] * q_sd, mask=h[:, None] < H, other=0.0)
-        acc = tl.dot(qk.to(tl.float32), tl.load(r_ptr + k[:, None] * D + d[None, :]), acc, input_precision="ieee")
-    tl.store(out_ptr + b * o_sb + h[:, None] * o_sh + d[None, :], acc.to(out_ptr.dtype.element_ty), mask=h[:, None] < H)
+        acc = tl.dot(qk.to(tl.float32), tl.load(r_ptr + k[:, None] * D + n[None, :]), acc, input_precision="ieee")
+    tl.store(out_ptr + b * o_sb + h[:, None] * o_sh + n[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=h[:, None] < H)
 
 
 def rotate_query(q: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
     """`reference.rotate_query` in one launch: q [B, H, D] @ rotation [D, D] in fp32, rounded to q's
-    dtype (the reference's casts and GEMM are four kernels; at batch 1 they cost ~10 us of the fp4
-    decode step on the H200, benchmarks/step_profile.py)."""
+    dtype (the reference's casts and GEMM are four kernels, ~10 us at batch 1 on the H200,
+    benchmarks/step_profile.py). Programs of 16 heads x 32 output dims, so that a batch of 1 still
+    spreads over several SMs."""
     B, H, D = q.shape
     if rotation.shape != (D, D):
         raise ValueError(f"rotation must be [{D}, {D}] for queries of head dim {D}, got {tuple(rotation.shape)}")
     r = rotation.to(torch.float32).contiguous()
     emulate = q.device.type != "cuda"  # the interpreter's fp32 -> bf16 cast truncates: round in torch
     out = torch.empty(B, H, D, dtype=torch.float32 if emulate else q.dtype, device=q.device)
+    block_n = min(32, D)
     if B and H:
-        _rotate_query_kernel[(B, triton.cdiv(H, 16))](q, r, out, H, q.stride(0), q.stride(1), q.stride(2),
-                                                      out.stride(0), out.stride(1), D=D, BLOCK_H=16,
-                                                      BLOCK_K=min(32, D), num_warps=4)
+        _rotate_query_kernel[(B, triton.cdiv(H, 16), D // block_n)](
+            q, r, out, H, q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1),
+            D=D, BLOCK_H=16, BLOCK_N=block_n, BLOCK_K=min(32, D), num_warps=4)
     return out.to(q.dtype) if emulate else out
 
 
