@@ -2,9 +2,9 @@
 # The GPU checks and measurements, in stages that each fit one device call (see README: GPU kernels):
 #   bash scripts/gpu_checks.sh tests|bench|accuracy|timing [OUT_DIR]
 # tests:    every GPU test (kernels vs references, the engine vs the full forward, CUDA graphs, fla KDA)
-# bench:    decode_attention.py (fp8 and fp4 rows), capacity.py, kda.py
+# bench:    decode_attention.py (fp8 and fp4 rows), step_profile.py, capacity.py, kda.py
 # accuracy: cache_accuracy.py (index recall, MLA error, greedy agreement of the small preset)
-# timing:   scan_variants.py (the e4m3-query scan against the library), the kernels' timing sweeps
+# timing:   scan_variants.py (e4m3-query scans against the library, fp8 and fp4), the kernels' timing sweeps
 #           (-m timing) and the launch-knob sweep of top-k
 # Each test file runs under its own time limit, so one slow compile does not cost the other files'
 # failure reports (pytest prints them only at the end of a run).
@@ -27,12 +27,14 @@ case "$stage" in
     done ;;
   bench)
     python3 benchmarks/decode_attention.py --kv-cache-dtypes fp8,fp4 --out "$out/decode_attention.json"
+    python3 benchmarks/step_profile.py --out "$out/step_profile.json"
     python3 benchmarks/capacity.py --out "$out/capacity.json"
     python3 benchmarks/kda.py --out "$out/kda.json" ;;
   accuracy)
     python3 benchmarks/cache_accuracy.py --out "$out/cache_accuracy.json" ;;
   timing)
-    python3 benchmarks/scan_variants.py --contexts 1048576 --batches 1,64 --out "$out/scan_variants.json"
+    python3 benchmarks/scan_variants.py --contexts 1048576 --batches 1,64 --kv-cache-dtypes fp8,fp4 \
+      --out "$out/scan_variants.json"
     python3 -m pytest -q -s -p no:cacheprovider -m timing tests/test_triton_mla.py tests/test_triton_indexer.py \
       tests/test_triton_topk.py 2>&1 | tee "$out/kernel_timings.txt"
     python3 benchmarks/sweep_decode.py --kernels topk --out "$out/sweep_topk.json" ;;
