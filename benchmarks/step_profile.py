@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from decode_attention import build_case, triton_ops  # noqa: E402
 from kimiserve.config import load_preset  # noqa: E402
-from kimiserve.utils.cuda_timing import graph_time  # noqa: E402
+from kimiserve.utils.cuda_timing import capture_graph, graph_time  # noqa: E402
 
 
 def sparse_step(ops, c, context: int, topk: int):
@@ -39,15 +39,7 @@ def sparse_step(ops, c, context: int, topk: int):
 
 
 def profile(step, replays: int = 20) -> list[dict]:
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(stream)
-    with torch.cuda.graph(graph):
-        step()
+    graph = capture_graph(step)
     graph.replay()
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:

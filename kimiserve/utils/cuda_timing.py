@@ -23,8 +23,8 @@ def cuda_time(fn, repeats: int = 20, warmup: int = 3) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def graph_time(fn, repeats: int = 20, calls: int = 1) -> float:
-    """Milliseconds per call of fn() replayed from a CUDA graph of `calls` calls (median of `repeats` replays)."""
+def capture_graph(fn, calls: int = 1) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of `calls` calls of fn(), after 3 warm-up calls on a side stream (compiles, allocator)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -35,7 +35,12 @@ def graph_time(fn, repeats: int = 20, calls: int = 1) -> float:
     with torch.cuda.graph(graph):
         for _ in range(calls):
             fn()
-    return cuda_time(graph.replay, repeats) / calls
+    return graph
+
+
+def graph_time(fn, repeats: int = 20, calls: int = 1) -> float:
+    """Milliseconds per call of fn() replayed from a CUDA graph of `calls` calls (median of `repeats` replays)."""
+    return cuda_time(capture_graph(fn, calls).replay, repeats) / calls
 
 
 def wall_time(fn, repeats: int = 3, warmup: int = 1) -> float:
