@@ -25,10 +25,12 @@ writes 4 B per token: at large batches it is bound by memory bandwidth (MXFP4 ke
   multiplied by 2^(emax - 128). Every product and scale is exact in fp32, so scores differ from the
   reference only in the fp32 summation order (with `dtype=torch.float16` the reference also rounds
   keys outside fp16's range, the kernel does not). A 0xFF scale byte is NaN (as in OCP MX).
-  H200, 1M tokens x batch 1, 32 heads x 128 (benchmarks/scan_variants.py): 64.5 us against fp8's 52
-  and a read-only floor of 24 us (the same bytes and grid, no math): NOT memory-bound, the e2m1
-  decode and the per-tile work cost more than the bytes saved. Per-group dots replaced an fp16
-  multiply of every key value by its group's power of two (66.4 -> 64.5 us; batch 64: 3.64 -> 3.24 ms).
+  H200, 1M tokens x batch 1, 32 heads x 128 (benchmarks/scan_variants.py): 64.8 us against fp8's
+  52-54 and a read-only floor of 24.5 us (the same bytes and grid, no math): NOT memory-bound, the
+  e2m1 decode and the per-tile work cost more than the bytes saved. Per-group dots replaced an fp16
+  multiply of every key value by its group's power of two (66.4 -> 64.8 us; batch 64: 3.64 -> 3.26 ms).
+- Keys stored rotated (fp4: `rotation`, a Hadamard matrix): `rotate_query` rotates the query first,
+  one small launch (IEEE fp32 dot, rounded to q's dtype as the reference rounds it).
 - slots at or past context_len are masked off (never read; their scores are -inf): only slots
   s < context_len of the first ceil(context_len / block_size) block-table entries are read. The
   tile loop has a fixed trip count (TILES) so Triton can pipeline it.
