@@ -125,6 +125,18 @@ def _tile_rows(sel_ptr, tables_ptr, b, s_sb, s_tb, n0, end, PAGE: tl.constexpr, 
 
 
 @triton.jit
+def _split_range(sel_ptr, b, s_sb, n_sel, split, split_len, SPARSE: tl.constexpr):
+    """[start, end) of this split's share of row b: of its n_sel selected tokens (sparse) or of its
+    context (dense: the length is sel_ptr[b])."""
+    if SPARSE:
+        n = n_sel
+    else:
+        n = tl.load(sel_ptr + b * s_sb).to(tl.int32)  # context length
+    start = split * split_len
+    return start, tl.minimum(start + split_len, n)
+
+
+@triton.jit
 def _split_kernel(
     q_lat_ptr, q_pe_ptr, cache_ptr, tables_ptr, sel_ptr, part_ptr, lse_ptr,
     latent_scale, qk_scale, out_scale, H, n_sel, split_len,
@@ -142,12 +154,7 @@ def _split_kernel(
     h_ok = heads < H
     ol = tl.arange(0, BLOCK_L)
     orr = tl.arange(0, BLOCK_R)
-    if SPARSE:
-        n = n_sel
-    else:
-        n = tl.load(sel_ptr + b * s_sb).to(tl.int32)  # context length
-    start = split * split_len
-    end = tl.minimum(start + split_len, n)
+    start, end = _split_range(sel_ptr, b, s_sb, n_sel, split, split_len, SPARSE)
     # a split past the context (dense rows shorter than the longest) only writes lse = -inf;
     # split 0 always writes its output (with one split it is the output: NaN for an empty row)
     live = h_ok & ((start < end) | (split == 0))
@@ -245,12 +252,7 @@ def _split_fp4_kernel(
     b = tl.program_id(2).to(tl.int64)
     heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = heads < H
-    if SPARSE:
-        n = n_sel
-    else:
-        n = tl.load(sel_ptr + b * s_sb).to(tl.int32)  # context length
-    start = split * split_len
-    end = tl.minimum(start + split_len, n)
+    start, end = _split_range(sel_ptr, b, s_sb, n_sel, split, split_len, SPARSE)
     live = h_ok & ((start < end) | (split == 0))  # as in _split_kernel
     ql_e, ql_o = _load_pairs(q_lat_ptr + b * s_qlb, heads * s_qlh, live, L, 8 * BLOCK_GL)
     qr_e, qr_o = _load_pairs(q_pe_ptr + b * s_qpb, heads * s_qph, live, R, 8 * BLOCK_GR)
