@@ -147,16 +147,12 @@ CONFIGS = {
 }
 
 
-@pytest.mark.parametrize("scale_l", [0.05, 2.0**-4])
-@pytest.mark.parametrize("cfg", list(CONFIGS))
-def test_configs_and_scales(tt, cfg, scale_l):
-    """Every tiling and split policy (one split writes the output directly; 40 splits leave most of
-    a short row's splits empty); a non-power-of-two latent scale (applied per element) and a
-    power-of-two one (folded out of the loop); sharper softmax (logit std ~3.5)."""
+def check_k31_config(tt, kv: str, config, scale_l: float) -> None:
+    """Sparse and dense decode over K3.1 pages in format kv (96 heads; contexts 1, 63, 5000) under one
+    tiling (None: the default) against the references; sharper softmax (q_scale 2)."""
     lens = [1, 63, 5000]
-    cache, ls, tables, q_lat, q_pe, scale = build_case("kimi-k3.1-pro", "fp8", lens, 96, "cuda", scale_l, q_scale=2.0)
+    cache, ls, tables, q_lat, q_pe, scale = build_case("kimi-k3.1-pro", kv, lens, 96, "cuda", scale_l, q_scale=2.0)
     idx = make_indices(lens, TOPK, "cuda")
-    config = tt.DecodeConfig(**CONFIGS[cfg])
     want = ref.paged_sparse_mla_decode(q_lat, q_pe, cache, ls, tables, idx, scale, torch.bfloat16)
     got = tt.paged_sparse_mla_decode(q_lat, q_pe, cache, ls, tables, idx, scale, torch.bfloat16,
                                      out=poisoned_out(*q_lat.shape), config=config)
@@ -166,6 +162,15 @@ def test_configs_and_scales(tt, cfg, scale_l):
     got = tt.paged_dense_mla_decode(q_lat, q_pe, cache, ls, tables, ctx, scale, torch.bfloat16,
                                     out=poisoned_out(*q_lat.shape), config=config)
     assert torch.isfinite(got).all() and rel_rms(got, want) < 1e-2
+
+
+@pytest.mark.parametrize("scale_l", [0.05, 2.0**-4])
+@pytest.mark.parametrize("cfg", list(CONFIGS))
+def test_configs_and_scales(tt, cfg, scale_l):
+    """Every tiling and split policy (one split writes the output directly; 40 splits leave most of
+    a short row's splits empty); a non-power-of-two latent scale (applied per element) and a
+    power-of-two one (folded out of the loop); sharper softmax (logit std ~3.5)."""
+    check_k31_config(tt, "fp8", tt.DecodeConfig(**CONFIGS[cfg]), scale_l)
 
 
 # NVFP4 latents: changes to the batch-1 fp4 default (`fp4_config`) for both the K3.1 checks and
@@ -214,19 +219,7 @@ def test_fp4_dequantisation_is_bit_exact(tt, L, R, dtype):
 @pytest.mark.parametrize("cfg", list(FP4_CONFIGS))
 def test_fp4_configs(tt, cfg, scale_l):
     """NVFP4 latents at K3.1 widths under each tiling and split policy; sharper softmax (q_scale 2)."""
-    lens = [1, 63, 5000]
-    cache, ls, tables, q_lat, q_pe, scale = build_case("kimi-k3.1-pro", "fp4", lens, 96, "cuda", scale_l, q_scale=2.0)
-    idx = make_indices(lens, TOPK, "cuda")
-    config = fp4_config(tt, FP4_CONFIGS[cfg]) if FP4_CONFIGS[cfg] else None
-    want = ref.paged_sparse_mla_decode(q_lat, q_pe, cache, ls, tables, idx, scale, torch.bfloat16)
-    got = tt.paged_sparse_mla_decode(q_lat, q_pe, cache, ls, tables, idx, scale, torch.bfloat16,
-                                     out=poisoned_out(*q_lat.shape), config=config)
-    assert torch.isfinite(got).all() and rel_rms(got, want) < 1e-2
-    ctx = torch.tensor(lens, device="cuda")
-    want = ref.paged_dense_mla_decode(q_lat, q_pe, cache, ls, tables, ctx, scale, torch.bfloat16)
-    got = tt.paged_dense_mla_decode(q_lat, q_pe, cache, ls, tables, ctx, scale, torch.bfloat16,
-                                    out=poisoned_out(*q_lat.shape), config=config)
-    assert torch.isfinite(got).all() and rel_rms(got, want) < 1e-2
+    check_k31_config(tt, "fp4", fp4_config(tt, FP4_CONFIGS[cfg]) if FP4_CONFIGS[cfg] else None, scale_l)
 
 
 @pytest.mark.parametrize("kv", ["fp8", "fp4"])
