@@ -9,6 +9,7 @@ time per step, their sum, and the step's graph time (the difference is the gaps 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import sys
@@ -24,6 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from decode_attention import build_case, triton_ops  # noqa: E402
 from kimiserve.config import load_preset  # noqa: E402
 from kimiserve.utils.cuda_timing import capture_graph, graph_time  # noqa: E402
+from kimiserve.utils.run_info import git_commit  # noqa: E402
 
 
 def sparse_step(ops, c, context: int, topk: int):
@@ -76,7 +78,8 @@ def main() -> int:
         for r in rows:
             print(f"  {r['us_per_step']:7.1f} us  x{r['calls_per_step']:.0f}  {r['kernel'][:90]}")
         results.append(dict(kv_cache_dtype=kv, context=args.context, batch=args.batch, step_us=step_ms * 1e3,
-                            kernels_us=total, kernels=rows, device=torch.cuda.get_device_name()))
+                            kernels_us=total, kernels=rows, device=torch.cuda.get_device_name(),
+                            date=datetime.datetime.now(datetime.timezone.utc).isoformat(), commit=git_commit()))
         del c
         torch.cuda.empty_cache()
     with open(args.out, "w") as f:
