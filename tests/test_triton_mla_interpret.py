@@ -48,23 +48,6 @@ def test_tiny_dims(kv, scale_l, dtype):
     assert torch.isfinite(got).all() and rel_rms(got, want) < tol
 
 
-@pytest.mark.parametrize("num_splits", [1, 4])
-def test_k31_dims_fp8(num_splits):
-    """Real widths (L=512, R=64), 16 heads, 384-token fp8 pages; a row of only -1 gives NaN."""
-    lens = [1, 63, 130]
-    cache, ls, tables, q_lat, q_pe, scale = build_case("kimi-k3.1-pro", "fp8", lens, 16, "cpu")
-    idx = make_indices(lens, 96, "cpu")
-    cfg = tt.DecodeConfig(num_splits=num_splits)
-    want = ref.paged_sparse_mla_decode(q_lat, q_pe, cache, ls, tables, idx, scale, torch.bfloat16)
-    got = tt.paged_sparse_mla_decode(q_lat, q_pe, cache, ls, tables, idx, scale, torch.bfloat16,
-                                     out=_nan_out(q_lat), config=cfg)
-    assert torch.isfinite(got).all() and rel_rms(got, want) < 1e-2
-    idx[1] = -1
-    got = tt.paged_sparse_mla_decode(q_lat, q_pe, cache, ls, tables, idx, scale, torch.bfloat16, config=cfg)
-    assert got[1].isnan().all() and torch.isfinite(got[0::2]).all()
-    assert rel_rms(got[0::2], want[0::2]) < 1e-2
-
-
 @pytest.mark.parametrize("num_splits", [1, 8])
 def test_dense_mixed_lengths_and_poison(num_splits):
     """Splits past a short row's end, an empty row (NaN, like the reference), and the poisoning's
@@ -124,11 +107,13 @@ def test_fp4_default_config_by_batch():
 
 
 @pytest.mark.parametrize("num_splits", [1, 4])
-def test_k31_dims_fp4(num_splits):
-    """Real widths (L=512, R=64: 324-byte rows, read 4-byte aligned), 16 heads, 704-token pages; a row
-    of only -1 gives NaN; a table entry pointing at an unowned page (NaN scale bytes) turns its row NaN."""
+@pytest.mark.parametrize("kv", ["fp8", "fp4"])
+def test_k31_dims(kv, num_splits):
+    """Real widths (L=512, R=64; fp4: 324-byte rows, read 4-byte aligned), 16 heads, the format's K3.1
+    pages (fp8 384 tokens, fp4 704); a row of only -1 gives NaN; a table entry pointing at an unowned
+    page (NaN bytes) turns its row NaN."""
     lens = [1, 63, 130]
-    cache, ls, tables, q_lat, q_pe, scale = build_case("kimi-k3.1-pro", "fp4", lens, 16, "cpu")
+    cache, ls, tables, q_lat, q_pe, scale = build_case("kimi-k3.1-pro", kv, lens, 16, "cpu")
     idx = make_indices(lens, 96, "cpu")
     cfg = tt.DecodeConfig(num_splits=num_splits)
     want = ref.paged_sparse_mla_decode(q_lat, q_pe, cache, ls, tables, idx, scale, torch.bfloat16)
