@@ -1,18 +1,53 @@
 """SamplingParams: how one request turns logits into tokens, and when it stops.
 
 Every field is validated in `__post_init__`; a bad value raises ValueError naming the field and
-the allowed range or type. `stop` and `stop_token_ids` are normalised to lists, and `top_k = -1`
-to 0 (both mean "disabled").
+the allowed range or type. `stop`, `stop_token_ids` and `bad_words` are normalised to lists
+(`allowed_token_ids` too, with duplicates dropped), and `top_k = -1` to 0 (both mean "disabled").
+
+Every value accepted here is safe for the shared sampler: it never makes a step raise or return
+a token outside the vocabulary (extreme values saturate; see `kimiserve/engine/sampler.py`).
+The count and length of `stop` and `bad_words` are bounded because their cost is paid by every
+request of the batch (the limits below).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 MAX_LOGPROBS = 20
 """Largest number of top alternatives that `logprobs` / `prompt_logprobs` may ask for."""
+
+SAMPLING_EPS = 1e-5
+"""Temperatures below this (vLLM's `_SAMPLING_EPS`) mean greedy sampling. Dividing logits by a
+smaller temperature only overflows them (1e-300 turns every logit into inf); the distribution is
+already a point mass on the argmax long before."""
+
+MAX_STOP_STRINGS = 64
+"""Most stop strings one request may give. The detokenizer searches the tail of the output for
+every stop string after every token, in the engine thread, so this cost is paid by every other
+request of the batch. OpenAI allows 4, vLLM has no limit; 64 x `MAX_STOP_STRING_CHARS` keeps the
+worst case (an adversarial text and 64 strings of 256 characters) near 20 us per token of engine
+thread time on a development CPU, against ~3 us for OpenAI's 4 such strings."""
+
+MAX_STOP_STRING_CHARS = 256
+"""Longest stop string, in characters. It also bounds what streaming holds back (the longest
+stop string minus one character). Real stop strings ("\n\n", "</answer>", "Observation:") are far
+shorter."""
+
+MAX_BAD_WORDS = 64
+"""Most bad words one request may give. Each word yields up to two token sequences (as given and
+with a leading space), so at most 128, vLLM's per-request bound on tokenized bad words. The
+sampler checks every sequence against the output at every step (`kimiserve/engine/bad_words.py`)."""
+
+MAX_BAD_WORD_CHARS = 256
+"""Longest bad word, in characters."""
+
+MAX_BAD_WORDS_TOKENS = 4096
+"""Most tokens over all the tokenized bad-word sequences of one request (checked in
+`update_from_tokenizer`): bounds the sampler's worst-case matching work per step and row (vLLM's
+GPU path bounds it at 1024)."""
 
 
 def _kind(value: Any) -> str:
@@ -56,7 +91,8 @@ class SamplingParams:
     n: int = 1
     """Number of samples returned for the request (>= 1)."""
     temperature: float = 1.0
-    """Softmax temperature (>= 0); 0 means greedy (argmax)."""
+    """Softmax temperature (>= 0); 0 means greedy (argmax), and so does any temperature below
+    `SAMPLING_EPS` (1e-5, as vLLM), whose distribution is an argmax in all but rounding."""
     top_p: float = 1.0
     """Nucleus sampling: keep the smallest set of best tokens whose mass reaches top_p, in (0, 1]."""
     top_k: int = 0
@@ -73,7 +109,8 @@ class SamplingParams:
     seed: int | None = None
     """Seed of this request's sampling; the same seed gives the same tokens in any batch."""
     stop: str | list[str] | None = None
-    """Stop strings (normalised to a list); generation stops when the output text contains one."""
+    """Stop strings (normalised to a list); generation stops when the output text contains one.
+    At most `MAX_STOP_STRINGS` (64) non-empty strings of at most `MAX_STOP_STRING_CHARS` (256)."""
     stop_token_ids: list[int] | None = None
     """Token ids that end generation, besides eos (normalised to a list)."""
     max_tokens: int = 16
@@ -90,6 +127,21 @@ class SamplingParams:
     """Keep the matched stop string at the end of the output text."""
     skip_special_tokens: bool = True
     """Leave special tokens out of the output text."""
+    allowed_token_ids: list[int] | None = None
+    """Only these token ids can be generated (vLLM's meaning): every other token is masked before
+    the argmax of greedy rows and before sampling. A non-empty list of ints >= 0 (duplicates are
+    dropped), checked against the vocabulary by `validate_vocab`. Logprobs stay those of the raw
+    model distribution, as for the other sampling parameters."""
+    bad_words: list[str] | None = None
+    """Words that must not be generated (vLLM's meaning), normalised to a list: at most
+    `MAX_BAD_WORDS` (64) non-empty strings of at most `MAX_BAD_WORD_CHARS` (256). Each word is
+    tokenized as given (leading whitespace stripped) and with one leading space (the word can start
+    mid-text); at every step, the last token of a sequence is banned when the output so far ends
+    with the sequence's other tokens (a one-token sequence is always banned). The token ids come
+    from `update_from_tokenizer`, which the engine calls once when the request is added; a word
+    the model spells with other tokens is not caught (as in vLLM). Logprobs stay raw."""
+    _bad_words_token_ids: list[list[int]] | None = field(default=None, init=False, repr=False, compare=False)
+    """The bad words' token sequences, set by `update_from_tokenizer` (None until then)."""
 
     def __post_init__(self) -> None:
         self.n = _check_int("n", self.n, lo=1)
@@ -122,6 +174,9 @@ class SamplingParams:
         self.prompt_logprobs = _check_optional_count("prompt_logprobs", self.prompt_logprobs)
         self.include_stop_str_in_output = _check_bool("include_stop_str_in_output", self.include_stop_str_in_output)
         self.skip_special_tokens = _check_bool("skip_special_tokens", self.skip_special_tokens)
+        self.allowed_token_ids = self._normalise_allowed_token_ids(self.allowed_token_ids)
+        self.bad_words = self._normalise_strings("bad_words", self.bad_words, MAX_BAD_WORDS, MAX_BAD_WORD_CHARS,
+                                                 "a list of strings")
 
     @staticmethod
     def _in_range(name: str, value: Any, lo: float, hi: float) -> float:
@@ -132,18 +187,44 @@ class SamplingParams:
 
     @staticmethod
     def _normalise_stop(stop: Any) -> list[str]:
-        if stop is None:
-            return []
         if isinstance(stop, str):
             stop = [stop]
-        if not isinstance(stop, (list, tuple)):
-            raise ValueError(f"stop must be a string or a list of strings, got {_kind(stop)}")
-        for i, s in enumerate(stop):
+        return SamplingParams._normalise_strings("stop", stop, MAX_STOP_STRINGS, MAX_STOP_STRING_CHARS,
+                                                 "a string or a list of strings")
+
+    @staticmethod
+    def _normalise_strings(name: str, values: Any, max_count: int, max_chars: int, what: str) -> list[str]:
+        """None -> []; else a list or tuple of at most max_count non-empty strings of at most
+        max_chars characters each."""
+        if values is None:
+            return []
+        if not isinstance(values, (list, tuple)):
+            raise ValueError(f"{name} must be {what}, got {_kind(values)}")
+        if len(values) > max_count:
+            raise ValueError(f"{name} may hold at most {max_count} strings, got {len(values)}")
+        for i, s in enumerate(values):
             if not isinstance(s, str):
-                raise ValueError(f"stop must be a string or a list of strings, got {_kind(s)} at stop[{i}]")
+                raise ValueError(f"{name} must be {what}, got {_kind(s)} at {name}[{i}]")
             if not s:
-                raise ValueError(f"stop must not contain empty strings (stop[{i}] is empty)")
-        return list(stop)
+                raise ValueError(f"{name} must not contain empty strings ({name}[{i}] is empty)")
+            if len(s) > max_chars:
+                raise ValueError(f"{name} strings must be at most {max_chars} characters, got {len(s)} at {name}[{i}]")
+        return list(values)
+
+    @staticmethod
+    def _normalise_allowed_token_ids(ids: Any) -> list[int] | None:
+        if ids is None:
+            return None
+        if not isinstance(ids, (list, tuple)):
+            raise ValueError(f"allowed_token_ids must be a list of ints, got {_kind(ids)}")
+        if not ids:
+            raise ValueError("allowed_token_ids must not be empty (None allows every token)")
+        for i, t in enumerate(ids):
+            if isinstance(t, bool) or not isinstance(t, int):
+                raise ValueError(f"allowed_token_ids must be a list of ints, got {_kind(t)} at allowed_token_ids[{i}]")
+            if t < 0:
+                raise ValueError(f"allowed_token_ids must be >= 0, got {t} at allowed_token_ids[{i}]")
+        return list(dict.fromkeys(ids))
 
     @staticmethod
     def _normalise_stop_token_ids(ids: Any) -> list[int]:
@@ -159,12 +240,33 @@ class SamplingParams:
         return list(ids)
 
     def validate_vocab(self, vocab_size: int) -> None:
-        """Raise ValueError if a stop token id is outside [0, vocab_size)."""
-        for i, t in enumerate(self.stop_token_ids):
-            if t >= vocab_size:
-                raise ValueError(f"stop_token_ids must be in [0, {vocab_size}), got {t} at stop_token_ids[{i}]")
+        """Raise ValueError if a stop token id or an allowed token id is outside [0, vocab_size)."""
+        for name in ("stop_token_ids", "allowed_token_ids"):
+            for i, t in enumerate(getattr(self, name) or ()):
+                if t >= vocab_size:
+                    raise ValueError(f"{name} must be in [0, {vocab_size}), got {t} at {name}[{i}]")
+
+    def update_from_tokenizer(self, tokenizer: Any) -> None:
+        """Tokenize `bad_words` into `_bad_words_token_ids` (the engine calls this once per request,
+        in add_request). No bad words: nothing to do, whatever the tokenizer. Raises ValueError
+        naming bad_words when there is no tokenizer, or when the sequences hold more than
+        `MAX_BAD_WORDS_TOKENS` tokens in all. Calling it again with the same tokenizer gives the
+        same ids (a SamplingParams shared by several requests is fine)."""
+        if not self.bad_words:
+            self._bad_words_token_ids = None
+            return
+        if tokenizer is None:
+            raise ValueError("bad_words need a tokenizer; this model has none: use allowed_token_ids")
+        from kimiserve.engine.bad_words import bad_words_token_ids
+
+        seqs = bad_words_token_ids(tokenizer, self.bad_words)
+        total = sum(len(s) for s in seqs)
+        if total > MAX_BAD_WORDS_TOKENS:
+            raise ValueError(f"bad_words tokenize to {total} tokens in all; at most {MAX_BAD_WORDS_TOKENS} are allowed")
+        self._bad_words_token_ids = seqs
 
     @property
     def greedy(self) -> bool:
-        """True when sampling reduces to argmax (temperature 0 or top_k 1)."""
-        return self.temperature == 0 or self.top_k == 1
+        """True when sampling reduces to argmax: temperature below `SAMPLING_EPS` (0 included;
+        vLLM's rule) or top_k 1. top_p, min_p and the seed are then ignored."""
+        return self.temperature < SAMPLING_EPS or self.top_k == 1

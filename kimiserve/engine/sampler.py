@@ -1,12 +1,25 @@
 """Sampler: logits of the batch's last positions -> one token id per row (plus logprobs).
 
-Order per row: penalties -> min_tokens masking of eos / stop_token_ids -> greedy rows take the
-argmax (smallest id among ties) -> other rows: temperature, top-k, top-p, min-p, softmax, one
-draw. Logprobs are the log_softmax of the raw model logits (vLLM's default "raw_logprobs").
+Order per row: hard masks (allowed_token_ids, bad words, min_tokens masking of eos /
+stop_token_ids) -> penalties -> greedy rows take the argmax (smallest id among ties) -> other
+rows: temperature, top-k, top-p, min-p, softmax, one draw. Logprobs are the log_softmax of the
+raw model logits (vLLM's default "raw_logprobs"), whatever the masks and penalties.
 
 Reproducibility: a row with a seed draws from a fresh generator seeded with
 `mix_seed(seed, len(output_ids))`, so its tokens do not depend on the batch it runs in and are
 the same after a preemption and recompute. Rows without a seed share the Sampler's generator.
+
+Robustness: the sampler serves every request of the batch, so no value that SamplingParams
+accepts may make it raise or return a token outside [0, V). top_k is clamped to V (k >= V keeps
+every token); a temperature below `SAMPLING_EPS` is greedy; extreme penalties and temperatures
+saturate (see `kimiserve/ops/sampling/reference.py`): after the masks and penalties, NaN logits
+count as -inf and +inf as the largest finite value, and sampled rows subtract their max before
+dividing by the temperature, so a row with one finite logit always has a finite distribution.
+A row left with no finite logit (its raw logits, masks or penalties exclude everything) falls
+back, deterministically, to the best raw logit among the tokens its hard masks allow (penalties
+are then ignored); if they allow no token with a finite raw logit, to the first token they
+allow; if they allow none (allowed_token_ids all banned), the masks are relaxed in that order:
+allowed_token_ids alone, then every token.
 """
 
 from __future__ import annotations
@@ -15,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kimiserve.engine.bad_words import banned_tokens
 from kimiserve.ops.sampling import reference as ops
 from kimiserve.sampling_params import SamplingParams
 
@@ -140,27 +154,70 @@ class Sampler:
         def column(name: str) -> torch.Tensor:
             return torch.tensor([getattr(p, name) for p in params], dtype=logits.dtype, device=logits.device)
 
-        return ops.apply_penalties(logits, prompt_mask, counts, column("presence_penalty"),
-                                   column("frequency_penalty"), column("repetition_penalty"))
+        return ops.saturate(ops.apply_penalties(logits, prompt_mask, counts, column("presence_penalty"),
+                                                column("frequency_penalty"), column("repetition_penalty")))
 
     @staticmethod
-    def _mask_min_tokens(logits: torch.Tensor, requests: list[SampleRequest]) -> torch.Tensor:
-        """-inf on eos (unless ignore_eos) and stop_token_ids while len(output_ids) < min_tokens."""
-        V = logits.shape[1]
-        rows, tokens = [], []
+    def _banned(req: SampleRequest, V: int) -> list[int]:
+        """Token ids this row may not produce now: the tokens completing a bad word, and eos
+        (unless ignore_eos) and stop_token_ids while len(output_ids) < min_tokens."""
+        p = req.params
+        out = banned_tokens(p._bad_words_token_ids, req.output_ids, V) if p._bad_words_token_ids else []
+        if len(req.output_ids) < p.min_tokens:
+            out += [t for t in p.stop_token_ids if t < V]
+            if req.eos_token_id is not None and not p.ignore_eos and 0 <= req.eos_token_id < V:
+                out.append(req.eos_token_id)
+        return out
+
+    @staticmethod
+    def _allowed_ids(params: SamplingParams, V: int) -> torch.Tensor:
+        """params.allowed_token_ids below V as a CPU int64 tensor, cached on params (built once per
+        request, not per step; rebuilt if the list is replaced)."""
+        cached = getattr(params, "_allowed_ids_cache", None)
+        if cached is None or cached[0] is not params.allowed_token_ids:
+            cached = (params.allowed_token_ids, torch.tensor(params.allowed_token_ids, dtype=torch.int64))
+            params._allowed_ids_cache = cached
+        ids = cached[1]
+        return ids if int(ids.max()) < V else ids[ids < V]
+
+    def _hard_masks(self, x: torch.Tensor, requests: list[SampleRequest]) -> None:
+        """-inf, in place, on what allowed_token_ids, bad words and min_tokens exclude: one
+        [rows, V] mask for the rows with allowed_token_ids and one index_put for the bans."""
+        R, V = x.shape
+        dev = x.device
+        rows = [i for i, r in enumerate(requests) if r.params.allowed_token_ids]
+        if rows:
+            ids = [self._allowed_ids(requests[i].params, V) for i in rows]
+            which = torch.repeat_interleave(torch.arange(len(rows)), torch.tensor([len(t) for t in ids]))
+            keep = torch.zeros(len(rows), V, dtype=torch.bool, device=dev)
+            keep[which.to(dev), torch.cat(ids).to(dev)] = True
+            idx = torch.tensor(rows, dtype=torch.int64, device=dev)
+            x[idx] = x[idx].masked_fill_(~keep, ops.NEG_INF)
+        ban_rows, ban_ids = [], []
         for i, r in enumerate(requests):
-            if len(r.output_ids) < r.params.min_tokens:
-                stops = list(r.params.stop_token_ids)
-                if r.eos_token_id is not None and not r.params.ignore_eos:
-                    stops.append(r.eos_token_id)
-                kept = [t for t in stops if 0 <= t < V]
-                rows += [i] * len(kept)
-                tokens += kept
-        if not rows:
-            return logits
-        logits = logits.clone()
-        logits[torch.tensor(rows, device=logits.device), torch.tensor(tokens, device=logits.device)] = ops.NEG_INF
-        return logits
+            banned = self._banned(r, V)
+            ban_rows += [i] * len(banned)
+            ban_ids += banned
+        if ban_rows:
+            x[torch.tensor(ban_rows, device=dev), torch.tensor(ban_ids, device=dev)] = ops.NEG_INF
+
+    def _fallback(self, raw: torch.Tensor, req: SampleRequest) -> int:
+        """The token of a row left with no finite logit (see the module doc)."""
+        V = raw.shape[0]
+        row = ops.saturate(raw)
+        allowed = torch.ones(V, dtype=torch.bool, device=raw.device)
+        if req.params.allowed_token_ids:
+            allowed = torch.zeros_like(allowed)
+            allowed[self._allowed_ids(req.params, V).to(raw.device)] = True
+        strict = allowed.clone()
+        banned = self._banned(req, V)
+        if banned:
+            strict[torch.tensor(banned, device=raw.device)] = False
+        for ok in (strict, allowed):
+            if bool(ok.any()):
+                scores = row.masked_fill(~ok, ops.NEG_INF)
+                return int(torch.argmax(scores)) if bool(scores.max() > ops.NEG_INF) else int(torch.argmax(ok.to(torch.int8)))
+        return int(torch.argmax(row))
 
     def __call__(self, logits: torch.Tensor, requests: list[SampleRequest]) -> list[tuple[int, TokenLogprobs | None]]:
         """Sample one token per row. logits: fp32 [R, V], row r for requests[r]."""
@@ -168,20 +225,32 @@ class Sampler:
             raise ValueError(f"logits must be [R, V] with R = {len(requests)} requests, got {tuple(logits.shape)}")
         raw = logits.float()
         dev = raw.device
-        x = self._mask_min_tokens(self._penalise(raw, requests), requests)
+        V = raw.shape[1]
+        x = ops.saturate(raw)  # a fresh tensor: the masks write into it
+        self._hard_masks(x, requests)
+        x = self._penalise(x, requests)
+        best = x.max(dim=-1, keepdim=True).values
+        valid = best.squeeze(-1) > ops.NEG_INF
         token_ids = torch.argmax(x, dim=-1)
         rows = [i for i, r in enumerate(requests) if not r.params.greedy]
         if rows:
             sub = [requests[i].params for i in rows]
             idx = torch.tensor(rows, dtype=torch.int64, device=dev)
-            y = ops.apply_temperature(x[idx], torch.tensor([p.temperature for p in sub], device=dev))
-            if any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in sub):
-                y = ops.apply_top_k_top_p_min_p(y, torch.tensor([p.top_k for p in sub], device=dev),
+            # minus the row max: <= 0 everywhere, 0 at the best token, so no temperature overflows it
+            # up; rows without a finite logit (nan here) are replaced by their fallback below
+            y = torch.where(valid[idx, None], x[idx] - best[idx], 0.0)
+            y = ops.apply_temperature(y, torch.tensor([p.temperature for p in sub], device=dev))
+            top_k = [p.top_k if p.top_k < V else 0 for p in sub]  # k >= V keeps all: 0 (and no int64 overflow)
+            if any(k > 0 for k in top_k) or any(p.top_p < 1 or p.min_p > 0 for p in sub):
+                y = ops.apply_top_k_top_p_min_p(y, torch.tensor(top_k, dtype=torch.int64, device=dev),
                                                 torch.tensor([p.top_p for p in sub], device=dev),
                                                 torch.tensor([p.min_p for p in sub], device=dev))
             gens = [self._generator(requests[i], dev) for i in rows]
             token_ids[idx] = ops.sample(torch.softmax(y, dim=-1), gens)
-        ids = token_ids.tolist()
+        ids = torch.where(valid, token_ids, -1).tolist()  # one host transfer; -1: no finite logit
+        for i, t in enumerate(ids):
+            if t < 0:
+                ids[i] = self._fallback(raw[i], requests[i])
         results: list[tuple[int, TokenLogprobs | None]] = [(t, None) for t in ids]
         want = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
         if want:

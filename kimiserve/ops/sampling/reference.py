@@ -2,6 +2,11 @@
 
 Each row r has its own parameters, given as tensors of shape [R]. Tie rule: among equal values
 the smaller token id counts as better (it wins top-k, comes first in top-n lists and ranks).
+
+Extreme parameters saturate instead of producing inf or NaN: a repetition penalty or a
+temperature beyond the float range is clamped into it, and `saturate` maps what overflowed
+(+inf) to the largest finite value and NaN to -inf, so any row with one finite logit keeps a
+finite, well-defined distribution.
 """
 
 from __future__ import annotations
@@ -9,6 +14,12 @@ from __future__ import annotations
 import torch
 
 NEG_INF = float("-inf")
+
+
+def saturate(logits: torch.Tensor) -> torch.Tensor:
+    """NaN -> -inf (never sampled), +inf -> the largest finite value (ties with every other +inf,
+    so the argmax is still the first one); -inf and finite values are kept. Returns a new tensor."""
+    return torch.nan_to_num(logits, nan=NEG_INF, posinf=torch.finfo(logits.dtype).max, neginf=NEG_INF)
 
 
 def apply_penalties(logits: torch.Tensor, prompt_mask: torch.Tensor, output_counts: torch.Tensor,
@@ -19,9 +30,14 @@ def apply_penalties(logits: torch.Tensor, prompt_mask: torch.Tensor, output_coun
     each token is in the output so far. Repetition (HF style) applies to tokens seen in the prompt
     or the output: positive logits are divided by it, negative ones multiplied. Then, for output
     tokens only, logits -= frequency * count + presence * (count > 0).
+
+    The repetition penalty is clamped to the positive finite range of the logits' dtype (in fp32
+    1e-300 would round to 0 and 1e308 to inf, giving inf or NaN): extreme penalties saturate the
+    logits they touch at +-inf, never NaN (for logits without NaN).
     """
     in_output = output_counts > 0
-    rep = repetition.view(-1, 1).to(logits.dtype)
+    info = torch.finfo(logits.dtype)
+    rep = repetition.view(-1, 1).to(logits.dtype).clamp(min=info.tiny, max=info.max)
     penalised = torch.where(logits > 0, logits / rep, logits * rep)
     logits = torch.where(prompt_mask | in_output, penalised, logits)
     counts = output_counts.to(logits.dtype)
@@ -29,8 +45,12 @@ def apply_penalties(logits: torch.Tensor, prompt_mask: torch.Tensor, output_coun
 
 
 def apply_temperature(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
-    """logits / temperature per row; rows with temperature 0 (greedy) are left unscaled."""
-    t = temperature.view(-1, 1).to(logits.dtype)
+    """logits / temperature per row; rows with temperature 0 (greedy) are left unscaled.
+
+    A temperature beyond the dtype's range (1e308 is inf in fp32) is clamped to its largest value,
+    so -inf logits stay -inf instead of becoming NaN. Subtract the row max first (as the Sampler
+    does) so that small temperatures can only push logits down to -inf, never up to inf."""
+    t = temperature.view(-1, 1).to(logits.dtype).clamp(max=torch.finfo(logits.dtype).max)
     return logits / torch.where(t > 0, t, torch.ones_like(t))
 
 
@@ -38,7 +58,9 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: to
                             min_p: torch.Tensor) -> torch.Tensor:
     """Mask dropped tokens with -inf: top-k, then top-p, then min-p; returns new logits.
 
-    top_k: int [R], 0 = off; keeps exactly k tokens (a stable sort: the smaller id wins ties).
+    Every row needs at least one finite logit.
+    top_k: int [R], 0 = off; keeps exactly k tokens (a stable sort: the smaller id wins ties);
+    k >= V keeps them all.
     top_p: [R] in (0, 1]; keeps the smallest best-first set whose mass, renormalised after
     top-k, reaches p (always at least the best token); p = 1 is off.
     min_p: [R] in [0, 1]; drops tokens whose probability is below min_p * the best probability
