@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 from dataclasses import dataclass, field
 
@@ -14,13 +15,19 @@ from kimiserve.cache.pool import PagePool
 from kimiserve.config import resolve_model
 from kimiserve.engine.args import EngineArgs, pages_for_budget, tokenizer_source
 from kimiserve.engine.detokenizer import IncrementalDetokenizer
-from kimiserve.engine.outputs import CompletionOutput, RequestOutput
+from kimiserve.engine.errors import REQUEST_FAILED_MESSAGE, EngineFatalError, is_fatal_error
+from kimiserve.engine.outputs import CompletionOutput, RequestOutput, RequestOutputKind
 from kimiserve.engine.request import Request
 from kimiserve.engine.runner import ModelRunner
 from kimiserve.engine.sampler import Sampler
 from kimiserve.engine.scheduler import Scheduler
 from kimiserve.model.loader import load_model
 from kimiserve.sampling_params import SamplingParams
+
+logger = logging.getLogger("kimiserve.engine")
+
+MAX_CONSECUTIVE_ISOLATED_FAILURES = 3
+"""This many steps in a row that each ran one request alone and failed: the engine itself is broken."""
 
 
 @dataclass
@@ -31,11 +38,24 @@ class RequestGroup:
     prompt_ids: list[int]
     params: SamplingParams
     samples: list[Request] = field(default_factory=list)
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    error: str | None = None
+    """Set when the request failed inside the engine (its samples end with finish_reason "error")."""
+    prompt_logprobs_sent: bool = False
 
     @property
     def finished(self) -> bool:
         # an aborted group is dropped by abort_request and never reported again
-        return len(self.samples) == self.params.n and all(s.finished for s in self.samples)
+        return self.error is not None or (len(self.samples) == self.params.n and all(s.finished for s in self.samples))
+
+
+@dataclass
+class Suspect:
+    """A request of a step whose forward failed: it runs alone until it gets past that step."""
+
+    request: Request
+    target: int
+    """The `num_computed` the failed step would have brought it to."""
 
 
 def uses_cuda_graphs(device: torch.device, args: EngineArgs) -> bool:
@@ -93,15 +113,22 @@ class LLMEngine:
                                               self.max_model_len, num_pages, pad_states)
         self.groups: dict[str, RequestGroup] = {}
         self._arrivals = itertools.count()
+        self._suspects: list[Suspect] = []
+        self._isolated_failures = 0
         self.num_computed_tokens = 0
         self.num_steps = 0
+        self.num_failed_requests = 0
 
     # requests ----------------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> None:
-        """Queue a request; every check runs before anything is allocated (ValueError on bad input)."""
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> None:
+        """Queue a request; every check runs before anything is allocated (ValueError on bad input).
+        `output_kind`: whether its outputs hold everything so far or only what is new (DELTA)."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if not isinstance(output_kind, RequestOutputKind):
+            raise ValueError(f"output_kind must be a RequestOutputKind, got {type(output_kind).__name__}")
         if request_id in self.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         text = None
@@ -120,11 +147,12 @@ class LLMEngine:
                 f"least one generated token must fit (shorten the prompt or raise max_model_len)"
             )
         params.validate_vocab(self.config.vocab_size)
+        params.update_from_tokenizer(self.tokenizer)  # bad_words -> token sequences
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model has none: use stop_token_ids")
         if params.n > self.args.max_num_seqs:
             raise ValueError(f"n={params.n} is more than max_num_seqs={self.args.max_num_seqs}")
-        group = RequestGroup(text, prompt, params)
+        group = RequestGroup(text, prompt, params, output_kind=output_kind)
         self.groups[request_id] = group
         first = Request(request_id, prompt, params, next(self._arrivals))
         self._attach_detokenizer(first)
@@ -145,24 +173,88 @@ class LLMEngine:
 
     # the step ----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule, run, postprocess; returns an output for each request that progressed."""
-        sched = self.scheduler.schedule()
+        """Schedule, run, postprocess; returns an output for each request that progressed (or failed).
+
+        A step that raises does not end the engine (unless the error is fatal: `errors.is_fatal_error`).
+        An error traced to one request (its sampling, detokenising, stop checks) fails that request
+        alone. A forward that fails for a batch of several requests is undone: they free their pages
+        and are recomputed later, each alone until it is past the failed step, so the request the
+        error comes from fails alone and the others go on (their tokens unchanged: seeded sampling
+        is batch-independent, and greedy decoding deterministic).
+        """
+        suspect = self._current_suspect()
+        sched = self.scheduler.schedule(only=suspect.request if suspect else None)
         if not sched.chunks:
             return []
-        results = self.runner.execute(sched)
-        touched = self._postprocess(sched, results)
         self.num_steps += 1
-        return [self._output(request_id) for request_id in touched]
+        try:
+            results = self.runner.execute(sched)
+        except Exception as exc:  # noqa: BLE001 - blamed on a request below, or fatal
+            if is_fatal_error(exc):
+                raise
+            failed = self._after_failed_forward(sched, exc)
+            return [out for out in map(self._output, failed) if out is not None]
+        self._isolated_failures = 0
+        touched = self._postprocess(sched, results)
+        if suspect is not None and (suspect.request.finished or suspect.request.num_computed >= suspect.target):
+            self._suspects.remove(suspect)
+        return [out for out in map(self._output, touched) if out is not None]
+
+    def _current_suspect(self) -> Suspect | None:
+        self._suspects = [s for s in self._suspects if not s.request.finished]
+        return self._suspects[0] if self._suspects else None
+
+    def _after_failed_forward(self, sched, exc: Exception) -> list[str]:
+        """Blame the request when the step ran only one; else undo the step and isolate its requests."""
+        ids = list(dict.fromkeys(c.request.request_id for c in sched.chunks))
+        if len(ids) == 1:
+            for chunk in sched.chunks:
+                self.scheduler.drop_prompt_snapshot(chunk)
+            self._isolated_failures += 1
+            if self._isolated_failures >= MAX_CONSECUTIVE_ISOLATED_FAILURES:
+                raise EngineFatalError(f"{self._isolated_failures} steps in a row failed, each running a single "
+                                       f"request: the engine cannot run requests") from exc
+            self._fail(ids[0], exc)
+            return ids
+        logger.warning("a step of %d requests failed (%s: %s); recomputing them one at a time to find the request "
+                       "it comes from", len(ids), type(exc).__name__, exc)
+        known = {id(s.request) for s in self._suspects}
+        for chunk in sched.chunks:
+            if id(chunk.request) not in known:
+                self._suspects.append(Suspect(chunk.request, chunk.request.num_computed + chunk.num_tokens))
+        self._suspects.sort(key=lambda s: s.request.arrival)
+        self.scheduler.retry_later(sched)
+        return []
+
+    def _fail(self, request_id: str, exc: BaseException) -> None:
+        """End a request because of an error inside the engine: its samples finish with "error", its
+        pages are freed (no prefix-cache snapshot of it is kept), its next output carries the error."""
+        group = self.groups.get(request_id)
+        if group is None or group.error is not None:
+            return
+        logger.error("request %s failed inside the engine; the other requests go on", request_id, exc_info=exc)
+        group.error = REQUEST_FAILED_MESSAGE.format(request_id=request_id)
+        self.num_failed_requests += 1
+        for sample in group.samples:
+            if not sample.finished:
+                self.scheduler.finish(sample, "error")
 
     def _postprocess(self, sched, results) -> dict[str, None]:
         """Advance each chunk's request, keep prompt snapshots, fork n > 1 samples, append tokens, check stops."""
         touched: dict[str, None] = {}
         for chunk, result in zip(sched.chunks, results):
             request = chunk.request
+            if request.finished:  # another sample of its request failed earlier in this loop
+                self.scheduler.drop_prompt_snapshot(chunk)
+                continue
             request.num_computed += chunk.num_tokens
             self.num_computed_tokens += chunk.num_tokens
             request.prompt_logprobs += result.prompt_logprobs
             self.scheduler.keep_prompt_snapshot(chunk)
+            if result.error is not None:
+                self._fail(request.request_id, result.error)
+                touched[request.request_id] = None
+                continue
             if not result.samples:
                 continue
             group = self.groups[request.request_id]
@@ -172,8 +264,13 @@ class LLMEngine:
                 self._attach_detokenizer(child)
                 group.samples.append(child)
                 samples.append(child)
-            for sample, (token, logprobs) in zip(samples, result.samples):
-                self._append_token(sample, token, logprobs)
+            try:
+                for sample, (token, logprobs) in zip(samples, result.samples):
+                    self._append_token(sample, token, logprobs)
+            except Exception as exc:  # noqa: BLE001 - this request fails alone
+                if is_fatal_error(exc):
+                    raise
+                self._fail(request.request_id, exc)
             touched[request.request_id] = None
         return touched
 
@@ -202,25 +299,54 @@ class LLMEngine:
         if reason is not None:
             self.scheduler.finish(request, reason, stop_reason)
 
-    def _output(self, request_id: str) -> RequestOutput:
-        group = self.groups[request_id]
+    def _output(self, request_id: str) -> RequestOutput | None:
+        group = self.groups.get(request_id)
+        if group is None:
+            return None
+        out = None
+        if group.error is None:
+            try:
+                out = self._progress_output(request_id, group)
+            except Exception as exc:  # noqa: BLE001 - detokenising this request failed: it fails alone
+                if is_fatal_error(exc):
+                    raise
+                self._fail(request_id, exc)
+        if out is None:
+            out = RequestOutput(request_id, group.prompt, group.prompt_ids,
+                                [CompletionOutput(s.sample_index, "", [], None, "error") for s in group.samples],
+                                True, None, group.samples[0].num_cached_tokens, group.error)
+        if out.finished:
+            del self.groups[request_id]
+        return out
+
+    def _progress_output(self, request_id: str, group: RequestGroup) -> RequestOutput:
+        delta_kind = group.output_kind is RequestOutputKind.DELTA
         outputs = []
         for s in group.samples:
             text, delta = "", ""
             if s.detokenizer is not None:
                 delta = s.detokenizer.stream_delta(finished=s.finished)
                 text = s.detokenizer.text
-            outputs.append(CompletionOutput(
-                s.sample_index, text, list(s.output_ids), list(s.logprobs) if s.params.logprobs is not None else None,
-                s.finish_reason, s.stop_reason, delta, s.output_ids[s.streamed_tokens:]))
+            new_ids = s.output_ids[s.streamed_tokens:]
+            logprobs = None
+            if s.params.logprobs is not None:
+                if delta_kind:
+                    logprobs, s.logprobs = s.logprobs, []  # reported once: the engine keeps no copy
+                else:
+                    logprobs = list(s.logprobs)
+            if delta_kind:
+                outputs.append(CompletionOutput(s.sample_index, delta, new_ids, logprobs, s.finish_reason,
+                                                s.stop_reason, delta, new_ids))
+            else:
+                outputs.append(CompletionOutput(s.sample_index, text, list(s.output_ids), logprobs, s.finish_reason,
+                                                s.stop_reason, delta, new_ids))
             s.streamed_tokens = len(s.output_ids)
-        finished = group.finished
-        out = RequestOutput(request_id, group.prompt, group.prompt_ids, outputs, finished,
-                            group.samples[0].prompt_logprobs if group.params.prompt_logprobs is not None else None,
-                            group.samples[0].num_cached_tokens)
-        if finished:
-            del self.groups[request_id]
-        return out
+        prompt_logprobs = group.samples[0].prompt_logprobs if group.params.prompt_logprobs is not None else None
+        if delta_kind:
+            prompt_logprobs = None if group.prompt_logprobs_sent else prompt_logprobs
+            group.prompt_logprobs_sent = True
+        return RequestOutput(request_id, group.prompt, group.prompt_ids, outputs, group.finished, prompt_logprobs,
+                             group.samples[0].num_cached_tokens)
 
     # introspection -----------------------------------------------------------------------------
     def stats(self) -> dict:
@@ -231,6 +357,7 @@ class LLMEngine:
             "preemptions": self.scheduler.num_preemptions,
             "computed_tokens": self.num_computed_tokens,
             "steps": self.num_steps,
+            "failed_requests": self.num_failed_requests,
         }
 
     def cache_summary(self) -> str:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kimiserve.cache.pool import PagePool
+from kimiserve.engine.errors import is_fatal_error
 from kimiserve.engine.request import sample_seed
 from kimiserve.engine.sampler import SampleRequest, Sampler, TokenLogprobs, prompt_logprobs_chunk
 from kimiserve.engine.scheduler import SchedulerOutput
@@ -21,6 +22,8 @@ class ChunkResult:
     """One (token, logprobs) per sample drawn: none for a prefill chunk that does not finish the
     sequence, one for a decode, `params.n` for a first sample that forks the request."""
     prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    error: BaseException | None = None
+    """Set when sampling this chunk's rows raised (the other chunks of the step are unaffected)."""
 
 
 class ModelRunner:
@@ -89,7 +92,27 @@ class ModelRunner:
                     owners.append(res)
             results.append(res)
         if sample_rows:
-            drawn = self.sampler(logits[torch.tensor(sample_rows, device=logits.device)], sample_reqs)
-            for res, sample in zip(owners, drawn):
-                res.samples.append(sample)
+            for res, sample in zip(owners, self._sample(logits, sample_rows, sample_reqs)):
+                if isinstance(sample, BaseException):
+                    res.error = res.error or sample
+                else:
+                    res.samples.append(sample)
         return results
+
+    def _sample(self, logits: torch.Tensor, rows: list[int], requests: list[SampleRequest]) -> list:
+        """One (token, logprobs) per row, batched; if the batch raises, row by row, so a row that
+        cannot be sampled gets its exception in place of a token and the others still sample."""
+        try:
+            return self.sampler(logits[torch.tensor(rows, device=logits.device)], requests)
+        except Exception as exc:  # noqa: BLE001 - attributed row by row below
+            if is_fatal_error(exc):
+                raise
+            out = []
+            for row, request in zip(rows, requests):
+                try:
+                    out += self.sampler(logits[row : row + 1], [request])
+                except Exception as row_exc:  # noqa: BLE001 - this row's request fails alone
+                    if is_fatal_error(row_exc):
+                        raise
+                    out.append(row_exc)
+            return out

@@ -59,7 +59,11 @@ class Scheduler:
     def add(self, request: Request) -> None:
         self.waiting.append(request)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, only: Request | None = None) -> SchedulerOutput:
+        """The step's chunks; `only` restricts the step to that one request (running, or admitted
+        from wherever it waits), which the engine uses to find the request a failed step was due to."""
+        if only is not None:
+            return self._schedule_only(only)
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         for request in sorted(self.running, key=lambda r: (not r.is_decode, r.arrival)):
@@ -92,6 +96,42 @@ class Scheduler:
             out.chunks.append(chunk)
             budget -= n
         return out
+
+    def _schedule_only(self, request: Request) -> SchedulerOutput:
+        out = SchedulerOutput()
+        if request.status is Status.WAITING:
+            need = request.params.n if not request.output_ids and request.sample_index == 0 else 1
+            while self.running and len(self.running) + need > self.max_num_seqs:
+                self._preempt(max(self.running, key=lambda r: r.arrival), out)
+            self._restore_prefix(request)
+            self.waiting.remove(request)
+            request.status = Status.RUNNING
+            self.running.append(request)
+        if request.status is not Status.RUNNING:
+            return out
+        n = min(request.num_pending, self.max_num_batched_tokens)
+        while (chunk := self._reserve(request, n)) is None:
+            others = [r for r in self.running if r is not request]
+            if not others:  # cannot happen: the pool holds one max_model_len sequence
+                raise RuntimeError(f"the cache cannot hold request {request.request_id!r} alone")
+            self._preempt(max(others, key=lambda r: r.arrival), out)
+        out.chunks.append(chunk)
+        return out
+
+    def retry_later(self, sched: SchedulerOutput) -> None:
+        """After a failed forward: free the pages of every request of the step (the forward may have
+        written part of their KDA state) and put them back at the front of the queue, in arrival
+        order, to be recomputed. Not a preemption: the preemption counters do not move."""
+        requests = [c.request for c in sched.chunks]
+        for chunk in sched.chunks:
+            self.allocator.decref(chunk.snapshot_state_pages)
+            chunk.snapshot_state_pages = []
+        for request in sorted(requests, key=lambda r: r.arrival, reverse=True):
+            if request.status is Status.RUNNING:
+                self._release(request)
+                self.running.remove(request)
+                request.status = Status.WAITING
+                self.waiting.appendleft(request)
 
     def _restore_prefix(self, request: Request) -> None:
         """Start from the longest cached prefix that ends at a snapshot (never the whole sequence)."""
@@ -173,7 +213,7 @@ class Scheduler:
         """End a sample: keep a snapshot of its cached tokens for later prompts, free its pages."""
         if request.status is Status.RUNNING:
             self.running.remove(request)
-            if self.enable_prefix_caching and reason != "abort" and request.num_computed:
+            if self.enable_prefix_caching and reason not in ("abort", "error") and request.num_computed:
                 self.allocator.snapshot(request.all_ids[: request.num_computed], request.block_table, request.state_pages)
         elif request.status is Status.WAITING:
             self.waiting.remove(request)
@@ -186,6 +226,11 @@ class Scheduler:
             request = chunk.request
             self.allocator.snapshot(request.prompt_ids[:-1], request.block_table, chunk.snapshot_state_pages)
             self.allocator.decref(chunk.snapshot_state_pages)  # the snapshot holds them now (or they are free)
+
+    def drop_prompt_snapshot(self, chunk: ScheduledChunk) -> None:
+        """After the step, for a chunk whose request ended during it: release the snapshot pages."""
+        self.allocator.decref(chunk.snapshot_state_pages)
+        chunk.snapshot_state_pages = []
 
     def fork(self, parent: Request, sample_index: int, arrival: int) -> Request:
         """Another sample of a request sharing the parent's pages (copy-on-write from here on)."""
