@@ -10,7 +10,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from kimiserve.engine.args import EngineArgs
-from kimiserve.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from kimiserve.engine.async_engine import AsyncLLMEngine, EngineDeadError, OutputOverflowError, OutputSink
 from kimiserve.entrypoints.openai.api_server import build_app
 from kimiserve.entrypoints.openai.server_args import ServerArgs
 from kimiserve.sampling_params import SamplingParams
@@ -49,7 +49,9 @@ def test_generate_streams_and_matches_the_offline_engine():
         return results
 
     for (deltas, last), exp in zip(run(main()), expected):
-        assert last.finished and deltas == last.outputs[0].token_ids == exp.outputs[0].token_ids
+        # DELTA outputs: each holds only the new tokens, and together they are the offline result
+        assert last.finished and deltas == exp.outputs[0].token_ids
+        assert last.outputs[0].token_ids == last.outputs[0].delta_token_ids
 
 
 def test_closing_the_consumer_aborts_and_frees_pages():
@@ -57,9 +59,10 @@ def test_closing_the_consumer_aborts_and_frees_pages():
         engine = make_engine()
         engine.start()
         params = SamplingParams(max_tokens=200, ignore_eos=True)
-        gen = engine.generate("long", "Hello there", params)
+        gen, seen = engine.generate("long", "Hello there", params), 0
         async for out in gen:
-            if len(out.outputs[0].token_ids) >= 3:
+            seen += len(out.outputs[0].token_ids)
+            if seen >= 3:
                 break
         await gen.aclose()  # what a client disconnect does to the stream
         # a consumer cancelled while waiting also aborts
@@ -87,9 +90,9 @@ def test_a_consumer_that_stops_reading_does_not_stall_the_others():
         engine.start()
         stalled = engine.generate("stalled", "Hello", SamplingParams(max_tokens=60, ignore_eos=True))
         await stalled.__anext__()  # reads one output, then nothing while the other request runs
-        out = None
+        out, read = None, 0
         async for out in engine.generate("reader", "Kimi", SamplingParams(max_tokens=20, ignore_eos=True)):
-            pass
+            read += len(out.outputs[0].token_ids)
         for _ in range(100):  # the stalled request keeps running to its end without its reader
             if engine.stats()["running"] == 0:
                 break
@@ -97,11 +100,11 @@ def test_a_consumer_that_stops_reading_does_not_stall_the_others():
         finished_unread = engine.stats()["running"] == 0
         rest = [o async for o in stalled]  # everything it made was kept for it
         await engine.shutdown()
-        return out, finished_unread, rest
+        return out, read, finished_unread, rest
 
-    out, finished_unread, rest = run(main())
-    assert out.finished and len(out.outputs[0].token_ids) == 20
-    assert finished_unread and rest[-1].finished and len(rest[-1].outputs[0].token_ids) == 60
+    out, read, finished_unread, rest = run(main())
+    assert out.finished and read == 20
+    assert finished_unread and rest[-1].finished and sum(len(o.outputs[0].token_ids) for o in rest) == 59
 
 
 def test_bad_request_raises_value_error_and_leaves_nothing():
@@ -109,9 +112,9 @@ def test_bad_request_raises_value_error_and_leaves_nothing():
         engine = make_engine()
         engine.start()
         with pytest.raises(ValueError, match="max_model_len"):
-            await engine.add_request("x", list(range(1, 300)), SamplingParams(), asyncio.Queue())
+            await engine.add_request("x", list(range(1, 300)), SamplingParams(), OutputSink())
         with pytest.raises(ValueError, match="already in use"):
-            sink = asyncio.Queue()
+            sink = OutputSink()
             await engine.add_request("dup", "a", SamplingParams(max_tokens=50), sink)
             await engine.add_request("dup", "b", SamplingParams(), sink)
         engine.abort("dup")
@@ -166,11 +169,12 @@ def test_a_failing_step_kills_the_engine_and_tells_every_consumer():
     async def main():
         engine = engine_failing_at_step(3)
         engine.start()
-        with pytest.raises(EngineDeadError, match="boom"):
+        with pytest.raises(EngineDeadError, match="restarting") as info:
             await _drain(engine.generate("a", "Hi", SamplingParams(max_tokens=50, ignore_eos=True)))
+        assert "boom" not in str(info.value)  # clients never see internal exception text
         assert engine.errored and isinstance(engine.dead_error, RuntimeError) and not engine.is_running
         with pytest.raises(EngineDeadError):
-            await engine.add_request("b", "Hi", SamplingParams(), asyncio.Queue())
+            await engine.add_request("b", "Hi", SamplingParams(), OutputSink())
         await engine.shutdown()
 
     run(main())
@@ -186,10 +190,11 @@ def test_app_reports_a_dead_engine_as_503_and_in_stream():
             events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
         assert events[-1] == "[DONE]"
         error = json.loads(events[-2])["error"]
-        assert error["code"] == "engine_dead" and "boom" in error["message"]
+        assert error["code"] == "engine_dead" and "boom" not in error["message"]
         assert client.get("/health").status_code == 503
         r = client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
         assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
+        assert "boom" not in r.text and "boom" not in client.get("/health").text
         assert client.get("/metrics").status_code == 200
     assert not any(t.name == "kimiserve-engine" and t.is_alive() for t in threading.enumerate())
 
@@ -202,3 +207,82 @@ def test_apps_have_their_own_registries():
         text_a, text_b = ca.get("/metrics").text, cb.get("/metrics").text
     assert 'kimiserve:generation_tokens_total{model_name="tiny"} 3.0' in text_a
     assert 'kimiserve:generation_tokens_total{model_name="tiny"} 0.0' in text_b
+
+
+def test_a_failing_request_fails_alone_and_the_engine_goes_on():
+    """A step error traced to one request (here its detokenizer raises) reaches that request's
+    consumer as RequestFailedError (no internal text); the other request finishes and the engine
+    keeps serving."""
+    from kimiserve.engine.async_engine import RequestFailedError
+
+    async def main():
+        engine = make_engine()
+        original = engine.engine._attach_detokenizer
+
+        def attach(request):
+            original(request)
+            if request.request_id == "bad":
+                def add(token_id):
+                    raise KeyError("detokenizer broke")
+                request.detokenizer.add = add
+
+        engine.engine._attach_detokenizer = attach
+        engine.start()
+        params = SamplingParams(max_tokens=8, ignore_eos=True)
+
+        async def one(rid):
+            tokens = 0
+            async for out in engine.generate(rid, "Hello", params):
+                tokens += len(out.outputs[0].token_ids)
+            return tokens
+
+        good, bad = await asyncio.gather(one("good"), one("bad"), return_exceptions=True)
+        after = await one("after")
+        stats = engine.stats()
+        await engine.shutdown()
+        return good, bad, after, stats, engine
+
+    good, bad, after, stats, engine = run(main())
+    assert good == 8 and after == 8
+    assert isinstance(bad, RequestFailedError) and "detokenizer broke" not in str(bad) and "bad" in str(bad)
+    assert stats["failed_requests"] == 1 and not engine.errored
+    engine.engine.check_idle()
+
+
+def test_a_fatal_step_error_runs_the_dead_callbacks():
+    async def main():
+        engine = engine_failing_at_step(2)
+        called = asyncio.Event()
+        engine.add_dead_callback(called.set)
+        engine.start()
+        with pytest.raises(EngineDeadError):
+            await _drain(engine.generate("a", "Hi", SamplingParams(max_tokens=50, ignore_eos=True)))
+        await asyncio.wait_for(called.wait(), 5)
+        await engine.shutdown()
+
+    run(main())
+
+
+def test_a_sink_over_its_bound_aborts_its_request_and_frees_its_pages():
+    """An unread sink holds at most max_bytes: past it the request is aborted (pages freed), what was
+    queued is dropped, and the consumer's next read is an OutputOverflowError."""
+    async def main():
+        engine = make_engine()
+        engine.start()
+        aborted = []
+        sink = OutputSink(max_bytes=4000, on_overflow=lambda: (aborted.append(1), engine.abort("unread")))
+        await engine.add_request("unread", "Hello", SamplingParams(max_tokens=200, ignore_eos=True, logprobs=5), sink)
+        for _ in range(200):
+            if sink.overflowed and engine.stats()["running"] == 0:
+                break
+            await asyncio.sleep(0.02)
+        stats, queued, pending = engine.stats(), sink.qsize(), sink.pending_bytes
+        item = await sink.get()
+        await engine.shutdown()
+        return stats, queued, pending, aborted, item, engine
+
+    stats, queued, pending, aborted, item, engine = run(main())
+    assert isinstance(item, OutputOverflowError) and "did not read" in str(item)
+    assert aborted == [1] and queued == 1 and pending == 0
+    assert stats["running"] == 0 and stats["pages_used"] == stats["pages_cached"]
+    engine.engine.check_idle()

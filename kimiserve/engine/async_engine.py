@@ -3,43 +3,118 @@
 The engine thread is the only caller of the `LLMEngine` (one engine call at a time). The event
 loop hands it commands (add, abort) through a locked list and a condition variable; the thread
 applies them between steps, runs a step, and posts the step's outputs back to the loop with one
-`loop.call_soon_threadsafe` per step, where each request's output lands in its consumer's
-`asyncio.Queue` (its "sink"). Queues are unbounded, so a slow consumer only grows its own queue
-and never stalls the engine or the other requests. With nothing to do the thread waits on the
-condition variable (no polling).
+`loop.call_soon_threadsafe` per step, where each request's output lands in its consumer's sink
+(an `OutputSink`, or any queue with `put_nowait`). A streaming consumer gets DELTA outputs (only
+what is new); a `final_only` consumer gets one output, the whole result, when the request
+finishes (the deltas are folded in the engine thread). An `OutputSink` holds at most `max_bytes`
+of unread output: past that its requests are aborted (their pages freed) and the consumer gets
+an `OutputOverflowError` item, so a client that stops reading costs bounded memory and never stalls
+the engine or the other requests. With nothing to do the thread waits on the condition variable.
 
     engine = AsyncLLMEngine.from_engine_args(EngineArgs(model="tiny"))
     engine.start()                                  # inside the running event loop
     async for out in engine.generate("r1", "Hello", SamplingParams(max_tokens=8)):
-        print(out.outputs[0].delta_text)
+        print(out.outputs[0].text)                  # DELTA: the new text of this step
     await engine.shutdown()
 
-Leaving a `generate` loop early (break, cancellation, client disconnect) aborts the request:
-its pages are freed before the next step. If a step raises, the engine is dead: `errored` is
-True, `dead_error` holds the exception, every consumer receives an `EngineDeadError`, and new
-requests are refused with it.
+Leaving a `generate` loop early (break, cancellation, client disconnect) aborts the request: its
+pages are freed before the next step. A request that fails inside the engine (`LLMEngine.step`
+blames it) ends alone with a `RequestFailedError`. A fatal error ends the engine: `errored` is
+True, `dead_error` holds the exception, every consumer receives an `EngineDeadError` (whose
+message has no internal details), new requests are refused with it, and the callbacks given to
+`add_dead_callback` run on the event loop (the server exits so that its supervisor restarts it).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from kimiserve.engine.args import EngineArgs
 from kimiserve.engine.engine import LLMEngine
-from kimiserve.engine.outputs import RequestOutput
+from kimiserve.engine.outputs import RequestOutput, RequestOutputKind, merge_delta
 from kimiserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("kimiserve.engine")
 
+DEAD_MESSAGE = ("the engine stopped after an internal error and the server is restarting; retry the request "
+                "shortly")
+SHUTDOWN_MESSAGE = "the server is shutting down"
+
 
 class EngineDeadError(RuntimeError):
-    """The engine thread stopped (a step raised, or the engine was shut down)."""
+    """The engine thread stopped (a fatal error, or the engine was shut down); the message is fit
+    for clients."""
+
+
+class RequestFailedError(RuntimeError):
+    """One request failed inside the engine; the engine goes on. The message is fit for clients."""
+
+
+class OutputOverflowError(RuntimeError):
+    """A consumer left more than its sink's bound of output unread; its requests were aborted."""
+
+
+def output_bytes(out: RequestOutput) -> int:
+    """Rough bytes of Python objects one output holds (text, token ids, logprob entries)."""
+    def logprob_bytes(entries) -> int:
+        return sum(120 + 72 * len(e.top) for e in entries if e is not None) if entries else 0
+
+    total = 200 + logprob_bytes(out.prompt_logprobs)
+    for c in out.outputs:
+        total += 150 + len(c.text) + len(c.delta_text) + 36 * (len(c.token_ids) + len(c.delta_token_ids))
+        total += logprob_bytes(c.logprobs)
+    return total
+
+
+class OutputSink:
+    """An asyncio queue of engine outputs for one consumer (one HTTP request), holding at most
+    `max_bytes` (estimated by `output_bytes`) of unread output. On overflow the queued outputs are
+    dropped, `on_overflow` runs once (the server aborts the sink's requests there), later outputs
+    are dropped and the consumer's next `get` returns an `OutputOverflowError`. Event-loop only."""
+
+    def __init__(self, max_bytes: int | None = None, on_overflow: Callable[[], None] | None = None):
+        self.max_bytes = max_bytes
+        self.on_overflow = on_overflow
+        self.pending_bytes = 0
+        self.overflowed = False
+        self._items: collections.deque[tuple[Any, int]] = collections.deque()
+        self._ready = asyncio.Event()
+
+    def qsize(self) -> int:
+        return len(self._items)
+
+    def put_nowait(self, item: Any) -> None:
+        if self.overflowed:
+            return
+        size = output_bytes(item) if isinstance(item, RequestOutput) else 0
+        self._items.append((item, size))
+        self.pending_bytes += size
+        if self.max_bytes is not None and self.pending_bytes > self.max_bytes and not isinstance(item, BaseException):
+            self.overflowed = True
+            unread = self.pending_bytes
+            self._items.clear()
+            self.pending_bytes = 0
+            self._items.append((OutputOverflowError(
+                f"the client did not read its output: about {unread:,} bytes were waiting, more than the server's "
+                f"limit of {self.max_bytes:,} (--max-queued-output-bytes); the request was aborted"), 0))
+            if self.on_overflow is not None:
+                self.on_overflow()
+        self._ready.set()
+
+    async def get(self) -> Any:
+        while not self._items:
+            self._ready.clear()
+            await self._ready.wait()
+        item, size = self._items.popleft()
+        self.pending_bytes -= size
+        return item
 
 
 @dataclass
@@ -47,9 +122,13 @@ class RequestRecord:
     """What the engine thread knows about one request beyond the engine itself (for metrics)."""
 
     request_id: str
-    sink: asyncio.Queue
+    sink: Any
+    """Where its outputs go: an OutputSink or anything with `put_nowait`."""
     arrival: float
     """time.monotonic() when the request was submitted."""
+    final_only: bool = False
+    """Deliver one output, the whole result, when it finishes (folded from the engine's deltas)."""
+    total: RequestOutput | None = None
     num_prompt_tokens: int = 0
     first_token_time: float | None = None
     last_token_time: float | None = None
@@ -75,6 +154,7 @@ class AsyncLLMEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._records: dict[str, RequestRecord] = {}  # engine thread only
         self._dead: BaseException | None = None
+        self._dead_callbacks: list[Callable[[], None]] = []
         self._stats: dict[str, Any] = engine.stats()
 
     @classmethod
@@ -115,6 +195,11 @@ class AsyncLLMEngine:
         self._thread = threading.Thread(target=self._run, name="kimiserve-engine", daemon=True)
         self._thread.start()
 
+    def add_dead_callback(self, callback: Callable[[], None]) -> None:
+        """Run `callback()` on the event loop once the engine has died of a fatal error (after its
+        consumers were sent their EngineDeadError)."""
+        self._dead_callbacks.append(callback)
+
     def stop(self) -> None:
         """Tell the thread to stop (never blocks): unfinished requests are aborted between steps and
         their consumers get EngineDeadError; new requests are refused."""
@@ -130,14 +215,15 @@ class AsyncLLMEngine:
 
     # requests ------------------------------------------------------------------------------------
     async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                          sink: asyncio.Queue, arrival: float | None = None) -> None:
-        """Queue a request whose outputs go to `sink` (a RequestOutput per step it progresses, or an
-        EngineDeadError). Returns once the engine accepted it; the engine's ValueError is raised here."""
+                          sink: Any, arrival: float | None = None, final_only: bool = False) -> None:
+        """Queue a request whose outputs go to `sink` (a DELTA RequestOutput per step it progresses,
+        or with `final_only` one whole RequestOutput when it finishes; or an exception: EngineDeadError,
+        RequestFailedError). Returns once the engine accepted it; the engine's ValueError is raised here."""
         self._check_alive()
         if self._loop is None:
             raise RuntimeError("AsyncLLMEngine.start() was not called")
         accepted = self._loop.create_future()
-        record = RequestRecord(request_id, sink, arrival if arrival is not None else time.monotonic())
+        record = RequestRecord(request_id, sink, arrival if arrival is not None else time.monotonic(), final_only)
         self._submit(("add", record, prompt, params, accepted))
         try:
             await accepted
@@ -151,8 +237,9 @@ class AsyncLLMEngine:
 
     async def generate(self, request_id: str, prompt: str | list[int],
                        params: SamplingParams) -> AsyncIterator[RequestOutput]:
-        """Stream one request's outputs; the last has `finished=True`. Closing early aborts it."""
-        sink: asyncio.Queue = asyncio.Queue()
+        """Stream one request's outputs (DELTA: each holds what is new); the last has `finished=True`.
+        Closing early aborts it."""
+        sink = OutputSink()
         await self.add_request(request_id, prompt, params, sink)
         finished = False
         try:
@@ -169,9 +256,9 @@ class AsyncLLMEngine:
     # internals -----------------------------------------------------------------------------------
     def _check_alive(self) -> None:
         if self._dead is not None:
-            raise EngineDeadError(f"the engine is dead: {self._dead!r}") from self._dead
+            raise EngineDeadError(DEAD_MESSAGE) from self._dead
         if self._stopping:
-            raise EngineDeadError("the engine is shutting down")
+            raise EngineDeadError(SHUTDOWN_MESSAGE)
 
     def _submit(self, command: tuple) -> None:
         with self._cv:
@@ -197,7 +284,7 @@ class AsyncLLMEngine:
                 for command in commands:
                     self._apply(command)
                 if stopping:
-                    self._stop(EngineDeadError("the engine was shut down"))
+                    self._stop(EngineDeadError(SHUTDOWN_MESSAGE))
                     return
                 if engine.has_unfinished_requests():
                     before = engine.num_steps
@@ -206,10 +293,12 @@ class AsyncLLMEngine:
                         raise RuntimeError("the engine scheduled nothing while requests wait")
                     self._dispatch(outputs)
                 self._stats = engine.stats()
-        except BaseException as exc:  # noqa: BLE001 - the engine is dead; tell everyone why
-            logger.exception("engine step failed; the engine is dead")
+        except BaseException as exc:  # noqa: BLE001 - the engine is dead; tell everyone (no internals)
+            logger.critical("the engine hit a fatal error and stopped", exc_info=exc)
             self._dead = exc
-            self._stop(EngineDeadError(f"the engine died: {exc!r}"))
+            self._stop(EngineDeadError(DEAD_MESSAGE))
+            for callback in self._dead_callbacks:
+                self._post(callback)
 
     def _apply(self, command: tuple) -> None:
         if command[0] == "abort":
@@ -221,7 +310,7 @@ class AsyncLLMEngine:
             return
         _, record, prompt, params, accepted = command
         try:
-            self.engine.add_request(record.request_id, prompt, params)
+            self.engine.add_request(record.request_id, prompt, params, RequestOutputKind.DELTA)
         except Exception as exc:  # noqa: BLE001 - refused requests are the caller's error, not the engine's
             self._post(_settle, accepted, exc)
             return
@@ -243,7 +332,14 @@ class AsyncLLMEngine:
                     self.observer.on_output(record, out, now)
                 except Exception:  # noqa: BLE001 - metrics must never kill the engine
                     logger.exception("metrics observer failed")
-            deliveries.append((record.sink, out))
+            if out.error is not None:
+                deliveries.append((record.sink, RequestFailedError(out.error)))
+            elif record.final_only:
+                record.total = merge_delta(record.total, out)
+                if out.finished:
+                    deliveries.append((record.sink, record.total))
+            else:
+                deliveries.append((record.sink, out))
         if deliveries:
             self._post(_deliver, deliveries)
 

@@ -179,6 +179,7 @@ class KimiTokenizer:
         self.chat_template = chat_template
         self._tokenizer_json = tokenizer_json
         self._compiled = None
+        self._template_variables: frozenset[str] | None = None
 
     # ---- vocabulary ------------------------------------------------------------------------
     @property
@@ -249,19 +250,47 @@ class KimiTokenizer:
     def set_chat_template(self, template: str) -> None:
         """Use this Jinja chat template instead of the folder's (ValueError if it does not compile)."""
         self._compiled = _compile_template(template)
+        self._template_variables = None
         self.chat_template = template
 
-    def apply_chat_template(self, messages, tools=None, add_generation_prompt: bool = True,
+    def apply_chat_template(self, messages, /, tools=None, add_generation_prompt: bool = True,
                             tokenize: bool = False, **template_kwargs) -> str | list[int]:
+        """Render a conversation. Extra keywords become template variables; ValueError for one that
+        would replace the template's own inputs or its globals (`messages`, `namespace`, ...), and for
+        a conversation the template cannot render (its `raise_exception`, or a Jinja error)."""
+        import jinja2
+
         _check_messages(messages)
         _check_tools(tools)
         if self._compiled is None:
             self._compiled = _compile_template(self.chat_template)
+        clash = sorted(set(template_kwargs) & (TEMPLATE_INPUTS | set(self._compiled.environment.globals)))
+        if clash:
+            raise ValueError(f"chat_template_kwargs: {', '.join(map(repr, clash))} cannot be set: the chat "
+                             f"template defines {'it' if len(clash) == 1 else 'them'} itself")
         context = dict(template_kwargs)
         context.update(messages=list(messages), tools=_deep_sorted(tools) if tools else None,
                        add_generation_prompt=add_generation_prompt)
-        text = self._compiled.render(**context)
+        try:
+            text = self._compiled.render(context)
+        except jinja2.TemplateError as e:
+            raise ValueError(f"the chat template cannot render these messages: {e}") from e
+        except (TypeError, AttributeError, KeyError, IndexError, ArithmeticError) as e:  # a value of the wrong shape
+            raise ValueError(f"the chat template cannot render these messages ({type(e).__name__}: {e})") from e
         return self.encode(text, allow_special=True) if tokenize else text
+
+    def chat_template_variables(self) -> frozenset[str]:
+        """The variables the chat template reads beyond its own inputs and globals: the names that
+        `chat_template_kwargs` can usefully set (e.g. a thinking switch)."""
+        if self._compiled is None:
+            self._compiled = _compile_template(self.chat_template)
+        if self._template_variables is None:
+            from jinja2 import meta
+
+            env = self._compiled.environment
+            names = meta.find_undeclared_variables(env.parse(self.chat_template))
+            self._template_variables = frozenset(names - TEMPLATE_INPUTS - set(env.globals))
+        return self._template_variables
 
     # ---- persistence -----------------------------------------------------------------------
     def save_pretrained(self, folder) -> list[Path]:
@@ -363,6 +392,10 @@ def _resolve_folder(path) -> Path:
     if "/" not in text and "\\" not in text and (PRESETS_DIR / text).is_dir():
         return PRESETS_DIR / text
     return Path(path)
+
+
+TEMPLATE_INPUTS = frozenset({"messages", "tools", "add_generation_prompt"})
+"""What apply_chat_template itself passes to the template."""
 
 
 def _compile_template(template: str):

@@ -25,14 +25,14 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kimiserve.engine.args import EngineArgs
-from kimiserve.engine.async_engine import AsyncLLMEngine, EngineDeadError
-from kimiserve.entrypoints.openai.errors import OpenAIError, from_validation_error, from_value_error
+from kimiserve.engine.async_engine import DEAD_MESSAGE, AsyncLLMEngine, EngineDeadError
+from kimiserve.entrypoints.openai.errors import JSONResponse, OpenAIError, from_validation_error, from_value_error
 from kimiserve.entrypoints.openai.metrics import ServerMetrics
 from kimiserve.entrypoints.openai.protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest)
 from kimiserve.entrypoints.openai.serving_chat import create_chat_completion, render_chat
 from kimiserve.entrypoints.openai.serving_completion import create_completion
-from kimiserve.entrypoints.openai.serving_utils import ServingContext, now, token_str
+from kimiserve.entrypoints.openai.serving_utils import ServingContext, internal_error, now, token_str
 from kimiserve.entrypoints.openai.server_args import ServerArgs
 
 logger = logging.getLogger("kimiserve.server")
@@ -80,6 +80,10 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def engine_dead(_: Request, exc: EngineDeadError):
         return OpenAIError(str(exc), 503, None, "engine_dead").response()
 
+    @app.exception_handler(RecursionError)
+    async def too_deep(_: Request, exc: RecursionError):
+        return OpenAIError("the request is nested too deeply", 400).response()
+
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
         message = {404: f"no route {request.method} {request.url.path}",
@@ -90,9 +94,9 @@ def _install_error_handlers(app: FastAPI) -> None:
         return response
 
     @app.exception_handler(Exception)
-    async def internal_error(_: Request, exc: Exception):
-        logger.error("unhandled error: %r", exc, exc_info=exc)
-        return OpenAIError(f"internal error: {type(exc).__name__}: {exc}", 500).response()
+    async def unhandled_error(request: Request, exc: Exception):
+        logger.error("unhandled error in %s %s", request.method, request.url.path, exc_info=exc)
+        return internal_error().response()
 
 
 def build_app(engine: AsyncLLMEngine, args: ServerArgs | None = None) -> FastAPI:
@@ -103,7 +107,8 @@ def build_app(engine: AsyncLLMEngine, args: ServerArgs | None = None) -> FastAPI
     metrics = ServerMetrics(names[0])
     engine.observer = metrics
     metrics.attach(engine)
-    ctx = ServingContext(engine, names, args.reasoning_parser, args.tool_call_parser, args.enable_auto_tool_choice)
+    ctx = ServingContext(engine, names, args.reasoning_parser, args.tool_call_parser, args.enable_auto_tool_choice,
+                         args.max_queued_output_bytes, args.stream_send_timeout)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -112,6 +117,7 @@ def build_app(engine: AsyncLLMEngine, args: ServerArgs | None = None) -> FastAPI
             yield
         finally:
             await engine.shutdown()
+            ctx.executor.shutdown(wait=False, cancel_futures=True)
 
     template = args.chat_template_text()
     if template is not None:
@@ -131,9 +137,8 @@ def build_app(engine: AsyncLLMEngine, args: ServerArgs | None = None) -> FastAPI
     @app.get("/health")
     async def health() -> Response:
         if engine.errored or not engine.is_running:
-            error = engine.dead_error
-            return OpenAIError(f"the engine is not running: {error!r}" if error else "the engine is not running",
-                               503, None, "engine_dead").response()
+            message = DEAD_MESSAGE if engine.errored else "the engine is not running"
+            return OpenAIError(message, 503, None, "engine_dead").response()
         return Response(status_code=200)
 
     @app.get("/version")
@@ -156,37 +161,49 @@ def build_app(engine: AsyncLLMEngine, args: ServerArgs | None = None) -> FastAPI
     async def get_model(model: str):
         return model_card(ctx.check_model(model))
 
-    @app.post("/v1/completions")
-    async def completions(req: CompletionRequest, raw: Request) -> Response:
-        return await create_completion(ctx, req, raw)
+    # request bodies are parsed by ctx.parse (off the event loop when large), so the routes take the
+    # raw Request; openapi_extra keeps each body's schema in /openapi.json
+    def body_schema(model) -> dict:
+        return {"requestBody": {"required": True, "content": {"application/json": {"schema": model.model_json_schema()}}}}
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
-        return await create_chat_completion(ctx, req, raw)
+    @app.post("/v1/completions", openapi_extra=body_schema(CompletionRequest))
+    async def completions(raw: Request) -> Response:
+        return await create_completion(ctx, await ctx.parse(raw, CompletionRequest), raw)
 
-    @app.post("/tokenize")
-    async def tokenize(req: TokenizeRequest):
+    @app.post("/v1/chat/completions", openapi_extra=body_schema(ChatCompletionRequest))
+    async def chat_completions(raw: Request) -> Response:
+        return await create_chat_completion(ctx, await ctx.parse(raw, ChatCompletionRequest), raw)
+
+    @app.post("/tokenize", openapi_extra=body_schema(TokenizeRequest))
+    async def tokenize(raw: Request):
+        req = await ctx.parse(raw, TokenizeRequest)
         ctx.check_model(req.model)
         tokenizer = ctx.need_tokenizer("/tokenize")
         if (req.prompt is None) == (req.messages is None):
             raise OpenAIError("give exactly one of prompt and messages", 400, "prompt")
-        if req.messages is not None:
-            text = render_chat(ctx, req.messages, req.tools, req.add_generation_prompt, req.chat_template_kwargs)
-        else:
-            text = req.prompt
-        tokens = tokenizer.encode(text)
-        return {"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": tokens,
-                "token_strs": [token_str(tokenizer, t) for t in tokens] if req.return_token_strs else None}
 
-    @app.post("/detokenize")
-    async def detokenize(req: DetokenizeRequest):
+        def run() -> dict:
+            if req.messages is not None:
+                text = render_chat(ctx, req.messages, req.tools, req.add_generation_prompt, req.chat_template_kwargs)
+            else:
+                text = req.prompt
+            tokens = tokenizer.encode(text)
+            return {"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": tokens,
+                    "token_strs": [token_str(tokenizer, t) for t in tokens] if req.return_token_strs else None}
+
+        size = len(req.prompt) if req.prompt is not None else sum(len(m.text() or "") for m in req.messages)
+        return JSONResponse(await ctx.maybe_blocking(size, run))
+
+    @app.post("/detokenize", openapi_extra=body_schema(DetokenizeRequest))
+    async def detokenize(raw: Request):
+        req = await ctx.parse(raw, DetokenizeRequest)
         ctx.check_model(req.model)
         tokenizer = ctx.need_tokenizer("/detokenize")
         for i, t in enumerate(req.tokens):
             if t >= tokenizer.vocab_size:
                 raise OpenAIError(f"token id {t} is outside the vocabulary [0, {tokenizer.vocab_size})", 400,
                                   f"tokens[{i}]")
-        return {"prompt": tokenizer.decode(req.tokens)}
+        return JSONResponse({"prompt": await ctx.maybe_blocking(len(req.tokens) * 4, tokenizer.decode, req.tokens)})
 
     return app
 
@@ -241,5 +258,11 @@ def run_server(engine_args: EngineArgs, server_args: ServerArgs) -> int:
                             access_log=not server_args.disable_uvicorn_access_log,
                             timeout_graceful_shutdown=server_args.shutdown_timeout + SHUTDOWN_MARGIN_S)
     server = _Server(config, engine, server_args.shutdown_timeout)
+
+    def engine_died() -> None:  # the streams already got their error: shut down and exit non-zero
+        logger.critical("the engine is dead: the server stops with exit code 1 so that its supervisor restarts it")
+        server.should_exit = True
+
+    engine.add_dead_callback(engine_died)
     server.run()
-    return 0 if server.started else 1
+    return 0 if server.started and not engine.errored else 1

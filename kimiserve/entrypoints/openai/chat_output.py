@@ -13,6 +13,9 @@ from dataclasses import dataclass, field
 from kimiserve.entrypoints.openai.reasoning_parser import KimiReasoningParser
 from kimiserve.entrypoints.openai.tool_parser import KimiToolParser, ToolCall, ToolCallDelta
 
+THINK_DONE = "<think></think>"
+"""An empty reasoning part: what the server forces before a tool call when reasoning is parsed."""
+
 
 @dataclass
 class DeltaMessage:
@@ -48,13 +51,26 @@ def _merge(deltas: list[ToolCallDelta]) -> list[ToolCallDelta]:
 
 
 class ChatOutputParser:
-    """Splits model output into reasoning, content and tool calls, as enabled."""
+    """Splits model output into reasoning, content and tool calls, as enabled.
 
-    def __init__(self, reasoning: bool, tools: bool) -> None:
+    `forced`: the text the server appended to the prompt to force a tool call (fed first by the
+    caller, as part of the output). Such an output is parsed the streaming way also by `parse`,
+    so a call cut short is the same call streamed or not; and if the model does not complete the
+    forced call, the server's markup is removed from the content it falls back to."""
+
+    def __init__(self, reasoning: bool, tools: bool, forced: str = "") -> None:
         self.reasoning = reasoning
         self.tools = tools
+        self.forced = forced
         self._reasoning = KimiReasoningParser() if reasoning else None
         self._tools = KimiToolParser() if tools else None
+        self._markup = forced.removeprefix(THINK_DONE) if tools else ""
+
+    def _unforced(self, content: str) -> str:
+        """Content without the forced tool-call markup, which can only lead the first content piece."""
+        if self._markup and content:
+            content, self._markup = content.removeprefix(self._markup), ""
+        return content
 
     def feed(self, delta_text: str) -> DeltaMessage:
         """Add streamed text; return what can be sent now."""
@@ -65,7 +81,9 @@ class ChatOutputParser:
         if self._tools is None:
             return DeltaMessage(reasoning, content)
         content, calls = self._tools.feed(content)
-        return DeltaMessage(reasoning, content, calls)
+        if calls:
+            self._markup = ""  # a committed call took the markup
+        return DeltaMessage(reasoning, self._unforced(content), calls)
 
     def finish(self) -> DeltaMessage:
         """End of stream: return what was held back."""
@@ -74,10 +92,12 @@ class ChatOutputParser:
             return DeltaMessage(reasoning, content)
         content, calls = self._tools.feed(content)
         tail, more = self._tools.finish()
-        return DeltaMessage(reasoning, content + tail, _merge(calls + more))
+        return DeltaMessage(reasoning, self._unforced(content + tail), _merge(calls + more))
 
     def parse(self, text: str) -> ParsedMessage:
         """Parse a whole output (non-streaming)."""
+        if self.forced:
+            return self._parse_streaming(text)
         reasoning: str | None = None
         content = text
         if self.reasoning:
@@ -86,3 +106,15 @@ class ChatOutputParser:
         if self.tools:
             content, calls = KimiToolParser().extract(content)
         return ParsedMessage(reasoning or None, None if not content and calls else content, calls)
+
+    def _parse_streaming(self, text: str) -> ParsedMessage:
+        parser = ChatOutputParser(self.reasoning, self.tools, self.forced)
+        first, last = parser.feed(text), parser.finish()
+        calls: dict[int, ToolCall] = {}
+        for d in first.tool_calls + last.tool_calls:
+            call = calls.setdefault(d.index, ToolCall(d.id or "", d.name or "", ""))
+            call.arguments += d.arguments
+        content = first.content + last.content
+        reasoning = first.reasoning_content + last.reasoning_content
+        return ParsedMessage(reasoning or None, None if not content and calls else content, list(calls.values()))
+

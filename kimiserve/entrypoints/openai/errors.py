@@ -112,7 +112,7 @@ def from_validation_error(exc: RequestValidationError) -> OpenAIError:
     if first.get("type") == "json_invalid":
         ctx = first.get("ctx") or {}
         return OpenAIError(f"the request body is not valid JSON: {ctx.get('error', first.get('msg'))}", 400)
-    if tuple(first.get("loc", ())) == ("body",):
+    if tuple(first.get("loc", ())) in (("body",), ()):
         return OpenAIError("the request body must be a JSON object (sent with Content-Type: application/json)", 400)
     param = loc_to_param(tuple(first.get("loc", ())))
     seen, parts = set(), []

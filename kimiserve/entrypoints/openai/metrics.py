@@ -21,7 +21,7 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                480.0, 960.0, 1920.0, 7680.0)
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
-FINISH_REASONS = ("stop", "length", "abort")
+FINISH_REASONS = ("stop", "length", "abort", "error")
 
 
 class _EngineCollector:
@@ -74,7 +74,8 @@ class ServerMetrics:
         self.generation_tokens = Counter("kimiserve:generation_tokens", "Generated tokens (all samples, aborted "
                                          "requests included).", labels, registry=r).labels(model_name)
         success = Counter("kimiserve:request_success", "Finished requests by finish reason (abort: the client "
-                          "left or the request was cancelled).", ["model_name", "finished_reason"], registry=r)
+                          "left or the request was cancelled; error: it failed inside the engine).",
+                          ["model_name", "finished_reason"], registry=r)
         self.success = {reason: success.labels(model_name, reason) for reason in FINISH_REASONS}
         self.ttft = Histogram("kimiserve:time_to_first_token_seconds", "Arrival to first generated token.",
                               labels, buckets=TTFT_BUCKETS, registry=r).labels(model_name)

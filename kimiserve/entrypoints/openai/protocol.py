@@ -54,6 +54,8 @@ class SamplingRequest(OpenAIBaseModel):
     stop_token_ids: list[Annotated[StrictInt, Field(ge=0)]] | None = None
     include_stop_str_in_output: StrictBool = False
     prompt_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    allowed_token_ids: list[Annotated[StrictInt, Field(ge=0)]] | None = None
+    bad_words: list[StrictStr] | None = None
 
     @field_validator("n")
     @classmethod
@@ -144,6 +146,26 @@ class ChatMessage(OpenAIBaseModel):
     tool_call_id: StrictStr | None = None
     reasoning_content: StrictStr | None = None
 
+    def text(self) -> str | None:
+        """The content as one string (its text parts joined), or None."""
+        if isinstance(self.content, list):
+            return "".join(p["text"] for p in self.content if isinstance(p, dict) and isinstance(p.get("text"), str))
+        return self.content
+
+
+def check_text_only(messages: list[ChatMessage]) -> None:
+    """This model reads text only: every content part must be {"type": "text", "text": "..."}.
+    Raises ValueError naming the part (a 400 at the server)."""
+    for i, m in enumerate(messages):
+        for j, part in enumerate(m.content if isinstance(m.content, list) else ()):
+            kind = part.get("type")
+            if kind != "text":
+                raise ValueError(f"messages[{i}].content[{j}].type: {kind!r} is not supported: this model takes "
+                                 f"text only (content parts of type 'text')")
+            if not isinstance(part.get("text"), str):
+                raise ValueError(f"messages[{i}].content[{j}].text: expected a string, got "
+                                 f"{type(part.get('text')).__name__}")
+
 
 class ResponseFormat(OpenAIBaseModel):
     type: Literal["text", "json_object", "json_schema"]
@@ -160,6 +182,13 @@ class ChatCompletionRequest(SamplingRequest):
     parallel_tool_calls: StrictBool | None = True
     response_format: ResponseFormat | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's chat extras
+    echo: StrictBool = False
+    """Start the reply with the last message's content when that message is the assistant's."""
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    """Render the final message open-ended so the model continues it (needs add_generation_prompt false)."""
+    include_reasoning: StrictBool = True
 
 
 class TokenizeRequest(OpenAIBaseModel):
@@ -178,3 +207,30 @@ class TokenizeRequest(OpenAIBaseModel):
 class DetokenizeRequest(OpenAIBaseModel):
     model: StrictStr | None = None
     tokens: list[Annotated[StrictInt, Field(ge=0)]]
+
+
+UNSUPPORTED_FIELDS: dict[str, tuple] = {
+    # name: the values that mean "not used" (accepted); any other value is a 400 naming the field
+    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
+    "guided_decoding_backend": (None,), "guided_whitespace_pattern": (None,), "structured_outputs": (None,),
+    "use_beam_search": (None, False), "length_penalty": (None, 1, 1.0), "early_stopping": (None, False),
+    "logits_processors": (None,), "truncate_prompt_tokens": (None,), "prompt_embeds": (None,),
+    "return_tokens_as_token_ids": (None, False), "return_token_ids": (None, False),
+    "spaces_between_special_tokens": (None, True), "mm_processor_kwargs": (None,), "documents": (None,),
+    "chat_template": (None,), "functions": (None,), "function_call": (None,), "audio": (None,),
+    "modalities": (None, ["text"]), "prediction": (None,), "web_search_options": (None,),
+    "kv_transfer_params": (None,), "vllm_xargs": (None,), "priority": (None, 0), "reasoning_effort": (None,),
+    "thinking_token_budget": (None,), "max_thinking_tokens": (None,), "cache_salt": (None,),
+}
+"""Request fields that OpenAI or vLLM define and this server does not implement. Unknown fields
+(`user`, `metadata`, ...) pass, as in vLLM; these would silently change what the client gets."""
+
+
+def unsupported_field(req: OpenAIBaseModel) -> str | None:
+    """The first field of UNSUPPORTED_FIELDS that the request sets to a value that would need it."""
+    extra = req.model_extra or {}
+    for name, inert in UNSUPPORTED_FIELDS.items():
+        if name in extra and not any(extra[name] == v and type(extra[name]) is type(v) for v in inert):
+            return name
+    return None
+

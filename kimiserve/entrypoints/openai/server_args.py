@@ -46,6 +46,12 @@ class ServerArgs:
     """uvicorn's log level."""
     disable_uvicorn_access_log: bool = False
     """Do not log each HTTP request."""
+    max_queued_output_bytes: int = 16 * 2**20
+    """Output one request may have generated but not yet sent, because its client does not read
+    (estimated bytes); past it the request is aborted, its pages freed, and its stream ends with an
+    error, so an unread stream costs bounded memory."""
+    stream_send_timeout: float = 60.0
+    """Seconds a stream may wait on a client that does not read before its connection is closed."""
 
     def validate(self) -> None:
         if not isinstance(self.port, int) or isinstance(self.port, bool) or not 0 <= self.port <= 65535:
@@ -56,6 +62,11 @@ class ServerArgs:
                 raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("enable_auto_tool_choice needs a tool_call_parser (--tool-call-parser kimi_k2)")
+        if isinstance(self.max_queued_output_bytes, bool) or not isinstance(self.max_queued_output_bytes, int) \
+                or self.max_queued_output_bytes < 2**16:
+            raise ValueError(f"max_queued_output_bytes must be an int >= 65536, got {self.max_queued_output_bytes!r}")
+        if not self.stream_send_timeout > 0:
+            raise ValueError(f"stream_send_timeout must be > 0, got {self.stream_send_timeout}")
         if not self.shutdown_timeout >= 0:
             raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
         if self.served_model_name is not None and (not self.served_model_name or not all(self.served_model_name)):

@@ -4,12 +4,12 @@ Output parsing (`ChatOutputParser`): reasoning when the server runs with `--reas
 tool calls when the request has tools and `tool_choice` is not "none" (`auto` needs
 `--enable-auto-tool-choice --tool-call-parser kimi_k2`, as in vLLM). There is no guided decoding:
 `required` and a named function force the start of a tool call by appending it to the prompt,
-and the parser is fed that forced text first, so the response includes it.
+and the parser is fed that forced text first. Forced calls are parsed the same way streamed or
+not (a call cut by max_tokens keeps what it has), and the forced markup never shows in `content`.
 """
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -17,16 +17,19 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
+from kimiserve.engine.async_engine import OutputSink
 from kimiserve.engine.outputs import RequestOutput
 from kimiserve.entrypoints.openai.chat_output import ChatOutputParser, DeltaMessage
 from kimiserve.entrypoints.openai.errors import JSONResponse, OpenAIError, from_value_error
-from kimiserve.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, ChatTool, NamedToolChoice
+from kimiserve.entrypoints.openai.protocol import (
+    ChatCompletionRequest, ChatMessage, ChatTool, NamedToolChoice, check_text_only)
 from kimiserve.entrypoints.openai.serving_utils import (
     ServingContext, SSEResponse, abort_all, chat_logprobs, check_common, final_outputs, max_tokens_for, new_id,
     now, outputs, prompt_logprobs, sampling_params, sse, stream_error, submit, unless_disconnected, usage)
 from kimiserve.entrypoints.openai.tool_parser import ARG_BEGIN, CALL_BEGIN, SECTION_BEGIN, ToolCallDelta
 
 TEMPLATE_RESERVED = ("messages", "tools", "add_generation_prompt", "tokenize")
+"""chat_template_kwargs keys that would replace what the server passes the template itself."""
 
 
 def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
@@ -41,18 +44,41 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
 
 
 def render_chat(ctx: ServingContext, messages: list[ChatMessage], tools: list[ChatTool] | None,
-                add_generation_prompt: bool = True, template_kwargs: dict[str, Any] | None = None) -> str:
+                add_generation_prompt: bool = True, template_kwargs: dict[str, Any] | None = None,
+                continue_final_message: bool = False) -> str:
+    """The prompt text (CPU-bound: call it off the event loop for big requests). chat_template_kwargs
+    the template does not read are dropped (as vLLM drops them); ones that would replace the
+    template's inputs are a 400. continue_final_message: the text ends right after the final
+    message's content, with no end-of-turn, so the model continues that message."""
     tokenizer = ctx.need_tokenizer("chat")
-    kwargs = {k: v for k, v in (template_kwargs or {}).items() if k not in TEMPLATE_RESERVED}
+    try:
+        check_text_only(messages)
+    except ValueError as exc:
+        raise from_value_error(exc) from None
+    kwargs = template_kwargs or {}
+    reserved = sorted(k for k in kwargs if k in TEMPLATE_RESERVED)
+    if reserved:
+        raise OpenAIError(f"chat_template_kwargs cannot set {', '.join(reserved)}: the server sets "
+                          f"{'it' if len(reserved) == 1 else 'them'}", 400, f"chat_template_kwargs.{reserved[0]}")
+    used = tokenizer.chat_template_variables()
+    kwargs = {k: v for k, v in kwargs.items() if k in used}
     tool_dicts = [t.model_dump(exclude_none=True) for t in tools] if tools else None
     try:
-        return tokenizer.apply_chat_template(template_messages(messages), tools=tool_dicts,
+        text = tokenizer.apply_chat_template(template_messages(messages), tools=tool_dicts,
                                              add_generation_prompt=add_generation_prompt, tokenize=False, **kwargs)
     except ValueError as exc:
         raise from_value_error(exc) from exc
     except RecursionError as exc:  # JSON nested deeper than the renderer recurses (tool schemas, arguments)
         raise OpenAIError("tools or messages are nested too deeply to render the chat template", 400,
                           "tools" if tools else "messages") from exc
+    if continue_final_message:
+        final = messages[-1].text()
+        at = text.rfind(final) if final else -1
+        if at < 0:
+            raise OpenAIError("continue_final_message needs a final message with text content to continue", 400,
+                              f"messages[{len(messages) - 1}].content")
+        text = text[: at + len(final)]
+    return text
 
 
 @dataclass
@@ -123,10 +149,21 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
                           f"does not have; only 'text' is supported", 400, "response_format.type")
     if req.top_logprobs is not None and not req.logprobs:
         raise OpenAIError("top_logprobs needs logprobs to be true", 400, "top_logprobs")
+    if req.continue_final_message and req.add_generation_prompt:
+        raise OpenAIError("continue_final_message and add_generation_prompt cannot both be true: set "
+                          "add_generation_prompt to false to continue the final message", 400, "continue_final_message")
     plan = plan_tools(ctx, req)
-    text = render_chat(ctx, req.messages, req.tools if plan.choice != "none" else None, True,
-                       req.chat_template_kwargs)
-    prompt_ids = tokenizer.encode(text + plan.forced)
+    if req.continue_final_message and plan.forced:
+        raise OpenAIError(f"continue_final_message cannot be used with tool_choice {plan.choice!r} (the reply must "
+                          f"start a tool call)", 400, "continue_final_message")
+    size = sum(len(m.text() or "") for m in req.messages)
+
+    def prompt() -> list[int]:
+        text = render_chat(ctx, req.messages, req.tools if plan.choice != "none" else None, req.add_generation_prompt,
+                           req.chat_template_kwargs, req.continue_final_message)
+        return tokenizer.encode(text + plan.forced)
+
+    prompt_ids = await ctx.maybe_blocking(size, prompt)
     engine = ctx.engine
     max_field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = max_tokens_for(len(prompt_ids), req.max_completion_tokens or req.max_tokens, engine.max_model_len,
@@ -135,18 +172,25 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     params = sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None,
                              engine.engine.args.max_num_seqs, rename)
     request_id = new_id("chatcmpl")
-    sink: asyncio.Queue = asyncio.Queue()
-    await submit(engine, [(request_id, prompt_ids, params)], sink, rename)
+    sink = ctx.new_sink([request_id])
+    await submit(engine, [(request_id, prompt_ids, params)], sink, rename, final_only=not req.stream)
     job = _Chat(ctx, req, model, request_id, plan)
     if req.stream:
-        return SSEResponse(job.stream(sink), on_close=abort_all(engine, [request_id]))
+        return SSEResponse(job.stream(sink), abort_all(engine, [request_id]), ctx.stream_send_timeout)
 
     async def collect() -> Response:
         try:
-            return JSONResponse(job.response((await final_outputs(sink, [request_id]))[request_id]))
+            final = (await final_outputs(sink, [request_id]))[request_id]
+            return JSONResponse(await ctx.run_blocking(job.response, final))
         finally:
             abort_all(engine, [request_id])()
     return await unless_disconnected(raw, collect())
+
+
+def _echo_prefix(req: ChatCompletionRequest) -> str:
+    """vLLM's chat `echo`: the reply starts with the last message's content when it is the assistant's."""
+    last = req.messages[-1]
+    return (last.text() or "") if req.echo and last.role == "assistant" else ""
 
 
 class _Chat:
@@ -155,9 +199,10 @@ class _Chat:
         self.ctx, self.req, self.model, self.id, self.plan = ctx, req, model, request_id, plan
         self.created = now()
         self.include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        self.echo = _echo_prefix(req)
 
     def _parser(self) -> ChatOutputParser:
-        return ChatOutputParser(reasoning=self.ctx.reasoning_parser is not None, tools=self.plan.parse)
+        return ChatOutputParser(self.ctx.reasoning_parser is not None, self.plan.parse, self.plan.forced)
 
     def _finish_reason(self, reason: str | None, has_calls: bool) -> str | None:
         return "tool_calls" if has_calls and reason not in (None, "length") else reason
@@ -168,7 +213,11 @@ class _Chat:
             completion_tokens += len(c.token_ids)
             parsed = self._parser().parse(self.plan.forced + c.text)
             calls = parsed.tool_calls if self.req.parallel_tool_calls is not False else parsed.tool_calls[:1]
-            message = {"role": "assistant", "content": parsed.content, "reasoning_content": parsed.reasoning_content,
+            content = parsed.content
+            if self.echo:
+                content = self.echo + (content or "")
+            reasoning = parsed.reasoning_content if self.req.include_reasoning else None
+            message = {"role": "assistant", "content": content, "reasoning_content": reasoning,
                        "tool_calls": [{"id": t.id, "type": "function",
                                        "function": {"name": t.name, "arguments": t.arguments}} for t in calls]}
             logprobs = {"content": chat_logprobs(self.ctx.tokenizer, c.logprobs or [])} if self.req.logprobs else None
@@ -190,7 +239,7 @@ class _Chat:
 
     def _delta(self, dm: DeltaMessage) -> dict[str, Any]:
         delta: dict[str, Any] = {}
-        if dm.reasoning_content:
+        if dm.reasoning_content and self.req.include_reasoning:
             delta["reasoning_content"] = dm.reasoning_content
         if dm.content:
             delta["content"] = dm.content
@@ -199,7 +248,7 @@ class _Chat:
             delta["tool_calls"] = [_tool_call_delta(d) for d in calls]
         return delta
 
-    async def stream(self, sink: asyncio.Queue) -> AsyncIterator[str]:
+    async def stream(self, sink: OutputSink) -> AsyncIterator[str]:
         n = self.req.n
         parsers = [self._parser() for _ in range(n)]
         has_calls = [False] * n
@@ -209,6 +258,9 @@ class _Chat:
             for i in range(n):
                 yield self._chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                    "finish_reason": None})
+                if self.echo:
+                    yield self._chunk({"index": i, "delta": {"content": self.echo}, "logprobs": None,
+                                       "finish_reason": None})
                 if self.plan.forced:
                     dm = parsers[i].feed(self.plan.forced)
                     has_calls[i] = bool(dm.tool_calls)

@@ -6,13 +6,13 @@ i * n .. i * n + n - 1, as vLLM numbers them.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import Response
 
+from kimiserve.engine.async_engine import OutputSink
 from kimiserve.engine.outputs import CompletionOutput, RequestOutput
 from kimiserve.entrypoints.openai.errors import JSONResponse, OpenAIError
 from kimiserve.entrypoints.openai.protocol import CompletionRequest
@@ -21,7 +21,7 @@ from kimiserve.entrypoints.openai.serving_utils import (
     new_id, now, outputs, prompt_logprobs, sampling_params, sse, stream_error, submit, unless_disconnected, usage)
 
 
-def _prompts(ctx: ServingContext, req: CompletionRequest) -> list[tuple[str | None, list[int]]]:
+async def _prompts(ctx: ServingContext, req: CompletionRequest) -> list[tuple[str | None, list[int]]]:
     """(text or None, token ids) per prompt; the shapes were checked by the request model."""
     raw = req.prompt
     if isinstance(raw, str) or (raw and isinstance(raw[0], int)):
@@ -31,7 +31,7 @@ def _prompts(ctx: ServingContext, req: CompletionRequest) -> list[tuple[str | No
     for i, p in enumerate(raw):
         where = "prompt" if len(raw) == 1 else f"prompt[{i}]"
         if isinstance(p, str):
-            ids = ctx.need_tokenizer("a text prompt").encode(p)
+            ids = await ctx.encode(p)
             text = p
         else:
             bad = next((t for t in p if not 0 <= t < vocab), None)
@@ -57,7 +57,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
         raise OpenAIError("suffix is not supported by this model", 400, "suffix")
     if req.best_of is not None and req.best_of != req.n:
         raise OpenAIError("best_of is not supported (it must equal n when given)", 400, "best_of")
-    prompts = _prompts(ctx, req)
+    prompts = await _prompts(ctx, req)
     engine = ctx.engine
     request_id = new_id("cmpl")
     requests = []
@@ -68,15 +68,15 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
             params.prompt_logprobs = max(params.prompt_logprobs or 0, req.logprobs)
         requests.append((f"{request_id}-{i}", ids, params))
     ids = [r[0] for r in requests]
-    sink: asyncio.Queue = asyncio.Queue()
-    await submit(engine, requests, sink, {})
+    sink = ctx.new_sink(ids)
+    await submit(engine, requests, sink, {}, final_only=not req.stream)
     job = _Completion(ctx, req, model, request_id, prompts, ids)
     if req.stream:
-        return SSEResponse(job.stream(sink), on_close=abort_all(engine, ids))
+        return SSEResponse(job.stream(sink), abort_all(engine, ids), ctx.stream_send_timeout)
 
     async def collect() -> Response:
         try:
-            return JSONResponse(job.response(await final_outputs(sink, ids)))
+            return JSONResponse(await ctx.run_blocking(job.response, await final_outputs(sink, ids)))
         finally:
             abort_all(engine, ids)()  # no-op for finished requests; frees the rest on cancellation
     return await unless_disconnected(raw, collect())
@@ -123,7 +123,7 @@ class _Completion:
             chunk["usage"] = None
         return chunk
 
-    async def stream(self, sink: asyncio.Queue) -> AsyncIterator[str]:
+    async def stream(self, sink: OutputSink) -> AsyncIterator[str]:
         req, tok = self.req, self.ctx.tokenizer
         offsets: dict[int, int] = {}  # choice -> characters sent (text_offset of the next token)
         done: set[int] = set()

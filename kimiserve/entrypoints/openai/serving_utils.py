@@ -5,28 +5,37 @@ from __future__ import annotations
 
 import asyncio
 import codecs
+import functools
+import json
 import logging
 import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+import pydantic
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
-from kimiserve.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from kimiserve.engine.async_engine import (
+    AsyncLLMEngine, EngineDeadError, OutputOverflowError, OutputSink, RequestFailedError)
 from kimiserve.engine.outputs import RequestOutput
 from kimiserve.engine.sampler import TokenLogprobs
-from kimiserve.entrypoints.openai.errors import OpenAIError, from_value_error, to_json
-from kimiserve.entrypoints.openai.protocol import SamplingRequest
+from kimiserve.entrypoints.openai.errors import OpenAIError, from_validation_error, from_value_error, to_json
+from kimiserve.entrypoints.openai.protocol import SamplingRequest, unsupported_field
 from kimiserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("kimiserve.server")
 T = TypeVar("T")
+M = TypeVar("M", bound=pydantic.BaseModel)
 MIN_LOGPROB = -9999.0
 """-inf logprobs are sent as this (JSON has no -inf), as vLLM does."""
+INLINE_BYTES = 16 * 1024
+"""Bodies and texts up to this size are parsed / tokenised on the event loop (well under a
+millisecond); larger ones in the worker threads, so a huge request never stalls other clients."""
 
 
 @dataclass
@@ -36,6 +45,35 @@ class ServingContext:
     reasoning_parser: str | None = None
     tool_call_parser: str | None = None
     enable_auto_tool_choice: bool = False
+    max_queued_output_bytes: int | None = None
+    """Unread output one HTTP request may have waiting before its requests are aborted (None: no bound)."""
+    stream_send_timeout: float | None = None
+    """Seconds a stream may wait on a client that does not read before its connection is closed."""
+    executor: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(max_workers=4, thread_name_prefix="kimiserve-cpu"))
+    """Worker threads for CPU-bound request work (parsing, chat templates, tokenising, formatting)."""
+
+    async def run_blocking(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """fn(*args, **kwargs) in a worker thread, so the event loop keeps serving other clients."""
+        return await asyncio.get_running_loop().run_in_executor(self.executor, functools.partial(fn, *args, **kwargs))
+
+    async def maybe_blocking(self, size: int, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """fn inline for small work (`size` in bytes or characters under INLINE_BYTES), else in a worker."""
+        if size <= INLINE_BYTES:
+            return fn(*args, **kwargs)
+        return await self.run_blocking(fn, *args, **kwargs)
+
+    async def parse(self, raw: Request, model: type[M]) -> M:
+        """The request body validated as `model` (400 in the OpenAI shape when it is not)."""
+        body = await raw.body()
+        return await self.maybe_blocking(len(body), parse_body, model, body)
+
+    async def encode(self, text: str) -> list[int]:
+        return await self.maybe_blocking(len(text), self.need_tokenizer("a text prompt").encode, text)
+
+    def new_sink(self, request_ids: list[str]) -> OutputSink:
+        """Where the outputs of one HTTP request's engine requests go; overflowing aborts them all."""
+        return OutputSink(self.max_queued_output_bytes, abort_all(self.engine, request_ids))
 
     @property
     def model_name(self) -> str:
@@ -59,6 +97,24 @@ class ServingContext:
         return self.tokenizer
 
 
+def parse_body(model: type[M], body: bytes) -> M:
+    """JSON (lone surrogates allowed, as Python's json reads them) validated as `model`."""
+    try:
+        data = json.loads(body)
+    except json.JSONDecodeError as exc:
+        raise OpenAIError(f"the request body is not valid JSON: {exc}", 400) from None
+    except UnicodeDecodeError:
+        raise OpenAIError("the request body is not valid UTF-8 JSON", 400) from None
+    except RecursionError:
+        raise OpenAIError("the request body is nested too deeply", 400) from None
+    try:
+        return model.model_validate(data)
+    except pydantic.ValidationError as exc:
+        raise from_validation_error(exc) from None
+    except RecursionError:
+        raise OpenAIError("the request body is nested too deeply", 400) from None
+
+
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
@@ -73,6 +129,12 @@ def check_common(req: SamplingRequest) -> None:
         raise OpenAIError("stream_options is only allowed when stream is true", 400, "stream_options")
     if req.logit_bias:
         raise OpenAIError("logit_bias is not supported by this server", 400, "logit_bias")
+    name = unsupported_field(req)
+    if name is not None:
+        raise OpenAIError(f"{name} is not supported by this server; leave it out", 400, name)
+    if req.stream_options is not None and (req.stream_options.model_extra or {}).get("continuous_usage_stats"):
+        raise OpenAIError("stream_options.continuous_usage_stats is not supported by this server; leave it out",
+                          400, "stream_options.continuous_usage_stats")
 
 
 def max_tokens_for(num_prompt: int, max_tokens: int | None, max_model_len: int, prompt_field: str,
@@ -107,7 +169,8 @@ def sampling_params(req: SamplingRequest, max_tokens: int, logprobs: int | None,
             n=req.n, seed=req.seed, stop=req.stop, stop_token_ids=req.stop_token_ids, max_tokens=max_tokens,
             min_tokens=req.min_tokens, ignore_eos=req.ignore_eos, logprobs=logprobs,
             prompt_logprobs=req.prompt_logprobs, include_stop_str_in_output=req.include_stop_str_in_output,
-            skip_special_tokens=req.skip_special_tokens, **opt)
+            skip_special_tokens=req.skip_special_tokens, allowed_token_ids=req.allowed_token_ids,
+            bad_words=req.bad_words, **opt)
     except ValueError as exc:
         raise from_value_error(exc, rename) from exc
 
@@ -194,12 +257,12 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 # the engine round trip ---------------------------------------------------------------------------
 async def submit(engine: AsyncLLMEngine, requests: list[tuple[str, list[int], SamplingParams]],
-                 sink: asyncio.Queue, rename: dict[str, str]) -> None:
+                 sink: OutputSink, rename: dict[str, str], final_only: bool) -> None:
     """Add every request to the engine, or none (a refused one aborts those already added)."""
     added: list[str] = []
     try:
         for request_id, prompt_ids, params in requests:
-            await engine.add_request(request_id, prompt_ids, params, sink)
+            await engine.add_request(request_id, prompt_ids, params, sink, final_only=final_only)
             added.append(request_id)
     except BaseException as exc:
         for request_id in added:
@@ -211,19 +274,38 @@ async def submit(engine: AsyncLLMEngine, requests: list[tuple[str, list[int], Sa
         raise
 
 
-async def outputs(sink: asyncio.Queue, request_ids: list[str]) -> AsyncIterator[RequestOutput]:
-    """Yield the outputs of the given requests (all going to `sink`) until every one has finished."""
+def engine_error(exc: BaseException) -> OpenAIError:
+    """What the client is told about an exception from the engine side (never internal details)."""
+    if isinstance(exc, OpenAIError):
+        return exc
+    if isinstance(exc, EngineDeadError):
+        return OpenAIError(str(exc), 503, None, "engine_dead")
+    if isinstance(exc, RequestFailedError):
+        return OpenAIError(str(exc), 500, None, "request_failed")
+    if isinstance(exc, OutputOverflowError):
+        return OpenAIError(str(exc), 408, None, "output_not_read")
+    return internal_error()
+
+
+def internal_error() -> OpenAIError:
+    return OpenAIError("internal server error (logged by the server); the request can be retried", 500, None,
+                       "internal_error")
+
+
+async def outputs(sink: OutputSink, request_ids: list[str]) -> AsyncIterator[RequestOutput]:
+    """Yield the outputs of the given requests (all going to `sink`) until every one has finished;
+    an error from the engine side is raised as the OpenAIError its client should see."""
     pending = set(request_ids)
     while pending:
         item = await sink.get()
         if isinstance(item, BaseException):
-            raise item
+            raise engine_error(item) from item
         if item.finished:
             pending.discard(item.request_id)
         yield item
 
 
-async def final_outputs(sink: asyncio.Queue, request_ids: list[str]) -> dict[str, RequestOutput]:
+async def final_outputs(sink: OutputSink, request_ids: list[str]) -> dict[str, RequestOutput]:
     final = {}
     async for out in outputs(sink, request_ids):
         if out.finished:
@@ -236,33 +318,49 @@ def sse(data: dict[str, Any]) -> str:
 
 
 def stream_error(exc: BaseException, request_id: str) -> str:
-    """An error raised after the stream started, as an SSE event in the OpenAI shape (logged; an
-    engine that died or was stopped at shutdown was already logged, so no traceback for that)."""
-    if isinstance(exc, EngineDeadError):
+    """An error raised after the stream started, as an SSE event in the OpenAI shape. Errors the
+    engine side already logged (a dead engine, a failed request) or that are the client's (400s,
+    an unread stream) get one line; anything else is logged with its traceback, and the client
+    sees no internal details."""
+    if isinstance(exc, OpenAIError) and exc.status < 500 or isinstance(exc.__cause__, (EngineDeadError,
+                                                                                       RequestFailedError)):
         logger.warning("stream %s ended: %s", request_id, exc)
     else:
         logger.error("error while streaming %s", request_id, exc_info=exc)
-    if isinstance(exc, OpenAIError):
-        return exc.sse()
-    if isinstance(exc, EngineDeadError):
-        return OpenAIError(str(exc), 503, None, "engine_dead").sse()
-    return OpenAIError(f"internal error while streaming: {type(exc).__name__}: {exc}", 500).sse()
+    return engine_error(exc).sse()
 
 
 class SSEResponse(StreamingResponse):
     """A text/event-stream response that calls `on_close` when it ends for any reason (finished,
-    client disconnected, cancelled at shutdown): the handler passes the abort of its requests."""
+    client disconnected, cancelled at shutdown): the handler passes the abort of its requests.
+    A send that waits longer than `send_timeout` on a client that does not read ends the
+    response and so the connection (its requests are aborted by `on_close`)."""
 
-    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]):
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None], send_timeout: float | None = None):
         super().__init__(content, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self._on_close = on_close
+        self._send_timeout = send_timeout
 
     async def __call__(self, scope, receive, send) -> None:
+        timeout = self._send_timeout
+
+        async def bounded_send(message) -> None:
+            try:
+                await asyncio.wait_for(send(message), timeout)
+            except asyncio.TimeoutError:
+                raise _ClientNotReading() from None
+
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, bounded_send if timeout is not None else send)
+        except _ClientNotReading:
+            logger.warning("closed a stream whose client read nothing for %.0f s", timeout)
         finally:
             self._on_close()
+
+
+class _ClientNotReading(Exception):
+    pass
 
 
 async def unless_disconnected(request: Request, work: Awaitable[T]) -> T | Response:
