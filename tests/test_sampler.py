@@ -7,12 +7,15 @@ import random
 import pytest
 import torch
 
+from kimiserve.engine.bad_words import bad_words_token_ids, banned_tokens
 from kimiserve.engine.detokenizer import IncrementalDetokenizer
 from kimiserve.engine.sampler import (
     SampleRequest, Sampler, mix_seed, prompt_logprobs, prompt_logprobs_chunk,
 )
 from kimiserve.ops.sampling import reference as ops
-from kimiserve.sampling_params import SamplingParams
+from kimiserve.sampling_params import (
+    MAX_BAD_WORD_CHARS, MAX_BAD_WORDS, MAX_BAD_WORDS_TOKENS, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, SamplingParams,
+)
 from kimiserve.tokenizer import load_tokenizer
 
 R, V = 5, 37
@@ -55,6 +58,18 @@ BAD_PARAMS = [
     (dict(prompt_logprobs=100), "prompt_logprobs must be in [0, 20]"),
     (dict(include_stop_str_in_output="yes"), "include_stop_str_in_output must be a bool"),
     (dict(skip_special_tokens=None), "skip_special_tokens must be a bool"),
+    (dict(allowed_token_ids=[]), "allowed_token_ids must not be empty"),
+    (dict(allowed_token_ids=3), "allowed_token_ids must be a list of ints, got int"),
+    (dict(allowed_token_ids=[1, 2.0]), "allowed_token_ids must be a list of ints, got float"),
+    (dict(allowed_token_ids=[False]), "allowed_token_ids must be a list of ints, got bool"),
+    (dict(allowed_token_ids=[0, -1]), "allowed_token_ids must be >= 0, got -1"),
+    (dict(bad_words="word"), "bad_words must be a list of strings, got str"),
+    (dict(bad_words=["a", None]), "bad_words must be a list of strings, got NoneType"),
+    (dict(bad_words=["a", ""]), "bad_words must not contain empty strings"),
+    (dict(bad_words=["w"] * (MAX_BAD_WORDS + 1)), f"bad_words must hold at most {MAX_BAD_WORDS} strings"),
+    (dict(bad_words=["x" * (MAX_BAD_WORD_CHARS + 1)]), f"bad_words must hold strings of at most {MAX_BAD_WORD_CHARS}"),
+    (dict(stop=["s"] * (MAX_STOP_STRINGS + 1)), f"stop must hold at most {MAX_STOP_STRINGS} strings"),
+    (dict(stop="x" * (MAX_STOP_STRING_CHARS + 1)), f"stop must hold strings of at most {MAX_STOP_STRING_CHARS}"),
 ]
 
 
@@ -78,6 +93,18 @@ def test_params_normalised():
     p.validate_vocab(11)
     with pytest.raises(ValueError, match=r"stop_token_ids must be in \[0, 10\), got 10"):
         p.validate_vocab(10)
+    # the limits themselves are accepted; allowed_token_ids drop duplicates and are checked against the vocabulary
+    SamplingParams(stop=["s" * MAX_STOP_STRING_CHARS] * MAX_STOP_STRINGS,
+                   bad_words=["b" * MAX_BAD_WORD_CHARS] * MAX_BAD_WORDS)
+    p = SamplingParams(allowed_token_ids=(4, 2, 4), bad_words=("x",))
+    assert p.allowed_token_ids == [4, 2] and p.bad_words == ["x"] and SamplingParams().bad_words == []
+    assert SamplingParams().allowed_token_ids is None
+    p.validate_vocab(5)
+    with pytest.raises(ValueError, match=r"allowed_token_ids must be in \[0, 4\), got 4 at allowed_token_ids\[0\]"):
+        p.validate_vocab(4)
+    # vLLM's _SAMPLING_EPS: a temperature below 1e-5 is greedy
+    assert SamplingParams(temperature=1e-300).greedy and SamplingParams(temperature=9.99e-6).greedy
+    assert not SamplingParams(temperature=1e-5).greedy
 
 
 # ---- reference ops vs brute force -----------------------------------------------------------
@@ -302,6 +329,204 @@ def test_prompt_logprobs_whole_and_chunked():
     assert chunked == whole
     assert prompt_logprobs(logits[:7], prompt, 0)[1:] == [
         type(e)(e.token_id, e.logprob, e.rank, []) for e in whole[1:]]
+
+
+# ---- robustness: values SamplingParams accepts never make the sampler raise ------------------
+INF = float("inf")
+
+
+def test_huge_top_k_keeps_every_token():
+    logits = torch.randn(3, V)
+    want = Sampler()(logits, [req(seed=s) for s in range(3)])
+    for k in (V, V + 1, 2**63 - 1, 2**63, 2**64 - 1, 2**64, 10**30):  # 2**63 used to overflow torch.tensor
+        assert Sampler()(logits, [req(top_k=k, seed=s) for s in range(3)]) == want
+    assert Sampler()(logits, [req(top_k=V - 1, seed=s) for s in range(3)]) is not None
+
+
+def test_tiny_temperature_is_greedy_and_huge_values_saturate():
+    logits = torch.randn(R, V) * 3
+    argmax = logits.argmax(-1).tolist()
+    for t in (1e-300, 5e-324, 9e-6):  # 1e-300 used to turn the logits into inf and the probabilities into NaN
+        assert [tok for tok, _ in Sampler()(logits, [req(temperature=t) for _ in range(R)])] == argmax
+    big = (torch.rand(R, V) * 2 - 1) * 3.4e38  # huge finite logits: dividing by a small temperature overflows without the max shift
+    big[:, :3] = -INF
+    out = Sampler(seed=1)(big, [req(temperature=1e-5, seed=i) for i in range(R)])
+    assert [tok for tok, _ in out] == big.argmax(-1).tolist()
+    out = Sampler(seed=1)(big, [req(temperature=1e308, top_p=1e-300, min_p=1e-300, seed=i) for i in range(R)])
+    assert all(3 <= tok < V for tok, _ in out)
+    # temperature 1e308 (inf in fp32) is uniform over the finite tokens: -inf stays -inf, never NaN
+    flat = torch.randn(1, 4).expand(2000, 4).contiguous()
+    flat[:, 0] = -INF
+    out = Sampler(seed=2)(flat, [req(temperature=1e308, seed=i) for i in range(2000)])
+    freq = torch.bincount(torch.tensor([t for t, _ in out]), minlength=4)
+    assert freq[0] == 0 and (freq[1:] > 550).all(), freq
+
+
+def test_extreme_penalties_saturate():
+    logits = torch.tensor([[3.0, -1.0, 0.0, 2.0, -0.5]])
+    seen = [0, 1, 2, 3, 4]
+    # 1e-300 is 0 in fp32 (x / 0 = inf); 1e308 is inf (0 * inf = NaN): both are clamped into range
+    for rep in (1e-300, 5e-324, 1e-38, 1e38, 1e308):
+        out = Sampler()(logits.expand(2, 5), [req(temperature=0, prompt=seen, repetition_penalty=rep),
+                                 req(temperature=0.7, prompt=seen, repetition_penalty=rep, seed=3)])
+        assert all(0 <= t < 5 for t, _ in out)
+    # a penalty < 1 saturates every positive seen logit at the top: the smallest id among them wins
+    assert Sampler()(logits, [req(temperature=0, prompt=[3, 0], repetition_penalty=1e-300)])[0][0] == 0
+    # every logit negative and seen, a huge penalty: all -inf -> fallback to the raw argmax
+    neg = -torch.rand(2, V) - 0.1
+    out = Sampler()(neg, [req(temperature=0, prompt=range(V), repetition_penalty=1e308),
+                          req(temperature=1.0, prompt=range(V), repetition_penalty=1e308, seed=0)])
+    assert [t for t, _ in out] == neg.argmax(-1).tolist()
+
+
+def test_rows_without_a_finite_logit_fall_back():
+    raw = torch.full((6, V), -INF)
+    raw[1, 9] = float("nan")  # NaN counts as -inf
+    raw[2, 4], raw[2, 7] = 1.0, 2.0
+    raw[3, 11] = INF  # +inf is the best logit, not a NaN probability
+    raw[4, 5] = raw[5, 5] = 1.0
+    reqs = [req(temperature=0), req(seed=1, top_p=0.5),
+            req(allowed_token_ids=[3, 8], seed=2),  # the allowed tokens are all -inf: the first allowed one
+            req(seed=3, min_p=0.5, logprobs=2),
+            req(temperature=0, eos=5, min_tokens=2, stop_token_ids=[9]),  # only eos is finite, min_tokens bans it
+            req(allowed_token_ids=[5], eos=5, min_tokens=2)]  # allowed ids all banned: allowed_token_ids win
+    out = Sampler(seed=0)(raw, reqs)
+    assert [t for t, _ in out] == [0, 0, 3, 11, 0, 5]
+    assert out[3][1].token_id == 11
+    # a row with finite logits among the allowed ones is unaffected by a fallback row beside it
+    raw[0, 20] = 0.0
+    out = Sampler(seed=0)(raw[:3], [req(temperature=0), req(), req(allowed_token_ids=[4, 8], temperature=0)])
+    assert [t for t, _ in out] == [20, 0, 4]
+
+
+# ---- allowed_token_ids ----------------------------------------------------------------------
+def test_allowed_token_ids_greedy_and_seeded_sampling():
+    g = torch.Generator().manual_seed(7)
+    logits = torch.randn(R, V, generator=g)
+    allowed = [3, 17, 30]
+    best = max(allowed, key=lambda i: logits[0, i].item())
+    out = Sampler()(logits, [req(temperature=0, allowed_token_ids=allowed), req(temperature=0),
+                             req(top_k=1, allowed_token_ids=[36]), req(temperature=0, allowed_token_ids=list(range(V))),
+                             req(temperature=0, allowed_token_ids=allowed, logprobs=1)])
+    assert [t for t, _ in out] == [best, logits[1].argmax().item(), 36, logits[3].argmax().item(),
+                                   max(allowed, key=lambda i: logits[4, i].item())]
+    raw = torch.log_softmax(logits[4], -1)  # logprobs stay those of the raw distribution
+    assert out[4][1].logprob == pytest.approx(raw[out[4][0]].item(), abs=1e-6)
+    assert out[4][1].top[0][0] == raw.argmax().item()
+    # sampling: only allowed ids, each about as often as its renormalised probability
+    flat = torch.zeros(3000, V)
+    flat[:, 5] = 5.0  # the best token is not allowed
+    flat[:, 17] = math.log(3.0)
+    draws = Sampler(seed=1)(flat, [req(allowed_token_ids=allowed, seed=i) for i in range(3000)])
+    freq = torch.bincount(torch.tensor([t for t, _ in draws]), minlength=V)
+    assert set(torch.nonzero(freq).flatten().tolist()) == set(allowed)
+    assert abs(freq[17].item() / 3000 - 0.6) < 0.05
+    # a seeded row with allowed_token_ids draws the same token in any batch
+    target = req(allowed_token_ids=allowed, temperature=1.5, top_p=0.95, seed=99, output=[1, 2])
+    alone = Sampler()(logits[:1], [target])[0][0]
+    for trial in range(4):
+        others = [req(allowed_token_ids=[trial], seed=trial), req(), req(temperature=0, allowed_token_ids=[1, 2])]
+        batch = others[:trial] + [target] + others[trial:]
+        rows = torch.randn(len(batch), V, generator=g)
+        rows[trial] = logits[0]
+        assert Sampler(seed=trial)(rows, batch)[trial][0] == alone
+
+
+def test_allowed_ids_cached_per_request():
+    p = SamplingParams(allowed_token_ids=[1, 2, 3])
+    ids = Sampler._allowed_ids(p, V)
+    assert Sampler._allowed_ids(p, V) is ids and ids.tolist() == [1, 2, 3]
+    assert Sampler._allowed_ids(p, 3).tolist() == [1, 2]  # ids beyond the logits are ignored
+    p.allowed_token_ids = [4]
+    assert Sampler._allowed_ids(p, V).tolist() == [4]
+
+
+# ---- bad words ------------------------------------------------------------------------------
+def test_bad_words_token_ids(tok):
+    enc = lambda text: tok.encode(text, allow_special=False)  # noqa: E731
+    assert enc(" the") != enc("the") and len(enc(" the")) != len(enc("the"))
+    # " the" is another token than "the": both are banned (vLLM keeps the spaced form only at equal length)
+    assert bad_words_token_ids(tok, ["the"]) == [enc("the"), enc(" the")]
+    # " hello" ends with "hello"'s tokens: banning "hello" already bans it
+    assert enc(" hello")[1:] == enc("hello") and bad_words_token_ids(tok, ["hello"]) == [enc("hello")]
+    # leading whitespace is stripped, duplicates dropped, whitespace-only words kept as they are
+    assert bad_words_token_ids(tok, ["  the", "the", "\n"]) == [enc("the"), enc(" the"), enc("\n")]
+    assert bad_words_token_ids(tok, ["<|im_end|>"])[0] == enc("<|im_end|>") != [tok.eos_token_id]
+
+
+def test_banned_tokens_rule():
+    seqs = [[5], [1, 2, 3], [2, 3, 4], [7, 50]]
+    assert banned_tokens(seqs, [], 40) == [5]
+    assert banned_tokens(seqs, [9, 1, 2], 40) == [5, 3]
+    assert banned_tokens(seqs, [1, 2, 3], 40) == [5, 4]
+    assert banned_tokens(seqs, [2], 40) == [5]  # [1, 2, 3] needs both prefix tokens
+    assert banned_tokens(seqs, [7], 40) == [5]  # 50 is outside the vocabulary: never generated, skipped
+    assert banned_tokens(seqs, [7], 51) == [5, 50]
+
+
+def test_update_from_tokenizer(tok):
+    p = SamplingParams(bad_words=["the", "hello"])
+    assert p._bad_words_token_ids is None
+    p.update_from_tokenizer(tok)
+    assert p._bad_words_token_ids == bad_words_token_ids(tok, ["the", "hello"])
+    p.update_from_tokenizer(tok)  # idempotent: one SamplingParams may serve several requests
+    assert p._bad_words_token_ids == bad_words_token_ids(tok, ["the", "hello"])
+    SamplingParams().update_from_tokenizer(None)  # nothing to do without bad words
+    with pytest.raises(ValueError, match="bad_words need a tokenizer"):
+        SamplingParams(bad_words=["x"]).update_from_tokenizer(None)
+    many = SamplingParams(bad_words=["".join(chr(0x4E00 + 97 * i + j) for j in range(MAX_BAD_WORD_CHARS))
+                                     for i in range(MAX_BAD_WORDS)])
+    with pytest.raises(ValueError, match=f"bad_words tokenize to .* at most {MAX_BAD_WORDS_TOKENS}"):
+        many.update_from_tokenizer(tok)
+
+
+def contains(seq, part):
+    return any(seq[i:i + len(part)] == part for i in range(len(seq) - len(part) + 1))
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_bad_words_never_generated(tok, temperature):
+    """A fake model that wants to write a script full of bad words: with bad_words set, no bad
+    sequence ever appears, and every step whose unconstrained choice completes no bad word
+    keeps that choice (greedy, and seeded sampling: the exponential race picks the same token)."""
+    words = ["the", "hello", "e"]
+    seqs = bad_words_token_ids(tok, words)
+    assert any(len(s) == 1 for s in seqs) and any(len(s) > 1 for s in seqs)
+    script = tok.encode("hello the cat, hello there: the end e the" * 2, allow_special=False)
+    Vt = tok.vocab_size
+    g = torch.Generator().manual_seed(11)
+    noise = torch.randn(len(script), Vt, generator=g)
+    params = SamplingParams(temperature=temperature, bad_words=words, max_tokens=len(script))
+    params.update_from_tokenizer(tok)
+    free_params = SamplingParams(temperature=temperature)
+    out, kept = [], 0
+    for step, want in enumerate(script):
+        logits = noise[step:step + 1].clone()
+        logits[0, want] += 8.0
+        seed = 1000 + step
+        got = Sampler()(logits, [req(params, output=out, seed=seed)])[0][0]
+        free = Sampler()(logits, [req(free_params, output=out, seed=seed)])[0][0]
+        banned = {s[-1] for s in seqs if out[len(out) - len(s) + 1:] == s[:-1] or len(s) == 1}
+        assert got not in banned
+        if free not in banned:
+            assert got == free
+            kept += 1
+        out.append(got)
+    assert all(not contains(out, s) for s in seqs)
+    assert 0 < kept < len(script)
+    for word in words:
+        assert word not in tok.decode(out).split()  # as whole words: other words can still contain the letters
+
+
+def test_bad_words_only_touch_their_row(tok):
+    p = SamplingParams(temperature=0, bad_words=["the"])
+    p.update_from_tokenizer(tok)
+    the = tok.encode(" the", allow_special=False)[0]
+    logits = torch.randn(2, tok.vocab_size)
+    logits[:, the] = 50.0
+    out = Sampler()(logits, [req(p), req(temperature=0)])
+    assert out[1][0] == the and out[0][0] == logits[0].masked_fill(
+        torch.arange(tok.vocab_size) == the, -INF).argmax().item()
 
 
 # ---- detokenizer ----------------------------------------------------------------------------
