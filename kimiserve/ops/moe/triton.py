@@ -1,0 +1,585 @@
+"""Fused routed experts (MoE) as Triton kernels: grouped GEMMs over expert-sorted blocks, with MXFP4
+(or plain) expert weights dequantised in registers.
+
+Same contract as `reference.fused_moe_reference` (and `RoutedExperts` with `experts_forward`):
+out[t] = sum_j weights[t, j] * expert_{ids[t, j]}(x[t]), expert_e(v) = act(v W1_e^T, v W3_e^T) W2_e^T.
+
+Design.
+1. Align (`align_blocks`). The N * k routed (token, slot) pairs, pair p = t * k + j, are grouped by
+   expert and each expert's run is padded to a multiple of BLOCK_M rows: `sorted_pairs[r]` is the
+   pair at row r, `block_expert[b]` the expert of block b, `block_rows[b]` its real rows (the rest
+   is padding, masked), `num_blocks[0]` the blocks used. Every shape depends only on N, k, E and
+   BLOCK_M: at most floor((N k + min(E, N k) (BLOCK_M - 1)) / BLOCK_M) blocks, so the grids are
+   fixed and CUDA graphs capture them; nothing is read back by the host. Up to ALIGN_SMALL_PAIRS
+   pairs, one Triton program does it all (a histogram over experts, a scan, a sort of the
+   (expert, pair) keys, the scatter); above that, a few torch ops do the same (a stable sort,
+   cumsums, a scatter, a searchsorted). Both put an expert's pairs in ascending pair order.
+2. Gate/up GEMM, grid (blocks x column tiles of the intermediate dim; column tiles fastest, so
+   the programs of one block run together and share its activation rows from L2): a program
+   gathers its block's token rows of x, streams BLOCK_N rows of W1_e and of W3_e in BLOCK_K steps,
+   runs both dots on the same activation tile, rounds gate and up to the model dtype (as the
+   reference's two matmuls do), applies SiTU or SiLU in fp32 and stores act [N k, I] at the pair's
+   row, in the model dtype.
+3. Down GEMM, same grid over the hidden dim: act rows of the block times W2_e -> y [N k, h] at the
+   pair's row, rounded to the model dtype (the reference's expert output), unweighted.
+4. Combine, grid (tokens x hidden tiles): out[t] = sum_j weights[t, j] * y[t k + j] in fp32, the
+   slots in order j = 0..k-1, cast once. No atomics anywhere: for a given batch and config the
+   result is bitwise reproducible run to run (the row placement inside a block never changes a
+   row's arithmetic). It is not batch-invariant: the config (hence the tile and MMA shapes) is
+   picked from the token count.
+
+Weights. MXFP4 experts are read as the checkpoint stores them (`<w>_packed` uint8 [E, out, in/2],
+element 2i in the low nibble; `<w>_scale` ue8m0 uint8 [E, out, in/32]): 4.25 bits per weight, read
+once per (block, tile). Three in-register dequantisations (`MoEConfig.dequant`):
+- "exact": e2m1 value and 2^(s - 127) built from bits in fp32, multiplied in fp32, rounded to the
+  dot dtype: bit for bit `dequantize_mxfp4(...).to(dtype)`. The only one for fp32 / fp16 inputs.
+- "lut": inline PTX on one 32-bit word of 8 codes: byte permutes (prmt) look up the bf16 bytes of
+  each e2m1 magnitude and place the signs, an fma.rn.bf16x2 applies the scale (`_LUT_ASM`: 21
+  instructions per 8 weights; Triton's own bf16 multiply goes through fp32). Same values as
+  "exact" (every product is exact; scale byte 0, 2^-127, is a bf16 subnormal). The interpreter
+  runs the same permutes emulated in plain ops.
+- "dot_scaled": `tl.dot_scaled` with an e2m1 operand: Triton's own upcast (fast_math: scale byte
+  255 is not turned into NaN). Same values.
+bf16 or fp32 (unquantised) experts go through the same kernels (MXFP4=False).
+
+Dots. Activations and dequantised weights meet in the model dtype (bf16: tensor cores with fp32
+accumulation; fp32: IEEE fp32 dots, for the CPU-sized tests). swap=True computes the transposed
+tile W x^T ([BLOCK_N, BLOCK_M]) so that the weight tile is the MMA's first operand (a wgmma's M
+side, >= 64, from registers) and the few tokens of a decode block its N side (>= 8): no 16-row
+MMA padding, the tokens' tile from shared memory.
+
+Configs (`MoEConfig`, `default_config`): decode (few tokens) takes BLOCK_M 16 and narrow column
+tiles, so that blocks x tiles programs each stream a slice of the weights (bytes-bound: the split
+is along the weight's output dim, no split-K, so the activation stays fused); prefill takes BLOCK_M
+64-128 tiles for the tensor cores. benchmarks/moe_layer.py sweeps these on the GPU.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+import triton
+import triton.language as tl
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # no inline PTX: the "lut" dequant runs emulated
+ALIGN_SMALL_PAIRS = 2048  # up to this many (token, slot) pairs the alignment is one Triton program
+_DOT_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+_DEQUANT = {"exact": 0, "lut": 1, "dot_scaled": 2}
+_ACT = {"silu": 0, "situ": 1}
+
+
+# ------------------------------------------------------------------------------------------------
+# configs
+
+
+@dataclass(frozen=True)
+class GemmTiles:
+    """Tiling of one of the two grouped GEMMs."""
+
+    block_n: int = 64
+    block_k: int = 128
+    num_warps: int = 4
+    num_stages: int = 3
+    swap: bool = False
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """block_m: rows (routed pairs) per block, shared by both GEMMs; up: the gate/up GEMM (N = the
+    intermediate dim, K = hidden); down: the down GEMM (N = hidden, K = intermediate); dequant:
+    "exact", "lut" or "dot_scaled" (the last two for bf16 inputs only; see the module doc);
+    combine_block: hidden columns per program of the combine."""
+
+    block_m: int = 16
+    up: GemmTiles = field(default_factory=GemmTiles)
+    down: GemmTiles = field(default_factory=GemmTiles)
+    dequant: str = "exact"
+    combine_block: int = 1024
+
+
+def default_config(num_tokens: int, top_k: int, num_experts: int, dtype: torch.dtype, mxfp4: bool) -> MoEConfig:
+    """The launch config for a batch: BLOCK_M from the mean rows per expert, tiles by regime.
+
+    Untuned guesses (benchmarks/moe_layer.py --variants picks them on the GPU): decode-sized
+    batches take 16-row blocks and 64-column tiles (blocks x tiles programs stream the weights),
+    larger ones the tensor-core tiles."""
+    if dtype != torch.bfloat16:  # fp32 (the CPU-sized models) and fp16: exact dequant, IEEE or fp16 dots
+        small = GemmTiles(block_n=32, block_k=32, num_warps=4, num_stages=2)
+        return MoEConfig(block_m=16, up=small, down=small, dequant="exact")
+    dequant = "exact" if not mxfp4 else "lut"
+    mean_rows = num_tokens * top_k / max(1, num_experts)
+    if mean_rows <= 8:  # bf16 weights: 128-wide K steps (shared memory: two weight tiles per stage)
+        tiles = GemmTiles(block_n=64, block_k=256 if mxfp4 else 128, num_warps=4, num_stages=3, swap=True)
+        return MoEConfig(block_m=16, up=tiles, down=tiles, dequant=dequant)
+    if mean_rows <= 48:
+        up = GemmTiles(block_n=64, block_k=128, num_warps=4, num_stages=3)
+        down = GemmTiles(block_n=128, block_k=128, num_warps=4, num_stages=3)
+        return MoEConfig(block_m=32 if mean_rows <= 24 else 64, up=up, down=down, dequant=dequant)
+    up = GemmTiles(block_n=64, block_k=128, num_warps=8, num_stages=3)
+    down = GemmTiles(block_n=128, block_k=128, num_warps=8, num_stages=3)
+    return MoEConfig(block_m=128, up=up, down=down, dequant=dequant)
+
+
+def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """The most blocks N k pairs over E experts can need: each used expert pads < BLOCK_M rows."""
+    return (num_pairs + min(num_experts, num_pairs) * (block_m - 1)) // block_m
+
+
+# ------------------------------------------------------------------------------------------------
+# align
+
+
+@triton.jit
+def _align_kernel(ids_ptr, sorted_ptr, bexp_ptr, brows_ptr, nblk_ptr, scratch_ptr, P, E,
+                  BM: tl.constexpr, PB: tl.constexpr, EB: tl.constexpr):
+    """One program: every pair's row in the expert-sorted, block-padded order (see `align_blocks`)."""
+    offs = tl.arange(0, PB)
+    ok = offs < P
+    e = tl.load(ids_ptr + offs, mask=ok, other=E).to(tl.int32)  # unused slots: bin E, dropped below
+    bins = tl.arange(0, EB)
+    counts = tl.where(bins < E, tl.histogram(e, EB), 0)
+    nb = (counts + BM - 1) // BM
+    block_end = tl.cumsum(nb, 0)
+    pair_end = tl.cumsum(counts, 0)
+    # expert e: its first row minus its first position in the sorted order; its pairs' end there
+    tl.store(scratch_ptr + bins, (block_end - nb) * BM - (pair_end - counts))
+    tl.store(scratch_ptr + EB + bins, pair_end)
+    tl.store(nblk_ptr, tl.sum(nb, 0))
+    keys = tl.sort(e * PB + offs)  # by expert, then pair: the stable order
+    se = keys // PB
+    sok = se < E
+    tl.debug_barrier()  # the scratch stores above are seen by every thread below
+    dest = offs + tl.load(scratch_ptr + se, mask=sok, other=0)  # offs: the position in the sorted order
+    tl.store(sorted_ptr + dest, keys % PB, mask=sok)
+    # a block's first row carries the block's expert and its real row count
+    head = sok & (dest % BM == 0)
+    rows = tl.minimum(tl.load(scratch_ptr + EB + se, mask=sok, other=0) - offs, BM)
+    tl.store(bexp_ptr + dest // BM, se, mask=head)
+    tl.store(brows_ptr + dest // BM, rows, mask=head)
+
+
+def _align_torch(flat: torch.Tensor, num_experts: int, block_m: int, nblocks: int, sorted_pairs, bexp, brows, nblk):
+    """The same alignment in torch ops (large batches): no host sync, shapes fixed by the inputs."""
+    P, dev = flat.numel(), flat.device
+    sorted_e, order = torch.sort(flat, stable=True)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
+    nb = (counts + block_m - 1) // block_m
+    block_end = torch.cumsum(nb, 0)
+    pair_end = torch.cumsum(counts, 0)
+    base = (block_end - nb) * block_m - (pair_end - counts)
+    sorted_pairs[base[sorted_e] + torch.arange(P, device=dev)] = order.to(torch.int32)
+    blocks = torch.arange(nblocks, device=dev)
+    e = torch.searchsorted(block_end, blocks, right=True).clamp_(max=num_experts - 1)
+    bexp.copy_(e)
+    first = (blocks - (block_end - nb)[e]) * block_m  # the block's first row within its expert
+    brows.copy_((counts[e] - first).clamp(0, block_m))
+    nblk.copy_(block_end[-1:])
+
+
+def align_blocks(ids: torch.Tensor, num_experts: int, block_m: int, use_triton: bool = True):
+    """ids [N, k] (expert of each routed slot) -> (sorted_pairs int32 [nblocks * block_m], block_expert
+    int32 [nblocks], block_rows int32 [nblocks], num_blocks int32 [1]) with nblocks = max_blocks(N k, E,
+    block_m). Rows r of block b = r // block_m hold pair sorted_pairs[r] (pair p = t k + j) for r % block_m <
+    block_rows[b]; padding rows are undefined. Only blocks < num_blocks[0] are used (the rest undefined).
+    Experts in ascending order, each expert's pairs in ascending pair order."""
+    flat = ids.reshape(-1)
+    P, dev = flat.numel(), ids.device
+    nblocks = max(1, max_blocks(P, num_experts, block_m))
+    sorted_pairs = torch.empty(nblocks * block_m, dtype=torch.int32, device=dev)
+    bexp = torch.empty(nblocks, dtype=torch.int32, device=dev)
+    brows = torch.empty(nblocks, dtype=torch.int32, device=dev)
+    nblk = torch.empty(1, dtype=torch.int32, device=dev)
+    if P == 0:
+        nblk.zero_()
+    elif use_triton and P <= ALIGN_SMALL_PAIRS:
+        EB = triton.next_power_of_2(num_experts + 1)
+        scratch = torch.empty(2 * EB, dtype=torch.int32, device=dev)
+        PB = max(16, triton.next_power_of_2(P))
+        _align_kernel[(1,)](flat, sorted_pairs, bexp, brows, nblk, scratch, P, num_experts, BM=block_m, PB=PB, EB=EB,
+                            num_warps=4 if PB <= 512 else 8)
+    else:
+        _align_torch(flat.long(), num_experts, block_m, nblocks, sorted_pairs, bexp, brows, nblk)
+    return sorted_pairs, bexp, brows, nblk
+
+
+# ------------------------------------------------------------------------------------------------
+# in-register dequantisation
+
+
+@triton.jit
+def _mxfp4_exact(q, sc, DTYPE: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """Packed bytes [BN, BK/2] and ue8m0 scales [BN, BK/32] -> [BN, BK] in DTYPE, as dequantize_mxfp4:
+    the e2m1 value and 2^(s - 127) (byte 0: 2^-127) built from bits in fp32, multiplied, rounded."""
+    codes = tl.reshape(tl.join(q & 0xF, q >> 4), (BN, BK)).to(tl.int32)  # element 2i in the low nibble
+    em = codes & 7
+    mag = tl.where(em > 1, (em << 22) + (126 << 23), tl.where(em == 1, 126 << 23, 0))
+    v = (mag | ((codes & 8) << 28)).to(tl.float32, bitcast=True)
+    s = sc.to(tl.int32)
+    scale = tl.where(s > 0, s << 23, 0x400000).to(tl.float32, bitcast=True)
+    v = tl.reshape(v, (BN, BK // 32, 32)) * scale[:, :, None]
+    return tl.reshape(v, (BN, BK)).to(DTYPE)
+
+
+@triton.jit
+def _bf16_halves(o):
+    """int32 words -> [..., 2] bf16: the low 16 bits, then the high."""
+    lo = o.to(tl.int16).to(tl.bfloat16, bitcast=True)
+    hi = (o >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    return tl.join(lo, hi)
+
+
+# The "lut" dequantisation of one 32-bit word of 8 codes (code j in bits 4j..4j+3) into 4 words of
+# bf16 pairs (codes 2i, 2i+1), each value times its group's scale. Byte permutes (prmt) look the
+# bf16 bytes of each code's magnitude up in two 8-byte tables (high bytes 00 3F 3F 3F 40 40 40 40,
+# low bytes 00 00 80 C0 00 40 80 C0: 0, .5, 1, 1.5, 2, 3, 4, 6), a third permute turns each code's
+# sign bit into 0x80, two more interleave low and high bytes; an fma (bf16x2, + -0) applies the
+# scale: 21 instructions per 8 weights, every product exact.
+_HI_LUT = (0x3F3F3F00, 0x40404040)
+_LO_LUT = (0xC0800000, 0xC0804000)
+_SIGN_LUT = (0x00008000, 0)
+_PAIR_SEL = (0x5140, 0x7362)  # bytes (lo c, hi c, lo c+1, hi c+1) of codes (0, 1) and (2, 3)
+_HI_A: tl.constexpr = tl.constexpr(_HI_LUT[0])
+_HI_B: tl.constexpr = tl.constexpr(_HI_LUT[1])
+_LO_A: tl.constexpr = tl.constexpr(_LO_LUT[0])
+_LO_B: tl.constexpr = tl.constexpr(_LO_LUT[1])
+_SIGN_A: tl.constexpr = tl.constexpr(_SIGN_LUT[0])
+_SEL_0: tl.constexpr = tl.constexpr(_PAIR_SEL[0])
+_SEL_1: tl.constexpr = tl.constexpr(_PAIR_SEL[1])
+_LUT_ASM = f"""{{
+.reg .b32 m, mh, g, gh, h, l, t, z;
+and.b32 m, $4, 0x77777777;
+shr.u32 mh, m, 16;
+shr.u32 g, $4, 3;
+and.b32 g, g, 0x11111111;
+shr.u32 gh, g, 16;
+mov.b32 z, 0x80008000;
+prmt.b32 h, {_HI_LUT[0]}, {_HI_LUT[1]}, m;
+prmt.b32 l, {_LO_LUT[0]}, {_LO_LUT[1]}, m;
+prmt.b32 t, {_SIGN_LUT[0]}, {_SIGN_LUT[1]}, g;
+or.b32 h, h, t;
+prmt.b32 $0, l, h, {_PAIR_SEL[0]};
+prmt.b32 $1, l, h, {_PAIR_SEL[1]};
+prmt.b32 h, {_HI_LUT[0]}, {_HI_LUT[1]}, mh;
+prmt.b32 l, {_LO_LUT[0]}, {_LO_LUT[1]}, mh;
+prmt.b32 t, {_SIGN_LUT[0]}, {_SIGN_LUT[1]}, gh;
+or.b32 h, h, t;
+prmt.b32 $2, l, h, {_PAIR_SEL[0]};
+prmt.b32 $3, l, h, {_PAIR_SEL[1]};
+fma.rn.bf16x2 $0, $0, $5, z;
+fma.rn.bf16x2 $1, $1, $5, z;
+fma.rn.bf16x2 $2, $2, $5, z;
+fma.rn.bf16x2 $3, $3, $5, z;
+}}"""
+_LUT_ASM_C: tl.constexpr = tl.constexpr(_LUT_ASM)
+
+
+@triton.jit
+def _prmt(a, b, sel):
+    """PTX prmt.b32 (default mode, selector nibbles < 8) in plain int64 ops, for the interpreter: byte k
+    of the result is byte (sel >> 4k) & 7 of the 8 bytes b:a."""
+    out = tl.zeros(sel.shape, tl.int64)
+    a = out + a
+    b = out + b
+    for k in tl.static_range(4):
+        idx = (sel >> (4 * k)) & 7
+        byte = tl.where(idx < 4, a >> (8 * idx), b >> (8 * (idx - 4))) & 0xFF
+        out = out | (byte << (8 * k))
+    return out
+
+
+@triton.jit
+def _lut_words_emulated(w, scale):
+    """`_LUT_ASM` in plain ops (interpreter): the same permutes, the scale multiply in fp32 (exact)."""
+    w64 = w.to(tl.int64) & 0xFFFFFFFF
+    m = w64 & 0x77777777
+    g = (w64 >> 3) & 0x11111111
+    h0 = _prmt(_HI_A, _HI_B, m) | _prmt(_SIGN_A, 0, g)
+    l0 = _prmt(_LO_A, _LO_B, m)
+    h1 = _prmt(_HI_A, _HI_B, m >> 16) | _prmt(_SIGN_A, 0, g >> 16)
+    l1 = _prmt(_LO_A, _LO_B, m >> 16)
+    zero = 0 * m
+    o0 = _prmt(l0, h0, zero + _SEL_0)
+    o1 = _prmt(l0, h0, zero + _SEL_1)
+    o2 = _prmt(l1, h1, zero + _SEL_0)
+    o3 = _prmt(l1, h1, zero + _SEL_1)
+    return _scaled_pair(o0, scale), _scaled_pair(o1, scale), _scaled_pair(o2, scale), _scaled_pair(o3, scale)
+
+
+@triton.jit
+def _scaled_pair(o, s):
+    """int64 word of two bf16 -> [..., 2] bf16, each times s (fp32), rounded (exact here)."""
+    v = _bf16_halves(o.to(tl.int32))
+    return (v.to(tl.float32) * s[:, :, None]).to(tl.bfloat16)
+
+
+@triton.jit
+def _mxfp4_lut(w, sc, BN: tl.constexpr, BK: tl.constexpr, ASM: tl.constexpr):
+    """int32 words [BN, BK/8] and ue8m0 scales [BN, BK/32] -> bf16 [BN, BK] (see `_LUT_ASM`)."""
+    s = sc.to(tl.int32)
+    s16 = tl.where(s > 0, s << 7, 0x40)  # 2^(s - 127) as bf16 bits (byte 0: the subnormal 2^-127)
+    s16 = tl.reshape(tl.broadcast_to(s16[:, :, None], (BN, BK // 32, 4)), (BN, BK // 8))
+    if ASM:
+        o0, o1, o2, o3 = tl.inline_asm_elementwise(
+            _LUT_ASM_C, "=r,=r,=r,=r,r,r", [w, s16 | (s16 << 16)], dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
+            is_pure=True, pack=1)
+        p0, p1, p2, p3 = _bf16_halves(o0), _bf16_halves(o1), _bf16_halves(o2), _bf16_halves(o3)
+    else:
+        scale = (s16 << 16).to(tl.float32, bitcast=True)
+        p0, p1, p2, p3 = _lut_words_emulated(w, scale)
+    # p_i [BN, BK/8, 2] holds codes 2i + c; nest as [a, b, c] = code 4a + 2b + c (the natural order)
+    l0, h0 = tl.split(p0)
+    l1, h1 = tl.split(p1)
+    l2, h2 = tl.split(p2)
+    l3, h3 = tl.split(p3)
+    lo = tl.join(tl.join(l0, l2), tl.join(l1, l3))
+    hi = tl.join(tl.join(h0, h2), tl.join(h1, h3))
+    return tl.reshape(tl.join(lo, hi), (BN, BK))
+
+
+# ------------------------------------------------------------------------------------------------
+# grouped GEMM
+
+
+@triton.jit
+def _weight_dot(acc, a, w_ptr, s_ptr, cols, col_ok, k0, K, s_wn, s_sn,
+                MXFP4: tl.constexpr, DEQUANT: tl.constexpr, ASM: tl.constexpr, SWAP: tl.constexpr, DTYPE: tl.constexpr,
+                PRECISION: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr):
+    """acc + a @ W[cols, k0:k0+BK]^T ([BM, BN]; SWAP: acc + W[cols, k0:k0+BK] @ a^T, [BN, BM]).
+    w_ptr/s_ptr: expert e's weight (uint8 bytes; "lut": int32 words) and scale rows."""
+    if MXFP4:
+        ks = k0 // 32 + tl.arange(0, BK // 32)
+        if EVEN_K:
+            smask = col_ok[:, None]
+        else:
+            smask = col_ok[:, None] & (ks < K // 32)[None, :]
+        sc = tl.load(s_ptr + cols[:, None] * s_sn + ks[None, :], mask=smask, other=127)
+        if DEQUANT == 1:
+            kw = k0 // 8 + tl.arange(0, BK // 8)
+            if EVEN_K:
+                wmask = col_ok[:, None]
+            else:
+                wmask = col_ok[:, None] & (kw < K // 8)[None, :]
+            words = tl.load(w_ptr + cols[:, None] * s_wn + kw[None, :], mask=wmask, other=0)
+            w = _mxfp4_lut(words, sc, BN, BK, ASM)
+        else:
+            kb = k0 // 2 + tl.arange(0, BK // 2)
+            if EVEN_K:
+                wmask = col_ok[:, None]
+            else:
+                wmask = col_ok[:, None] & (kb < K // 2)[None, :]
+            q = tl.load(w_ptr + cols[:, None] * s_wn + kb[None, :], mask=wmask, other=0)
+            if DEQUANT == 2:
+                if SWAP:
+                    return tl.dot_scaled(q, sc, "e2m1", tl.trans(a), None, "bf16", acc, fast_math=True)
+                else:
+                    return tl.dot_scaled(a, None, "bf16", tl.trans(q), sc, "e2m1", acc, fast_math=True)
+            w = _mxfp4_exact(q, sc, DTYPE, BN, BK)
+    else:
+        kk = k0 + tl.arange(0, BK)
+        if EVEN_K:
+            wmask = col_ok[:, None]
+        else:
+            wmask = col_ok[:, None] & (kk < K)[None, :]
+        w = tl.load(w_ptr + cols[:, None] * s_wn + kk[None, :], mask=wmask, other=0.0).to(DTYPE)
+    if SWAP:
+        return tl.dot(w, tl.trans(a), acc, input_precision=PRECISION)
+    else:
+        return tl.dot(a, tl.trans(w), acc, input_precision=PRECISION)
+
+
+@triton.jit
+def _tanh(x):
+    """tanh from exp (no libdevice in the interpreter): sign(x) (1 - 2 / (exp(2|x|) + 1))."""
+    t = 1.0 - 2.0 / (tl.exp(2.0 * tl.abs(x)) + 1.0)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def _activate(g, u, beta, linear_beta, ACT: tl.constexpr, LINEAR_TANH: tl.constexpr, DTYPE: tl.constexpr):
+    """act(gate, up) in fp32 from gate and up rounded to DTYPE, as the references compute it."""
+    g = g.to(DTYPE).to(tl.float32)
+    u = u.to(DTYPE).to(tl.float32)
+    sig = 1.0 / (1.0 + tl.exp(-g))
+    if ACT == 1:  # situ_and_mul: beta tanh(g / beta) sigmoid(g) * linear_beta tanh(u / linear_beta), in fp32
+        if LINEAR_TANH:
+            u = linear_beta * _tanh(u / linear_beta)
+        return beta * _tanh(g / beta) * sig * u
+    else:  # silu_and_mul: silu(gate) rounded to the dtype, times up
+        return (g * sig).to(DTYPE).to(tl.float32) * u
+
+
+@triton.jit
+def _moe_gemm_kernel(
+    a_ptr, w_ptr, ws_ptr, v_ptr, vs_ptr, out_ptr, sorted_ptr, bexp_ptr, brows_ptr, nblk_ptr,
+    N_OUT, K, A_ROW_DIV, s_am, s_we, s_wn, s_se, s_sn, s_om, beta, linear_beta,
+    GATED: tl.constexpr, ACT: tl.constexpr, LINEAR_TANH: tl.constexpr, MXFP4: tl.constexpr,
+    DEQUANT: tl.constexpr, ASM: tl.constexpr, SWAP: tl.constexpr, DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
+):
+    """One (block, column tile): out[pair, cols] = act(A W^T, A V^T) (GATED) or A W^T, rounded to DTYPE,
+    for the block's pairs; A's row of pair p is p // A_ROW_DIV (the token for the gate/up GEMM)."""
+    pid = tl.program_id(0)
+    n_tiles = tl.cdiv(N_OUT, BN)
+    b = pid // n_tiles
+    if b >= tl.load(nblk_ptr):
+        return
+    nt = pid % n_tiles
+    e = tl.load(bexp_ptr + b).to(tl.int64)
+    rows = tl.arange(0, BM)
+    row_ok = rows < tl.load(brows_ptr + b)
+    pairs = tl.load(sorted_ptr + b * BM + rows, mask=row_ok, other=0).to(tl.int64)
+    a_rows = a_ptr + (pairs // A_ROW_DIV) * s_am
+    cols = nt * BN + tl.arange(0, BN)
+    col_ok = cols < N_OUT
+    w_e = w_ptr + e * s_we
+    ws_e = ws_ptr + e * s_se
+    v_e = v_ptr + e * s_we
+    vs_e = vs_ptr + e * s_se
+    if SWAP:
+        acc = tl.zeros((BN, BM), tl.float32)
+        acc2 = tl.zeros((BN, BM), tl.float32)
+    else:
+        acc = tl.zeros((BM, BN), tl.float32)
+        acc2 = tl.zeros((BM, BN), tl.float32)
+    for k0 in range(0, K, BK):
+        kk = k0 + tl.arange(0, BK)
+        if EVEN_K:
+            amask = row_ok[:, None]
+        else:
+            amask = row_ok[:, None] & (kk < K)[None, :]
+        a = tl.load(a_rows[:, None] + kk[None, :], mask=amask, other=0.0).to(DTYPE)
+        acc = _weight_dot(acc, a, w_e, ws_e, cols, col_ok, k0, K, s_wn, s_sn, MXFP4, DEQUANT, ASM, SWAP, DTYPE,
+                          PRECISION, BN, BK, EVEN_K)
+        if GATED:
+            acc2 = _weight_dot(acc2, a, v_e, vs_e, cols, col_ok, k0, K, s_wn, s_sn, MXFP4, DEQUANT, ASM, SWAP, DTYPE,
+                               PRECISION, BN, BK, EVEN_K)
+    if GATED:
+        y = _activate(acc, acc2, beta, linear_beta, ACT, LINEAR_TANH, DTYPE)
+    else:
+        y = acc
+    if SWAP:
+        tl.store(out_ptr + pairs[None, :] * s_om + cols[:, None], y.to(DTYPE), mask=col_ok[:, None] & row_ok[None, :])
+    else:
+        tl.store(out_ptr + pairs[:, None] * s_om + cols[None, :], y.to(DTYPE), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _combine_kernel(y_ptr, w_ptr, out_ptr, H, s_y, s_wt, s_wj, s_o, TOP_K: tl.constexpr, BH: tl.constexpr):
+    """out[t, cols] = sum_j w[t, j] * y[t k + j, cols] in fp32, j in order."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BH + tl.arange(0, BH)
+    ok = cols < H
+    acc = tl.zeros((BH,), tl.float32)
+    for j in tl.static_range(TOP_K):
+        wj = tl.load(w_ptr + t * s_wt + j * s_wj).to(tl.float32)
+        acc += wj * tl.load(y_ptr + (t * TOP_K + j) * s_y + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * s_o + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+# ------------------------------------------------------------------------------------------------
+# entry point
+
+
+def _gemm(a, w, w_scale, v, v_scale, out, align, a_row_div: int, tiles: GemmTiles, block_m: int, dequant: str,
+          act: str, beta: float, linear_beta: float | None):
+    sorted_pairs, bexp, brows, nblk = align
+    E, n_out, k_in = w.shape[0], w.shape[1], a.shape[1]
+    mxfp4 = w.dtype == torch.uint8
+    dq = _DEQUANT[dequant] if mxfp4 else 0
+    if mxfp4 and dq == 1:  # 32-bit words of 8 codes
+        w, v = w.view(torch.int32), (v.view(torch.int32) if v is not None else None)
+    if not mxfp4:
+        w_scale = v_scale = w  # unused
+    gated = v is not None
+    if not gated:
+        v, v_scale = w, w_scale
+    grid = (bexp.numel() * triton.cdiv(n_out, tiles.block_n),)
+    _moe_gemm_kernel[grid](
+        a, w, w_scale, v, v_scale, out, sorted_pairs, bexp, brows, nblk,
+        n_out, k_in, a_row_div, a.stride(0), w.stride(0), w.stride(1), w_scale.stride(0), w_scale.stride(1),
+        out.stride(0), float(beta), float(linear_beta or 1.0),
+        GATED=gated, ACT=_ACT[act], LINEAR_TANH=linear_beta is not None, MXFP4=mxfp4, DEQUANT=dq, ASM=not _INTERPRET,
+        SWAP=tiles.swap,
+        DTYPE=_DOT_DTYPES[a.dtype], PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        BM=block_m, BN=tiles.block_n, BK=tiles.block_k, EVEN_K=k_in % tiles.block_k == 0,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+    )
+
+
+def _check(x, w1, w2, w3, w1_scale, w2_scale, w3_scale, ids, weights, config: MoEConfig):
+    if x.dtype not in _DOT_DTYPES:
+        raise ValueError(f"x must be bf16, fp16 or fp32, got {x.dtype}")
+    E, inter, h = w1.shape[0], w1.shape[1], x.shape[1]
+    mxfp4 = w1.dtype == torch.uint8
+    width = h // 2 if mxfp4 else h
+    if tuple(w1.shape) != (E, inter, width) or tuple(w3.shape) != tuple(w1.shape):
+        raise ValueError(f"w1/w3 must be [E, I, {width}], got {tuple(w1.shape)} and {tuple(w3.shape)}")
+    if tuple(w2.shape) != (E, h, inter // 2 if mxfp4 else inter):
+        raise ValueError(f"w2 must be [E, {h}, {inter // 2 if mxfp4 else inter}], got {tuple(w2.shape)}")
+    if mxfp4:
+        if h % 32 or inter % 32:
+            raise ValueError(f"MXFP4 experts need hidden and intermediate dims divisible by 32, got {h}, {inter}")
+        for name, s, rows, cols in (("w1", w1_scale, inter, h), ("w3", w3_scale, inter, h), ("w2", w2_scale, h, inter)):
+            if s is None or tuple(s.shape) != (E, rows, cols // 32) or s.dtype != torch.uint8:
+                raise ValueError(f"{name}_scale must be uint8 [E, {rows}, {cols // 32}]")
+        if config.dequant not in _DEQUANT:
+            raise ValueError(f"dequant must be one of {list(_DEQUANT)}, got {config.dequant!r}")
+        if config.dequant != "exact" and x.dtype != torch.bfloat16:
+            raise ValueError(f"dequant {config.dequant!r} needs bf16 inputs, got {x.dtype}")
+    for t in (w1, w2, w3) + ((w1_scale, w2_scale, w3_scale) if mxfp4 else ()):
+        if t.stride(-1) != 1:
+            raise ValueError("expert weights and scales need a contiguous last dim")
+    if ids.shape != weights.shape or ids.shape[0] != x.shape[0]:
+        raise ValueError(f"ids {tuple(ids.shape)} and weights {tuple(weights.shape)} must be [N, k], N = {x.shape[0]}")
+    for tiles in (config.up, config.down):
+        if tiles.block_k < 32 or (mxfp4 and tiles.block_k % 32):
+            raise ValueError(f"block_k must be a multiple of 32, got {tiles.block_k}")
+        if config.block_m < 16 or tiles.block_n < 16:
+            raise ValueError("block_m and block_n must be >= 16 (tl.dot)")
+
+
+def fused_moe(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, ids: torch.Tensor,
+              weights: torch.Tensor, *, w1_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
+              w3_scale: torch.Tensor | None = None, activation: str = "situ", situ_beta: float = 4.0,
+              situ_linear_beta: float | None = 25.0, out: torch.Tensor | None = None,
+              workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
+              config: MoEConfig | None = None) -> torch.Tensor:
+    """Routed experts: x [N, h] (bf16, fp16 or fp32), ids / weights [N, k] (int, fp32) -> [N, h] in x's dtype.
+
+    Weights: w1 (gate) and w3 (up) [E, I, h], w2 (down) [E, h, I] in any float dtype; or MXFP4:
+    packed uint8 [E, out, in/2] with ue8m0 scales uint8 [E, out, in/32] (`w*_scale`). activation:
+    "situ" (situ_beta, situ_linear_beta; None: no tanh on up) or "silu". out: written in place;
+    workspace: (act [N k, I], y [N k, h]) buffers in x's dtype (else allocated)."""
+    if activation not in _ACT:
+        raise ValueError(f"activation must be one of {list(_ACT)}, got {activation!r}")
+    N, h = x.shape
+    k = ids.shape[1] if ids.dim() == 2 else 0
+    E, inter = w1.shape[0], w1.shape[1]
+    mxfp4 = w1.dtype == torch.uint8
+    config = config or default_config(N, k, E, x.dtype, mxfp4)
+    _check(x, w1, w2, w3, w1_scale, w2_scale, w3_scale, ids, weights, config)
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    out = torch.empty_like(x) if out is None else out
+    if N == 0:
+        return out
+    if k == 0:
+        return out.zero_()
+    if workspace is None:
+        act = torch.empty(N * k, inter, dtype=x.dtype, device=x.device)
+        y = torch.empty(N * k, h, dtype=x.dtype, device=x.device)
+    else:
+        act, y = workspace
+    align = align_blocks(ids, E, config.block_m)
+    _gemm(x, w1, w1_scale, w3, w3_scale, act, align, k, config.up, config.block_m, config.dequant, activation,
+          situ_beta, situ_linear_beta)
+    _gemm(act, w2, w2_scale, None, None, y, align, 1, config.down, config.block_m, config.dequant, activation, 1.0,
+          None)
+    BH = min(config.combine_block, triton.next_power_of_2(h))
+    _combine_kernel[(N, triton.cdiv(h, BH))](y, weights, out, h, y.stride(0), *weights.stride(), out.stride(0),
+                                              TOP_K=k, BH=BH, num_warps=4)
+    return out
+
+
+__all__ = ["ALIGN_SMALL_PAIRS", "GemmTiles", "MoEConfig", "align_blocks", "default_config", "fused_moe", "max_blocks"]
