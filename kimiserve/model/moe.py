@@ -8,6 +8,7 @@ from torch import nn
 from kimiserve.config import ModelConfig
 from kimiserve.model.layers import Linear, RMSNorm, make_param
 from kimiserve.ops.activation.reference import silu_and_mul, situ_and_mul
+from kimiserve.ops.moe.dispatch import fused_moe_for
 from kimiserve.ops.moe.reference import experts_forward, route
 from kimiserve.ops.quant.reference import MXFP4_GROUP, dequantize_mxfp4
 
@@ -66,6 +67,10 @@ class RoutedExperts(nn.Module):
     With MXFP4 checkpoints the weights stay packed in memory (`<w>_packed` uint8 [E, out, in/2],
     `<w>_scale` uint8 [E, out, in/32]) and an expert is dequantised when it runs. The checkpoint
     stores one tensor per expert; each stacked parameter's loader takes expert e's slice.
+
+    On CUDA with Triton the forward is the fused kernel (`ops.moe.triton.fused_moe`: weights
+    dequantised in registers, only the routed experts read); elsewhere the pure-torch forms below.
+    `use_fused = False` forces the torch forms (the tests' oracle on CUDA).
     """
 
     NAMES = ("w1", "w2", "w3")
@@ -76,6 +81,10 @@ class RoutedExperts(nn.Module):
         self.num_experts, self.dtype = E, dtype
         self.mxfp4 = config.routed_experts_mxfp4
         self.act = gated_activation(config)
+        self.activation = config.hidden_act
+        self.situ_betas = (config.activation_situ_beta, config.activation_situ_linear_beta)
+        self.use_fused: bool | None = None
+        """None: the fused kernel wherever `fused_moe_for` offers one; False: always the torch forms."""
         for name in self.NAMES:
             out, inp = (h, inter) if name == "w2" else (inter, h)
             if self.mxfp4:
@@ -105,6 +114,9 @@ class RoutedExperts(nn.Module):
         shapes do not depend on the routing (no host sync; CUDA graphs capture it): each token through
         its own k experts when that reads fewer than all experts, else every expert on every token
         with unrouted pairs weighted 0. More tokens loop over the experts that were picked."""
+        fused = fused_moe_for(x.device.type) if self.use_fused is not False else None
+        if fused is not None:
+            return self.fused_forward(fused, x, ids, weights)
         N, k = ids.shape
         if N > STATIC_MOE_TOKENS:
             return experts_forward(x, ids, weights, self.run_expert, self.num_experts)
@@ -121,6 +133,17 @@ class RoutedExperts(nn.Module):
         dense = torch.zeros(N, self.num_experts, dtype=torch.float32, device=x.device)
         dense.scatter_(1, ids, weights.float())
         return torch.einsum("enh,ne->nh", y, dense).to(x.dtype)
+
+    def fused_forward(self, fused, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The fused kernel's forward (`ops.moe.triton.fused_moe`): same contract as `forward`."""
+        beta, linear_beta = self.situ_betas
+        if self.mxfp4:
+            w1, w2, w3 = self.w1_packed, self.w2_packed, self.w3_packed
+            scales = dict(w1_scale=self.w1_scale, w2_scale=self.w2_scale, w3_scale=self.w3_scale)
+        else:
+            w1, w2, w3, scales = self.w1, self.w2, self.w3, {}
+        return fused(x, w1, w2, w3, ids, weights.float(), activation=self.activation, situ_beta=beta,
+                     situ_linear_beta=linear_beta, **scales)
 
 
 def load_expert_slice(param: nn.Parameter, loaded: torch.Tensor, name: str, expert: int) -> None:

@@ -67,3 +67,37 @@ def experts_forward(
         y = expert_fn(e, x[token_idx])
         out.index_add_(0, token_idx, y.float() * weights[token_idx, slot].unsqueeze(-1).float())
     return out.to(x.dtype)
+
+
+def fused_moe_reference(
+    x: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    w3: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    act: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    w1_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    w3_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """What the fused MoE kernel (`ops.moe.triton.fused_moe`) computes, on stacked expert weights.
+
+    w1 (gate) / w3 (up) [E, I, h], w2 (down) [E, h, I] in any float dtype, or MXFP4 (uint8 packed
+    [E, out, in/2] with ue8m0 scales [E, out, in/32]), dequantised to x's dtype; act(gate, up) as
+    `activation.reference` defines it (situ_and_mul / silu_and_mul). Each expert: gate and up in x's
+    dtype (fp32 accumulation), act, down in x's dtype; slots combined in fp32 (`experts_forward`).
+    The same math as `RoutedExperts.run_expert` with `experts_forward`.
+    """
+    from kimiserve.ops.quant.reference import dequantize_mxfp4
+
+    def weight(w: torch.Tensor, scale: torch.Tensor | None, e: int) -> torch.Tensor:
+        if w.dtype == torch.uint8:
+            return dequantize_mxfp4(w[e], scale[e], x.dtype)
+        return w[e].to(x.dtype)
+
+    def expert(e: int, rows: torch.Tensor) -> torch.Tensor:
+        gate, up = rows @ weight(w1, w1_scale, e).T, rows @ weight(w3, w3_scale, e).T
+        return act(gate, up) @ weight(w2, w2_scale, e).T
+
+    return experts_forward(x, ids, weights, expert, w1.shape[0])
