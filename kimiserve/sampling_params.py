@@ -201,14 +201,14 @@ class SamplingParams:
         if not isinstance(values, (list, tuple)):
             raise ValueError(f"{name} must be {what}, got {_kind(values)}")
         if len(values) > max_count:
-            raise ValueError(f"{name} may hold at most {max_count} strings, got {len(values)}")
+            raise ValueError(f"{name} must hold at most {max_count} strings, got {len(values)}")
         for i, s in enumerate(values):
             if not isinstance(s, str):
                 raise ValueError(f"{name} must be {what}, got {_kind(s)} at {name}[{i}]")
             if not s:
                 raise ValueError(f"{name} must not contain empty strings ({name}[{i}] is empty)")
             if len(s) > max_chars:
-                raise ValueError(f"{name} strings must be at most {max_chars} characters, got {len(s)} at {name}[{i}]")
+                raise ValueError(f"{name} must hold strings of at most {max_chars} characters, got {len(s)} at {name}[{i}]")
         return list(values)
 
     @staticmethod

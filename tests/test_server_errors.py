@@ -125,7 +125,60 @@ CASES = [
      "tools"),
     ("tokenize-unknown-role", "POST", "/tokenize", {"messages": [{"role": "x", "content": "y"}]}, 400,
      "messages[0].role"),
+    # vLLM / OpenAI fields this server does not implement: a 400 naming them, never silently ignored
+    ("guided-json", "POST", C, comp(guided_json={"type": "object"}), 400, "guided_json"),
+    ("guided-choice", "POST", CHAT, chat(guided_choice=["a", "b"]), 400, "guided_choice"),
+    ("guided-regex", "POST", C, comp(guided_regex="a+"), 400, "guided_regex"),
+    ("structured-outputs", "POST", CHAT, chat(structured_outputs={"json": {}}), 400, "structured_outputs"),
+    ("beam-search", "POST", C, comp(use_beam_search=True), 400, "use_beam_search"),
+    ("chat-functions", "POST", CHAT, chat(functions=[{"name": "f"}]), 400, "functions"),
+    ("chat-template-per-request", "POST", CHAT, chat(chat_template="{{ messages }}"), 400, "chat_template"),
+    ("spaces-between-special-tokens", "POST", C, comp(spaces_between_special_tokens=False), 400,
+     "spaces_between_special_tokens"),
+    ("continuous-usage-stats", "POST", C, comp(stream=True, stream_options={"continuous_usage_stats": True}), 400,
+     "stream_options.continuous_usage_stats"),
+    ("chat-image-part", "POST", CHAT, chat(messages=[{"role": "user", "content": [
+        {"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]),
+     400, "messages[0].content[1].type"),
+    ("chat-text-part-without-text", "POST", CHAT, chat(messages=[{"role": "user", "content": [{"type": "text"}]}]),
+     400, "messages[0].content[0].text"),
+    ("tokenize-image-part", "POST", "/tokenize", {"messages": [{"role": "user", "content": [
+        {"type": "input_audio", "input_audio": {}}]}]}, 400, "messages[0].content[0].type"),
+    ("template-kwargs-messages", "POST", CHAT, chat(chat_template_kwargs={"messages": []}), 400,
+     "chat_template_kwargs.messages"),
+    ("template-kwargs-tokenize", "POST", "/tokenize", {"messages": MSG, "chat_template_kwargs": {"tokenize": True}},
+     400, "chat_template_kwargs.tokenize"),
+    ("continue-and-generation-prompt", "POST", CHAT, chat(continue_final_message=True), 400, "continue_final_message"),
+    ("continue-without-final-text", "POST", CHAT, chat(continue_final_message=True, add_generation_prompt=False,
+                                                        messages=MSG + [{"role": "assistant", "content": ""}]), 400,
+     "messages[1].content"),
+    ("allowed-token-ids-out-of-vocab", "POST", C, comp(allowed_token_ids=[1, 10**9]), 400, "allowed_token_ids[1]"),
+    ("allowed-token-ids-empty", "POST", C, comp(allowed_token_ids=[]), 400, "allowed_token_ids"),
+    ("bad-words-too-many", "POST", C, comp(bad_words=["w"] * 65), 400, "bad_words"),
+    ("stop-too-many", "POST", C, comp(stop=[f"s{i}" for i in range(65)]), 400, "stop"),
+    ("stop-too-long", "POST", C, comp(stop=["x" * 257]), 400, "stop[0]"),
 ]
+
+ACCEPTED = [  # requests that once broke the server (a 500, or a dead engine) and are valid
+    ("top-k-over-int64", C, comp(top_k=9223372036854775808, temperature=1.0)),
+    ("top-k-over-vocab", C, comp(top_k=10**6, temperature=1.0)),
+    ("tiny-temperature", C, comp(temperature=1e-300)),
+    ("huge-repetition-penalty", C, comp(repetition_penalty=1e308, temperature=1.0)),
+    ("template-kwargs-self", CHAT, chat(chat_template_kwargs={"self": 1, "namespace": "x", "thinking": True})),
+    ("tokenize-template-kwargs-namespace", "/tokenize", {"messages": MSG, "chat_template_kwargs": {"namespace": 1}}),
+    ("unknown-fields", C, comp(user="u", metadata={"a": "b"}, some_future_field=[1, 2])),
+    ("inert-unsupported-values", CHAT, chat(use_beam_search=False, guided_json=None, modalities=["text"])),
+    ("allowed-token-ids", C, comp(allowed_token_ids=[5, 6, 7], temperature=1.0)),
+    ("bad-words", C, comp(bad_words=["hello", "the"], temperature=1.0)),
+]
+
+
+@pytest.mark.parametrize("case", ACCEPTED, ids=[c[0] for c in ACCEPTED])
+def test_once_fatal_requests_are_served(http, case):
+    _, path, body = case
+    r = http.post(path, json=body)
+    assert r.status_code == 200, r.text
+    assert http.get("/health").status_code == 200
 
 
 @pytest.fixture(scope="module")

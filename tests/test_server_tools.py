@@ -166,3 +166,62 @@ def test_agent_loop_messages_are_accepted(server, client):
     assert out.choices[0].finish_reason in ("stop", "length", "tool_calls")
     r = httpx.post(f"{server.base_url}/chat/completions", json={"messages": history, "tools": TOOLS, "max_tokens": 2})
     assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 4, 6])
+@pytest.mark.parametrize("choice", ["required", "named"])
+def test_forced_calls_cut_short_parse_the_same_streamed_or_not(client, choice, max_tokens):
+    """A forced call that max_tokens cuts is the same tool call streamed and not streamed (what it
+    has so far), and the markup the server appended to force it never shows as content."""
+    messages, tool_choice = (OSLO, "required") if choice == "required" else (
+        ROME, {"type": "function", "function": {"name": "get_weather"}})
+    choice_ = ask(client, messages, tools=TOOLS, tool_choice=tool_choice, max_tokens=max_tokens).choices[0]
+    whole = {i: {"id": tc.id, "name": tc.function.name, "arguments": tc.function.arguments, "headers": 1}
+             for i, tc in enumerate(choice_.message.tool_calls or [])}
+    _, content, calls, finish = collect_stream(client, messages, tools=TOOLS, tool_choice=tool_choice,
+                                               max_tokens=max_tokens)
+    assert calls == whole and finish == choice_.finish_reason
+    assert (choice_.message.content or "") == content
+    assert "<|" not in content and "functions." not in content
+    if choice == "named":  # the header is forced: a call exists however short the reply
+        assert whole[0]["name"] == "get_weather" and '{"city":"Rome"}'.startswith(whole[0]["arguments"])
+
+
+def test_forced_call_the_model_does_not_complete_leaves_no_markup():
+    """On a random model, `required` forcing "...functions." rarely gets a valid header: the reply falls
+    back to content, which holds what the model wrote but none of the server's markup."""
+    with running_server("--max-model-len", "512", "--num-pages", "400") as s:
+        for stream in (False, True):
+            r = httpx.post(f"{s.base_url}/chat/completions", timeout=60, json={
+                "messages": OSLO, "tools": TOOLS, "tool_choice": "required", "max_tokens": 12, "temperature": 0,
+                "stream": stream})
+            assert r.status_code == 200, r.text
+            if stream:
+                events = [json.loads(line[6:]) for line in r.text.splitlines()
+                          if line.startswith("data: {")]
+                content = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"])
+            else:
+                content = r.json()["choices"][0]["message"]["content"] or ""
+            assert "<|tool_call" not in content and not content.startswith("functions.")
+
+
+def test_chat_echo_include_reasoning_and_prompt_controls(server, client):
+    tok = tiny_tokenizer()
+    # include_reasoning=false drops the <think> part from the reply
+    out = ask(client, MATH, extra_body={"include_reasoning": False}).choices[0].message
+    assert out.content == "2 + 2 = 4." and out.model_extra.get("reasoning_content") is None
+    reasoning, content, _, _ = collect_stream(client, MATH, extra_body={"include_reasoning": False})
+    assert (reasoning, content) == ("", "2 + 2 = 4.")
+    # continue_final_message: the prompt ends inside the final (assistant) message, with no end of turn
+    partial = MATH + [{"role": "assistant", "content": "The sum is"}]
+    body = {"add_generation_prompt": False, "continue_final_message": True, "echo": True}
+    full = tok.apply_chat_template(partial, add_generation_prompt=False)
+    expected = full[: full.rfind("The sum is") + len("The sum is")]
+    r = ask(client, partial, max_tokens=3, extra_body=body)
+    assert r.usage.prompt_tokens == len(tok.encode(expected)) < len(tok.encode(full))
+    assert r.choices[0].message.content.startswith("The sum is")  # echo: the reply starts with it
+    _, streamed, _, _ = collect_stream(client, partial, max_tokens=3, extra_body=body)
+    assert streamed.startswith("The sum is")
+    # add_generation_prompt=false: no assistant header after the conversation
+    r = ask(client, MATH, max_tokens=2, extra_body={"add_generation_prompt": False})
+    assert r.usage.prompt_tokens == len(tok.encode(tok.apply_chat_template(MATH, add_generation_prompt=False)))
