@@ -175,10 +175,11 @@ class Sampler:
         request, not per step; rebuilt if the list is replaced)."""
         cached = getattr(params, "_allowed_ids_cache", None)
         if cached is None or cached[0] is not params.allowed_token_ids:
-            cached = (params.allowed_token_ids, torch.tensor(params.allowed_token_ids, dtype=torch.int64))
+            ids = params.allowed_token_ids
+            cached = (ids, torch.tensor(ids, dtype=torch.int64), max(ids))
             params._allowed_ids_cache = cached
-        ids = cached[1]
-        return ids if int(ids.max()) < V else ids[ids < V]
+        _, ids, largest = cached
+        return ids if largest < V else ids[ids < V]
 
     def _hard_masks(self, x: torch.Tensor, requests: list[SampleRequest]) -> None:
         """-inf, in place, on what allowed_token_ids, bad words and min_tokens exclude: one
