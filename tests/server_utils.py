@@ -81,16 +81,18 @@ def _wait_healthy(server: ServerProcess, timeout: float) -> None:
 
 @contextlib.contextmanager
 def running_server(*args: str, env: dict[str, str] | None = None, check_exit: bool = True,
-                   startup_timeout: float = 120.0) -> Iterator[ServerProcess]:
-    """Start `python -m kimiserve.entrypoints.cli serve --port FREE ARGS`, wait for /health, yield it;
-    afterwards SIGTERM it and (check_exit) require exit code 0 and a clean stderr."""
+                   startup_timeout: float = 120.0,
+                   launcher: tuple[str, ...] = ("-m", "kimiserve.entrypoints.cli")) -> Iterator[ServerProcess]:
+    """Start `python -m kimiserve.entrypoints.cli serve --port FREE ARGS` (or `python LAUNCHER serve ...`),
+    wait for /health, yield it; afterwards SIGTERM it (unless it has exited) and (check_exit) require
+    exit code 0 and a clean stderr."""
     port = free_port()
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
     with tempfile.TemporaryDirectory() as tmp:
         out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
         with open(out, "wb") as fo, open(err, "wb") as fe:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "kimiserve.entrypoints.cli", "serve", "--host", "127.0.0.1", "--port",
+                [sys.executable, *launcher, "serve", "--host", "127.0.0.1", "--port",
                  str(port), "--disable-uvicorn-access-log", *args],
                 cwd=ROOT, env=full_env, stdout=fo, stderr=fe)
         server = ServerProcess(proc, port, out, err)

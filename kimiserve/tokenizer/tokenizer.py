@@ -10,6 +10,7 @@ tokenizer_config.json `added_tokens_decoder`, unnamed slots being `<|reserved_to
 from __future__ import annotations
 
 import base64
+import functools
 import json
 import re
 from collections.abc import Mapping
@@ -189,6 +190,11 @@ class KimiTokenizer:
     @property
     def vocab_size(self) -> int:
         return len(self._token_bytes)
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """Bytes of the longest token: a text of B UTF-8 bytes encodes to at least B / this many tokens."""
+        return max(map(len, self._token_bytes))
 
     @property
     def num_base_tokens(self) -> int:

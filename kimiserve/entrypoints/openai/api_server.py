@@ -27,6 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from kimiserve.engine.args import EngineArgs
 from kimiserve.engine.async_engine import DEAD_MESSAGE, AsyncLLMEngine, EngineDeadError
 from kimiserve.entrypoints.openai.errors import JSONResponse, OpenAIError, from_validation_error, from_value_error
+from kimiserve.entrypoints.openai.http_limits import BodyLimitMiddleware, h11_protocol_with_timeouts
 from kimiserve.entrypoints.openai.metrics import ServerMetrics
 from kimiserve.entrypoints.openai.protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest)
@@ -131,6 +132,8 @@ def build_app(engine: AsyncLLMEngine, args: ServerArgs | None = None) -> FastAPI
     _install_error_handlers(app)
     if args.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=args.api_key)
+    # outside the API-key check: an oversized body is refused (413) before anything else
+    app.add_middleware(BodyLimitMiddleware, max_bytes=args.max_request_body_bytes)
     # added last, so it runs first: browsers' preflight requests carry no API key
     app.add_middleware(CORSMiddleware, allow_origins=args.allowed_origins, allow_methods=["*"], allow_headers=["*"])
 
@@ -254,6 +257,8 @@ def run_server(engine_args: EngineArgs, server_args: ServerArgs) -> int:
     print(engine.engine.cache_summary(), file=sys.stderr, flush=True)
     app = build_app(engine, server_args)
     config = uvicorn.Config(app, host=server_args.host, port=server_args.port, lifespan="on",
+                            http=h11_protocol_with_timeouts(server_args.header_read_timeout,
+                                                            server_args.body_read_timeout),
                             log_level=server_args.uvicorn_log_level,
                             access_log=not server_args.disable_uvicorn_access_log,
                             timeout_graceful_shutdown=server_args.shutdown_timeout + SHUTDOWN_MARGIN_S)

@@ -8,6 +8,7 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
+from kimiserve.entrypoints.openai.http_limits import DEFAULT_MAX_REQUEST_BODY_BYTES
 from kimiserve.utils.docs import field_docs
 
 API_KEY_ENV = "KIMISERVE_API_KEY"
@@ -46,6 +47,13 @@ class ServerArgs:
     """uvicorn's log level."""
     disable_uvicorn_access_log: bool = False
     """Do not log each HTTP request."""
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
+    """Largest request body accepted (bytes; 0: no limit); a larger one is answered 413 before it is
+    read. 16 MiB holds a 1M-token context as JSON text or token ids."""
+    header_read_timeout: float = 30.0
+    """Seconds a connection may take to send a request's headers (0: no limit); then it is closed."""
+    body_read_timeout: float = 30.0
+    """Seconds a request body may go without a byte arriving (0: no limit); then 408 and close."""
     max_queued_output_bytes: int = 16 * 2**20
     """Output one request may have generated but not yet sent, because its client does not read
     (estimated bytes); past it the request is aborted, its pages freed, and its stream ends with an
@@ -65,6 +73,12 @@ class ServerArgs:
         if isinstance(self.max_queued_output_bytes, bool) or not isinstance(self.max_queued_output_bytes, int) \
                 or self.max_queued_output_bytes < 2**16:
             raise ValueError(f"max_queued_output_bytes must be an int >= 65536, got {self.max_queued_output_bytes!r}")
+        if isinstance(self.max_request_body_bytes, bool) or not isinstance(self.max_request_body_bytes, int) \
+                or self.max_request_body_bytes < 0:
+            raise ValueError(f"max_request_body_bytes must be an int >= 0, got {self.max_request_body_bytes!r}")
+        for name in ("header_read_timeout", "body_read_timeout"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0 (0: no limit), got {getattr(self, name)}")
         if not self.stream_send_timeout > 0:
             raise ValueError(f"stream_send_timeout must be > 0, got {self.stream_send_timeout}")
         if not self.shutdown_timeout >= 0:

@@ -157,11 +157,14 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         raise OpenAIError(f"continue_final_message cannot be used with tool_choice {plan.choice!r} (the reply must "
                           f"start a tool call)", 400, "continue_final_message")
     size = sum(len(m.text() or "") for m in req.messages)
+    for m in req.messages:  # before rendering: a huge message is refused at once
+        ctx.check_fits(m.text() or "", "messages")
 
     def prompt() -> list[int]:
         text = render_chat(ctx, req.messages, req.tools if plan.choice != "none" else None, req.add_generation_prompt,
-                           req.chat_template_kwargs, req.continue_final_message)
-        return tokenizer.encode(text + plan.forced)
+                           req.chat_template_kwargs, req.continue_final_message) + plan.forced
+        ctx.check_fits(text, "messages")
+        return tokenizer.encode(text)
 
     prompt_ids = await ctx.maybe_blocking(size, prompt)
     engine = ctx.engine

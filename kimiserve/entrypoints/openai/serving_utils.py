@@ -68,8 +68,23 @@ class ServingContext:
         body = await raw.body()
         return await self.maybe_blocking(len(body), parse_body, model, body)
 
-    async def encode(self, text: str) -> list[int]:
+    async def encode(self, text: str, field: str = "prompt") -> list[int]:
+        """Token ids of a prompt text; a text too long for the context whatever its tokens is refused
+        without tokenising it (`check_fits`)."""
+        self.check_fits(text, field)
         return await self.maybe_blocking(len(text), self.need_tokenizer("a text prompt").encode, text)
+
+    def check_fits(self, text: str, field: str) -> None:
+        """400 (context_length_exceeded) when `text` cannot fit max_model_len even if every token were
+        the vocabulary's longest: a cheap bound that spares tokenising megabytes only to refuse them."""
+        tokenizer = self.need_tokenizer("a text prompt")
+        at_least = -(-len(text.encode("utf-8", "surrogatepass")) // tokenizer.max_token_bytes)
+        limit = self.engine.max_model_len
+        if at_least >= limit:
+            raise OpenAIError(
+                f"This model's maximum context length is {limit} tokens. However, your request has at least "
+                f"{at_least} input tokens; the {field} plus at least one generated token must fit. Please reduce "
+                f"the length of the {field}.", 400, field, "context_length_exceeded")
 
     def new_sink(self, request_ids: list[str]) -> OutputSink:
         """Where the outputs of one HTTP request's engine requests go; overflowing aborts them all."""

@@ -1,0 +1,169 @@
+"""Faults at the server: a request that fails inside the engine fails alone; a fatal engine error
+closes the streams and exits the process non-zero; a huge body is refused at once without
+stalling other streams; a client that stops reading costs bounded memory and is cut off."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from server_utils import metrics, running_server, wait_until
+
+ROOT = Path(__file__).resolve().parent
+LAUNCHER = (str(ROOT / "fault_injection.py"),)
+POISON, FATAL = 1000, 1001
+SERVER = ("--max-model-len", "512", "--num-pages", "600", "--max-num-seqs", "16")
+
+
+def stream_events(url: str, body: dict, out: dict) -> None:
+    """POST a streaming completion; out gets "events" (decoded data payloads) and "times" (arrival times)."""
+    out["events"], out["times"] = [], []
+    with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=120) as r:
+        out["status"] = r.status_code
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                out["times"].append(time.monotonic())
+                out["events"].append(line[6:])
+
+
+def text_of(events: list[str]) -> tuple[list[str], list[dict]]:
+    """(text pieces, error bodies) of a completion stream's events."""
+    texts, errors = [], []
+    for e in events:
+        if e == "[DONE]":
+            continue
+        d = json.loads(e)
+        if "error" in d:
+            errors.append(d["error"])
+        else:
+            texts += [c["text"] for c in d["choices"]]
+    return texts, errors
+
+
+def background(target, *args) -> threading.Thread:
+    t = threading.Thread(target=target, args=args, daemon=True)
+    t.start()
+    return t
+
+
+def test_a_request_failing_in_the_engine_fails_alone():
+    env = {"KIMISERVE_TEST_POISON": str(POISON)}
+    with running_server(*SERVER, launcher=LAUNCHER, env=env, check_exit=False) as s:
+        normal = {"prompt": list(range(1, 40)), "max_tokens": 60, "temperature": 0, "ignore_eos": True}
+        alone = httpx.post(f"{s.base_url}/completions", json=normal, timeout=120).json()["choices"][0]["text"]
+        seen: dict = {}
+        t = background(stream_events, s.url, normal, seen)
+        wait_until(lambda: len(seen.get("events", [])) > 3, timeout=60)
+        r = httpx.post(f"{s.base_url}/completions", json={"prompt": [5, POISON, 6], "max_tokens": 4}, timeout=60)
+        assert r.status_code == 500 and r.json()["error"]["code"] == "request_failed", r.text
+        assert "secret" not in r.text and "injected" not in r.text
+        poisoned: dict = {}
+        stream_events(s.url, {"prompt": [7, POISON], "max_tokens": 4}, poisoned)
+        assert poisoned["status"] == 200 and poisoned["events"][-1] == "[DONE]"
+        _, errors = text_of(poisoned["events"])
+        assert [e["code"] for e in errors] == ["request_failed"] and "secret" not in json.dumps(errors)
+        t.join(120)
+        texts, errors = text_of(seen["events"])
+        assert not errors and "".join(texts) == alone  # the other stream: every token, the same tokens
+        assert httpx.get(f"{s.url}/health").status_code == 200
+        after = httpx.post(f"{s.base_url}/completions", json=normal, timeout=120)
+        assert after.status_code == 200 and after.json()["choices"][0]["text"] == alone
+        m = wait_until(lambda: (lambda m: m if m["kimiserve:num_requests_running"] == 0 else None)(metrics(s.url)))
+        assert m["kimiserve:request_success_total{finished_reason=\"error\"}"] == 2
+        assert m["kimiserve:cache_pages_used_by_requests"] == 0
+    assert s.proc.returncode == 0
+
+
+def test_a_fatal_engine_error_closes_the_streams_and_exits_non_zero():
+    env = {"KIMISERVE_TEST_FATAL": str(FATAL)}
+    with running_server(*SERVER, launcher=LAUNCHER, env=env, check_exit=False) as s:
+        seen: dict = {}
+        t = background(stream_events, s.url, {"prompt": [1, 2, 3], "max_tokens": 400, "ignore_eos": True}, seen)
+        wait_until(lambda: len(seen.get("events", [])) > 3, timeout=60)
+        r = httpx.post(f"{s.base_url}/completions", json={"prompt": [FATAL], "max_tokens": 2}, timeout=60)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
+        assert "illegal" not in r.text and "injected" not in r.text
+        t.join(60)
+        assert seen["events"][-1] == "[DONE]"
+        _, errors = text_of(seen["events"])
+        assert [e["code"] for e in errors] == ["engine_dead"] and "illegal" not in json.dumps(errors)
+        code = s.proc.wait(60)
+        stderr = s.stderr()
+    assert code == 1 and "the engine is dead" in stderr
+
+
+def test_a_huge_body_is_refused_at_once_and_other_streams_keep_flowing():
+    with running_server(*SERVER) as s:
+        seen: dict = {}
+        t = background(stream_events, s.url, {"prompt": [1, 2, 3], "max_tokens": 150, "ignore_eos": True}, seen)
+        wait_until(lambda: len(seen.get("events", [])) > 3, timeout=60)
+        huge = b'{"messages": [{"role": "user", "content": "' + b"x" * 50_000_000 + b'"}]}'
+        for path in ("/v1/chat/completions", "/tokenize"):
+            start = time.monotonic()
+            r = httpx.post(f"{s.url}{path}", content=huge, headers={"Content-Type": "application/json"}, timeout=30)
+            took = time.monotonic() - start
+            assert r.status_code == 413 and r.json()["error"]["code"] == 413 and took < 1.0, (path, took)
+        # under the body limit but far over the context: refused without tokenising 8 MB
+        start = time.monotonic()
+        r = httpx.post(f"{s.base_url}/chat/completions", timeout=30, json={
+            "messages": [{"role": "user", "content": "word " * 1_600_000}], "max_tokens": 2})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+        assert time.monotonic() - start < 1.0
+        t.join(120)
+        gaps = [b - a for a, b in zip(seen["times"], seen["times"][1:])]
+        assert len(seen["events"]) > 100 and max(gaps) < 1.0, max(gaps)
+
+
+def rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmRSS")
+
+
+UNREAD_BOUND_MB = 200
+"""What an unread n=64 x 1200-token stream with 20 logprobs may add to the server's memory (without
+the bound it grew by 1.1 GB in 71 s): 4 MiB of queued output allowed (--max-queued-output-bytes),
+plus what the socket buffers, the engine's 64 sequences and Python's allocator keep."""
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc for the server's memory")
+def test_an_unread_stream_is_held_to_a_bound_then_aborted_and_cut_off():
+    args = ("--max-model-len", "1300", "--num-pages", "3000", "--max-num-seqs", "64",
+            "--max-queued-output-bytes", str(4 * 2**20), "--stream-send-timeout", "3")
+    with running_server(*args) as s:
+        base = rss_mb(s.proc.pid)
+        body = json.dumps({"prompt": [1, 2, 3], "n": 64, "max_tokens": 1200, "logprobs": 20, "ignore_eos": True,
+                           "temperature": 1.0, "stream": True}).encode()
+        sock = socket.create_connection(("127.0.0.1", s.port))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        peak, started = base, time.monotonic()
+        aborted = False
+        while time.monotonic() - started < 120:  # the request is aborted while nobody reads the socket
+            peak = max(peak, rss_mb(s.proc.pid))
+            m = metrics(s.url)
+            if m["kimiserve:request_success_total{finished_reason=\"abort\"}"] >= 1:
+                aborted = m["kimiserve:cache_pages_used_by_requests"] == 0
+                break
+            time.sleep(0.2)
+        assert aborted, "the unread stream was not aborted"
+        # the others are served meanwhile
+        start = time.monotonic()
+        r = httpx.post(f"{s.base_url}/completions", json={"prompt": "Hello", "max_tokens": 8}, timeout=30)
+        assert r.status_code == 200 and time.monotonic() - start < 5
+        # and after --stream-send-timeout the server closes the connection: reading reaches EOF
+        sock.settimeout(30)
+        while sock.recv(1 << 20):
+            pass
+        sock.close()
+        peak = max(peak, rss_mb(s.proc.pid))
+    print(f"server RSS {base:.0f} MB -> peak {peak:.0f} MB with an unread stream")
+    assert peak - base < UNREAD_BOUND_MB, (base, peak)
