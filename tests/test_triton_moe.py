@@ -1,0 +1,343 @@
+"""The Triton fused MoE (kimiserve/ops/moe/triton.py) against the references, on CUDA.
+
+Random inputs at awkward sizes (expert and token counts that are not multiples of the block,
+experts that get no token, every token on the same experts, one token on all its experts, k = 1),
+MXFP4 and bf16 weights, SiTU and SiLU, every dequantisation and both MMA orientations; the real
+shapes (Kimi-K3.1: 896 experts, top-16, 3584 -> 3072; the `small` preset: 16 experts, top-4;
+Kimi-Linear: 256 experts, top-8, 2304 -> 1024, bf16, SiLU); CUDA-graph capture; the tiny engine
+with the kernel against the full forward through the torch expert forms. Outputs and the
+kernels' workspace are NaN before each run, so a row no kernel writes fails. Accuracy: relative
+RMS error of the whole output against `fused_moe_reference` (the same math with cuBLAS matmuls):
+fp32 1e-5, bf16 1e-2 (both round gate, up, act and each expert's output to bf16; the accumulation
+orders differ).
+
+The helpers are shared with tests/test_triton_moe_interpret.py (the same checks, tiny, on the CPU).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import rel_rms
+from kimiserve.ops.activation.reference import silu_and_mul, situ_and_mul
+from kimiserve.ops.moe.reference import fused_moe_reference
+from kimiserve.ops.quant.reference import dequantize_mxfp4, quantize_mxfp4
+
+pytestmark = pytest.mark.gpu
+
+ROUTINGS = ("random", "subset", "same", "zipf")
+
+
+def route_ids(N: int, E: int, k: int, routing: str, gen: torch.Generator) -> torch.Tensor:
+    """[N, k] distinct experts per token. random: uniform; subset: only the first max(k, E // 2)
+    experts (the rest get no token); same: every token on the same k experts; zipf: skewed,
+    expert e drawn with weight 1 / (e + 1) (after a random relabelling)."""
+    if routing == "same":
+        return torch.randperm(E, generator=gen)[:k].repeat(N, 1)
+    pool = max(k, E // 2) if routing == "subset" else E
+    probs = torch.ones(N, pool)
+    if routing == "zipf":
+        probs = (1.0 / torch.arange(1, pool + 1, dtype=torch.float64)).expand(N, pool)
+    picks = torch.multinomial(probs, k, replacement=False, generator=gen)
+    return torch.randperm(E, generator=gen)[picks] if routing == "zipf" else picks
+
+
+def expert_weights(E: int, h: int, inter: int, mxfp4: bool, dtype: torch.dtype, gen: torch.Generator,
+                   scale: float = 2.0) -> dict:
+    """Stacked random experts: w1/w3 [E, I, h], w2 [E, h, I] with entries ~ N(0, scale^2 / fan_in),
+    quantised to MXFP4 (packed + w*_scale) or cast to dtype."""
+    out = {}
+    for name, rows, cols in (("w1", inter, h), ("w3", inter, h), ("w2", h, inter)):
+        w = torch.randn(E, rows, cols, generator=gen) * (scale / cols**0.5)
+        if mxfp4:
+            out[name], out[f"{name}_scale"] = quantize_mxfp4(w)
+        else:
+            out[name] = w.to(dtype)
+    return out
+
+
+def random_packed_experts(E: int, h: int, inter: int, device, seed: int = 0) -> dict:
+    """MXFP4 experts drawn directly as bytes (the K3.1 layer is 15.6 GB: no float copy): uniform
+    random codes, scale bytes 118..121 (values up to 6 * 2^-6), so gate/up and expert outputs are O(1)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    out = {}
+    for name, rows, cols in (("w1", inter, h), ("w3", inter, h), ("w2", h, inter)):
+        out[name] = torch.randint(0, 256, (E, rows, cols // 2), dtype=torch.uint8, device=device, generator=g)
+        out[f"{name}_scale"] = torch.randint(118, 122, (E, rows, cols // 32), dtype=torch.uint8, device=device,
+                                             generator=g)
+    return out
+
+
+def activation(name: str):
+    return silu_and_mul if name == "silu" else (lambda g, u: situ_and_mul(g, u, 4.0, 25.0))
+
+
+def reference(x, w: dict, ids, weights, act: str) -> torch.Tensor:
+    return fused_moe_reference(x, w["w1"], w["w2"], w["w3"], ids, weights, activation(act), w.get("w1_scale"),
+                               w.get("w2_scale"), w.get("w3_scale"))
+
+
+def run_kernel(tt, x, w: dict, ids, weights, act: str, config=None, poison: bool = True):
+    """fused_moe with a NaN output and NaN workspace; returns (out, act rows, expert outputs)."""
+    N, k, inter = x.shape[0], ids.shape[1], w["w1"].shape[1]
+    nan = float("nan")
+    out = torch.full_like(x, nan)
+    workspace = (torch.full((N * k, inter), nan, dtype=x.dtype, device=x.device),
+                 torch.full((N * k, x.shape[1]), nan, dtype=x.dtype, device=x.device))
+    got = tt.fused_moe(x, w["w1"], w["w2"], w["w3"], ids, weights, w1_scale=w.get("w1_scale"),
+                       w2_scale=w.get("w2_scale"), w3_scale=w.get("w3_scale"), activation=act, out=out,
+                       workspace=workspace if poison else None, config=config)
+    assert got is out
+    return got, workspace
+
+
+def check_case(tt, N, h, inter, E, k, dtype, mxfp4, act, routing, device, config=None, seed=0, tol=None):
+    """One random case through the kernel and the reference: every workspace row written, the output
+    finite and within the dtype's bound. Returns the error."""
+    gen = torch.Generator().manual_seed(seed)
+    w = {n: t.to(device) for n, t in expert_weights(E, h, inter, mxfp4, dtype, gen).items()}
+    x = torch.randn(N, h, generator=gen).to(dtype).to(device)
+    ids = route_ids(N, E, k, routing, gen).to(device)
+    weights = torch.rand(N, k, generator=gen).to(device)
+    got, (act_rows, y_rows) = run_kernel(tt, x, w, ids, weights, act, config)
+    want = reference(x, w, ids, weights, act)
+    err = rel_rms(got, want)
+    tol = tol or (1e-5 if dtype == torch.float32 else 1e-2)
+    assert torch.isfinite(act_rows).all() and torch.isfinite(y_rows).all(), "a workspace row was not written"
+    assert torch.isfinite(got).all() and err < tol, (err, tol)
+    return err
+
+
+def check_align(tt, ids: torch.Tensor, E: int, block_m: int, use_triton: bool):
+    """align_blocks' contract: each pair on exactly one row, blocks of one expert in ascending expert
+    order, pairs ascending inside an expert, block_rows real rows per block, the fewest blocks."""
+    sorted_pairs, bexp, brows, nblk = (t.cpu() for t in tt.align_blocks(ids, E, block_m, use_triton=use_triton))
+    flat = ids.reshape(-1).cpu()
+    counts = torch.bincount(flat, minlength=E)
+    nb = int(nblk[0])
+    assert nb == int(((counts + block_m - 1) // block_m).sum()) <= bexp.numel()
+    assert bexp.numel() == max(1, tt.max_blocks(flat.numel(), E, block_m))
+    rows = [sorted_pairs[b * block_m: b * block_m + int(brows[b])] for b in range(nb)]
+    assert all(1 <= int(brows[b]) <= block_m for b in range(nb))
+    assert torch.equal(torch.sort(torch.cat(rows)).values, torch.arange(flat.numel(), dtype=torch.int32))
+    for b in range(nb):
+        assert (flat[rows[b].long()] == bexp[b]).all()
+    assert (bexp[1:nb] >= bexp[: nb - 1]).all()
+    for e in range(E):
+        mine = torch.cat([rows[b] for b in range(nb) if bexp[b] == e] or [torch.empty(0, dtype=torch.int32)])
+        assert (mine[1:] > mine[:-1]).all()
+        full = [int(brows[b]) for b in range(nb) if bexp[b] == e]
+        assert all(r == block_m for r in full[:-1])  # only an expert's last block is partial
+    return sorted_pairs, bexp, brows, nblk
+
+
+@pytest.fixture(scope="module")
+def tt():
+    from kimiserve.ops.moe import triton as tt
+    return tt
+
+
+# ------------------------------------------------------------------------------------------------
+# small, awkward sizes (the interpreter's cases, on the GPU)
+
+SMALL_CASES = [  # N, h, I, E, k
+    (5, 64, 32, 5, 2),
+    (37, 96, 64, 9, 3),
+    (1, 64, 96, 3, 3),  # one token on all of its k experts
+    (19, 64, 32, 7, 1),  # k = 1
+    (133, 128, 96, 6, 2),
+]
+
+
+@pytest.mark.parametrize("routing", ROUTINGS)
+@pytest.mark.parametrize("case", SMALL_CASES, ids=lambda c: "x".join(map(str, c)))
+@pytest.mark.parametrize("dtype,mxfp4,act", [(torch.float32, True, "situ"), (torch.bfloat16, True, "situ"),
+                                             (torch.bfloat16, False, "silu"), (torch.float32, False, "silu")])
+def test_small_cases(tt, case, routing, dtype, mxfp4, act):
+    check_case(tt, *case, dtype, mxfp4, act, routing, "cuda")
+
+
+VARIANTS = {  # bf16 MXFP4: each dequantisation, both orientations, tails in N and K
+    "lut": dict(dequant="lut"),
+    "lut swap": dict(dequant="lut", swap=True),
+    "exact": dict(dequant="exact"),
+    "exact swap": dict(dequant="exact", swap=True),
+    "dot_scaled": dict(dequant="dot_scaled"),
+    "dot_scaled swap": dict(dequant="dot_scaled", swap=True),
+}
+
+
+def variant_config(tt, dequant: str, swap: bool = False, block_m: int = 16, block_n: int = 64, block_k: int = 64):
+    tiles = tt.GemmTiles(block_n=block_n, block_k=block_k, num_warps=4, num_stages=2, swap=swap)
+    return tt.MoEConfig(block_m=block_m, up=tiles, down=tiles, dequant=dequant)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("block_m", [16, 64])
+def test_dequant_variants(tt, variant, block_m):
+    """h = 96 and I = 160 leave partial 64-wide K steps and column tiles."""
+    cfg = variant_config(tt, block_m=block_m, **VARIANTS[variant])
+    check_case(tt, 45, 96, 160, 7, 3, torch.bfloat16, True, "situ", "subset", "cuda", cfg)
+
+
+def dequant_bytes(first_scale: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every code byte (256 per row: all code pairs) with every scale byte first_scale..254, one row
+    each, and a row of zero codes with scale byte 0 (how quantize_mxfp4 stores an all-zero group)."""
+    rows = 255 - first_scale
+    codes = torch.cat([torch.arange(256, dtype=torch.uint8).repeat(rows, 1), torch.zeros(1, 256, dtype=torch.uint8)])
+    scales = torch.cat([torch.arange(first_scale, 255, dtype=torch.uint8), torch.zeros(1, dtype=torch.uint8)])
+    return codes.to(device), scales[:, None].repeat(1, 16).to(device)
+
+
+def assert_bitwise(got: torch.Tensor, want: torch.Tensor):
+    bits = torch.int16 if got.element_size() == 2 else torch.int32
+    assert got.dtype == want.dtype and torch.equal(got.view(bits), want.view(bits))
+
+
+@pytest.mark.parametrize("dequant,dtype", [("exact", torch.float32), ("exact", torch.bfloat16),
+                                           ("lut", torch.bfloat16)])
+def test_dequantize_weights_bit_exact(tt, dequant, dtype):
+    """The in-register dequantisation (for "lut" the real inline PTX) bit for bit as dequantize_mxfp4, for
+    every code byte and scale byte. "lut" from scale byte 2: below, its bf16 fma would meet subnormal
+    scales or products (2^-127), which quantize_mxfp4 gives only to all-zero groups."""
+    codes, scales = dequant_bytes(2 if dequant == "lut" else 1, "cuda")
+    assert_bitwise(tt.dequantize_weights(codes, scales, dtype, dequant), dequantize_mxfp4(codes, scales, dtype))
+
+
+@pytest.mark.parametrize("num_tokens", [1, 7, 200, 900])  # 900 x 3 pairs: the torch path
+def test_align_on_gpu(tt, num_tokens):
+    gen = torch.Generator().manual_seed(num_tokens)
+    for E, k, routing in [(896, 16, "random"), (13, 3, "zipf"), (13, 3, "same")]:
+        k = min(k, E)
+        ids = route_ids(num_tokens, E, k, routing, gen).cuda()
+        a = check_align(tt, ids, E, 16, use_triton=True)
+        b = check_align(tt, ids, E, 16, use_triton=False)
+        nb = int(a[3][0])
+        assert torch.equal(a[1][:nb], b[1][:nb]) and torch.equal(a[2][:nb], b[2][:nb])
+
+
+# ------------------------------------------------------------------------------------------------
+# real shapes
+
+K31 = dict(E=896, k=16, h=3584, inter=3072)
+
+
+@pytest.fixture(scope="module")
+def k31_experts():
+    return random_packed_experts(K31["E"], K31["h"], K31["inter"], "cuda")
+
+
+def _k31_inputs(N: int, routing: str, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(N, K31["h"], generator=gen).bfloat16().cuda()
+    ids = route_ids(N, K31["E"], K31["k"], routing, gen).cuda()
+    weights = torch.rand(N, K31["k"], generator=gen)
+    return x, ids, (weights / weights.sum(-1, keepdim=True)).cuda()
+
+
+@pytest.mark.parametrize("routing", ["random", "zipf"])
+@pytest.mark.parametrize("N", [1, 16, 300])
+def test_k31_shape(tt, k31_experts, N, routing):
+    """896 experts x top-16, 3584 -> 3072 -> 3584, MXFP4, SiTU, the default config for N tokens."""
+    x, ids, weights = _k31_inputs(N, routing, N)
+    got, (act_rows, y_rows) = run_kernel(tt, x, k31_experts, ids, weights, "situ")
+    want = reference(x, k31_experts, ids, weights, "situ")
+    err = rel_rms(got, want)
+    print(f"K3.1 shape, {N} tokens, {routing}: rel RMS {err:.2e}")
+    assert torch.isfinite(act_rows).all() and torch.isfinite(y_rows).all()
+    assert torch.isfinite(got).all() and err < 1e-2
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_k31_shape_variants(tt, k31_experts, variant):
+    """Every dequantisation and orientation at the K3.1 shape (decode- and prefill-sized blocks)."""
+    x, ids, weights = _k31_inputs(64, "random", 3)
+    want = reference(x, k31_experts, ids, weights, "situ")
+    for block_m, block_n, block_k in [(16, 64, 256), (64, 64, 128)]:
+        cfg = variant_config(tt, block_m=block_m, block_n=block_n, block_k=block_k, **VARIANTS[variant])
+        got, _ = run_kernel(tt, x, k31_experts, ids, weights, "situ", cfg)
+        err = rel_rms(got, want)
+        print(f"K3.1 shape, 64 tokens, {variant}, block_m {block_m}: rel RMS {err:.2e}")
+        assert torch.isfinite(got).all() and err < 1e-2
+
+
+@pytest.mark.parametrize("N", [1, 33, 700])
+def test_small_preset_shape(tt, N):
+    """The `small` preset's experts: 16 x top-4, 3584 -> 3072, MXFP4 (quantised from floats), SiTU."""
+    check_case(tt, N, 3584, 3072, 16, 4, torch.bfloat16, True, "situ", "random", "cuda", seed=N)
+
+
+@pytest.mark.parametrize("N", [1, 64, 1000])
+def test_kimi_linear_shape_bf16(tt, N):
+    """Kimi-Linear-48B's experts: 256 x top-8, 2304 -> 1024, bf16 weights, SiLU."""
+    check_case(tt, N, 2304, 1024, 256, 8, torch.bfloat16, False, "silu", "zipf", "cuda", seed=N)
+
+
+def test_deterministic_and_graph_capture(tt, k31_experts):
+    """Two runs are bitwise equal; a CUDA graph captured for 16 tokens replays other routings exactly."""
+    from kimiserve.utils.cuda_timing import capture_graph
+
+    x, ids, weights = _k31_inputs(16, "random", 5)
+    w = k31_experts
+    first = tt.fused_moe(x, w["w1"], w["w2"], w["w3"], ids, weights, w1_scale=w["w1_scale"], w2_scale=w["w2_scale"],
+                         w3_scale=w["w3_scale"])
+    again = tt.fused_moe(x, w["w1"], w["w2"], w["w3"], ids, weights, w1_scale=w["w1_scale"], w2_scale=w["w2_scale"],
+                         w3_scale=w["w3_scale"])
+    assert torch.equal(first, again)
+    out = torch.empty_like(x)
+    sx, sids, sw = x.clone(), ids.clone(), weights.clone()
+    graph = capture_graph(lambda: tt.fused_moe(sx, w["w1"], w["w2"], w["w3"], sids, sw, w1_scale=w["w1_scale"],
+                                               w2_scale=w["w2_scale"], w3_scale=w["w3_scale"], out=out))
+    for seed in (6, 7):
+        x2, ids2, w2 = _k31_inputs(16, "zipf", seed)
+        sx.copy_(x2), sids.copy_(ids2), sw.copy_(w2)
+        out.fill_(float("nan"))
+        graph.replay()
+        eager = tt.fused_moe(x2, w["w1"], w["w2"], w["w3"], ids2, w2, w1_scale=w["w1_scale"], w2_scale=w["w2_scale"],
+                             w3_scale=w["w3_scale"])
+        assert torch.equal(out, eager)
+
+
+# ------------------------------------------------------------------------------------------------
+# the engine
+
+
+def _set_fused(model, enabled: bool | None):
+    from kimiserve.model.moe import RoutedExperts
+
+    for m in model.modules():
+        if isinstance(m, RoutedExperts):
+            m.use_fused = enabled
+
+
+@pytest.mark.parametrize("dtype,kv", [("float32", "bf16"), ("bfloat16", "fp8"), ("bfloat16", "fp4")])
+def test_engine_with_fused_moe_matches_full_forward(dtype, kv):
+    """The tiny engine on CUDA runs the fused kernel (eager prefill chunks and graph-captured decode);
+    its logits equal the full forward through the torch expert forms within test_gpu's bounds."""
+    from engine_utils import GREEDY, assert_all_match_full_forward, make_engine, random_prompts, run
+    from kimiserve.ops.moe.dispatch import fused_moe_for
+    from kimiserve.sampling_params import SamplingParams
+
+    assert fused_moe_for("cuda") is not None
+    engine = make_engine(dtype, kv, device="cuda", max_num_batched_tokens=64)
+    prompts = random_prompts([3, 70, 150])
+    outs = run(engine, prompts, SamplingParams(max_tokens=16, **GREEDY))
+    _set_fused(engine.model, False)
+    try:
+        assert_all_match_full_forward(engine, prompts, [outs[f"r{i}"].outputs[0].token_ids for i in range(len(prompts))])
+    finally:
+        _set_fused(engine.model, None)
+    engine.check_idle()
+
+
+def test_tiny_model_fused_equals_torch_forms():
+    """The whole tiny model on CUDA (fp32): the fused kernel against the torch expert forms."""
+    from kimiserve.config import load_preset
+    from kimiserve.model.model import build_model
+
+    model = build_model(load_preset("tiny"), torch.float32, seed=0, device="cuda")
+    ids = torch.randint(0, 1024, (3, 41), device="cuda")
+    fused = model(ids)
+    _set_fused(model, False)
+    assert rel_rms(fused, model(ids)) < 1e-4

@@ -1,0 +1,134 @@
+"""The Triton fused MoE under Triton's CPU interpreter (no GPU needed), at tiny sizes.
+
+Skipped unless KIMISERVE_TRITON_INTERPRET=1; run it in its own process (the variable turns on
+TRITON_INTERPRET before the kernels are defined, which a process that already imported them misses):
+
+    KIMISERVE_TRITON_INTERPRET=1 .venv/bin/python -m pytest tests/test_triton_moe_interpret.py -q
+
+The same checks as tests/test_triton_moe.py (its helpers), on CPU tensors: hidden 64-128,
+intermediate 32-160, 3-9 experts. The "lut" dequantisation runs its permutes emulated here (no
+inline PTX in the interpreter); test_triton_moe.py checks the real PTX bit for bit on the GPU.
+"""
+
+import os
+
+import pytest
+import torch
+
+if os.environ.get("KIMISERVE_TRITON_INTERPRET") != "1":
+    pytest.skip("set KIMISERVE_TRITON_INTERPRET=1 to run the Triton interpreter checks", allow_module_level=True)
+import triton_interpreter_shims  # noqa: E402
+
+triton_interpreter_shims.enable()
+
+from conftest import rel_rms  # noqa: E402
+from kimiserve.config import load_preset  # noqa: E402
+from kimiserve.model import moe as moe_module  # noqa: E402
+from kimiserve.model.model import build_model  # noqa: E402
+from kimiserve.ops.moe import triton as tt  # noqa: E402
+from kimiserve.ops.quant.reference import dequantize_mxfp4  # noqa: E402
+from test_triton_moe import (ROUTINGS, SMALL_CASES, VARIANTS, assert_bitwise, check_align, check_case,  # noqa: E402
+                             dequant_bytes, route_ids, variant_config)
+
+
+@pytest.mark.parametrize("block_m", [16, 32])
+@pytest.mark.parametrize("routing", ROUTINGS)
+@pytest.mark.parametrize("N,E,k", [(1, 3, 3), (5, 5, 2), (37, 9, 3), (19, 7, 1), (700, 9, 3)])
+def test_align_blocks(N, E, k, routing, block_m):
+    """The one-program kernel (up to ALIGN_SMALL_PAIRS pairs; 700 x 3 is over) and the torch ops give
+    the same blocks."""
+    ids = route_ids(N, E, k, routing, torch.Generator().manual_seed(N))
+    a = check_align(tt, ids, E, block_m, use_triton=True)
+    b = check_align(tt, ids, E, block_m, use_triton=False)
+    nb = int(a[3][0])
+    assert torch.equal(a[1][:nb], b[1][:nb]) and torch.equal(a[2][:nb], b[2][:nb])
+    for blk in range(nb):
+        rows = slice(blk * block_m, blk * block_m + int(a[2][blk]))
+        assert torch.equal(a[0][rows], b[0][rows])
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # 6 * 2^127 is inf, as in the reference
+@pytest.mark.parametrize("dequant,dtype", [("exact", torch.float32), ("exact", torch.bfloat16),
+                                           ("lut", torch.bfloat16)])
+def test_dequantize_weights_bit_exact(dequant, dtype):
+    """Every code byte with every scale byte 1..254 (and 0 on zero codes), bit for bit as dequantize_mxfp4
+    (the emulated "lut" multiplies in fp32: exact down to scale byte 1 here)."""
+    codes, scales = dequant_bytes(1, "cpu")
+    assert_bitwise(tt.dequantize_weights(codes, scales, dtype, dequant), dequantize_mxfp4(codes, scales, dtype))
+
+
+@pytest.mark.parametrize("case", SMALL_CASES[:4], ids=lambda c: "x".join(map(str, c)))
+@pytest.mark.parametrize("dtype,mxfp4,act,routing", [
+    (torch.float32, True, "situ", "random"), (torch.float32, False, "silu", "subset"),
+    (torch.bfloat16, True, "situ", "same"), (torch.bfloat16, False, "silu", "zipf"),
+    (torch.bfloat16, True, "silu", "subset"),
+])
+def test_fused_moe_matches_reference(case, dtype, mxfp4, act, routing):
+    """Awkward sizes (see SMALL_CASES) through the default config for the dtype, NaN-poisoned."""
+    check_case(tt, *case, dtype, mxfp4, act, routing, "cpu")
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_dequant_variants(variant):
+    """bf16 MXFP4 through each dequantisation and orientation; h = 96 and I = 160 leave partial 64-wide K
+    steps and column tiles; 32-row blocks."""
+    cfg = variant_config(tt, block_m=32, **VARIANTS[variant])
+    check_case(tt, 45, 96, 160, 7, 3, torch.bfloat16, True, "situ", "subset", "cpu", cfg)
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 20])
+def test_default_decode_config(tokens):
+    """The bf16 default for few tokens ("lut", swapped 16 x 64 x 256 tiles) on the tiny preset's expert dims
+    (h = I = 32: a K step longer than K)."""
+    cfg = tt.default_config(tokens, 2, 8, torch.bfloat16, True)
+    assert cfg.dequant == "lut" and cfg.up.swap and cfg.block_m == 16
+    check_case(tt, tokens, 32, 32, 8, 2, torch.bfloat16, True, "situ", "random", "cpu", cfg, seed=tokens)
+
+
+def test_default_config_regimes():
+    """BLOCK_M follows the mean rows per expert; fp32 always takes exact dequant with small tiles."""
+    k31 = [tt.default_config(n, 16, 896, torch.bfloat16, True) for n in (1, 64, 256, 1024, 8192)]
+    assert [c.block_m for c in k31] == [16, 16, 16, 32, 128]
+    assert all(c.dequant == "lut" for c in k31) and k31[0].up.swap and not k31[-1].up.swap
+    assert tt.default_config(8192, 16, 896, torch.float32, True).dequant == "exact"
+    assert tt.default_config(4, 8, 256, torch.bfloat16, False).up.block_k == 128
+
+
+def test_empty_batch_and_bad_inputs():
+    w = {n: torch.zeros(3, 32, 32, dtype=torch.bfloat16) for n in ("w1", "w2", "w3")}
+    x = torch.zeros(0, 32, dtype=torch.bfloat16)
+    ids, weights = torch.zeros(0, 2, dtype=torch.int64), torch.zeros(0, 2)
+    assert tt.fused_moe(x, w["w1"], w["w2"], w["w3"], ids, weights).shape == (0, 32)
+    with pytest.raises(ValueError, match="activation"):
+        tt.fused_moe(x, w["w1"], w["w2"], w["w3"], ids, weights, activation="gelu")
+    with pytest.raises(ValueError, match="w2 must be"):
+        tt.fused_moe(x, w["w1"], w["w1"][:, :16], w["w3"], ids, weights)
+    packed = torch.zeros(3, 32, 16, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="w1_scale"):
+        tt.fused_moe(x, packed, packed, packed, ids, weights)
+
+
+@pytest.mark.parametrize("mxfp4", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_routed_experts_fused_forward(mxfp4, dtype):
+    """RoutedExperts.fused_forward (the kernel, as the model calls it on CUDA) against its torch forms."""
+    config = load_preset("tiny").replace(routed_experts_mxfp4=mxfp4)
+    experts = build_model(config, dtype, seed=4).model.layers[1].block_sparse_moe.experts
+    g = torch.Generator().manual_seed(1)
+    for tokens in (1, 9):
+        x = torch.randn(tokens, config.moe_hidden_size, generator=g).to(dtype)
+        ids = torch.stack([torch.randperm(config.num_experts, generator=g)[:2] for _ in range(tokens)])
+        weights = torch.rand(tokens, 2, generator=g)
+        want = experts(x, ids, weights)
+        got = experts.fused_forward(tt.fused_moe, x, ids, weights)
+        assert rel_rms(got, want) < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+def test_tiny_model_with_fused_moe(monkeypatch):
+    """The whole tiny model (fp32, 6 MoE layers) with the kernel selected for the CPU, against without."""
+    model = build_model(load_preset("tiny"), torch.float32, seed=0)
+    ids = torch.randint(0, 1024, (2, 11))
+    want = model(ids)
+    monkeypatch.setattr(moe_module, "fused_moe_for", lambda device_type: tt.fused_moe)
+    got = model(ids)
+    assert rel_rms(got, want) < 1e-4
