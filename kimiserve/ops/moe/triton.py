@@ -343,11 +343,10 @@ def _mxfp4_lut(w, sc, BN: tl.constexpr, BK: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
-def _weight_dot(acc, a, w_ptr, s_ptr, cols, col_ok, k0, K, s_wn, s_sn,
-                MXFP4: tl.constexpr, DEQUANT: tl.constexpr, ASM: tl.constexpr, SWAP: tl.constexpr, DTYPE: tl.constexpr,
-                PRECISION: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr):
-    """acc + a @ W[cols, k0:k0+BK]^T ([BM, BN]; SWAP: acc + W[cols, k0:k0+BK] @ a^T, [BN, BM]).
-    w_ptr/s_ptr: expert e's weight (uint8 bytes; "lut": int32 words) and scale rows."""
+def _load_weight(w_ptr, s_ptr, cols, col_ok, k0, K, s_wn, s_sn, MXFP4: tl.constexpr, DEQUANT: tl.constexpr,
+                 ASM: tl.constexpr, DTYPE: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr):
+    """W[cols, k0:k0+BK] in DTYPE ([BN, BK], zero outside): plain weights, or MXFP4 (bytes, or int32
+    words for "lut") with their scales, dequantised by DEQUANT 0 ("exact") or 1 ("lut")."""
     if MXFP4:
         ks = k0 // 32 + tl.arange(0, BK // 32)
         if EVEN_K:
@@ -362,7 +361,7 @@ def _weight_dot(acc, a, w_ptr, s_ptr, cols, col_ok, k0, K, s_wn, s_sn,
             else:
                 wmask = col_ok[:, None] & (kw < K // 8)[None, :]
             words = tl.load(w_ptr + cols[:, None] * s_wn + kw[None, :], mask=wmask, other=0)
-            w = _mxfp4_lut(words, sc, BN, BK, ASM)
+            return _mxfp4_lut(words, sc, BN, BK, ASM)
         else:
             kb = k0 // 2 + tl.arange(0, BK // 2)
             if EVEN_K:
@@ -370,23 +369,54 @@ def _weight_dot(acc, a, w_ptr, s_ptr, cols, col_ok, k0, K, s_wn, s_sn,
             else:
                 wmask = col_ok[:, None] & (kb < K // 2)[None, :]
             q = tl.load(w_ptr + cols[:, None] * s_wn + kb[None, :], mask=wmask, other=0)
-            if DEQUANT == 2:
-                if SWAP:
-                    return tl.dot_scaled(q, sc, "e2m1", tl.trans(a), None, "bf16", acc, fast_math=True)
-                else:
-                    return tl.dot_scaled(a, None, "bf16", tl.trans(q), sc, "e2m1", acc, fast_math=True)
-            w = _mxfp4_exact(q, sc, DTYPE, BN, BK)
+            return _mxfp4_exact(q, sc, DTYPE, BN, BK)
     else:
         kk = k0 + tl.arange(0, BK)
         if EVEN_K:
             wmask = col_ok[:, None]
         else:
             wmask = col_ok[:, None] & (kk < K)[None, :]
-        w = tl.load(w_ptr + cols[:, None] * s_wn + kk[None, :], mask=wmask, other=0.0).to(DTYPE)
+        return tl.load(w_ptr + cols[:, None] * s_wn + kk[None, :], mask=wmask, other=0.0).to(DTYPE)
+
+
+@triton.jit
+def _weight_dot(acc, a, w_ptr, s_ptr, cols, col_ok, k0, K, s_wn, s_sn,
+                MXFP4: tl.constexpr, DEQUANT: tl.constexpr, ASM: tl.constexpr, SWAP: tl.constexpr, DTYPE: tl.constexpr,
+                PRECISION: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr):
+    """acc + a @ W[cols, k0:k0+BK]^T ([BM, BN]; SWAP: acc + W[cols, k0:k0+BK] @ a^T, [BN, BM]).
+    w_ptr/s_ptr: expert e's weight (uint8 bytes; "lut": int32 words) and scale rows."""
+    if MXFP4 and DEQUANT == 2:
+        kb = k0 // 2 + tl.arange(0, BK // 2)
+        ks = k0 // 32 + tl.arange(0, BK // 32)
+        if EVEN_K:
+            wmask = col_ok[:, None]
+            smask = col_ok[:, None]
+        else:
+            wmask = col_ok[:, None] & (kb < K // 2)[None, :]
+            smask = col_ok[:, None] & (ks < K // 32)[None, :]
+        q = tl.load(w_ptr + cols[:, None] * s_wn + kb[None, :], mask=wmask, other=0)
+        sc = tl.load(s_ptr + cols[:, None] * s_sn + ks[None, :], mask=smask, other=127)
+        if SWAP:
+            return tl.dot_scaled(q, sc, "e2m1", tl.trans(a), None, "bf16", acc, fast_math=True)
+        else:
+            return tl.dot_scaled(a, None, "bf16", tl.trans(q), sc, "e2m1", acc, fast_math=True)
+    w = _load_weight(w_ptr, s_ptr, cols, col_ok, k0, K, s_wn, s_sn, MXFP4, DEQUANT, ASM, DTYPE, BN, BK, EVEN_K)
     if SWAP:
         return tl.dot(w, tl.trans(a), acc, input_precision=PRECISION)
     else:
         return tl.dot(a, tl.trans(w), acc, input_precision=PRECISION)
+
+
+@triton.jit
+def _dequant_kernel(w_ptr, s_ptr, out_ptr, N, K, s_wn, s_sn, s_on, MXFP4: tl.constexpr, DEQUANT: tl.constexpr,
+                    ASM: tl.constexpr, DTYPE: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """The GEMMs' weight tiles, stored: out[n, k] = W[n, k] in DTYPE (tests the in-register dequant)."""
+    cols = tl.program_id(0) * BN + tl.arange(0, BN)
+    k0 = tl.program_id(1) * BK
+    col_ok = cols < N
+    w = _load_weight(w_ptr, s_ptr, cols, col_ok, k0, K, s_wn, s_sn, MXFP4, DEQUANT, ASM, DTYPE, BN, BK, False)
+    kk = k0 + tl.arange(0, BK)
+    tl.store(out_ptr + cols[:, None] * s_on + kk[None, :], w, mask=col_ok[:, None] & (kk < K)[None, :])
 
 
 @triton.jit
@@ -508,6 +538,23 @@ def _gemm(a, w, w_scale, v, v_scale, out, align, a_row_div: int, tiles: GemmTile
     )
 
 
+def dequantize_weights(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, dequant: str = "exact",
+                       block_n: int = 32, block_k: int = 64) -> torch.Tensor:
+    """MXFP4 packed [N, K/2] + scales [N, K/32] -> [N, K] in dtype through the GEMMs' in-register
+    dequantisation ("exact" or "lut"): what the kernels multiply by (tests it against
+    `quant.reference.dequantize_mxfp4`)."""
+    N, K = packed.shape[0], packed.shape[1] * 2
+    dq = _DEQUANT[dequant]
+    if dq == 2:
+        raise ValueError("dot_scaled dequantises inside tl.dot_scaled: there is no tile to store")
+    w = packed.view(torch.int32) if dq == 1 else packed
+    out = torch.empty(N, K, dtype=dtype, device=packed.device)
+    _dequant_kernel[(triton.cdiv(N, block_n), triton.cdiv(K, block_k))](
+        w, scales, out, N, K, w.stride(0), scales.stride(0), out.stride(0), MXFP4=True, DEQUANT=dq, ASM=not _INTERPRET,
+        DTYPE=_DOT_DTYPES[dtype], BN=block_n, BK=block_k)
+    return out
+
+
 def _check(x, w1, w2, w3, w1_scale, w2_scale, w3_scale, ids, weights, config: MoEConfig):
     if x.dtype not in _DOT_DTYPES:
         raise ValueError(f"x must be bf16, fp16 or fp32, got {x.dtype}")
@@ -582,4 +629,5 @@ def fused_moe(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Ten
     return out
 
 
-__all__ = ["ALIGN_SMALL_PAIRS", "GemmTiles", "MoEConfig", "align_blocks", "default_config", "fused_moe", "max_blocks"]
+__all__ = ["ALIGN_SMALL_PAIRS", "GemmTiles", "MoEConfig", "align_blocks", "default_config", "dequantize_weights",
+           "fused_moe", "max_blocks"]
