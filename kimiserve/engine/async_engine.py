@@ -33,12 +33,12 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from kimiserve.engine.args import EngineArgs
 from kimiserve.engine.engine import LLMEngine
-from kimiserve.engine.outputs import RequestOutput, RequestOutputKind, merge_delta
+from kimiserve.engine.outputs import RequestOutput, RequestOutputKind, merge_deltas
 from kimiserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("kimiserve.engine")
@@ -128,7 +128,8 @@ class RequestRecord:
     """time.monotonic() when the request was submitted."""
     final_only: bool = False
     """Deliver one output, the whole result, when it finishes (folded from the engine's deltas)."""
-    total: RequestOutput | None = None
+    deltas: list[RequestOutput] = field(default_factory=list)
+    """final_only: the outputs so far, folded when it finishes."""
     num_prompt_tokens: int = 0
     first_token_time: float | None = None
     last_token_time: float | None = None
@@ -335,9 +336,9 @@ class AsyncLLMEngine:
             if out.error is not None:
                 deliveries.append((record.sink, RequestFailedError(out.error)))
             elif record.final_only:
-                record.total = merge_delta(record.total, out)
+                record.deltas.append(out)
                 if out.finished:
-                    deliveries.append((record.sink, record.total))
+                    deliveries.append((record.sink, merge_deltas(record.deltas)))
             else:
                 deliveries.append((record.sink, out))
         if deliveries:

@@ -31,8 +31,10 @@ class IncrementalDetokenizer:
         self.min_tokens = min_tokens
         self._special_ids = frozenset(tokenizer.special_tokens.values()) if skip_special_tokens else frozenset()
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self._text = ""
-        self._sent = 0
+        # the text is kept as what stream_delta returned (pieces, joined lazily) and what it has not:
+        # appending a token then costs its own length, not the length of the text so far
+        self._sent: list[str] = []
+        self._pending = ""
         self._finished = False
         self._stopped: str | None = None
         self._hold = max((len(s) for s in self.stop), default=1) - 1
@@ -40,7 +42,9 @@ class IncrementalDetokenizer:
     @property
     def text(self) -> str:
         """Output text so far: complete characters only (until `finish()`), cut at a matched stop."""
-        return self._text
+        if len(self._sent) > 1:
+            self._sent = ["".join(self._sent)]
+        return (self._sent[0] if self._sent else "") + self._pending
 
     @property
     def stop_str(self) -> str | None:
@@ -68,21 +72,22 @@ class IncrementalDetokenizer:
         return self._append(self._decoder.decode(b"", final=True))
 
     def _append(self, new_text: str) -> str | None:
-        old_len = len(self._text)
-        self._text += new_text
+        old_len = len(self._pending)
+        self._pending += new_text
         if not new_text or not self.stop or len(self.output_ids) <= self.min_tokens:
             return None
-        best: tuple[int, int] | None = None  # (position, index into self.stop)
+        best: tuple[int, int] | None = None  # (position in the pending text, index into self.stop)
         for k, s in enumerate(self.stop):
-            # only a match that ends in the new text is new: it starts after old_len - len(s)
-            pos = self._text.find(s, max(0, old_len - len(s) + 1))
+            # only a match that ends in the new text is new: it starts after old_len - len(s); such a
+            # match never reaches into text already streamed, which holds back (longest stop - 1) chars
+            pos = self._pending.find(s, max(0, old_len - len(s) + 1))
             if pos >= 0 and (best is None or pos < best[0]):
                 best = (pos, k)
         if best is None:
             return None
         pos, k = best
         self._stopped = self.stop[k]
-        self._text = self._text[:pos + len(self._stopped) if self.include_stop_str_in_output else pos]
+        self._pending = self._pending[:pos + len(self._stopped) if self.include_stop_str_in_output else pos]
         return self._stopped
 
     def stream_delta(self, finished: bool = False) -> str:
@@ -92,6 +97,8 @@ class IncrementalDetokenizer:
         if finished:
             self.finish()
         hold = 0 if (self._finished or self._stopped is not None) else self._hold
-        end = max(self._sent, len(self._text) - hold)
-        delta, self._sent = self._text[self._sent:end], end
+        n = max(0, len(self._pending) - hold)
+        delta, self._pending = self._pending[:n], self._pending[n:]
+        if delta:
+            self._sent.append(delta)
         return delta

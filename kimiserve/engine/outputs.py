@@ -53,27 +53,22 @@ class RequestOutput:
     client, without internal details (those are in the engine's log under the request id)."""
 
 
-def merge_delta(total: RequestOutput | None, delta: RequestOutput) -> RequestOutput:
-    """Fold a DELTA output into the running total of the request (None: the first output); the
-    result is what a CUMULATIVE output of the same step would hold."""
-    if total is None:
-        total = RequestOutput(delta.request_id, delta.prompt, delta.prompt_token_ids, [], False,
-                              delta.prompt_logprobs, delta.num_cached_tokens)
-    by_index = {c.index: c for c in total.outputs}
-    for c in delta.outputs:
-        acc = by_index.get(c.index)
-        if acc is None:
-            acc = by_index[c.index] = CompletionOutput(c.index, "", [], None if c.logprobs is None else [], None)
-            total.outputs.append(acc)
-        acc.text += c.text
-        acc.token_ids += c.token_ids
-        if c.logprobs is not None:
-            acc.logprobs = (acc.logprobs or []) + c.logprobs
-        acc.finish_reason, acc.stop_reason = c.finish_reason, c.stop_reason
-        acc.delta_text, acc.delta_token_ids = c.delta_text, c.delta_token_ids
-    total.outputs.sort(key=lambda c: c.index)
-    if delta.prompt_logprobs is not None:
-        total.prompt_logprobs = delta.prompt_logprobs
-    total.finished, total.error = delta.finished, delta.error
-    total.num_cached_tokens = delta.num_cached_tokens
-    return total
+def merge_deltas(deltas: list[RequestOutput]) -> RequestOutput:
+    """One request's DELTA outputs, in order, folded into the output a CUMULATIVE request would
+    report last (texts joined once: linear in the output's length)."""
+    last = deltas[-1]
+    pieces: dict[int, list[CompletionOutput]] = {}
+    for out in deltas:
+        for c in out.outputs:
+            pieces.setdefault(c.index, []).append(c)
+    outputs = []
+    for index in sorted(pieces):
+        parts = pieces[index]
+        logprobs = None if all(c.logprobs is None for c in parts) else [e for c in parts for e in (c.logprobs or [])]
+        end = parts[-1]
+        outputs.append(CompletionOutput(index, "".join(c.text for c in parts), [t for c in parts for t in c.token_ids],
+                                        logprobs, end.finish_reason, end.stop_reason, end.delta_text,
+                                        end.delta_token_ids))
+    prompt_logprobs = next((out.prompt_logprobs for out in deltas if out.prompt_logprobs is not None), None)
+    return RequestOutput(last.request_id, last.prompt, last.prompt_token_ids, outputs, last.finished, prompt_logprobs,
+                         last.num_cached_tokens, last.error)
