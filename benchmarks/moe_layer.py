@@ -1,0 +1,467 @@
+"""One routed-experts MoE layer at the Kimi-K3.1 shape on one GPU: the Triton fused MoE against its
+bytes and FLOP rooflines and against plain PyTorch.
+
+Shape: 896 experts, top-16, 3584 -> 3072 -> 3584, SiTU, MXFP4 experts (random packed bytes drawn on
+the GPU, scale bytes 118..121: 15.7 GB, no float copy), bf16 activations; 1, 16, 64, 256, 1024 and
+8192 tokens; routing random (16 distinct uniform experts per token) and zipf (expert e drawn with
+weight 1 / (e + 1), a random relabelling; a few experts take most tokens).
+- kernel: `ops.moe.triton.fused_moe` (alignment, gate/up, down, combine), median of CUDA-graph
+  replays up to 256 tokens (the decode path), of eager CUDA-event timings above. The default config,
+  then every launch variant of --variants that applies to the token count (decode variants up to
+  256 tokens, prefill variants from 256): the best is reported beside the default.
+- bytes: the distinct experts the routing hit x 17.55 MB (packed codes + scales of w1, w3, w2)
+  + x and out; roofline_ms = bytes / copy bandwidth (a 4 GiB device copy in the same run, read +
+  write counted). bytes_with_workspace adds the kernels' intermediate rows (act, y: written + read).
+- FLOPs: 6 N k h I (three GEMMs); flop_roofline_ms from a 8192^3 bf16 torch.matmul in the same run.
+- peer: plain PyTorch on bf16 weights already dequantised (all 896 experts resident, 59 GB): pairs
+  sorted by expert, `torch._grouped_mm` for the three GEMMs over every expert (empty groups for
+  experts not hit: only hit experts are read), the activation, the weighted scatter; a loop of
+  torch.mm over the hit experts where _grouped_mm is missing. Dequantisation not timed.
+- today: `RoutedExperts` with the fused kernel off (its torch forms: bf16 dequantisation on every
+  call), where it fits in memory (3 runs).
+--check: before timing, the kernel (default config and every variant) against `fused_moe_reference`
+at the same shape for --check-tokens (relative RMS error, bound 1e-2), and the peer against it too.
+
+    python benchmarks/moe_layer.py [--tokens 1,16,64,256,1024,8192] [--routings random,zipf] [--check]
+        [--variants default|decode|prefill|all|SPEC,...] [--out benchmarks/results/moe_layer.json]
+    python benchmarks/moe_layer.py --dry-run --out /tmp/moe.json   # tiny shapes, Triton's CPU interpreter
+
+A variant SPEC is DEQUANT-mBM-nBN-kBK-wWARPS-sSTAGES[-dnBN][-dkBK][-swap] (dn/dk: the down GEMM's
+column tile and K step when they differ from the gate/up GEMM's), e.g. lut-m16-n64-k256-w4-s3-swap.
+Writes the JSON after every row (device, date, commit, copy_gbps, matmul_tflops, rows) and prints a
+table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+if "--dry-run" in sys.argv:  # before any kernel is defined: Triton's CPU interpreter, with the tests' shims
+    sys.path.insert(0, os.path.join(REPO, "tests"))
+    import triton_interpreter_shims  # noqa: E402
+
+    triton_interpreter_shims.enable()
+
+import torch  # noqa: E402
+
+from kimiserve.config import load_preset  # noqa: E402
+from kimiserve.ops.activation.reference import situ_and_mul  # noqa: E402
+from kimiserve.ops.moe import triton as tt  # noqa: E402
+from kimiserve.ops.moe.reference import fused_moe_reference  # noqa: E402
+from kimiserve.ops.quant.reference import dequantize_mxfp4  # noqa: E402
+from kimiserve.utils.cuda_timing import cuda_time, graph_time, wall_time  # noqa: E402
+from kimiserve.utils.run_info import git_commit  # noqa: E402
+
+DECODE_VARIANTS = [
+    "lut-m16-n64-k256-w4-s3-swap",
+    "lut-m16-n32-k256-w4-s4-swap",
+    "lut-m16-n128-k128-w4-s3-swap",
+    "lut-m16-n64-k256-w8-s3-swap",
+    "lut-m16-n64-k512-w4-s2-swap",
+    "lut-m16-n64-k256-w4-s3",
+    "dot_scaled-m16-n64-k256-w4-s3-swap",
+    "dot_scaled-m16-n64-k256-w4-s3",
+    "exact-m16-n64-k256-w4-s3-swap",
+]
+PREFILL_VARIANTS = [
+    "lut-m128-n64-k128-w8-s3-dn128",
+    "lut-m64-n64-k128-w4-s3-dn128",
+    "lut-m128-n128-k64-w8-s3",
+    "lut-m128-n64-k128-w8-s4-dn128",
+    "lut-m128-n64-k64-w8-s4-dn128",
+    "lut-m128-n64-k128-w8-s3-dn128-swap",
+    "dot_scaled-m128-n64-k128-w8-s3-dn128",
+]
+DECODE_MAX_TOKENS = 256  # decode variants up to here, prefill variants from here (both at 256)
+DRY_VARIANTS = ["lut-m16-n32-k64-w4-s2-swap", "dot_scaled-m16-n32-k64-w4-s2", "exact-m32-n32-k32-w4-s2-dn64"]
+
+
+def parse_variant(spec: str) -> tt.MoEConfig:
+    """DEQUANT-mBM-nBN-kBK-wW-sS[-dnBN][-dkBK][-swap] -> MoEConfig."""
+    dequant, *parts = spec.split("-")
+    if dequant not in ("exact", "lut", "dot_scaled"):
+        raise ValueError(f"variant {spec!r}: dequant must be exact, lut or dot_scaled")
+    vals, swap = {}, False
+    for p in parts:
+        if p == "swap":
+            swap = True
+            continue
+        key = p[:2] if p[:2] in ("dn", "dk") else p[:1]
+        if key not in ("m", "n", "k", "w", "s", "dn", "dk") or not p[len(key):].isdigit():
+            raise ValueError(f"variant {spec!r}: cannot read {p!r}")
+        vals[key] = int(p[len(key):])
+    missing = {"m", "n", "k", "w", "s"} - vals.keys()
+    if missing:
+        raise ValueError(f"variant {spec!r} lacks {sorted(missing)}")
+    up = tt.GemmTiles(block_n=vals["n"], block_k=vals["k"], num_warps=vals["w"], num_stages=vals["s"], swap=swap)
+    down = tt.GemmTiles(block_n=vals.get("dn", vals["n"]), block_k=vals.get("dk", vals["k"]), num_warps=vals["w"],
+                        num_stages=vals["s"], swap=swap)
+    return tt.MoEConfig(block_m=vals["m"], up=up, down=down, dequant=dequant)
+
+
+def config_spec(cfg: tt.MoEConfig) -> str:
+    u, d = cfg.up, cfg.down
+    spec = f"{cfg.dequant}-m{cfg.block_m}-n{u.block_n}-k{u.block_k}-w{u.num_warps}-s{u.num_stages}"
+    spec += f"-dn{d.block_n}" if d.block_n != u.block_n else ""
+    spec += f"-dk{d.block_k}" if d.block_k != u.block_k else ""
+    return spec + ("-swap" if u.swap else "")
+
+
+def variants_for(arg: str, dry: bool) -> list[str]:
+    if dry:
+        return DRY_VARIANTS
+    named = {"default": [], "decode": DECODE_VARIANTS, "prefill": PREFILL_VARIANTS,
+             "all": DECODE_VARIANTS + PREFILL_VARIANTS}
+    out = []
+    for item in arg.split(","):
+        out += named[item] if item in named else [item]
+    for spec in out:
+        parse_variant(spec)  # fail before any GPU time is spent
+    return out
+
+
+def applies(spec: str, tokens: int, explicit: bool) -> bool:
+    if explicit:
+        return True
+    if spec in DECODE_VARIANTS:
+        return tokens <= DECODE_MAX_TOKENS
+    return tokens >= DECODE_MAX_TOKENS
+
+
+# ------------------------------------------------------------------------------------------------
+# inputs
+
+
+def packed_experts(E: int, h: int, inter: int, device, seed: int = 0) -> dict:
+    g = torch.Generator(device=device).manual_seed(seed)
+    w = {}
+    for name, rows, cols in (("w1", inter, h), ("w3", inter, h), ("w2", h, inter)):
+        w[name] = torch.randint(0, 256, (E, rows, cols // 2), dtype=torch.uint8, device=device, generator=g)
+        w[f"{name}_scale"] = torch.randint(118, 122, (E, rows, cols // 32), dtype=torch.uint8, device=device,
+                                           generator=g)
+    return w
+
+
+def route(N: int, E: int, k: int, routing: str, device, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator(device=device).manual_seed(seed)
+    if routing == "random":
+        probs = torch.ones(N, E, device=device)
+    elif routing == "zipf":
+        probs = (1.0 / torch.arange(1, E + 1, device=device, dtype=torch.float32)).expand(N, E).contiguous()
+    else:
+        raise ValueError(f"routing must be random or zipf, got {routing!r}")
+    picks = torch.multinomial(probs, k, replacement=False, generator=g)
+    ids = torch.randperm(E, device=device, generator=g)[picks]
+    weights = torch.rand(N, k, device=device, generator=g)
+    return ids, weights / weights.sum(-1, keepdim=True)
+
+
+def situ(g, u):
+    return situ_and_mul(g, u, 4.0, 25.0)
+
+
+def kernel_fn(x, w, ids, weights, cfg, out):
+    return lambda: tt.fused_moe(x, w["w1"], w["w2"], w["w3"], ids, weights, w1_scale=w["w1_scale"],
+                                w2_scale=w["w2_scale"], w3_scale=w["w3_scale"], activation="situ", out=out,
+                                config=cfg)
+
+
+def reference(x, w, ids, weights):
+    return fused_moe_reference(x, w["w1"], w["w2"], w["w3"], ids, weights, situ, w["w1_scale"], w["w2_scale"],
+                               w["w3_scale"])
+
+
+def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt().clamp_min(1e-30))
+
+
+# ------------------------------------------------------------------------------------------------
+# the plain-PyTorch peer and today's path
+
+
+def dequantized_experts(w: dict, dtype) -> dict:
+    """bf16 copies of every expert (one expert at a time, into preallocated stacks)."""
+    out = {}
+    for name in ("w1", "w2", "w3"):
+        p, s = w[name], w[f"{name}_scale"]
+        full = torch.empty(p.shape[0], p.shape[1], p.shape[2] * 2, dtype=dtype, device=p.device)
+        for e in range(p.shape[0]):
+            full[e] = dequantize_mxfp4(p[e], s[e], dtype)
+        out[name] = full
+    return out
+
+
+def grouped_mm_available(device) -> bool:
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    try:
+        a = torch.randn(32, 32, dtype=torch.bfloat16, device=device)
+        b = torch.randn(2, 32, 32, dtype=torch.bfloat16, device=device).transpose(1, 2)
+        torch._grouped_mm(a, b, offs=torch.tensor([16, 32], dtype=torch.int32, device=device))
+        return True
+    except Exception:
+        return False
+
+
+def peer_fn(x, wb: dict, ids, weights, grouped: bool):
+    """Plain PyTorch MoE on bf16 weights: sort pairs by expert, three grouped GEMMs, SiTU, weighted scatter."""
+    N, k = ids.shape
+    E = wb["w1"].shape[0]
+    w1t, w3t, w2t = (wb[n].transpose(1, 2) for n in ("w1", "w3", "w2"))  # [E, in, out], column-major
+
+    def run():
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat)
+        tokens = order // k
+        xs = x[tokens]
+        if grouped:  # counts by scatter_add (bincount reads its max back: no graph capture)
+            counts = torch.zeros(E, dtype=torch.int64, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
+            offs = torch.cumsum(counts, 0).to(torch.int32)
+            act = situ(torch._grouped_mm(xs, w1t, offs=offs), torch._grouped_mm(xs, w3t, offs=offs))
+            y = torch._grouped_mm(act, w2t, offs=offs)
+        else:  # a loop of torch.mm over the hit experts (host-side counts)
+            counts = torch.bincount(flat, minlength=E).tolist()
+            ys, start = [], 0
+            for e, c in enumerate(counts):
+                if c:
+                    rows = xs[start:start + c]
+                    ys.append(situ(rows @ w1t[e], rows @ w3t[e]) @ w2t[e])
+                    start += c
+            y = torch.cat(ys)
+        out = torch.zeros(N, x.shape[1], dtype=torch.float32, device=x.device)
+        out.index_add_(0, tokens, y.float() * weights.reshape(-1)[order, None])
+        return out.to(x.dtype)
+
+    return run
+
+
+def todays_experts(w: dict, E: int, k: int, h: int, inter: int):
+    """RoutedExperts holding the packed weights, its fused kernel off (the torch forms of today)."""
+    from kimiserve.model.moe import RoutedExperts
+
+    config = load_preset("kimi-k3.1-pro").replace(num_experts=E, num_experts_per_token=k, routed_expert_hidden_size=h,
+                                                   moe_intermediate_size=inter, num_expert_group=1, topk_group=1)
+    with torch.device("meta"):
+        experts = RoutedExperts(config, torch.bfloat16)
+    for name, t in w.items():  # w1 -> w1_packed, w1_scale -> w1_scale
+        setattr(experts, name if name.endswith("_scale") else f"{name}_packed", torch.nn.Parameter(t, requires_grad=False))
+    experts.use_fused = False
+    return experts
+
+
+# ------------------------------------------------------------------------------------------------
+# ceilings
+
+
+def copy_gbps(device, nbytes: int, timer) -> float:
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    ms = timer(lambda: dst.copy_(src))
+    return 2 * nbytes / (ms * 1e-3) / 1e9
+
+
+def matmul_tflops(device, n: int, dtype, timer) -> float:
+    a = torch.randn(n, n, dtype=dtype, device=device)
+    b = torch.randn(n, n, dtype=dtype, device=device)
+    ms = timer(lambda: a @ b)
+    return 2 * n**3 / (ms * 1e-3) / 1e12
+
+
+# ------------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", default="1,16,64,256,1024,8192")
+    parser.add_argument("--routings", default="random,zipf")
+    parser.add_argument("--variants", default="decode,prefill",
+                        help="default (none), decode, prefill, all, or SPECs (see the module doc), comma-separated")
+    parser.add_argument("--check", action="store_true", help="check the kernel and every variant first")
+    parser.add_argument("--check-tokens", default="1,64,300")
+    parser.add_argument("--today-tokens", default="1,16,64,256,1024",
+                        help="token counts at which to time today's RoutedExperts path ('' for none)")
+    parser.add_argument("--no-peer", action="store_true", help="skip the plain-PyTorch grouped-GEMM peer")
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--shape", default="896,16,3584,3072", help="experts,top_k,hidden,intermediate")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="tiny shapes on the CPU under Triton's interpreter (a plumbing check, no figures)")
+    parser.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "moe_layer.json"))
+    args = parser.parse_args(argv)
+
+    dry = args.dry_run
+    if dry:
+        device, dtype = "cpu", torch.bfloat16
+        E, k, h, inter = 5, 2, 64, 32
+        tokens, check_tokens, today_tokens = [1, 5], [1, 5], [1, 5]
+        timer = lambda fn: wall_time(fn, repeats=1, warmup=0)  # noqa: E731
+        slow_timer = timer
+        copy = copy_gbps(device, 2**24, timer)
+        mm = matmul_tflops(device, 256, torch.float32, timer)
+    else:
+        if not torch.cuda.is_available():
+            print("moe_layer.py times CUDA kernels and needs a GPU; --dry-run checks the plumbing on the CPU",
+                  file=sys.stderr)
+            return 2
+        device, dtype = "cuda", torch.bfloat16
+        E, k, h, inter = (int(v) for v in args.shape.split(","))
+        tokens = [int(t) for t in args.tokens.split(",")]
+        check_tokens = [int(t) for t in args.check_tokens.split(",")]
+        today_tokens = [int(t) for t in args.today_tokens.split(",") if t]
+        timer = lambda fn: cuda_time(fn, repeats=args.repeats, warmup=3)  # noqa: E731
+        slow_timer = lambda fn: cuda_time(fn, repeats=3, warmup=1)  # noqa: E731
+        copy = copy_gbps(device, 2**32, timer)
+        mm = matmul_tflops(device, 8192, torch.bfloat16, timer)
+    variants = variants_for(args.variants, dry)
+    explicit = dry or any(v not in ("default", "decode", "prefill", "all") for v in args.variants.split(","))
+    routings = args.routings.split(",")
+
+    def fast_time(fn, n: int) -> tuple[float, str]:
+        if device == "cuda" and n <= DECODE_MAX_TOKENS:
+            try:
+                return graph_time(fn, repeats=max(args.repeats, 20)), "graph"
+            except Exception as e:  # a path that cannot be captured: eager
+                print(f"graph capture failed ({type(e).__name__}: {e}); eager timing", file=sys.stderr)
+        return timer(fn), "eager" if device == "cuda" else "wall"
+
+    result = dict(benchmark="moe_layer", device=torch.cuda.get_device_name() if device == "cuda" else "cpu",
+                  torch=torch.__version__, date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                  commit=git_commit(), command=" ".join(sys.argv), dry_run=dry,
+                  shape=dict(experts=E, top_k=k, hidden=h, intermediate=inter, weights="mxfp4", activations=str(dtype)),
+                  copy_gbps=copy, matmul_tflops=mm, variants=variants, checks=[], rows=[])
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+
+    def save():
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+    print(f"{result['device']}: copy {copy:.0f} GB/s (read + write), matmul {mm:.1f} TFLOP/s; "
+          f"{E} experts, top-{k}, {h} -> {inter} -> {h}", flush=True)
+    gen_x = torch.Generator(device=device).manual_seed(1)
+    w = packed_experts(E, h, inter, device)
+    per_expert = sum(w[n][0].numel() for n in w)  # bytes: uint8 codes and scales
+    act_bytes = torch.tensor([], dtype=dtype).element_size()
+
+    def inputs(n: int, routing: str, seed: int):
+        x = torch.randn(n, h, device=device, generator=gen_x).to(dtype)
+        ids, weights = route(n, E, k, routing, device, seed)
+        return x, ids, weights
+
+    # 1. correctness at the timed shape
+    if args.check or dry:
+        for n in check_tokens:
+            x, ids, weights = inputs(n, "random", 100 + n)
+            want = reference(x, w, ids, weights)
+            for spec in ["default"] + variants:
+                cfg = None if spec == "default" else parse_variant(spec)
+                out = torch.full_like(x, float("nan"))
+                got = kernel_fn(x, w, ids, weights, cfg, out)()
+                err = rel_rms(got, want)
+                ok = bool(torch.isfinite(got).all()) and err < 1e-2
+                result["checks"].append(dict(tokens=n, variant=spec, rel_rms=err, ok=ok))
+                print(f"check {n:>5} tokens {spec:<40} rel RMS {err:.2e} {'ok' if ok else 'FAILED'}", flush=True)
+            save()
+    failed = {c["variant"] for c in result["checks"] if not c["ok"]}
+
+    # 2. the kernel: default config and variants
+    rows = {}
+    for routing in routings:
+        for n in tokens:
+            x, ids, weights = inputs(n, routing, n)
+            hit = int(torch.unique(ids).numel())
+            nbytes = hit * per_expert + 2 * n * h * act_bytes + ids.numel() * (8 + 4)
+            workspace = 2 * n * k * (inter + h) * act_bytes
+            flops = 6 * n * k * h * inter
+            out = torch.empty_like(x)
+            default_cfg = tt.default_config(n, k, E, dtype, True)
+            row = dict(kind="moe_layer", routing=routing, tokens=n, experts_hit=hit, bytes=nbytes,
+                       bytes_with_workspace=nbytes + workspace, roofline_ms=nbytes / (copy * 1e9) * 1e3,
+                       flops=flops, flop_roofline_ms=flops / (mm * 1e12) * 1e3, default_config=config_spec(default_cfg))
+            ms, how = fast_time(kernel_fn(x, w, ids, weights, None, out), n)
+            row.update(kernel_ms=ms, timing=how)
+            timed = [dict(variant="default", config=row["default_config"], ms=ms)]
+            for spec in variants:
+                if spec in failed or not applies(spec, n, explicit):
+                    continue
+                try:
+                    vms, _ = fast_time(kernel_fn(x, w, ids, weights, parse_variant(spec), out), n)
+                except Exception as e:  # a tiling that does not compile (shared memory, registers)
+                    print(f"variant {spec} at {n} tokens failed: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
+                    continue
+                timed.append(dict(variant=spec, config=spec, ms=vms))
+            for t in timed:
+                t.update(bytes_roofline_fraction=row["roofline_ms"] / t["ms"],
+                         matmul_fraction=row["flop_roofline_ms"] / t["ms"], tflops=flops / (t["ms"] * 1e-3) / 1e12)
+            best = min(timed, key=lambda t: t["ms"])
+            row.update(bytes_roofline_fraction=row["roofline_ms"] / ms, matmul_fraction=row["flop_roofline_ms"] / ms,
+                       tflops=flops / (ms * 1e-3) / 1e12, best_variant=best["config"], best_ms=best["ms"],
+                       best_bytes_roofline_fraction=best["bytes_roofline_fraction"],
+                       best_matmul_fraction=best["matmul_fraction"], variants=timed)
+            rows[(routing, n)] = row
+            result["rows"] = list(rows.values())
+            save()
+            print(f"{routing:>6} {n:>5} tokens: {hit} experts hit, kernel {ms:.4f} ms ({how}), roofline "
+                  f"{row['roofline_ms']:.4f} ms ({100 * row['bytes_roofline_fraction']:.1f}%), "
+                  f"{row['tflops']:.1f} TFLOP/s ({100 * row['matmul_fraction']:.1f}% of matmul); "
+                  f"best {best['config']} {best['ms']:.4f} ms", flush=True)
+
+    # 3. today's path (packed weights dequantised on every call), where it fits
+    if today_tokens:
+        experts = todays_experts(w, E, k, h, inter)
+        for (routing, n), row in rows.items():
+            if n not in today_tokens or routing != routings[0]:
+                continue
+            x, ids, weights = inputs(n, routing, n)
+            try:
+                with torch.inference_mode():
+                    row["today_ms"] = slow_timer(lambda: experts(x, ids, weights))
+            except torch.cuda.OutOfMemoryError:
+                row["today_ms"] = None
+                row["today"] = "out of memory"
+                torch.cuda.empty_cache()
+            print(f"today's path, {n} tokens: {row.get('today_ms') or row.get('today')}", flush=True)
+            save()
+        del experts
+
+    # 4. the plain-PyTorch peer on resident bf16 weights
+    if not args.no_peer:
+        grouped = grouped_mm_available(device)
+        try:
+            wb = dequantized_experts(w, dtype)
+        except torch.cuda.OutOfMemoryError:
+            wb = None
+            print("peer skipped: the bf16 experts do not fit", flush=True)
+        for (routing, n), row in rows.items() if wb is not None else []:
+            x, ids, weights = inputs(n, routing, n)
+            fn = peer_fn(x, wb, ids, weights, grouped)
+            if (args.check or dry) and n in check_tokens and routing == routings[0]:
+                row["peer_rel_rms"] = rel_rms(fn(), reference(x, w, ids, weights))
+            row["peer"] = "torch._grouped_mm" if grouped else "torch.mm loop"
+            row["peer_ms"], row["peer_timing"] = fast_time(fn, n) if grouped else (timer(fn), "eager")
+            row["kernel_over_peer"] = row["kernel_ms"] / row["peer_ms"]
+            save()
+        del wb
+
+    print(f"\n{result['device']}, commit {result['commit']}: copy {copy:.0f} GB/s, bf16 matmul {mm:.1f} TFLOP/s; "
+          f"MoE {E} x top-{k}, {h} -> {inter}, MXFP4 ({per_expert * E / 1e9:.2f} GB)")
+    print("routing tokens  hit  kernel ms  roofline ms  %bytes  TFLOP/s  %matmul    best ms  %bytes(best)  peer ms"
+          "  today ms  best variant")
+    for r in result["rows"]:
+        peer = f"{r['peer_ms']:8.3f}" if r.get("peer_ms") else "       -"
+        today = f"{r['today_ms']:9.2f}" if r.get("today_ms") else ("      oom" if r.get("today") else "        -")
+        print(f"{r['routing']:>7} {r['tokens']:>6} {r['experts_hit']:>4} {r['kernel_ms']:10.4f} {r['roofline_ms']:12.4f} "
+              f"{100 * r['bytes_roofline_fraction']:7.1f} {r['tflops']:8.1f} {100 * r['matmul_fraction']:8.1f} "
+              f"{r['best_ms']:10.4f} {100 * r['best_bytes_roofline_fraction']:13.1f} {peer} {today}  {r['best_variant']}")
+    if failed:
+        print(f"FAILED checks (not timed): {', '.join(sorted(failed))}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
