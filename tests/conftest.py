@@ -1,12 +1,18 @@
+import os
+
 import pytest
 import torch
 
 from kimiserve.config import ModelConfig, load_preset
 
 
+# One torch thread unless OMP_NUM_THREADS says otherwise: CI runs the suite a second time with
+# OMP_NUM_THREADS=2, since another thread count changes reduction orders much as another CPU does.
 # The tiny model's ops are too small to gain from a second thread, and with two threads on a
-# two-core machine any other busy process makes them 20-50x slower.
-torch.set_num_threads(1)
+# two-core machine any other busy process makes them 20-50x slower, so 1 stays the default. The
+# count is exported, so that CLI subprocesses and in-process `serve` calls use the same one.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"].split(",")[0]))
 
 
 @pytest.fixture(autouse=True)

@@ -135,7 +135,7 @@ def test_generate_help_shows_engine_args(capsys):
 
 def test_console_script_generates():
     exe = [sys.executable, "-m", "kimiserve.entrypoints.cli"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # as tests/conftest.py does in-process
+    env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())}  # as tests/conftest.py set in-process
     res = subprocess.run([*exe, "generate", "--model", "tiny", "--max-tokens", "4", "Hello, Kimi"], capture_output=True,
                          text=True, timeout=120, env=env)
     assert res.returncode == 0 and res.stdout.startswith("'Hello, Kimi' -> ")

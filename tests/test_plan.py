@@ -204,7 +204,7 @@ def test_bad_input_exits_2(capsys, argv, message):
 
 
 def test_console_script_exit_code():
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())}  # as tests/conftest.py set in-process
     res = subprocess.run([sys.executable, "-m", "kimiserve.entrypoints.cli", *_with("--gpus", "3")],
                          capture_output=True, text=True, timeout=120, env=env)
     assert res.returncode == 2 and "kimiserve plan: error:" in res.stderr and "Traceback" not in res.stderr
