@@ -31,12 +31,14 @@ from test_triton_moe import (ROUTINGS, SMALL_CASES, VARIANTS, assert_bitwise, ch
                              dequant_bytes, route_ids, variant_config)
 
 
-@pytest.mark.parametrize("block_m", [16, 32])
-@pytest.mark.parametrize("routing", ROUTINGS)
-@pytest.mark.parametrize("N,E,k", [(1, 3, 3), (5, 5, 2), (37, 9, 3), (19, 7, 1), (700, 9, 3)])
+ALIGN_CASES = [(N, E, k, r, m) for N, E, k in [(1, 3, 3), (5, 5, 2), (37, 9, 3), (19, 7, 1)] for r in ROUTINGS
+               for m in (16, 32)]
+
+
+@pytest.mark.parametrize("N,E,k,routing,block_m", ALIGN_CASES + [(700, 9, 3, "zipf", 16), (1400, 9, 3, "random", 32)])
 def test_align_blocks(N, E, k, routing, block_m):
-    """The one-program kernel (up to ALIGN_SMALL_PAIRS pairs; 700 x 3 is over) and the torch ops give
-    the same blocks."""
+    """The one-program kernel (up to ALIGN_SMALL_PAIRS = 4096 pairs: a 4096-wide sort at 700 x 3; 1400 x 3
+    is over) and the torch ops give the same blocks."""
     ids = route_ids(N, E, k, routing, torch.Generator().manual_seed(N))
     a = check_align(tt, ids, E, block_m, use_triton=True)
     b = check_align(tt, ids, E, block_m, use_triton=False)

@@ -64,7 +64,7 @@ import triton
 import triton.language as tl
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # no inline PTX: the "lut" dequant runs emulated
-ALIGN_SMALL_PAIRS = 2048  # up to this many (token, slot) pairs the alignment is one Triton program
+ALIGN_SMALL_PAIRS = 4096  # up to this many (token, slot) pairs (K3.1: 256 tokens) the alignment is one program
 _DOT_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 _DEQUANT = {"exact": 0, "lut": 1, "dot_scaled": 2}
 _ACT = {"silu": 0, "situ": 1}
@@ -96,7 +96,7 @@ class MoEConfig:
     up: GemmTiles = field(default_factory=GemmTiles)
     down: GemmTiles = field(default_factory=GemmTiles)
     dequant: str = "exact"
-    combine_block: int = 1024
+    combine_block: int = 512
 
 
 def default_config(num_tokens: int, top_k: int, num_experts: int, dtype: torch.dtype, mxfp4: bool) -> MoEConfig:
@@ -169,7 +169,7 @@ def _align_torch(flat: torch.Tensor, num_experts: int, block_m: int, nblocks: in
     block_end = torch.cumsum(nb, 0)
     pair_end = torch.cumsum(counts, 0)
     base = (block_end - nb) * block_m - (pair_end - counts)
-    sorted_pairs[base[sorted_e] + torch.arange(P, device=dev)] = order.to(torch.int32)
+    sorted_pairs.scatter_(0, base[sorted_e] + torch.arange(P, device=dev), order.to(torch.int32))
     blocks = torch.arange(nblocks, device=dev)
     e = torch.searchsorted(block_end, blocks, right=True).clamp_(max=num_experts - 1)
     bexp.copy_(e)
@@ -198,7 +198,7 @@ def align_blocks(ids: torch.Tensor, num_experts: int, block_m: int, use_triton: 
         scratch = torch.empty(2 * EB, dtype=torch.int32, device=dev)
         PB = max(16, triton.next_power_of_2(P))
         _align_kernel[(1,)](flat, sorted_pairs, bexp, brows, nblk, scratch, P, num_experts, BM=block_m, PB=PB, EB=EB,
-                            num_warps=4 if PB <= 512 else 8)
+                            num_warps=4 if PB <= 512 else 8 if PB <= 2048 else 16)
     else:
         _align_torch(flat.long(), num_experts, block_m, nblocks, sorted_pairs, bexp, brows, nblk)
     return sorted_pairs, bexp, brows, nblk
