@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import socket
+import time
 
 import httpx
 import openai
@@ -293,3 +295,17 @@ def test_lone_surrogates_in_input_never_break_a_response(http):
     events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
     assert r.status_code == 200 and events[-1] == "[DONE]" and "error" not in events[-2]
     assert json.loads(events[0])["choices"][0]["text"].startswith("\ud800x")
+
+
+def test_client_gone_mid_body_is_not_an_error(server, http):
+    """A client that leaves before its body is complete (or that --body-read-timeout cuts off with a
+    408) once made the route's body read raise ClientDisconnect: an ERROR and a traceback in the
+    server's log for the client's own failure (found by test_server_hostile.py's stalled body)."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 100\r\n\r\n{\"prompt\": ")
+        time.sleep(0.2)  # the route is reading the body when the client goes
+    time.sleep(0.3)
+    err = server.stderr()
+    assert "ClientDisconnect" not in err and "Traceback" not in err, err[-3000:]
+    assert http.get("/health").status_code == 200

@@ -23,6 +23,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from kimiserve.engine.args import EngineArgs
 from kimiserve.engine.async_engine import DEAD_MESSAGE, AsyncLLMEngine, EngineDeadError
@@ -80,6 +81,11 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(EngineDeadError)
     async def engine_dead(_: Request, exc: EngineDeadError):
         return OpenAIError(str(exc), 503, None, "engine_dead").response()
+
+    @app.exception_handler(ClientDisconnect)
+    async def client_gone(_: Request, exc: ClientDisconnect):
+        # the client left (or was timed out, a 408) before its body was complete: nobody to answer
+        return Response(status_code=499)
 
     @app.exception_handler(RecursionError)
     async def too_deep(_: Request, exc: RecursionError):
