@@ -248,10 +248,10 @@ _SIGN_A: tl.constexpr = tl.constexpr(_SIGN_LUT[0])
 _SEL_0: tl.constexpr = tl.constexpr(_PAIR_SEL[0])
 _SEL_1: tl.constexpr = tl.constexpr(_PAIR_SEL[1])
 _LUT_ASM = f"""{{
-.reg .b32 m, mh, g, gh, h, l, t, z;
-and.b32 m, $4, 0x77777777;
+.reg .b32 m, mh, g, gh, h, l, t, z, o0, o1, o2, o3;
+and.b32 m, $8, 0x77777777;
 shr.u32 mh, m, 16;
-shr.u32 g, $4, 3;
+shr.u32 g, $8, 3;
 and.b32 g, g, 0x11111111;
 shr.u32 gh, g, 16;
 mov.b32 z, 0x80008000;
@@ -259,20 +259,26 @@ prmt.b32 h, {_HI_LUT[0]}, {_HI_LUT[1]}, m;
 prmt.b32 l, {_LO_LUT[0]}, {_LO_LUT[1]}, m;
 prmt.b32 t, {_SIGN_LUT[0]}, {_SIGN_LUT[1]}, g;
 or.b32 h, h, t;
-prmt.b32 $0, l, h, {_PAIR_SEL[0]};
-prmt.b32 $1, l, h, {_PAIR_SEL[1]};
+prmt.b32 o0, l, h, {_PAIR_SEL[0]};
+prmt.b32 o1, l, h, {_PAIR_SEL[1]};
 prmt.b32 h, {_HI_LUT[0]}, {_HI_LUT[1]}, mh;
 prmt.b32 l, {_LO_LUT[0]}, {_LO_LUT[1]}, mh;
 prmt.b32 t, {_SIGN_LUT[0]}, {_SIGN_LUT[1]}, gh;
 or.b32 h, h, t;
-prmt.b32 $2, l, h, {_PAIR_SEL[0]};
-prmt.b32 $3, l, h, {_PAIR_SEL[1]};
-fma.rn.bf16x2 $0, $0, $5, z;
-fma.rn.bf16x2 $1, $1, $5, z;
-fma.rn.bf16x2 $2, $2, $5, z;
-fma.rn.bf16x2 $3, $3, $5, z;
+prmt.b32 o2, l, h, {_PAIR_SEL[0]};
+prmt.b32 o3, l, h, {_PAIR_SEL[1]};
+fma.rn.bf16x2 o0, o0, $9, z;
+fma.rn.bf16x2 o1, o1, $9, z;
+fma.rn.bf16x2 o2, o2, $9, z;
+fma.rn.bf16x2 o3, o3, $9, z;
+mov.b32 {{$0, $1}}, o0;
+mov.b32 {{$2, $3}}, o1;
+mov.b32 {{$4, $5}}, o2;
+mov.b32 {{$6, $7}}, o3;
 }}"""
 _LUT_ASM_C: tl.constexpr = tl.constexpr(_LUT_ASM)
+# 8 bf16 outputs (16-bit registers $0..$7), then the word ($8) and its scale pair ($9)
+_LUT_CONSTRAINTS: tl.constexpr = tl.constexpr("=h,=h,=h,=h,=h,=h,=h,=h,r,r")
 
 
 @triton.jit
@@ -320,14 +326,15 @@ def _mxfp4_lut(w, sc, BN: tl.constexpr, BK: tl.constexpr, ASM: tl.constexpr):
     s = sc.to(tl.int32)
     s16 = tl.where(s > 0, s << 7, 0x40)  # 2^(s - 127) as bf16 bits (byte 0: the subnormal 2^-127)
     s16 = tl.reshape(tl.broadcast_to(s16[:, :, None], (BN, BK // 32, 4)), (BN, BK // 8))
-    if ASM:
-        o0, o1, o2, o3 = tl.inline_asm_elementwise(
-            _LUT_ASM_C, "=r,=r,=r,=r,r,r", [w, s16 | (s16 << 16)], dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
-            is_pure=True, pack=1)
-        p0, p1, p2, p3 = _bf16_halves(o0), _bf16_halves(o1), _bf16_halves(o2), _bf16_halves(o3)
-    else:
-        scale = (s16 << 16).to(tl.float32, bitcast=True)
-        p0, p1, p2, p3 = _lut_words_emulated(w, scale)
+    if ASM:  # 8 bf16 outputs per word (codes 0..7), in 16-bit registers
+        e0, e1, e2, e3, e4, e5, e6, e7 = tl.inline_asm_elementwise(
+            _LUT_ASM_C, _LUT_CONSTRAINTS, [w, s16 | (s16 << 16)], dtype=(tl.bfloat16, ) * 8, is_pure=True, pack=1)
+        # nest as [a, b, c] = code 4a + 2b + c (the natural order): c innermost, the last join
+        even = tl.join(tl.join(e0, e4), tl.join(e2, e6))
+        odd = tl.join(tl.join(e1, e5), tl.join(e3, e7))
+        return tl.reshape(tl.join(even, odd), (BN, BK))
+    scale = (s16 << 16).to(tl.float32, bitcast=True)
+    p0, p1, p2, p3 = _lut_words_emulated(w, scale)
     # p_i [BN, BK/8, 2] holds codes 2i + c; nest as [a, b, c] = code 4a + 2b + c (the natural order)
     l0, h0 = tl.split(p0)
     l1, h1 = tl.split(p1)
