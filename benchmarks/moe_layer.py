@@ -25,6 +25,8 @@ at the same shape for --check-tokens (relative RMS error, bound 1e-2), and the p
     python benchmarks/moe_layer.py [--tokens 1,16,64,256,1024,8192] [--routings random,zipf] [--check]
         [--variants default|decode|prefill|all|SPEC,...] [--out benchmarks/results/moe_layer.json]
     python benchmarks/moe_layer.py --dry-run --out /tmp/moe.json   # tiny shapes, Triton's CPU interpreter
+    python benchmarks/moe_layer.py --sass [--variants ...]   # no GPU: each variant's sm_90 build (registers,
+                                                            # spills, shared memory, SASS per K step)
 
 A variant SPEC is DEQUANT-mBM-nBN-kBK-wWARPS-sSTAGES[-dnBN][-dkBK][-swap] (dn/dk: the down GEMM's
 column tile and K step when they differ from the gate/up GEMM's), e.g. lut-m16-n64-k256-w4-s3-swap.
@@ -280,6 +282,75 @@ def matmul_tflops(device, n: int, dtype, timer) -> float:
 
 
 # ------------------------------------------------------------------------------------------------
+# static report (no GPU)
+
+_GEMM_INTS = ["N_OUT", "K", "A_ROW_DIV", "s_am", "s_we", "s_wn", "s_se", "s_sn", "s_om"]
+
+
+def sass_report(specs: list[str], h: int, inter: int) -> int:
+    """Compile both GEMMs of each variant for sm_90 (Triton's bundled ptxas) at the given shape and print
+    registers, stack (spills), shared memory and the instructions of the K loop per weight per thread."""
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+    import triton.language as tl
+
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    from sass_report import compile_sm90, instruction_mix, sass_of
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    print("variant                                  gemm  regs stack  smem KB  loop instr  per weight  MMA")
+    for spec in specs:
+        cfg = parse_variant(spec)
+        dq = {"exact": 0, "lut": 1, "dot_scaled": 2}[cfg.dequant]
+        for name, gated, tiles, K in (("up", True, cfg.up, h), ("down", False, cfg.down, inter)):
+            w_t = "*i32" if dq == 1 else "*u8"
+            types = dict(a_ptr="*bf16", w_ptr=w_t, ws_ptr="*u8", v_ptr=w_t, vs_ptr="*u8", out_ptr="*bf16",
+                         sorted_ptr="*i32", bexp_ptr="*i32", brows_ptr="*i32", nblk_ptr="*i32", beta="fp32",
+                         linear_beta="fp32", **{n: "i32" for n in _GEMM_INTS})
+            consts = dict(GATED=gated, ACT=1, LINEAR_TANH=True, MXFP4=True, DEQUANT=dq, ASM=True, SWAP=tiles.swap,
+                          DTYPE=tl.bfloat16, PRECISION="tf32", BM=cfg.block_m, BN=tiles.block_n, BK=tiles.block_k,
+                          EVEN_K=K % tiles.block_k == 0)
+            try:
+                kernel = compile_sm90(tt._moe_gemm_kernel, types, consts,
+                                      dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
+                                      [n for n in _GEMM_INTS if n != "A_ROW_DIV"])
+            except Exception as e:
+                print(f"{spec:<40} {name:<5} does not compile: {type(e).__name__}: {str(e)[:200]}")
+                continue
+            with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+                f.write(kernel.asm["cubin"])
+                f.flush()
+                usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
+            m = re.search(r"REG:(\d+).*?STACK:(\d+)", usage)
+            sass = sass_of(kernel)
+            loop = _largest_loop(sass)
+            weights = (2 if gated else 1) * tiles.block_n * tiles.block_k / (32 * tiles.num_warps)
+            mma = ",".join(sorted(op for op in instruction_mix(sass) if "MMA" in op))
+            print(f"{spec:<40} {name:<5} {m.group(1):>4} {m.group(2):>5} {kernel.metadata.shared / 1024:8.1f} "
+                  f"{loop:11d} {loop / weights:11.2f}  {mma}")
+    return 0
+
+
+def _largest_loop(sass: str) -> int:
+    """Instructions in the longest backward branch's body (the K loop)."""
+    import re
+
+    lines = [ln for ln in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4}\*/", ln)]
+    addrs = [int(re.match(r"\s+/\*([0-9a-f]{4})\*/", ln).group(1), 16) for ln in lines]
+    best = 0
+    for ln, at in zip(lines, addrs):
+        if "BRA" in ln:
+            target = re.search(r"0x([0-9a-f]+)", ln.split("BRA", 1)[1])
+            if target and int(target.group(1), 16) < at:
+                start = int(target.group(1), 16)
+                best = max(best, sum(start <= a <= at for a in addrs))
+    return best
+
+
+# ------------------------------------------------------------------------------------------------
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -297,8 +368,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shape", default="896,16,3584,3072", help="experts,top_k,hidden,intermediate")
     parser.add_argument("--dry-run", action="store_true",
                         help="tiny shapes on the CPU under Triton's interpreter (a plumbing check, no figures)")
+    parser.add_argument("--sass", action="store_true",
+                        help="no GPU: compile the default and every variant for sm_90 and print their resources")
     parser.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "moe_layer.json"))
     args = parser.parse_args(argv)
+    if args.sass:
+        _, _, h, inter = (int(v) for v in args.shape.split(","))
+        defaults = [config_spec(tt.default_config(n, 16, 896, torch.bfloat16, True)) for n in (1, 1024, 8192)]
+        return sass_report(list(dict.fromkeys(defaults + variants_for(args.variants, False))), h, inter)
 
     dry = args.dry_run
     if dry:
@@ -366,7 +443,13 @@ def main(argv: list[str] | None = None) -> int:
             for spec in ["default"] + variants:
                 cfg = None if spec == "default" else parse_variant(spec)
                 out = torch.full_like(x, float("nan"))
-                got = kernel_fn(x, w, ids, weights, cfg, out)()
+                try:
+                    got = kernel_fn(x, w, ids, weights, cfg, out)()
+                except Exception as e:  # e.g. a tiling that does not compile or fit: recorded, not timed
+                    result["checks"].append(dict(tokens=n, variant=spec, error=f"{type(e).__name__}: {e}"[:500],
+                                                 ok=False))
+                    print(f"check {n:>5} tokens {spec:<40} ERROR {type(e).__name__}: {str(e)[:200]}", flush=True)
+                    continue
                 err = rel_rms(got, want)
                 ok = bool(torch.isfinite(got).all()) and err < 1e-2
                 result["checks"].append(dict(tokens=n, variant=spec, rel_rms=err, ok=ok))
