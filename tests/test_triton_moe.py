@@ -38,7 +38,7 @@ def route_ids(N: int, E: int, k: int, routing: str, gen: torch.Generator) -> tor
     pool = max(k, E // 2) if routing == "subset" else E
     probs = torch.ones(N, pool)
     if routing == "zipf":
-        probs = (1.0 / torch.arange(1, pool + 1, dtype=torch.float64)).expand(N, pool)
+        probs = (1.0 / torch.arange(1, pool + 1, dtype=torch.float64)).expand(N, pool).contiguous()
     picks = torch.multinomial(probs, k, replacement=False, generator=gen)
     return torch.randperm(E, generator=gen)[picks] if routing == "zipf" else picks
 
@@ -173,8 +173,7 @@ def variant_config(tt, dequant: str, swap: bool = False, block_m: int = 16, bloc
     return tt.MoEConfig(block_m=block_m, up=tiles, down=tiles, dequant=dequant)
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("block_m", [16, 64])
+@pytest.mark.parametrize("variant,block_m", [(v, 16) for v in VARIANTS] + [("lut", 64), ("lut swap", 64)])
 def test_dequant_variants(tt, variant, block_m):
     """h = 96 and I = 160 leave partial 64-wide K steps and column tiles."""
     cfg = variant_config(tt, block_m=block_m, **VARIANTS[variant])
@@ -251,10 +250,11 @@ def test_k31_shape(tt, k31_experts, N, routing):
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_k31_shape_variants(tt, k31_experts, variant):
-    """Every dequantisation and orientation at the K3.1 shape (decode- and prefill-sized blocks)."""
+    """Every dequantisation and orientation at the K3.1 shape, 16-row blocks (benchmarks/moe_layer.py
+    --check checks every timed tiling at this shape too)."""
     x, ids, weights = _k31_inputs(64, "random", 3)
     want = reference(x, k31_experts, ids, weights, "situ")
-    for block_m, block_n, block_k in [(16, 64, 256), (64, 64, 128)]:
+    for block_m, block_n, block_k in [(16, 64, 256)]:
         cfg = variant_config(tt, block_m=block_m, block_n=block_n, block_k=block_k, **VARIANTS[variant])
         got, _ = run_kernel(tt, x, k31_experts, ids, weights, "situ", cfg)
         err = rel_rms(got, want)
@@ -311,7 +311,7 @@ def _set_fused(model, enabled: bool | None):
             m.use_fused = enabled
 
 
-@pytest.mark.parametrize("dtype,kv", [("float32", "bf16"), ("bfloat16", "fp8"), ("bfloat16", "fp4")])
+@pytest.mark.parametrize("dtype,kv", [("float32", "bf16"), ("bfloat16", "fp8")])
 def test_engine_with_fused_moe_matches_full_forward(dtype, kv):
     """The tiny engine on CUDA runs the fused kernel (eager prefill chunks and graph-captured decode);
     its logits equal the full forward through the torch expert forms within test_gpu's bounds."""
