@@ -309,3 +309,37 @@ def test_client_gone_mid_body_is_not_an_error(server, http):
     err = server.stderr()
     assert "ClientDisconnect" not in err and "Traceback" not in err, err[-3000:]
     assert http.get("/health").status_code == 200
+
+
+def raw_exchange(port: int, data: bytes) -> tuple[int, dict[str, str], bytes]:
+    """Send raw bytes on a fresh connection; the first response (status, headers, body), read to EOF."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(data)
+        got = b""
+        while chunk := s.recv(65536):
+            got += chunk
+    head, _, body = got.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = dict(line.split(": ", 1) for line in lines[1:])
+    return int(lines[0].split()[1]), {k.lower(): v for k, v in headers.items()}, body
+
+
+@pytest.mark.parametrize("data", [
+    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n{}",
+    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\n{}",
+    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\nabc\r\n0\r\n\r\n",
+    b"GET /health HTTP/1.1\r\n\r\n",  # no Host
+    b"GET /v1/models/a b HTTP/1.1\r\nHost: x\r\n\r\n",
+    b"GET /v1/models/\xc3\xa9 HTTP/1.1\r\nHost: x\r\n\r\n",
+    b"\x16\x03\x01\x00\xa5\x01\x00\x00\xa1\x03\x03" + b"\x00" * 50,  # a TLS hello on the plain port
+], ids=["content-length-abc", "two-content-lengths", "bad-chunk", "no-host", "space-in-target", "non-ascii-target",
+        "tls-hello"])
+def test_unparsable_http_is_an_openai_400(server, http, data):
+    """Bytes h11 cannot parse as a request once got uvicorn's text/plain "Invalid HTTP request
+    received." (found by test_server_hostile.py's raw HTTP requests)."""
+    status, headers, body = raw_exchange(server.port, data)
+    assert status == 400 and headers["content-type"] == "application/json" and headers["connection"] == "close"
+    error = json.loads(body)["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
+    assert "invalid HTTP request" in error["message"]
+    assert http.get("/health").status_code == 200

@@ -290,6 +290,19 @@ class TimeoutH11Protocol(H11Protocol):
         self._cancel_timers()
         super().handle_websocket_upgrade(event)
 
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to bytes h11 cannot parse as a request (a bad Content-Length, no Host, a
+        space in the target, a bad chunk, a TLS hello), in the OpenAI shape: uvicorn's own is text/plain."""
+        body = error_body("invalid HTTP request: it could not be parsed as HTTP/1.1 (request line, headers "
+                          "or body framing)", 400)
+        try:
+            out = self.conn.send(h11.Response(status_code=400, reason=b"Bad Request", headers=error_headers(body)))
+            out += self.conn.send(h11.Data(data=body)) + self.conn.send(h11.EndOfMessage())
+            self.transport.write(out)
+        except h11.LocalProtocolError:
+            pass  # a response had already started: nothing more can be said on this connection
+        self.transport.close()
+
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_timers()
         if self._linger_timer is not None:
