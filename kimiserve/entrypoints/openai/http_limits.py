@@ -296,11 +296,15 @@ class TimeoutH11Protocol(H11Protocol):
         body = error_body("invalid HTTP request: it could not be parsed as HTTP/1.1 (request line, headers "
                           "or body framing)", 400)
         try:
-            out = self.conn.send(h11.Response(status_code=400, reason=b"Bad Request", headers=error_headers(body)))
-            out += self.conn.send(h11.Data(data=body)) + self.conn.send(h11.EndOfMessage())
-            self.transport.write(out)
-        except h11.LocalProtocolError:
-            pass  # a response had already started: nothing more can be said on this connection
+            head = self.conn.send(h11.Response(status_code=400, reason=b"Bad Request", headers=error_headers(body)))
+        except h11.LocalProtocolError:  # a response had already started: nothing more can be said
+            self.transport.close()
+            return
+        try:
+            tail = self.conn.send(h11.Data(data=body)) + self.conn.send(h11.EndOfMessage())
+        except h11.LocalProtocolError:  # the answer to a HEAD request has no body: the head is all of it
+            tail = b""
+        self.transport.write(head + tail)
         self.transport.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
