@@ -165,10 +165,15 @@ def test_paged_sparse_mla_decode_matches_oracle(fp8, dtype, k, holes):
     got = paged_sparse_mla_decode(q_lat, q_pe, cache, scale_l, tables, idx, scale, dtype)
     assert got.shape == (3, H, L) and torch.isfinite(got).all()
     assert rel_rms(got, _oracle(q_lat, q_pe, dense, idx, scale)) < 1e-5
-    for b in range(3):  # -1 entries are ignored: the same as leaving them out
+    # -1 entries are ignored: the same as leaving them out. Up to rounding: the batch and the one row
+    # without holes have other shapes, so other kernels and summation orders; fp32 softmax-weighted
+    # sums of K <= 70 terms round by ~sqrt(K) * 6e-8 ~ 5e-7 each (measured up to 1.9e-7, so 1e-6 was
+    # within 5x of one CPU's rounding); as the oracle, 1e-5. Reading a -1 slot (the last token of
+    # the page, or a NaN) gives errors of order 0.1, or NaN.
+    for b in range(3):
         keep = idx[b : b + 1, idx[b] >= 0]
         one = paged_sparse_mla_decode(q_lat[b : b + 1], q_pe[b : b + 1], cache, scale_l, tables[b : b + 1], keep, scale, dtype)
-        assert rel_rms(one, got[b : b + 1]) < 1e-6
+        assert rel_rms(one, got[b : b + 1]) < 1e-5
 
 
 def test_paged_sparse_mla_decode_single_token_is_its_latent():
