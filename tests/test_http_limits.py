@@ -394,6 +394,23 @@ def test_body_that_stalls_gets_408_and_the_connection_is_closed(server, caplog):
     assert not [r for r in caplog.records if "ASGI" in r.getMessage()]  # no 500, no "exception in ASGI app"
 
 
+def test_head_request_whose_body_stalls_gets_the_408_head(server):
+    """The answer to a HEAD has no body, so the 408 is its head alone; h11 refused the 408's body
+    and the connection was reset with no answer at all (found by test_server_hostile.py)."""
+    _, port = server
+    conn = Raw(port)
+    try:
+        conn.sock.sendall(b"HEAD /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n" + b"a" * 10)
+        conn.sock.settimeout(BODY_TIMEOUT + 5)
+        got = b""
+        while chunk := conn.sock.recv(65536):
+            got += chunk
+    finally:
+        conn.close()
+    assert got.startswith(b"HTTP/1.1 408 ") and got.endswith(b"\r\n\r\n"), got
+    assert b"content-type: application/json" in got.lower() and b"connection: close" in got.lower()
+
+
 def test_slow_but_steady_body_is_not_cut(server):
     # the body timeout is inactivity between bytes, not a total
     _, port = server

@@ -460,7 +460,8 @@ class TimeoutH11Protocol(H11Protocol):
             try:
                 out = self.conn.send(h11.Response(status_code=408, reason=b"Request Timeout",
                                                   headers=self.server_state.default_headers + error_headers(body)))
-                out += self.conn.send(h11.Data(data=body))
+                if cycle.scope.get("method") != "HEAD":  # the answer to a HEAD has no body: the head is all of it
+                    out += self.conn.send(h11.Data(data=body))
                 out += self.conn.send(h11.EndOfMessage())
                 self.conn.send(h11.ConnectionClosed())
             except h11.LocalProtocolError:
