@@ -72,7 +72,10 @@ def test_whole_prompt_prefill_is_bit_equal(engines, dtype, kv):
         ref = engine.model.logits(hidden[torch.tensor([len(prompt) - 1])])[0]
     got = engine.recorded[(tuple(prompt), None, 0)]
     assert torch.equal(got, ref), (got - ref).abs().max()
-    assert rel_rms(ref, engine.model(torch.tensor(prompt), kv_cache_dtype=kv)[-1]) < 1e-5  # the same oracle
+    # the same oracle as the full forward's last row, but for the rounding of another product shape:
+    # ~1e-7 in fp32; in bf16 at most one bf16 ulp (2^-8 relative) per logit
+    full = engine.model(torch.tensor(prompt), kv_cache_dtype=kv)[-1]
+    assert rel_rms(ref, full) < (1e-5 if engine.dtype == torch.float32 else 2**-8)
 
 
 @pytest.mark.parametrize("chunk", [1, 7, 64])
