@@ -26,6 +26,35 @@ class ChunkResult:
     """Set when sampling this chunk's rows raised (the other chunks of the step are unaffected)."""
 
 
+@dataclass
+class StepChunk:
+    """One sequence's new tokens in a step, as plain data (sent to every rank)."""
+
+    start: int
+    end: int
+    context_start: int
+    block_table: list[int]
+    state_pages: list[int]
+    snapshot_state_pages: list[int] | None = None
+
+    def to_sequence_chunk(self) -> SequenceChunk:
+        snapshot = None if self.snapshot_state_pages is None else torch.tensor(self.snapshot_state_pages)
+        return SequenceChunk(self.start, self.end, self.context_start, torch.tensor(self.block_table),
+                             torch.tensor(self.state_pages), snapshot)
+
+
+@dataclass
+class StepInput:
+    """Everything a rank needs to run one step's forward: the packed token ids, each sequence's chunk
+    and pages, the logits rows wanted, the page copies and fresh state pages to apply first."""
+
+    token_ids: list[int]
+    chunks: list[StepChunk]
+    logit_rows: list[int]
+    copies: list[tuple[int, int]] = field(default_factory=list)
+    fresh_state_pages: list[int] = field(default_factory=list)
+
+
 class ModelRunner:
     def __init__(self, model: KimiForCausalLM, pool: PagePool, sampler: Sampler, eos_token_id: int | None):
         self.model, self.pool, self.sampler = model, pool, sampler
@@ -37,22 +66,22 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> list[ChunkResult]:
-        copies = [pair for chunk in sched.chunks for pair in chunk.copies]
-        if copies:
-            self.pool.copy_pages([s for s, _ in copies], [d for _, d in copies])
-        fresh = [p for chunk in sched.chunks for p in chunk.fresh_state_pages]
-        if fresh:
-            self.pool.zero_state(torch.tensor(fresh, device=self.device))
+        """One step on this process alone: `prepare`, `forward`, `sample`."""
+        step, plans = self.prepare(sched)
+        return self.sample(sched, plans, self.forward(step))
 
-        ids, seq_chunks, logit_rows, row = [], [], [], 0
-        plans = []  # per chunk: (first logits row, number of prompt-logprob rows, samples?)
+    def prepare(self, sched: SchedulerOutput) -> tuple["StepInput", list[tuple]]:
+        """What every rank needs to run the step's forward (plain data), and the driver's plan of which
+        logits rows are prompt logprobs and samples (per chunk: first row, first prompt position,
+        prompt rows, samples?)."""
+        ids, chunks, logit_rows, row = [], [], [], 0
+        plans = []
         for chunk in sched.chunks:
             r, n = chunk.request, chunk.num_tokens
             start = r.num_computed
             ids.extend(r.all_ids[start : start + n])
-            snapshot = torch.tensor(chunk.snapshot_state_pages) if n > 1 and chunk.snapshot_state_pages else None
-            seq_chunks.append(SequenceChunk(row, row + n, start, torch.tensor(r.block_table), torch.tensor(r.state_pages),
-                                            snapshot))
+            snapshot = list(chunk.snapshot_state_pages) if n > 1 and chunk.snapshot_state_pages else None
+            chunks.append(StepChunk(row, row + n, start, list(r.block_table), list(r.state_pages), snapshot))
             first = len(logit_rows)
             # prompt logprobs: the row at position p predicts prompt token p + 1; entry 0 is None, so
             # positions below len(r.prompt_logprobs) - 1 were reported before (e.g. before a preemption)
@@ -65,16 +94,31 @@ class ModelRunner:
                 logit_rows.append(row + n - 1)
             plans.append((first, lo, n_prompt, samples))
             row += n
+        step = StepInput(ids, chunks, logit_rows, [pair for c in sched.chunks for pair in c.copies],
+                         [p for c in sched.chunks for p in c.fresh_state_pages])
+        return step, plans
 
-        logits = None
-        if self.graphs is not None and logit_rows == list(range(len(seq_chunks))) and row == len(seq_chunks):
-            logits = self.graphs.run(ids, seq_chunks)  # one token per sequence, each sampled
-        if logits is None:
-            batch = ForwardBatch.build(self.pool, seq_chunks, self.device, self.ops)
-            input_ids = torch.tensor(ids, device=self.device)
-            rows = torch.tensor(logit_rows, device=self.device, dtype=torch.long)
-            logits = self.model.forward_batch(input_ids, batch, rows)
+    @torch.inference_mode()
+    def forward(self, step: "StepInput") -> torch.Tensor:
+        """This rank's part of the step: page copies, fresh state, the model's forward through the pool
+        (a CUDA graph for a decode-only step when one can run it). Returns the logits rows [M, vocab]."""
+        if step.copies:
+            self.pool.copy_pages([s for s, _ in step.copies], [d for _, d in step.copies])
+        if step.fresh_state_pages:
+            self.pool.zero_state(torch.tensor(step.fresh_state_pages, device=self.device))
+        seq_chunks = [c.to_sequence_chunk() for c in step.chunks]
+        n = len(seq_chunks)
+        if self.graphs is not None and step.logit_rows == list(range(n)) and len(step.token_ids) == n:
+            logits = self.graphs.run(step.token_ids, seq_chunks)  # one token per sequence, each sampled
+            if logits is not None:
+                return logits
+        batch = ForwardBatch.build(self.pool, seq_chunks, self.device, self.ops)
+        input_ids = torch.tensor(step.token_ids, device=self.device)
+        rows = torch.tensor(step.logit_rows, device=self.device, dtype=torch.long)
+        return self.model.forward_batch(input_ids, batch, rows)
 
+    def sample(self, sched: SchedulerOutput, plans: list[tuple], logits: torch.Tensor) -> list[ChunkResult]:
+        """The driver's part: prompt logprobs and one token per sample, per chunk."""
         results, sample_rows, sample_reqs, owners = [], [], [], []
         for chunk, (first, lo, n_prompt, samples) in zip(sched.chunks, plans):
             r, res = chunk.request, ChunkResult()
