@@ -68,7 +68,8 @@ def test_whole_prompt_prefill_is_bit_equal(engines, dtype, kv):
     prompt = random_prompts([150], seed=5)[0]
     run(engine, [prompt], SamplingParams(max_tokens=1, **GREEDY))
     with torch.inference_mode():
-        hidden = engine.model.model(torch.tensor(prompt)[None], CacheRoundTrip(kv, index_key_rotation=engine.layout.index_key_rotation))[0]
+        trip = CacheRoundTrip(kv, index_key_rotation=engine.layout.index_key_rotation)
+        hidden = engine.model.model(torch.tensor(prompt)[None], trip)[0]
         ref = engine.model.logits(hidden[torch.tensor([len(prompt) - 1])])[0]
     got = engine.recorded[(tuple(prompt), None, 0)]
     assert torch.equal(got, ref), (got - ref).abs().max()
@@ -199,7 +200,8 @@ def test_abort_mid_generation(engines):
     while engine.has_unfinished_requests():
         outs.update({o.request_id: o for o in engine.step() if o.finished})
     assert set(outs) == {"r0", "r2"}
-    assert_all_match_full_forward(engine, [prompts[0], prompts[2]], [outs[r].outputs[0].token_ids for r in ("r0", "r2")])
+    tokens = [outs[r].outputs[0].token_ids for r in ("r0", "r2")]
+    assert_all_match_full_forward(engine, [prompts[0], prompts[2]], tokens)
 
 
 def test_abort_waiting_request(engines):
