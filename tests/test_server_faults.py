@@ -118,6 +118,8 @@ def test_a_huge_body_is_refused_at_once_and_other_streams_keep_flowing():
         t.join(120)
         gaps = [b - a for a, b in zip(seen["times"], seen["times"][1:])]
         assert len(seen["events"]) > 100 and max(gaps) < 1.0, max(gaps)
+        idle = wait_until(lambda: metrics(s.url)["kimiserve:num_requests_running"] == 0)
+        assert idle and metrics(s.url)["kimiserve:cache_pages_used_by_requests"] == 0
 
 
 def rss_mb(pid: int) -> float:
