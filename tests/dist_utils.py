@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import socket
 import traceback
@@ -38,7 +39,8 @@ def _child(rank: int, world_size: int, port: int, fn, args, results, timeout: fl
             out = fn(rank, world_size, *args)
         finally:
             dist.destroy_process_group()
-        results.put((rank, True, out))
+        # pickled here by value: a queue would send tensors as shared memory that dies with this process
+        results.put((rank, True, pickle.dumps(out)))
     except BaseException:  # noqa: BLE001 - reported to the parent
         results.put((rank, False, traceback.format_exc()))
 
@@ -62,7 +64,7 @@ def run_ranks(world_size: int, fn, *args, timeout: float = 120.0) -> list:
                 raise AssertionError(f"ranks {sorted(set(range(world_size)) - set(out))} did not finish in "
                                      f"{timeout}s") from None
             if ok:
-                out[rank] = value
+                out[rank] = pickle.loads(value)
             else:
                 errors.append(f"rank {rank}:\n{value}")
                 break  # the other ranks fail or hang on their next collective: stop them
