@@ -108,3 +108,44 @@ def paged_dense_mla_decode(
     idx = torch.arange(S, device=q_latent.device).expand(len(context_lens), S)
     idx = idx.masked_fill(idx >= context_lens.unsqueeze(1), -1)
     return paged_sparse_mla_decode(q_latent, q_pe, latent_cache, latent_scale, block_tables, idx, scale, dtype)
+
+
+def paged_sparse_mla_decode_lse(
+    q_latent: torch.Tensor,
+    q_pe: torch.Tensor,
+    latent_cache: torch.Tensor,
+    latent_scale: float | None,
+    block_tables: torch.Tensor,
+    indices: torch.Tensor,
+    scale: float,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`paged_sparse_mla_decode` that also returns the log-sum-exp of each (row, head)'s scaled
+    logits over its selected tokens: (out [B, H, L], lse [B, H]), both in the compute dtype (fp32
+    or wider). The partial result of one rank of decode context parallelism (`kimiserve.distributed.dcp`):
+    partials over disjoint token sets merge exactly as out = sum_r exp(lse_r - LSE) out_r with
+    LSE = log sum_r exp(lse_r). A row that selects no token (indices all -1) gives out 0 and lse -inf
+    (zero weight in the merge), not NaN, whatever the unread slot 0 of its first page holds. Same
+    gather, dequantisation and logits as `paged_sparse_mla_decode`; out equals its result within
+    fp32 rounding wherever a row selects a token (the softmax is written as exp(x - lse))."""
+    L = q_latent.shape[-1]
+    valid = indices >= 0
+    pos = indices.clamp_min(0)
+    bs = latent_cache.shape[1]
+    pages = torch.gather(block_tables, 1, pos // bs)
+    c = latent_cache[pages, pos % bs]
+    if c.dtype == torch.uint8:  # NVFP4 rows, latent_scale their global scale
+        c = dequantize_nvfp4(c, latent_scale, torch.float32, L + q_pe.shape[-1])
+    else:  # [B, k, L + R]
+        c = c.float()
+        if latent_scale is not None:
+            c = c * latent_scale
+    dt = compute_dtype(q_latent)
+    # unselected slots (-1 read as slot 0 of the row's first page) may hold anything, NaN included: zero them
+    c = c.to(dtype).to(dt).masked_fill(~valid.unsqueeze(-1), 0.0)
+    logits = torch.einsum("bhl,bkl->bhk", q_latent.to(dt), c[..., :L])
+    logits = logits + torch.einsum("bhr,bkr->bhk", q_pe.to(dt), c[..., L:])
+    logits = (logits * scale).masked_fill(~valid.unsqueeze(1), float("-inf"))
+    lse = torch.logsumexp(logits, dim=-1)  # -inf where the row selects nothing
+    probs = torch.exp(logits - lse.masked_fill(lse == float("-inf"), 0.0).unsqueeze(-1))  # exp(-inf) = 0 there
+    return torch.einsum("bhk,bkl->bhl", probs, c[..., :L]), lse
