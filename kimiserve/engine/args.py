@@ -54,6 +54,26 @@ class EngineArgs:
     enforce_eager: bool = False
     """Run decode steps eagerly instead of replaying CUDA graphs (CUDA only; a graph is captured the first
     time a padded batch size and context bucket occur)."""
+    tensor_parallel_size: int = 1
+    """Ranks (GPUs, or CPU processes) that split the heads, dense MLPs and vocabulary, one process each."""
+    enable_expert_parallel: bool = False
+    """Split the routed experts over the tensor-parallel ranks instead of sharding every expert."""
+    decode_context_parallel_size: int = 1
+    """Ranks of the tensor-parallel group that split every sequence's attention pages (must divide
+    tensor_parallel_size): each holds 1/DCP of the tokens, an exact top-k merge keeps the results equal."""
+    prefill_context_parallel_size: int = 1
+    """Copies of the tensor-parallel group that split long prompts into contiguous chunks (token-sharded
+    prefill); the world size is tensor_parallel_size x this."""
+    nnodes: int = 1
+    """Hosts the ranks are spread over (each runs `kimiserve serve ... --node-rank R`)."""
+    node_rank: int = 0
+    """This host's index among the nnodes (0 runs the engine and the API server)."""
+    master_addr: str = "127.0.0.1"
+    """Address of node 0, where the ranks meet (torch.distributed's TCP rendezvous)."""
+    master_port: int = 29555
+    """Port of that rendezvous on node 0."""
+    distributed_timeout: float = 300.0
+    """Seconds a collective may wait for the other ranks before the engine declares them hung and stops."""
 
     def validate(self) -> None:
         def positive(name):
@@ -71,6 +91,31 @@ class EngineArgs:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.kv_cache_memory_gib is not None and not self.kv_cache_memory_gib > 0:
             raise ValueError(f"kv_cache_memory_gib must be > 0, got {self.kv_cache_memory_gib}")
+        for name in ("nnodes",):
+            positive(name)
+        world = self.parallel_config()
+        world.validate()
+        if world.world_size % self.nnodes:
+            raise ValueError(f"the world size ({world.world_size} = tensor_parallel_size x "
+                             f"prefill_context_parallel_size) must be a multiple of nnodes ({self.nnodes})")
+        if isinstance(self.node_rank, bool) or not isinstance(self.node_rank, int) or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in [0, {self.nnodes}), got {self.node_rank!r}")
+        if not isinstance(self.master_port, int) or not 1 <= self.master_port <= 65535:
+            raise ValueError(f"master_port must be in [1, 65535], got {self.master_port!r}")
+        if not self.distributed_timeout > 0:
+            raise ValueError(f"distributed_timeout must be > 0, got {self.distributed_timeout}")
+        if world.world_size > 1 and self.resolved_device().type == "cuda":
+            per_node, have = world.world_size // self.nnodes, torch.cuda.device_count()
+            if per_node > have:
+                raise ValueError(f"{per_node} ranks per node need {per_node} GPUs, this host has {have}: lower "
+                                 f"tensor_parallel_size / prefill_context_parallel_size or add nodes (nnodes)")
+
+    def parallel_config(self):
+        """The ranks' layout (`kimiserve.distributed.parallel_state.ParallelConfig`)."""
+        from kimiserve.distributed.parallel_state import ParallelConfig
+
+        return ParallelConfig(self.tensor_parallel_size, self.enable_expert_parallel,
+                              self.decode_context_parallel_size, self.prefill_context_parallel_size)
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":
