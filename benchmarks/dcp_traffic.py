@@ -365,6 +365,17 @@ def capacity(config, budget_bytes: int, groups) -> list:
 
 
 # ------------------------------------------------------------------------------------------ main
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def _fmt(n: int) -> str:
     return f"{n:,}"
 
@@ -434,8 +445,8 @@ def main() -> int:
         mismatches.append("capacity vs kimiserve plan")
 
     result = dict(
-        benchmark="dcp_traffic", model=PRESET, quick=args.quick, device="cpu (gloo)", cpu_model=platform.processor()
-        or platform.machine(), cpu_count=os.cpu_count(), torch_version=torch.__version__,
+        benchmark="dcp_traffic", model=PRESET, quick=args.quick, device="cpu (gloo)", cpu_model=_cpu_model(),
+        cpu_count=os.cpu_count(), torch_version=torch.__version__,
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), git_commit=git_commit(),
         command=" ".join([os.path.basename(sys.executable)] + sys.argv),
         sizes=dict(index_topk=config.index_topk, mla_heads=config.num_attention_heads, kv_lora_rank=config.kv_lora_rank,
