@@ -436,3 +436,19 @@ def resolve_model(model: str) -> ModelConfig:
     if os.path.isdir(model):
         return ModelConfig.from_pretrained(model)
     raise ValueError(f"--model {model!r} is neither a preset ({', '.join(PRESET_NAMES)}) nor a model folder")
+
+
+def tiny_parallel_config() -> ModelConfig:
+    """The tiny preset resized for the tensor-parallel tests: every split size divides by 2, 3 and 4
+    (12 KDA heads, 12 MLA heads, 12 routed experts, dense intermediate 192, latent 96, shared
+    expert 384) and MXFP4 experts still split on whole 32-value scale groups at tp 2, 3 and 4
+    (moe_intermediate_size 384: 192, 128, 96 per rank). The vocabulary (1024) does not divide by 3,
+    so tp 3 pads it. 5 layers = 3 KDA + 2 MLA (with the indexer, replicated), attention-residual
+    block 2."""
+    return load_preset("tiny").replace(
+        hidden_size=128, num_hidden_layers=5, full_attn_layers=(2, 4), kda_num_heads=12, kda_head_dim=8,
+        num_attention_heads=12, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
+        index_n_heads=4, index_head_dim=16, index_topk=8, intermediate_size=192, num_experts=12,
+        num_experts_per_token=2, num_shared_experts=1, moe_intermediate_size=384, routed_expert_hidden_size=96,
+        attn_res_block_size=2, extra={},
+    )

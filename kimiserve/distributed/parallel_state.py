@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from kimiserve.config import ModelConfig
+from kimiserve.ops.quant.reference import MXFP4_GROUP  # values per ue8m0 scale: a TP split keeps whole groups
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,12 @@ class ParallelConfig:
                 need(config.num_experts, "routed experts (num_experts, with enable_expert_parallel)")
             else:
                 need(config.moe_intermediate_size, "moe_intermediate_size (tensor-parallel experts)")
+                local = config.moe_intermediate_size // tp
+                if config.routed_experts_mxfp4 and not config.moe_intermediate_size % tp and local % MXFP4_GROUP:
+                    problems.append(
+                        f"MXFP4 routed experts split over tensor_parallel_size ({tp}) would cut their "
+                        f"{MXFP4_GROUP}-value scale groups: moe_intermediate_size / tp = {config.moe_intermediate_size} "
+                        f"/ {tp} = {local} is not a multiple of {MXFP4_GROUP} (use enable_expert_parallel or another tp)")
             if config.num_shared_experts:
                 need(config.moe_intermediate_size * config.num_shared_experts,
                      "the shared experts' intermediate size (moe_intermediate_size x num_shared_experts)")
@@ -85,6 +92,17 @@ class ParallelConfig:
                 need(config.routed_expert_hidden_size, "routed_expert_hidden_size (latent-MoE projections)")
         if problems:
             raise ValueError("this parallel layout does not fit the model: " + "; ".join(problems))
+
+    def cache_config(self, config: ModelConfig) -> ModelConfig:
+        """The config one rank's page pool is laid out from (`CacheLayout.from_config`): its KDA state
+        pages hold kda_num_heads / tp heads; MLA latents and index keys are whole on every TP rank.
+        Every rank of the layout gets the same one, hence the same block_size and page size."""
+        if not config.kda_layers or self.tp == 1:
+            return config
+        if config.kda_num_heads % self.tp:
+            raise ValueError(f"KDA heads (linear_attn_config.num_heads) ({config.kda_num_heads}) is not divisible by "
+                             f"tensor_parallel_size ({self.tp})")
+        return config.replace(kda_num_heads=config.kda_num_heads // self.tp)
 
 
 @dataclass
