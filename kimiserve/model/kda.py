@@ -2,57 +2,94 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
 from kimiserve.config import ModelConfig
+from kimiserve.distributed.parallel_state import ParallelContext
 from kimiserve.model.batch import ForwardBatch
-from kimiserve.model.layers import Linear, Weights, default_weight_loader, make_param
+from kimiserve.model.layers import Linear, Source, Weights, make_param, read, sharded_loader, source_shape
+from kimiserve.model.parallel_layers import ColumnParallelLinear, RowParallelLinear, context, divide
 from kimiserve.ops.conv.reference import causal_conv1d
 from kimiserve.ops.kda.reference import chunk_kda, kda_gate, recurrent_kda
 from kimiserve.ops.norm.reference import gated_rms_norm, l2_normalize
 
 
-def load_a_log(param: nn.Parameter, loaded: torch.Tensor, name: str) -> None:
-    """A_log ships as [H] (HF module), [1, 1, H, 1] (Kimi-Linear) or zero-padded 1-D (K3: [128] for H = 96)."""
-    heads = param.shape[0]
-    flat = loaded.reshape(-1)
-    if loaded.dim() not in (1, 4) or flat.numel() < heads or (loaded.dim() == 4 and flat.numel() != heads):
-        raise ValueError(f"tensor {name} has shape {tuple(loaded.shape)}, the model expects ({heads},) or (1, 1, {heads}, 1)")
-    if torch.any(flat[heads:] != 0):
-        raise ValueError(f"tensor {name} has {flat.numel()} entries; past the first {heads} (heads) they must be zero padding")
-    param.data.copy_(flat[:heads])
+def a_log_loader(rank: int, parts: int):
+    """A_log ships as [H] (HF module), [1, 1, H, 1] (Kimi-Linear) or zero-padded 1-D (K3: [128] for
+    H = 96); the rank reads its H / parts heads (and checks the padding, which no rank holds)."""
+    def load(param: nn.Parameter, loaded: Source, name: str) -> None:
+        local = param.shape[0]
+        heads = local * parts
+        shape = source_shape(loaded)
+        total = math.prod(shape)
+        if len(shape) == 1 and total >= heads:
+            dim = 0
+        elif len(shape) == 4 and total == heads:
+            dim = max(range(4), key=lambda i: shape[i])  # the one dim of size H
+        else:
+            raise ValueError(f"tensor {name} has shape {shape}, the model expects ({heads},) or (1, 1, {heads}, 1)")
+        if total > heads and torch.any(read(loaded, 0, heads, total) != 0):
+            raise ValueError(f"tensor {name} has {total} entries; past the first {heads} (heads) they must be zero padding")
+        part = read(loaded, dim, rank * local, (rank + 1) * local)
+        param.data.copy_(part.reshape(-1))
+
+    load.shard = (0, rank, parts)
+    return load
 
 
-def load_conv(param: nn.Parameter, loaded: torch.Tensor, name: str) -> None:
-    """Depthwise conv weights ship as nn.Conv1d's [C, 1, W]; kept as [C, W]."""
-    default_weight_loader(param, loaded.squeeze(1) if loaded.dim() == 3 and loaded.shape[1] == 1 else loaded, name)
+def conv_loader(rank: int, parts: int):
+    """Depthwise conv weights ship as nn.Conv1d's [C, 1, W]; kept as [C / parts, W] (the rank's channels)."""
+    def load(param: nn.Parameter, loaded: Source, name: str) -> None:
+        local, width = param.shape
+        shape = source_shape(loaded)
+        if shape not in ((local * parts, 1, width), (local * parts, width)):
+            raise ValueError(f"tensor {name} has shape {shape}, the model expects {(local * parts, 1, width)}")
+        part = read(loaded) if parts == 1 else read(loaded, 0, rank * local, (rank + 1) * local)
+        param.data.copy_(part.reshape(local, width))
+
+    load.shard = (0, rank, parts)
+    return load
 
 
 class KimiDeltaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, cache_index: int = 0):
+    """KDA with its heads split over the TP ranks: q/k/v projections and their conv channels, f_b, b,
+    A_log, dt_bias and the output gate (g_proj or g_b) hold the rank's H / tp heads (column-parallel by
+    heads), o_proj is row-parallel (one all-reduce); f_a, g_a and the per-head-dim o_norm are
+    replicated. A rank's state pages hold its heads only."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, cache_index: int = 0,
+                 parallel: ParallelContext | None = None):
         super().__init__()
         self.cache_index = cache_index  # which KDA layer's state page of a sequence this is
+        p = context(parallel)
         d, H, K = config.hidden_size, config.kda_num_heads, config.kda_head_dim
         P = H * K
-        self.num_heads, self.head_dim, self.eps = H, K, config.rms_norm_eps
+        Hl = divide(H, p.tp_size, "KDA heads (linear_attn_config.num_heads)")
+        Pl = Hl * K
+        self.num_heads, self.head_dim, self.eps = Hl, K, config.rms_norm_eps  # this rank's heads
         self.lower_bound = config.gate_lower_bound
-        self.q_proj, self.k_proj, self.v_proj = (Linear(d, P, dtype) for _ in range(3))
+        column = lambda i, o: ColumnParallelLinear(i, o, dtype, p)  # noqa: E731
+        self.q_proj, self.k_proj, self.v_proj = (column(d, P) for _ in range(3))
         self.q_conv1d, self.k_conv1d, self.v_conv1d = (
-            Weights(P, config.kda_conv_size, dtype=torch.float32, loader=load_conv) for _ in range(3)
+            Weights(Pl, config.kda_conv_size, dtype=torch.float32, loader=conv_loader(p.tp_rank, p.tp_size),
+                    full_shape=(P, config.kda_conv_size)) for _ in range(3)
         )
         self.f_a_proj = Linear(d, K, dtype)
-        self.f_b_proj = Linear(K, P, dtype)
-        self.b_proj = Linear(d, H, dtype)
-        self.A_log = make_param(H, dtype=torch.float32, loader=load_a_log)
-        self.dt_bias = make_param(P, dtype=torch.float32)
+        self.f_b_proj = column(K, P)
+        self.b_proj = column(d, H)
+        self.A_log = make_param(Hl, dtype=torch.float32, loader=a_log_loader(p.tp_rank, p.tp_size), full_shape=(H,))
+        self.dt_bias = make_param(Pl, dtype=torch.float32, loader=sharded_loader(0, p.tp_rank, p.tp_size),
+                                  full_shape=(P,))
         if config.kda_full_rank_output_gate:
-            self.g_proj = Linear(d, P, dtype)
+            self.g_proj = column(d, P)
         else:
             self.g_a_proj = Linear(d, K, dtype)
-            self.g_b_proj = Linear(K, P, dtype)
+            self.g_b_proj = column(K, P)
         self.o_norm = Weights(K, dtype=torch.float32)
-        self.o_proj = Linear(P, d, dtype)
+        self.o_proj = RowParallelLinear(P, d, dtype, p)
 
     def output_gate(self, x: torch.Tensor) -> torch.Tensor:
         if hasattr(self, "g_proj"):

@@ -1,8 +1,10 @@
 """Checkpoints in the release format: sharded safetensors + model.safetensors.index.json.
 
 One table, `checkpoint_layout`, says which checkpoint tensor feeds which parameter (and which
-expert slice of it); the writer and the loader both walk it, so they cannot disagree. Each
-parameter carries its own `weight_loader`, the place where tensor-parallel sharding will go.
+expert slice of it); the writer, the loader and random init (`init_random_weights`, a virtual
+checkpoint) all walk it, so they cannot disagree. Each parameter carries its own `weight_loader`,
+which reads only the rank's slice of the memory-mapped tensor (a safetensors slice object): a
+tensor-parallel rank never materialises a sharded tensor whole.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from kimiserve.config import ModelConfig, PRESET_NAMES, load_preset
+from kimiserve.distributed.parallel_state import ParallelContext
 from kimiserve.model.model import KimiForCausalLM, build_model
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -33,7 +36,10 @@ class Entry:
     name: str
     param_name: str
     expert: int | None = None
+    """The slice of a stacked expert parameter: the index among this rank's experts."""
     to_checkpoint: Callable[[torch.Tensor], torch.Tensor] = lambda t: t
+    remote: bool = False
+    """A routed expert another expert-parallel rank holds: known, not loaded here."""
 
 
 def _a_log_writer(config: ModelConfig) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -50,8 +56,10 @@ def checkpoint_layout(model: KimiForCausalLM) -> Iterator[Entry]:
             base, leaf = pname.rsplit(".", 1)  # leaf: w1 | w1_packed | w1_scale
             proj, _, kind = leaf.partition("_")
             suffix = {"": "weight", "packed": "weight_packed", "scale": "weight_scale"}[kind]
-            for e in range(param.shape[0]):
-                yield Entry(f"{prefix}{base}.{e}.{proj}.{suffix}", pname, e)
+            local = {e: i for i, e in enumerate(model.get_submodule(base).expert_ids)}
+            for e in range(param.full_shape[0]):
+                name = f"{prefix}{base}.{e}.{proj}.{suffix}"
+                yield Entry(name, pname, local[e]) if e in local else Entry(name, pname, remote=True)
         elif pname.endswith(".A_log"):
             yield Entry(prefix + pname, pname, to_checkpoint=_a_log_writer(config))
         elif "conv1d" in pname:
@@ -62,6 +70,9 @@ def checkpoint_layout(model: KimiForCausalLM) -> Iterator[Entry]:
 
 def save_checkpoint(model: KimiForCausalLM, folder: str | os.PathLike, max_shard_bytes: int = 2 << 30) -> list[str]:
     """Write config.json, the safetensors shards and the index. Returns the shard file names."""
+    if model.parallel.world_size > 1:
+        raise ValueError("save_checkpoint writes a one-process model; this one is a shard of tensor_parallel_size "
+                         f"{model.parallel.tp_size} (build the model without `parallel` to write a checkpoint)")
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     params = dict(model.named_parameters())
@@ -105,7 +116,9 @@ def _checkpoint_files(folder: Path) -> dict[str, str]:
 def load_weights(model: KimiForCausalLM, folder: str | os.PathLike) -> None:
     """Fill every parameter of `model` from the checkpoint in `folder` (memory-mapped reads).
 
-    Raises ValueError naming missing tensors, unexpected tensors and shape mismatches.
+    Each parameter's `weight_loader` gets the tensor as a safetensors slice and reads only its rank's
+    part (`get_slice`, never `get_tensor`). Raises ValueError naming missing tensors, unexpected
+    tensors and shape mismatches.
     """
     folder = Path(folder)
     layout = {e.name: e for e in checkpoint_layout(model)}
@@ -115,33 +128,35 @@ def load_weights(model: KimiForCausalLM, folder: str | os.PathLike) -> None:
     if unexpected:
         shown = ", ".join(sorted(unexpected)[:8])
         raise ValueError(f"{len(unexpected)} checkpoint tensors match no parameter of this config: {shown}")
-    missing = sorted(set(layout) - set(weight_map))
+    missing = sorted(n for n, e in layout.items() if not e.remote and n not in weight_map)
     if missing:
         shown = ", ".join(missing[:8])
         raise ValueError(f"checkpoint {folder} lacks {len(missing)} tensors the model needs: {shown}")
     by_file: dict[str, list[str]] = {}
     for name, fname in weight_map.items():
-        if name in layout:
+        if name in layout and not layout[name].remote:
             by_file.setdefault(fname, []).append(name)
     for fname, names in sorted(by_file.items()):
         with safe_open(str(folder / fname), framework="pt") as f:
             for name in names:
                 entry = layout[name]
                 param = params[entry.param_name]
-                tensor = f.get_tensor(name)
+                source = f.get_slice(name)
                 if entry.expert is None:
-                    param.weight_loader(param, tensor, name)
+                    param.weight_loader(param, source, name)
                 else:
-                    param.weight_loader(param, tensor, name, entry.expert)
+                    param.weight_loader(param, source, name, entry.expert)
 
 
 def load_model(
-    model: str | os.PathLike, dtype: torch.dtype = torch.bfloat16, seed: int = 0, device: str | torch.device = "cpu"
+    model: str | os.PathLike, dtype: torch.dtype = torch.bfloat16, seed: int = 0, device: str | torch.device = "cpu",
+    parallel: ParallelContext | None = None,
 ) -> KimiForCausalLM:
-    """A preset name (random weights from `seed`) or a model folder (weights from its checkpoint)."""
+    """A preset name (random weights from `seed`) or a model folder (weights from its checkpoint);
+    with `parallel`, this rank's shard of it."""
     if str(model) in PRESET_NAMES:
-        return build_model(load_preset(str(model)), dtype, seed, device)
+        return build_model(load_preset(str(model)), dtype, seed, device, parallel)
     config = ModelConfig.from_pretrained(model)
-    net = build_model(config, dtype, seed=None, device=device)
+    net = build_model(config, dtype, seed=None, device=device, parallel=parallel)
     load_weights(net, model)
     return net

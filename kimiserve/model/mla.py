@@ -8,7 +8,9 @@ from torch import nn
 from kimiserve.cache.formats import latent_scale_of, roundtrip_index_key, roundtrip_latent
 from kimiserve.config import ModelConfig
 from kimiserve.model.batch import CacheRoundTrip, ForwardBatch
+from kimiserve.distributed.parallel_state import ParallelContext
 from kimiserve.model.layers import Linear, RMSNorm, Weights
+from kimiserve.model.parallel_layers import ColumnParallelLinear, RowParallelLinear, context, divide
 from kimiserve.ops.dtypes import compute_dtype
 from kimiserve.ops.indexer.reference import indexer_scores
 from kimiserve.ops.mla.reference import mla_absorbed, split_kv_b
@@ -27,6 +29,8 @@ class Indexer(nn.Module):
 
     The index query comes from the q-LoRA latent (from the hidden state when there is no q-LoRA),
     the index key from the hidden state through a LayerNorm, the head weights from the hidden state.
+    Replicated under tensor parallelism: every rank computes every index head (a score sums over
+    all heads, so split heads would all-reduce a score row per query per layer).
     """
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype):
@@ -60,26 +64,32 @@ class Indexer(nn.Module):
 
 
 class MLAAttention(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, cache_index: int = 0):
+    """MLA with its heads split over the TP ranks (q_b or q_proj, kv_b, g_proj column-parallel by
+    heads, o_proj row-parallel: one all-reduce); the latent (q_a, kv_a and their norms) and the
+    indexer are replicated, so every rank caches every token's whole latent and index key."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, cache_index: int = 0,
+                 parallel: ParallelContext | None = None):
         super().__init__()
         self.cache_index = cache_index  # which MLA layer of the cache pages this is
+        p = context(parallel)
         d, H = config.hidden_size, config.num_attention_heads
-        self.num_heads = H
+        self.num_heads = divide(H, p.tp_size, "MLA heads (num_attention_heads)")  # this rank's heads
         self.nope, self.rope, self.v_dim = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
         self.kv_lora_rank = config.kv_lora_rank
         self.scale = config.qk_head_dim ** -0.5
         if config.q_lora_rank is not None:
             self.q_a_proj = Linear(d, config.q_lora_rank, dtype)
             self.q_a_layernorm = RMSNorm(config.q_lora_rank, LORA_NORM_EPS, dtype)
-            self.q_b_proj = Linear(config.q_lora_rank, H * config.qk_head_dim, dtype)
+            self.q_b_proj = ColumnParallelLinear(config.q_lora_rank, H * config.qk_head_dim, dtype, p)
         else:
-            self.q_proj = Linear(d, H * config.qk_head_dim, dtype)
+            self.q_proj = ColumnParallelLinear(d, H * config.qk_head_dim, dtype, p)
         self.kv_a_proj_with_mqa = Linear(d, config.kv_latent_dim, dtype)
         self.kv_a_layernorm = RMSNorm(config.kv_lora_rank, LORA_NORM_EPS, dtype)
-        self.kv_b_proj = Linear(config.kv_lora_rank, H * (self.nope + self.v_dim), dtype)
-        self.o_proj = Linear(H * self.v_dim, d, dtype)
+        self.kv_b_proj = ColumnParallelLinear(config.kv_lora_rank, H * (self.nope + self.v_dim), dtype, p)
+        self.o_proj = RowParallelLinear(H * self.v_dim, d, dtype, p)
         if config.mla_use_output_gate:
-            self.g_proj = Linear(d, H * self.v_dim, dtype)
+            self.g_proj = ColumnParallelLinear(d, H * self.v_dim, dtype, p)
         if config.has_indexer:
             self.indexer = Indexer(config, dtype)
 

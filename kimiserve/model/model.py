@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
 
 import torch
@@ -9,31 +10,33 @@ from torch import nn
 
 from kimiserve.cache.formats import check_kv_cache_dtype
 from kimiserve.config import ModelConfig
+from kimiserve.distributed.parallel_state import ParallelContext
 from kimiserve.model import attn_res
 from kimiserve.model.batch import CacheRoundTrip, ForwardBatch
 from kimiserve.model.kda import KimiDeltaAttention
-from kimiserve.model.layers import Linear, RMSNorm, Weights
+from kimiserve.model.layers import RMSNorm
 from kimiserve.model.mla import MLAAttention
 from kimiserve.model.moe import MLP, SparseMoE
+from kimiserve.model.parallel_layers import ParallelLMHead, VocabParallelEmbedding, context, vocab_parallel_logits
 from kimiserve.ops.quant.reference import quantize_mxfp4
 
 AttentionContext = ForwardBatch | CacheRoundTrip | None
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int, dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, layer: int, dtype: torch.dtype, parallel: ParallelContext | None = None):
         super().__init__()
         d = config.hidden_size
         self.layer, self.eps = layer, config.rms_norm_eps
         self.block_size = config.attn_res_block_size
         if config.is_mla_layer(layer):
-            self.self_attn = MLAAttention(config, dtype, config.full_attn_layers.index(layer))
+            self.self_attn = MLAAttention(config, dtype, config.full_attn_layers.index(layer), parallel)
         else:
-            self.self_attn = KimiDeltaAttention(config, dtype, config.kda_layers.index(layer))
+            self.self_attn = KimiDeltaAttention(config, dtype, config.kda_layers.index(layer), parallel)
         if config.is_moe_layer(layer):
-            self.block_sparse_moe = SparseMoE(config, dtype)
+            self.block_sparse_moe = SparseMoE(config, dtype, parallel)
         else:
-            self.mlp = MLP(config, d, config.intermediate_size, dtype)
+            self.mlp = MLP(config, d, config.intermediate_size, dtype, parallel, what="the dense MLP's intermediate_size")
         self.input_layernorm = RMSNorm(d, config.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(d, config.rms_norm_eps, dtype)
         if self.block_size is not None:
@@ -69,12 +72,12 @@ class DecoderLayer(nn.Module):
 
 
 class KimiModel(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, parallel: ParallelContext | None = None):
         super().__init__()
         self.config = config
         d = config.hidden_size
-        self.embed_tokens = Weights(config.vocab_size, d, dtype=dtype)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, dtype) for i in range(config.num_hidden_layers))
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, d, dtype, parallel)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, dtype, parallel) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(d, config.rms_norm_eps, dtype)
         if config.attn_res_block_size is not None:
             self.output_attn_res_norm, self.output_attn_res_proj = attn_res.read_site_modules(d, dtype)
@@ -85,7 +88,7 @@ class KimiModel(nn.Module):
         ctx: None (full sequences from scratch), a CacheRoundTrip (the same, reading the attention
         cache as a lossy cache dtype would), or a ForwardBatch (packed serving tokens, B = 1).
         """
-        h = torch.nn.functional.embedding(input_ids, self.embed_tokens.weight)
+        h = self.embed_tokens(input_ids)
         if self.config.attn_res_block_size is None:
             for layer in self.layers:
                 h = layer(h, ctx)
@@ -98,21 +101,38 @@ class KimiModel(nn.Module):
 
 
 class KimiForCausalLM(nn.Module):
-    """Full-sequence forward of a Kimi-K3.1-family text model: token ids in, fp32 logits out."""
+    """Full-sequence forward of a Kimi-K3.1-family text model: token ids in, fp32 logits out.
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.bfloat16):
+    `parallel` (None: one process) makes this one tensor-parallel rank's shard of the model (DESIGN.md
+    section 4, `kimiserve.distributed`): every layer holds its rank's heads / rows / columns, the
+    forward runs the TP collectives, and the ranks of a TP group, given the same inputs, together
+    compute what one process computes; every rank returns the full logits. The rank's page pool is
+    laid out from `cache_config` (its KDA heads only).
+    """
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.bfloat16,
+                 parallel: ParallelContext | None = None):
         super().__init__()
+        self.parallel = context(parallel)
+        self.parallel.config.check_model(config)
         self.config, self.dtype = config, dtype
-        self.model = KimiModel(config, dtype)
+        self.model = KimiModel(config, dtype, self.parallel)
         if not config.tie_word_embeddings:
-            self.lm_head = Linear(config.hidden_size, config.vocab_size, dtype)
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype, self.parallel)
+
+    @property
+    def cache_config(self) -> ModelConfig:
+        """The config to lay this rank's page pool out from (`CacheLayout.from_config`): H / tp KDA heads."""
+        return self.parallel.config.cache_config(self.config)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
+        """This rank's vocab rows of lm_head (all of them in one process)."""
         return self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.linear(h, self.lm_head_weight.to(h.dtype)).float()
+        """fp32 logits [..., vocab] of final hidden states (all-gathered over the TP ranks)."""
+        return vocab_parallel_logits(h, self.lm_head_weight, self.config.vocab_size, self.parallel)
 
     def check_ids(self, input_ids: torch.Tensor) -> None:
         if input_ids.numel() and (input_ids.min() < 0 or input_ids.max() >= self.config.vocab_size):
@@ -143,59 +163,77 @@ class KimiForCausalLM(nn.Module):
         return self.logits(h[logits_rows])
 
 
+def _generator(seed: int, name: str, device: torch.device) -> torch.Generator:
+    """A generator seeded by (seed, checkpoint tensor name): every tensor's draw is independent of the
+    others, of their order and of how the model is sharded."""
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return torch.Generator(device=device).manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
+
+
+def _random_tensor(param_name: str, shape: tuple[int, ...], gen: torch.Generator, device: torch.device) -> torch.Tensor:
+    """A parameter's full logical value of sensible scale (fp32), by what the parameter is."""
+    normal = lambda std: torch.randn(shape, generator=gen, device=device) * std  # noqa: E731
+    uniform = lambda: torch.rand(shape, generator=gen, device=device)  # noqa: E731
+    leaf = param_name.rsplit(".", 1)[-1]
+    if leaf == "A_log":
+        return torch.log(uniform() * 15 + 1)
+    if leaf == "dt_bias":
+        dt = torch.exp(uniform() * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3))
+        return dt + torch.log(-torch.expm1(-dt))  # inverse softplus
+    if "conv1d" in param_name:
+        return (uniform() * 2 - 1) * shape[-1] ** -0.5
+    if param_name.endswith(("e_score_correction_bias", "k_norm.bias")):
+        return normal(0.05)
+    if param_name.endswith("embed_tokens.weight"):
+        return normal(1.0)
+    if len(shape) == 1:  # norm gains
+        return 1.0 + normal(0.05)
+    return normal(shape[-1] ** -0.5)  # [out, in] projections ([1, d] attention-residual queries, experts)
+
+
 @torch.no_grad()
 def init_random_weights(model: KimiForCausalLM, seed: int = 0) -> KimiForCausalLM:
     """Deterministic random weights of sensible scale (for tests, benchmarks and checkpoints).
 
-    Routed MXFP4 experts are drawn in float and quantised, so a checkpoint written from the model
-    holds exactly the model's weights. Values are drawn on the parameters' device: the same seed
-    gives the same weights on the same kind of device.
+    Random init is the loading of a virtual checkpoint: each checkpoint tensor's full logical value is
+    drawn from a generator seeded by (seed, its checkpoint name) and handed to its parameter's
+    `weight_loader`, which keeps the rank's slice; so the same seed gives the same global model at
+    every tensor-parallel size. Routed MXFP4 experts are drawn in float per expert and quantised, so
+    a checkpoint written from the model holds exactly the model's weights. Values are drawn on the
+    parameters' device: the same seed gives the same weights on the same kind of device.
     """
+    from kimiserve.model.loader import checkpoint_layout  # the loader module imports this one
+
     device = next(model.parameters()).device
-    gen = torch.Generator(device=device).manual_seed(seed)
-
-    def normal(shape, std):
-        return torch.randn(shape, generator=gen, device=device) * std
-
-    def uniform(shape):
-        return torch.rand(shape, generator=gen, device=device)
-
-    for name, param in model.named_parameters():
-        leaf = name.rsplit(".", 1)[-1]
-        shape = tuple(param.shape)
-        if name.endswith("_packed"):
-            continue  # drawn together with its scale below
-        if name.endswith("_scale"):
-            base = name[: -len("_scale")]
-            packed = model.get_parameter(base + "_packed")
-            E, out, half = packed.shape
-            w = normal((E, out, half * 2), (half * 2) ** -0.5)
-            packed.data, param.data = quantize_mxfp4(w)
+    params = dict(model.named_parameters())
+    for entry in checkpoint_layout(model):
+        if entry.remote or entry.param_name.endswith("_scale"):
+            continue  # another rank's expert; MXFP4 scales come with their packed codes below
+        param = params[entry.param_name]
+        full = param.full_shape if entry.expert is None else param.full_shape[1:]
+        gen = _generator(seed, entry.name, device)
+        if entry.param_name.endswith("_packed"):
+            w = _random_tensor(entry.param_name, (full[0], full[1] * 2), gen, device)
+            packed, scale = quantize_mxfp4(w)
+            param.weight_loader(param, packed, entry.name, entry.expert)
+            scale_param = params[entry.param_name[: -len("_packed")] + "_scale"]
+            scale_param.weight_loader(scale_param, scale, entry.name.replace("weight_packed", "weight_scale"), entry.expert)
             continue
-        if leaf == "A_log":
-            value = torch.log(uniform(shape) * 15 + 1)
-        elif leaf == "dt_bias":
-            dt = torch.exp(uniform(shape) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3))
-            value = dt + torch.log(-torch.expm1(-dt))  # inverse softplus
-        elif "conv1d" in name:
-            value = (uniform(shape) * 2 - 1) * shape[-1] ** -0.5
-        elif name.endswith("e_score_correction_bias") or name.endswith("k_norm.bias"):
-            value = normal(shape, 0.05)
-        elif name.endswith("embed_tokens.weight"):
-            value = normal(shape, 1.0)
-        elif len(shape) == 1:  # norm gains
-            value = 1.0 + normal(shape, 0.05)
-        else:  # [out, in] projections ([1, d] attention-residual queries, [E, out, in] float experts)
-            value = normal(shape, shape[-1] ** -0.5)
-        param.data.copy_(value)
+        value = entry.to_checkpoint(_random_tensor(entry.param_name, tuple(full), gen, device))
+        if entry.expert is None:
+            param.weight_loader(param, value, entry.name)
+        else:
+            param.weight_loader(param, value, entry.name, entry.expert)
     return model
 
 
 def build_model(
-    config: ModelConfig, dtype: torch.dtype = torch.bfloat16, seed: int | None = 0, device: str | torch.device = "cpu"
+    config: ModelConfig, dtype: torch.dtype = torch.bfloat16, seed: int | None = 0, device: str | torch.device = "cpu",
+    parallel: ParallelContext | None = None,
 ) -> KimiForCausalLM:
-    """A model on `device` with random weights from `seed` (None: uninitialised, for a loader to fill)."""
+    """A model (one rank's shard with `parallel`) on `device` with random weights from `seed` (None:
+    uninitialised, for a loader to fill)."""
     with torch.device(device):
-        model = KimiForCausalLM(config, dtype)
+        model = KimiForCausalLM(config, dtype, parallel)
     model.eval()
     return init_random_weights(model, seed) if seed is not None else model

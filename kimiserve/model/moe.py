@@ -6,7 +6,10 @@ import torch
 from torch import nn
 
 from kimiserve.config import ModelConfig
-from kimiserve.model.layers import Linear, RMSNorm, make_param
+from kimiserve.distributed.expert_parallel import ExpertPlacement
+from kimiserve.distributed.parallel_state import ParallelContext
+from kimiserve.model.layers import RMSNorm, Source, check_shape, make_param, read
+from kimiserve.model.parallel_layers import ColumnParallelLinear, RowParallelLinear, context, divide
 from kimiserve.ops.activation.reference import silu_and_mul, situ_and_mul
 from kimiserve.ops.moe.dispatch import fused_moe_for
 from kimiserve.ops.moe.reference import experts_forward, route
@@ -24,13 +27,17 @@ def gated_activation(config: ModelConfig):
 
 
 class MLP(nn.Module):
-    """down(act(gate(x), up(x))): the dense layers and the shared experts."""
+    """down(act(gate(x), up(x))): the dense layers and the shared experts. Under tensor parallelism
+    gate and up are column-parallel and down row-parallel over the intermediate dim; `reduce=False`
+    leaves down's output a partial sum (the MoE adds it to the routed part before one all-reduce)."""
 
-    def __init__(self, config: ModelConfig, hidden: int, intermediate: int, dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, hidden: int, intermediate: int, dtype: torch.dtype,
+                 parallel: ParallelContext | None = None, reduce: bool = True, what: str = "intermediate size"):
         super().__init__()
-        self.gate_proj = Linear(hidden, intermediate, dtype)
-        self.up_proj = Linear(hidden, intermediate, dtype)
-        self.down_proj = Linear(intermediate, hidden, dtype)
+        p = context(parallel)
+        self.gate_proj = ColumnParallelLinear(hidden, intermediate, dtype, p, what)
+        self.up_proj = ColumnParallelLinear(hidden, intermediate, dtype, p, what)
+        self.down_proj = RowParallelLinear(intermediate, hidden, dtype, p, reduce, what)
         self.act = gated_activation(config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -38,7 +45,8 @@ class MLP(nn.Module):
 
 
 class Router(nn.Module):
-    """Sigmoid router in fp32 with a score-correction bias used for the choice only (noaux_tc)."""
+    """Sigmoid router in fp32 with a score-correction bias used for the choice only (noaux_tc).
+    Replicated: every rank routes every token (the same choice everywhere)."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -61,12 +69,47 @@ class Router(nn.Module):
         )
 
 
+def combine_expert_outputs(partial: torch.Tensor, parallel: ParallelContext) -> torch.Tensor:
+    """The routed experts' output of every token from each TP rank's part of it (TP-sharded experts:
+    a partial sum over the intermediate dim; expert parallel: the contributions of the rank's own
+    experts): the sum over the TP group (identity at size 1). The one place the expert-parallel
+    combine goes through, so another collective (e.g. a reduce-scatter) can replace it."""
+    return parallel.tp_all_reduce(partial)
+
+
+def expert_loader(dim: int, rank: int, parts: int):
+    """Loads one expert's checkpoint tensor into slice `expert` (the index among this rank's experts)
+    of a stacked parameter; block `rank` of `parts` along the per-expert `dim` (0: output rows of
+    w1/w3, 1: input columns of w2; MXFP4 packed bytes and scales alike, whole 32-value groups)."""
+    def load(param: nn.Parameter, loaded: Source, name: str, expert: int) -> None:
+        local = list(param.shape[1:])
+        full = list(local)
+        full[dim] *= parts
+        check_shape(loaded, tuple(full), name)
+        n = local[dim]
+        param.data[expert].copy_(read(loaded) if parts == 1 else read(loaded, dim, rank * n, (rank + 1) * n))
+
+    load.shard = (dim + 1, rank, parts)
+    return load
+
+
+load_expert_slice = expert_loader(0, 0, 1)
+"""The one-process expert loader: expert `expert`'s whole tensor."""
+
+
 class RoutedExperts(nn.Module):
     """All routed experts of a layer stacked: w1 (gate) and w3 (up) [E, I, h], w2 (down) [E, h, I].
 
     With MXFP4 checkpoints the weights stay packed in memory (`<w>_packed` uint8 [E, out, in/2],
     `<w>_scale` uint8 [E, out, in/32]) and an expert is dequantised when it runs. The checkpoint
     stores one tensor per expert; each stacked parameter's loader takes expert e's slice.
+
+    Tensor parallel (no expert parallel): every rank holds every expert's I / tp block of the
+    intermediate dim (w1/w3 rows, w2 columns; MXFP4 needs I / tp a multiple of 32) and returns its
+    partial sum. Expert parallel: the rank holds its experts whole (`expert_ids`, from the
+    `distributed.expert_parallel.ExpertPlacement`, contiguous blocks by default) and returns their
+    contribution (pairs routed elsewhere point at local expert 0 with weight 0). Either way the
+    caller sums over the TP group (`combine_expert_outputs`).
 
     On CUDA with Triton the forward is the fused kernel (`ops.moe.triton.fused_moe`: weights
     dequantised in registers, only the routed experts read); elsewhere the pure-torch forms below.
@@ -75,23 +118,49 @@ class RoutedExperts(nn.Module):
 
     NAMES = ("w1", "w2", "w3")
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, parallel: ParallelContext | None = None,
+                 placement: ExpertPlacement | None = None):
         super().__init__()
-        E, h, inter = config.num_experts, config.moe_hidden_size, config.moe_intermediate_size
-        self.num_experts, self.dtype = E, dtype
+        p = context(parallel)
+        E_all, h, inter = config.num_experts, config.moe_hidden_size, config.moe_intermediate_size
+        self.expert_parallel = p.ep_size > 1
+        if self.expert_parallel:
+            placement = placement or ExpertPlacement.contiguous(E_all, p.ep_size)  # expert e on rank e // (E / ep)
+            self.expert_ids = list(placement.local_experts(p.ep_rank))
+            rank, parts = 0, 1
+        else:
+            self.expert_ids = list(range(E_all))
+            rank, parts = p.tp_rank, p.tp_size
+        # self.expert_ids: global ids of the experts this rank holds, in the order of the stacked parameters
+        E = len(self.expert_ids)
+        local_inter = divide(inter, parts, "moe_intermediate_size (tensor-parallel experts)")
+        self.num_experts, self.num_global_experts, self.dtype = E, E_all, dtype
         self.mxfp4 = config.routed_experts_mxfp4
+        if self.mxfp4 and local_inter % MXFP4_GROUP:
+            raise ValueError(f"MXFP4 routed experts: moe_intermediate_size / tensor_parallel_size = {inter} / {parts} = "
+                             f"{local_inter} is not a multiple of the {MXFP4_GROUP}-value scale group")
         self.act = gated_activation(config)
         self.activation = config.hidden_act
         self.situ_betas = (config.activation_situ_beta, config.activation_situ_linear_beta)
         self.use_fused: bool | None = None
         """None: the fused kernel wherever `fused_moe_for` offers one; False: always the torch forms."""
         for name in self.NAMES:
-            out, inp = (h, inter) if name == "w2" else (inter, h)
+            out, inp = (h, local_inter) if name == "w2" else (local_inter, h)
+            full_out, full_inp = (h, inter) if name == "w2" else (inter, h)
+            loader = expert_loader(1 if name == "w2" else 0, rank, parts)
             if self.mxfp4:
-                setattr(self, f"{name}_packed", make_param(E, out, inp // 2, dtype=torch.uint8, loader=load_expert_slice))
-                setattr(self, f"{name}_scale", make_param(E, out, inp // MXFP4_GROUP, dtype=torch.uint8, loader=load_expert_slice))
+                setattr(self, f"{name}_packed", make_param(E, out, inp // 2, dtype=torch.uint8, loader=loader,
+                                                           full_shape=(E_all, full_out, full_inp // 2)))
+                setattr(self, f"{name}_scale", make_param(E, out, inp // MXFP4_GROUP, dtype=torch.uint8, loader=loader,
+                                                          full_shape=(E_all, full_out, full_inp // MXFP4_GROUP)))
             else:
-                setattr(self, name, make_param(E, out, inp, dtype=dtype, loader=load_expert_slice))
+                setattr(self, name, make_param(E, out, inp, dtype=dtype, loader=loader,
+                                               full_shape=(E_all, full_out, full_inp)))
+        if self.expert_parallel:
+            table = torch.full((E_all,), -1, dtype=torch.int64)
+            table[torch.tensor(self.expert_ids)] = torch.arange(E)
+            self.register_buffer("local_index", table, persistent=False)
+            """Global expert id -> index among this rank's experts (-1: another rank's)."""
 
     def expert_weight(self, name: str, e: int) -> torch.Tensor:
         if self.mxfp4:
@@ -115,11 +184,16 @@ class RoutedExperts(nn.Module):
         its own k experts when that reads fewer than all experts, else every expert on every token
         with unrouted pairs weighted 0. More tokens loop over the experts that were picked."""
         fused = fused_moe_for(x.device.type) if self.use_fused is not False else None
+        routed = ids
+        if self.expert_parallel:  # this rank's experts only: the others' pairs weigh 0
+            routed = self.local_index[ids]
+            weights = weights.masked_fill(routed < 0, 0)
+            ids = routed.clamp_min(0)
         if fused is not None:
             return self.fused_forward(fused, x, ids, weights)
         N, k = ids.shape
         if N > STATIC_MOE_TOKENS:
-            return experts_forward(x, ids, weights, self.run_expert, self.num_experts)
+            return experts_forward(x, routed, weights, self.run_expert, self.num_experts)  # -1 matches no expert
         if N * k <= self.num_experts:
             w1, w2, w3 = (self.stacked_weight(n, ids.reshape(-1)).to(x.dtype) for n in self.NAMES)
             xs = x.repeat_interleave(k, dim=0).unsqueeze(-1)  # [N * k, h, 1]
@@ -131,7 +205,10 @@ class RoutedExperts(nn.Module):
         act = self.act(torch.einsum("nh,eih->eni", x, w1), torch.einsum("nh,eih->eni", x, w3))
         y = torch.einsum("eni,ehi->enh", act, w2).float()
         dense = torch.zeros(N, self.num_experts, dtype=torch.float32, device=x.device)
-        dense.scatter_(1, ids, weights.float())
+        if self.expert_parallel:  # the zero-weight pairs of other ranks' experts all point at expert 0
+            dense.scatter_add_(1, ids, weights.float())
+        else:
+            dense.scatter_(1, ids, weights.float())
         return torch.einsum("enh,ne->nh", y, dense).to(x.dtype)
 
     def fused_forward(self, fused, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -146,38 +223,50 @@ class RoutedExperts(nn.Module):
                      situ_linear_beta=linear_beta, **scales)
 
 
-def load_expert_slice(param: nn.Parameter, loaded: torch.Tensor, name: str, expert: int) -> None:
-    if tuple(loaded.shape) != tuple(param.shape[1:]):
-        raise ValueError(f"tensor {name} has shape {tuple(loaded.shape)}, the model expects {tuple(param.shape[1:])}")
-    param.data[expert].copy_(loaded)
-
-
 class SparseMoE(nn.Module):
-    """Routed experts (in latent width with LatentMoE) plus shared experts on the unprojected input."""
+    """Routed experts (in latent width with LatentMoE) plus shared experts on the unprojected input.
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype):
+    Tensor parallel: the router is replicated; the latent down-projection is column-parallel and its
+    output all-gathered (the experts and the latent norm need the whole latent); the routed experts'
+    parts are summed over the TP group (`combine_expert_outputs`), normed, and the rank's latent
+    columns go through the row-parallel up-projection; its partial output, the shared experts'
+    partial output (row-parallel down) and, without latent projections, the routed experts' partial
+    output are added and all-reduced once.
+    """
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, parallel: ParallelContext | None = None):
         super().__init__()
+        self.parallel = p = context(parallel)
         d = config.hidden_size
         self.gate = Router(config)
-        self.experts = RoutedExperts(config, dtype)
+        self.experts = RoutedExperts(config, dtype, p)
         if config.num_shared_experts:
-            self.shared_experts = MLP(config, d, config.moe_intermediate_size * config.num_shared_experts, dtype)
+            self.shared_experts = MLP(config, d, config.moe_intermediate_size * config.num_shared_experts, dtype, p,
+                                      reduce=False, what="the shared experts' intermediate size")
         if config.routed_expert_hidden_size is not None:
-            self.routed_expert_down_proj = Linear(d, config.routed_expert_hidden_size, dtype)
-            self.routed_expert_up_proj = Linear(config.routed_expert_hidden_size, d, dtype)
+            what = "routed_expert_hidden_size (latent-MoE projections)"
+            self.latent_slice = slice(p.tp_rank * config.routed_expert_hidden_size // p.tp_size,
+                                      (p.tp_rank + 1) * config.routed_expert_hidden_size // p.tp_size)
+            self.routed_expert_down_proj = ColumnParallelLinear(d, config.routed_expert_hidden_size, dtype, p, what)
+            self.routed_expert_up_proj = RowParallelLinear(config.routed_expert_hidden_size, d, dtype, p, False, what)
             if config.latent_moe_use_norm:
                 self.routed_expert_norm = RMSNorm(config.routed_expert_hidden_size, config.rms_norm_eps, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        p = self.parallel
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         ids, weights = self.gate(x)
-        h = self.routed_expert_down_proj(x) if hasattr(self, "routed_expert_down_proj") else x
+        latent = hasattr(self, "routed_expert_down_proj")
+        h = p.tp_all_gather(self.routed_expert_down_proj(x), dim=-1) if latent else x
         y = self.experts(h, ids, weights)
-        if hasattr(self, "routed_expert_norm"):
-            y = self.routed_expert_norm(y)
-        if hasattr(self, "routed_expert_up_proj"):
+        if latent:
+            y = combine_expert_outputs(y, p)
+            if hasattr(self, "routed_expert_norm"):
+                y = self.routed_expert_norm(y)
+            if p.tp_size > 1:
+                y = y[:, self.latent_slice]
             y = self.routed_expert_up_proj(y)
         if hasattr(self, "shared_experts"):
             y = y + self.shared_experts(x)
-        return y.view(shape)
+        return p.tp_all_reduce(y).view(shape)
