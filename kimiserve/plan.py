@@ -1,14 +1,15 @@
 """`kimiserve plan`: how many full contexts fit on N GPUs, with the arithmetic shown.
 
 Per GPU = weights + reserve + cache pool. Under both parallel modes the weights are sharded N
-ways: tensor parallel over heads (KDA, MLA q/o, indexer heads) and over the dense MLPs, vocab
-parallel embedding and lm_head, expert parallel routed experts (DESIGN.md section 4); the parts
-every head shares (norms, the fp32 router, the MLA latent and KDA low-rank down-projections, the
-indexer key projection, the attention-residual projections) are replicated. KDA heads are split N
-ways in both modes, so a rank's state page holds H / N heads. The modes differ in the MLA cache:
-under tp the latent is shared by all heads, so every rank holds every token (tp gives no cache
-capacity); under dcp (decode context parallel over the same N GPUs) a sequence's tokens go
-round-robin over the ranks, so a rank holds ceil(L / N) of them.
+ways: tensor parallel over heads (KDA, MLA q_b/kv_b/g/o) and over the dense MLPs, shared experts
+and latent-MoE projections, vocab parallel embedding and lm_head, expert parallel routed experts
+(DESIGN.md section 4, `kimiserve.distributed`); the parts every head shares (norms, the fp32
+router, the MLA latent and KDA low-rank down-projections, the attention-residual projections) and
+the whole indexer (every rank computes every index head) are replicated, as the model builds
+them. KDA heads are split N ways in both modes, so a rank's state page holds H / N heads. The
+modes differ in the MLA cache: under tp the latent is shared by all heads, so every rank holds
+every token (tp gives no cache capacity); under dcp (decode context parallel over the same N
+GPUs) a sequence's tokens go round-robin over the ranks, so a rank holds ceil(L / N) of them.
 
 Pages are those of the engine: `CacheLayout` of the per-rank config (H / N KDA heads, which sets
 block_size), counted with the engine's `pages_for_budget`; a sequence owns ceil(tokens /
@@ -33,16 +34,15 @@ GB = 1e9  # decimal, as GPU memory is sold (an H200 is 141 GB)
 
 # Parameters every rank holds whole: (pattern on the name, what the README and output call them).
 REPLICATED = (
+    (re.compile(r"\.indexer\."), "indexer (all index heads: wq_b, wk, k_norm, weights_proj)"),
     (re.compile(r"norm\.(weight|bias)$"), "norms"),
     (re.compile(r"block_sparse_moe\.gate\."), "MoE router + score-correction bias"),
     (re.compile(r"_res_proj\.weight$"), "attention-residual score projections"),
     (re.compile(r"self_attn\.(q_a_proj|kv_a_proj_with_mqa)\."), "MLA down-projections (q_a, kv_a: shared latent)"),
-    (re.compile(r"indexer\.wk\."), "indexer key projection (one key per token)"),
     (re.compile(r"self_attn\.(f_a_proj|g_a_proj)\."), "KDA low-rank down-projections (f_a, g_a)"),
 )
 # Parameters split N ways by tensor parallelism, by part (first match; the layer decides KDA or MLA).
 SHARDED = (
-    (re.compile(r"\.indexer\."), "indexer heads (wq_b, weights_proj)"),
     (re.compile(r"\.shared_experts\."), "shared experts"),
     (re.compile(r"\.routed_expert_(down|up)_proj\."), "latent-MoE down/up projections"),
     (re.compile(r"\.mlp\."), "dense MLP"),
@@ -138,9 +138,7 @@ def _head_counts(config) -> dict[str, int]:
     if config.kda_layers:
         heads["KDA"] = config.kda_num_heads
     if config.full_attn_layers:
-        heads["MLA"] = config.num_attention_heads
-        if config.has_indexer:
-            heads["indexer"] = config.index_n_heads
+        heads["MLA"] = config.num_attention_heads  # the indexer is replicated: its heads need not divide
     return heads
 
 
@@ -174,8 +172,9 @@ def rank_layout(config, kv_cache_dtype: str, gpus: int):
     import torch
 
     from kimiserve.cache.layout import CacheLayout
+    from kimiserve.distributed.parallel_state import ParallelConfig
 
-    rank = config.replace(kda_num_heads=config.kda_num_heads // gpus) if config.kda_layers else config
+    rank = ParallelConfig(gpus).cache_config(config)  # what the engine lays a rank's pool out from
     # rotation changes no byte (and would reject a non power-of-two index_head_dim the engine can still serve)
     return CacheLayout.from_config(rank, kv_cache_dtype, torch.bfloat16, index_key_rotation=False)
 

@@ -71,6 +71,36 @@ def test_weights_per_gpu():
         + groups["vocab"]["params"] == count_params(c)["total_params"]
 
 
+@pytest.mark.parametrize("config_name, gpus, expert_parallel", [
+    ("tiny", 2, True), ("tiny", 4, True), ("parallel", 2, False), ("parallel", 3, False), ("parallel", 4, True),
+])
+def test_weights_per_gpu_are_what_a_rank_builds(config_name, gpus, expert_parallel):
+    """The planner's per-GPU weight bytes equal the parameters of the engine's rank shard (built on the
+    meta device): heads, MLPs, vocab rows (padded to a multiple of N), experts split; the indexer, router,
+    norms and latent down-projections replicated."""
+    from kimiserve.config import tiny_parallel_config
+    from kimiserve.distributed.parallel_state import ParallelConfig, ParallelContext
+
+    config = TINY if config_name == "tiny" else tiny_parallel_config()
+    per = plan(config, gpus, "tp", "fp8", 64, 1.0)["weights"]["per_gpu"]
+    for rank in range(gpus):
+        ctx = ParallelContext(ParallelConfig(gpus, enable_expert_parallel=expert_parallel), rank)
+        with torch.device("meta"):
+            model = KimiForCausalLM(config, torch.bfloat16, ctx)
+        assert sum(p.numel() * p.element_size() for p in model.parameters()) == per["total"]
+        indexer = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".indexer." in n)
+        assert indexer == meta_param_bytes_of(config, ".indexer.") > 0  # replicated: every rank holds all of it
+    groups = weight_groups(config)
+    assert not [label for label in groups["sharded"] if "indexer" in label]
+    assert [label for label in groups["replicated"] if label.startswith("indexer")]
+
+
+def meta_param_bytes_of(config, part: str) -> int:
+    with torch.device("meta"):
+        model = KimiForCausalLM(config, torch.bfloat16)
+    return sum(p.numel() * p.element_size() for n, p in model.named_parameters() if part in n)
+
+
 def test_experts_not_dividing_take_ceil():
     config = TINY.replace(num_experts=6, num_experts_per_token=2)
     one = plan(config, 1, "tp", "fp8", 64, 1.0)["weights"]["per_gpu"]
