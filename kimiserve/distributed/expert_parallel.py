@@ -53,6 +53,7 @@ shapes fixed by N and k (CUDA graphs capture it).
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -294,9 +295,12 @@ class CommStats:
     collectives: int = 0
     bytes_sent: int = 0
     by_op: dict = field(default_factory=dict)
+    seconds: float = 0.0
+    """Wall time spent inside the collectives (the rest of a scheme's time is its bookkeeping)."""
 
-    def add(self, op: str, nbytes: float) -> None:
+    def add(self, op: str, nbytes: float, seconds: float = 0.0) -> None:
         nbytes = int(round(nbytes))
+        self.seconds += seconds
         self.collectives += 1
         self.bytes_sent += nbytes
         calls, total = self.by_op.get(op, (0, 0))
@@ -314,9 +318,10 @@ def _nbytes(t: torch.Tensor) -> int:
 
 def _all_reduce(t: torch.Tensor, g: EPGroup, stats: CommStats | None) -> torch.Tensor:
     if g.size > 1:
+        t0 = time.perf_counter()
         dist.all_reduce(t, group=g.group)
         if stats is not None:
-            stats.add("all_reduce", 2 * (g.size - 1) / g.size * _nbytes(t))
+            stats.add("all_reduce", 2 * (g.size - 1) / g.size * _nbytes(t), time.perf_counter() - t0)
     return t
 
 
@@ -325,9 +330,11 @@ def _reduce_scatter(t: torch.Tensor, g: EPGroup, stats: CommStats | None) -> tor
     if g.size == 1:
         return t
     out = t.new_empty((t.shape[0] // g.size, *t.shape[1:]))
-    _reduce_scatter_op(out, t.contiguous(), group=g.group)
+    t = t.contiguous()
+    t0 = time.perf_counter()
+    _reduce_scatter_op(out, t, group=g.group)
     if stats is not None:
-        stats.add("reduce_scatter", (g.size - 1) / g.size * _nbytes(t))
+        stats.add("reduce_scatter", (g.size - 1) / g.size * _nbytes(t), time.perf_counter() - t0)
     return out
 
 
@@ -336,9 +343,11 @@ def _all_gather(t: torch.Tensor, g: EPGroup, stats: CommStats | None) -> torch.T
     if g.size == 1:
         return t
     out = t.new_empty((g.size * t.shape[0], *t.shape[1:]))
-    _all_gather_op(out, t.contiguous(), group=g.group)
+    t = t.contiguous()
+    t0 = time.perf_counter()
+    _all_gather_op(out, t, group=g.group)
     if stats is not None:
-        stats.add("all_gather", (g.size - 1) * _nbytes(t))
+        stats.add("all_gather", (g.size - 1) * _nbytes(t), time.perf_counter() - t0)
     return out
 
 
@@ -348,10 +357,12 @@ def _all_to_all(inp: torch.Tensor, send: list[int], recv: list[int], g: EPGroup,
     out = inp.new_empty((sum(recv), *inp.shape[1:]))
     if g.size == 1:
         return out.copy_(inp)
-    dist.all_to_all_single(out, inp.contiguous(), recv, send, group=g.group)
+    inp = inp.contiguous()
+    t0 = time.perf_counter()
+    dist.all_to_all_single(out, inp, recv, send, group=g.group)
     if stats is not None:
         row = inp.element_size() * math.prod(inp.shape[1:])
-        stats.add(op, (sum(send) - send[g.rank]) * row)
+        stats.add(op, (sum(send) - send[g.rank]) * row, time.perf_counter() - t0)
     return out
 
 
