@@ -131,7 +131,8 @@ def rank_main(rank: int, world: int, shapes: list, tokens: list, iters: int, war
             mine = token_chunk(N, world, rank)
             counts = [(lambda s: s.stop - s.start)(token_chunk(N, world, r)) for r in range(world)]
             calls = {
-                "a_all_reduce_fp32": lambda s: ep_forward_replicated(x, ids, weights, placement, group, experts, stats=s),
+                "a_all_reduce_fp32": lambda s: ep_forward_replicated(x, ids, weights, placement, group, experts,
+                                                                     stats=s),
                 "a_all_reduce_bf16": lambda s: ep_forward_replicated(x, ids, weights, placement, group, experts,
                                                                      comm_dtype=torch.bfloat16, stats=s),
                 "a_reduce_scatter": lambda s: ep_forward_replicated(x, ids, weights, placement, group, experts,
@@ -237,7 +238,8 @@ def main(argv=None) -> int:
     result = dict(benchmark="ep_dispatch", device=f"cpu ({platform.processor() or platform.machine()}, "
                                                   f"{os.cpu_count()} cores), gloo over loopback",
                   date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-                  commit=git_commit(), command="python benchmarks/ep_dispatch.py " + " ".join(sys.argv[1:] if argv is None else argv),
+                  commit=git_commit(),
+                  command="python benchmarks/ep_dispatch.py " + " ".join(sys.argv[1:] if argv is None else argv),
                   quick=args.quick, torch=torch.__version__, shapes=shapes, iters=args.iters,
                   expert_compute="stand-in: each expert returns its rows (communication and bookkeeping timed)",
                   limits=[], rows=[])

@@ -7,7 +7,7 @@ row batch each expert GEMM sees (a BLAS may block, hence round, [m, h] @ [h, I] 
 another m) and (ii) the order of the fp32 sum of a token's k weighted outputs (and, for scheme (a),
 of the ranks' partials in the all-reduce). Each is a few units of fp32 rounding u = 2^-24 ~ 6e-8 per
 dot of length <= 32 and per sum of <= 4 terms: rounding differences of O(10 u) ~ 1e-6 relative (what
-is seen here: ~1e-7). The bound 1e-5 (~170 u) leaves margin for any CPU / BLAS / thread count, and is
+is seen here: <= 2.6e-7 on 2-4 ranks; bf16: identical values). The bound 1e-5 (~170 u) leaves margin for any CPU / BLAS / thread count, and is
 three orders of magnitude below the smallest real bug (a pair lost, doubled, sent to the wrong expert
 or given the wrong weight moves the output by 1e-2 to 1: k <= 4 outputs per token of similar size).
 bf16 tokens: the outputs are rounded to bf16 (ulp 2^-8 relative) and a rounding difference above may
@@ -36,7 +36,7 @@ from kimiserve.distributed.expert_parallel import (
 )
 from kimiserve.ops.activation.reference import situ_and_mul
 from kimiserve.ops.moe.reference import experts_forward, fused_moe_reference
-from kimiserve.ops.quant.reference import quantize_mxfp4
+from kimiserve.ops.quant.reference import dequantize_mxfp4, quantize_mxfp4
 
 E, H, INTER = 12, 32, 32  # 12 experts: divisible by 2, 3 and 4
 FP32_BOUND, BF16_BOUND = 1e-5, 8e-3
@@ -89,9 +89,19 @@ def make_case(name: str, world: int, seed: int = 0) -> dict:
 
 
 def reference(case: dict) -> torch.Tensor:
-    """The single-process routed experts: all E experts, `fused_moe_reference` (= experts_forward)."""
-    return fused_moe_reference(case["x"], case["w1"], case["w2"], case["w3"], case["ids"], case["weights"], act,
-                               **case["scales"])
+    """The single-process routed experts: `experts_forward` over all E experts, each run as the model's
+    `RoutedExperts.run_expert` does (weights dequantised to the tokens' dtype)."""
+
+    def weight(name: str, e: int, dtype: torch.dtype) -> torch.Tensor:
+        if case["scales"]:
+            return dequantize_mxfp4(case[name][e], case["scales"][f"{name}_scale"][e], dtype)
+        return case[name][e].to(dtype)
+
+    def expert(e: int, rows: torch.Tensor) -> torch.Tensor:
+        w1, w2, w3 = (weight(n, e, rows.dtype) for n in ("w1", "w2", "w3"))
+        return act(rows @ w1.T, rows @ w3.T) @ w2.T
+
+    return experts_forward(case["x"], case["ids"], case["weights"], expert, E)
 
 
 def local_weights(case: dict, rank: int) -> dict:
@@ -266,13 +276,15 @@ def test_permuted_placement_and_loader_view():
 
 
 @pytest.mark.parametrize("build, message", [
-    (lambda: ExpertPlacement([[0, 1], [1, 2]]), r"placed exactly once: placed twice: 1 \(ranks 0 and 1\); not placed: \[3\]"),
+    (lambda: ExpertPlacement([[0, 1], [1, 2]]),
+     r"placed exactly once: placed twice: 1 \(ranks 0 and 1\); not placed: \[3\]"),
     (lambda: ExpertPlacement([[0, 1], [2, 4]]), r"expert ids must be in 0\.\.3 .* got \[4\]"),
     (lambda: ExpertPlacement([[0, 1, 2], [3]]), r"same positive number of experts .* \[3, 1\]"),
     (lambda: ExpertPlacement([[0, 1], []]), r"same positive number of experts"),
     (lambda: ExpertPlacement([]), r"non-empty list"),
     (lambda: ExpertPlacement([[0, 1.0]]), r"must be integers"),
-    (lambda: ExpertPlacement.contiguous(12, 5), r"num_experts = 12\) are not divisible by the expert-parallel size \(5\)"),
+    (lambda: ExpertPlacement.contiguous(12, 5),
+     r"num_experts = 12\) are not divisible by the expert-parallel size \(5\)"),
     (lambda: ExpertPlacement.contiguous(12, 0), r"positive integer"),
     (lambda: ExpertPlacement.from_permutation([0, 1, 2, 2], 2), r"placed twice: 2"),
     (lambda: ExpertPlacement.from_owners([0, 0, 2, 2], 3), r"same positive number .* \[2, 0, 2\]"),

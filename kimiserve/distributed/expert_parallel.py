@@ -169,7 +169,8 @@ class ExpertPlacement:
 
     def to_dict(self) -> dict:
         """JSON-friendly form (sent to workers when a balancer moves experts): `from_dict` reads it."""
-        return {"num_experts": self.num_experts, "ep_size": self.ep_size, "rank_experts": [list(x) for x in self._lists]}
+        return {"num_experts": self.num_experts, "ep_size": self.ep_size,
+                "rank_experts": [list(x) for x in self._lists]}
 
     @classmethod
     def from_dict(cls, d: dict) -> "ExpertPlacement":
