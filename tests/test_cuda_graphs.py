@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine_utils import GREEDY, assert_matches_full_forward, make_engine, random_prompts, run
-from kimiserve.engine import cuda_graphs, engine as engine_module
+from kimiserve.engine import cuda_graphs, worker as engine_module
 from kimiserve.sampling_params import SamplingParams
 
 

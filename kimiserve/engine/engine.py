@@ -7,21 +7,16 @@ import logging
 import math
 from dataclasses import dataclass, field
 
-import torch
-
 from kimiserve.cache.allocator import PageAllocator
-from kimiserve.cache.layout import CacheLayout
-from kimiserve.cache.pool import PagePool
 from kimiserve.config import resolve_model
-from kimiserve.engine.args import EngineArgs, pages_for_budget, tokenizer_source
+from kimiserve.distributed.executor import make_executor
+from kimiserve.engine.args import EngineArgs, tokenizer_source
 from kimiserve.engine.detokenizer import IncrementalDetokenizer
 from kimiserve.engine.errors import REQUEST_FAILED_MESSAGE, EngineFatalError, is_fatal_error
 from kimiserve.engine.outputs import CompletionOutput, RequestOutput, RequestOutputKind
 from kimiserve.engine.request import Request
-from kimiserve.engine.runner import ModelRunner
-from kimiserve.engine.sampler import Sampler
 from kimiserve.engine.scheduler import Scheduler
-from kimiserve.model.loader import load_model
+from kimiserve.engine.worker import pages_needed
 from kimiserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("kimiserve.engine")
@@ -58,10 +53,6 @@ class Suspect:
     """The `num_computed` the failed step would have brought it to."""
 
 
-def uses_cuda_graphs(device: torch.device, args: EngineArgs) -> bool:
-    return device.type == "cuda" and not args.enforce_eager
-
-
 class LLMEngine:
     def __init__(self, args: EngineArgs):
         args.validate()
@@ -84,33 +75,24 @@ class LLMEngine:
         if self.max_model_len > self.config.max_position_embeddings:
             raise ValueError(f"max_model_len={self.max_model_len} is longer than the model's context of "
                              f"{self.config.max_position_embeddings} tokens")
-        kv_dtype = args.resolved_kv_cache_dtype(self.device)
-        self.layout = CacheLayout.from_config(self.config, kv_dtype, self.dtype, args.block_size, args.index_key_rotation)
-        self.model = load_model(args.model, self.dtype, args.seed, self.device)
-        num_pages = args.num_pages or pages_for_budget(args.cache_budget_bytes(self.device), self.layout.page_bytes)
+        self.executor = make_executor(args, self.eos_token_id, self.config)
+        driver = self.executor.driver  # rank 0's worker: its model shard, pool and runner (the sampler)
+        self.layout = driver.layout
         num_state = len(self.config.kda_layers)
-        # one sequence of max_model_len tokens, its state pages and one copy-on-write page must fit
-        needed = math.ceil(self.max_model_len / self.layout.block_size) + 2 * num_state + 1
+        num_pages = self.executor.agree_num_pages(driver.budget_pages())
+        needed = pages_needed(self.max_model_len, self.layout.block_size, num_state)
         if num_pages < needed:
+            self.executor.shutdown()
             raise ValueError(
                 f"the cache has {num_pages} pages of {self.layout.page_bytes} bytes, but one sequence of "
                 f"max_model_len={self.max_model_len} tokens needs {needed}: lower max_model_len or give more "
                 f"cache (num_pages, kv_cache_memory_gib, gpu_memory_utilization)"
             )
-        use_graphs = uses_cuda_graphs(self.device, args)
-        # CUDA graphs pad batches with rows on pages past the allocator's: one attention page + a state set
-        reserved = 1 + num_state if use_graphs else 0
-        self.pool = PagePool(self.layout, num_pages + reserved, self.device)
+        self.executor.init_cache(num_pages, self.max_model_len)
+        self.model, self.pool, self.runner = driver.model, driver.pool, driver.runner
         self.allocator = PageAllocator(num_pages, self.layout.block_size, num_state, args.enable_prefix_caching)
         self.scheduler = Scheduler(self.allocator, num_state, args.max_num_seqs, args.max_num_batched_tokens,
                                    args.enable_prefix_caching)
-        self.runner = ModelRunner(self.model, self.pool, Sampler(args.seed), self.eos_token_id)
-        if use_graphs:
-            from kimiserve.engine.cuda_graphs import DecodeGraphs
-
-            pad_states = torch.arange(num_pages + 1, num_pages + reserved, dtype=torch.int64)
-            self.runner.graphs = DecodeGraphs(self.model, self.pool, self.runner.ops, args.max_num_seqs,
-                                              self.max_model_len, num_pages, pad_states)
         self.groups: dict[str, RequestGroup] = {}
         self._arrivals = itertools.count()
         self._suspects: list[Suspect] = []
@@ -188,7 +170,7 @@ class LLMEngine:
             return []
         self.num_steps += 1
         try:
-            results = self.runner.execute(sched)
+            results = self.executor.execute(sched)
         except Exception as exc:  # noqa: BLE001 - blamed on a request below, or fatal
             if is_fatal_error(exc):
                 raise
