@@ -160,11 +160,13 @@ class MultiprocExecutor:
             _broadcast(step, self.control)
             logits = runner.forward(step)
         except Exception as exc:  # ranks are out of step: nothing can continue
-            raise EngineFatalError(f"a distributed step failed ({type(exc).__name__}: {exc}); "
-                                   f"{self.failed or 'the ranks are out of step'}") from exc
+            self.failed = self.failed or f"a distributed step failed ({type(exc).__name__}: {exc})"
+            raise EngineFatalError(f"{self.failed}; the ranks are out of step") from exc
         return runner.sample(sched, plans, logits)
 
     def shutdown(self) -> None:
+        if getattr(self, "_closing", False):
+            return
         self._closing = True
         if self.failed is None:
             try:

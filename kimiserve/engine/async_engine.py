@@ -38,6 +38,7 @@ from typing import Any, Protocol
 
 from kimiserve.engine.args import EngineArgs
 from kimiserve.engine.engine import LLMEngine
+from kimiserve.engine.errors import EngineFatalError
 from kimiserve.engine.outputs import RequestOutput, RequestOutputKind, merge_deltas
 from kimiserve.sampling_params import SamplingParams
 
@@ -157,6 +158,8 @@ class AsyncLLMEngine:
         self._dead: BaseException | None = None
         self._dead_callbacks: list[Callable[[], None]] = []
         self._stats: dict[str, Any] = engine.stats()
+        if hasattr(engine.executor, "on_failure"):  # a rank that dies while the engine idles ends it too
+            engine.executor.on_failure = lambda why: self._submit(("fatal", why))
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, observer: EngineObserver | None = None) -> "AsyncLLMEngine":
@@ -286,6 +289,7 @@ class AsyncLLMEngine:
                     self._apply(command)
                 if stopping:
                     self._stop(EngineDeadError(SHUTDOWN_MESSAGE))
+                    self.engine.shutdown()
                     return
                 if engine.has_unfinished_requests():
                     before = engine.num_steps
@@ -298,10 +302,16 @@ class AsyncLLMEngine:
             logger.critical("the engine hit a fatal error and stopped", exc_info=exc)
             self._dead = exc
             self._stop(EngineDeadError(DEAD_MESSAGE))
+            try:
+                self.engine.shutdown()
+            except Exception:  # noqa: BLE001 - already dying
+                logger.exception("stopping the other ranks failed")
             for callback in self._dead_callbacks:
                 self._post(callback)
 
     def _apply(self, command: tuple) -> None:
+        if command[0] == "fatal":
+            raise EngineFatalError(command[1])
         if command[0] == "abort":
             record = self._records.pop(command[1], None)
             if record is not None:

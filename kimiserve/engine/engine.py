@@ -351,6 +351,10 @@ class LLMEngine:
                 f"{bs} tokens per page) = {pages * bs:,} tokens, each sequence also holding {state} KDA state "
                 f"pages; {pages / per_request:.2f} requests of max_model_len={self.max_model_len:,} tokens fit at once")
 
+    def shutdown(self) -> None:
+        """Stop the other ranks (world size > 1); idempotent. The engine cannot step afterwards."""
+        self.executor.shutdown()
+
     def check_idle(self) -> None:
         """Raise RuntimeError if the engine is idle but holds pages other than the prefix cache's."""
         if self.scheduler.has_work:
