@@ -180,3 +180,75 @@ def test_a_hung_worker_stops_the_server_after_the_timeout(checkpoint):
             except ProcessLookupError:
                 pass
     assert code == 1
+
+
+def test_two_nodes_on_loopback(checkpoint, single):
+    """Two "nodes" joined by --nnodes 2: node 0 runs rank 0 and the API server, node 1 (`kimiserve
+    serve --node-rank 1`) runs rank 1; answers equal the one-process engine's, and both exit cleanly."""
+    import subprocess
+    import sys
+
+    import httpx
+
+    from server_utils import ROOT, running_server
+
+    port = free_port()
+    common = ("--model", checkpoint, "--dtype", "float32", "--max-model-len", "256", "--num-pages", "300",
+              "--tensor-parallel-size", "2", "--nnodes", "2", "--master-port", str(port))
+    node1 = subprocess.Popen([sys.executable, "-m", "kimiserve.entrypoints.cli", "serve", *common, "--node-rank", "1"],
+                             cwd=ROOT, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"},
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        with running_server(*common, "--node-rank", "0") as s:
+            r = httpx.post(f"{s.base_url}/completions", timeout=60, json={
+                "prompt": PROMPTS[1], "max_tokens": 12, "temperature": 0, "ignore_eos": True})
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["text"] == load_tokenizer("tiny").decode(single[1], skip_special_tokens=True)
+        assert node1.wait(60) == 0, node1.stderr.read().decode()[-3000:]
+    finally:
+        if node1.poll() is None:
+            node1.kill()
+
+
+def test_under_torchrun(checkpoint, single):
+    """`torchrun --nproc-per-node 2 -m kimiserve.entrypoints.cli serve --tensor-parallel-size 2`: rank 0
+    serves, rank 1 works; the same answers."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import tempfile
+    import time
+
+    import httpx
+
+    from server_utils import ROOT, free_port as free_http_port
+
+    http_port = free_http_port()
+    with tempfile.TemporaryFile() as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+             "-m", "kimiserve.entrypoints.cli", "serve", "--model", checkpoint, "--dtype", "float32",
+             "--max-model-len", "256", "--num-pages", "300", "--tensor-parallel-size", "2", "--host", "127.0.0.1",
+             "--port", str(http_port), "--disable-uvicorn-access-log"],
+            cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=log, stderr=log, start_new_session=True)
+        try:
+            deadline = time.monotonic() + 120
+            while True:
+                try:
+                    if httpx.get(f"http://127.0.0.1:{http_port}/health", timeout=1).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                assert proc.poll() is None and time.monotonic() < deadline, (log.seek(0), log.read()[-3000:])
+                time.sleep(0.2)
+            r = httpx.post(f"http://127.0.0.1:{http_port}/v1/completions", timeout=60, json={
+                "prompt": PROMPTS[0], "max_tokens": 12, "temperature": 0, "ignore_eos": True})
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["text"] == load_tokenizer("tiny").decode(single[0], skip_special_tokens=True)
+        finally:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)

@@ -65,12 +65,23 @@ def _device_for(args: EngineArgs, local_rank: int) -> torch.device:
     return device
 
 
+def torchrun_rank() -> tuple[int, int, int] | None:
+    """(rank, local_rank, world_size) when this process was started by torchrun, else None."""
+    if not all(k in os.environ for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
+        return None
+    return int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
+
+
+def _init_method(args: EngineArgs) -> str:
+    return "env://" if torchrun_rank() is not None else f"tcp://{args.master_addr}:{args.master_port}"
+
+
 def _init_group(args: EngineArgs, rank: int, world_size: int, device: torch.device):
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, init_method=f"tcp://{args.master_addr}:{args.master_port}", rank=rank,
-                            world_size=world_size, timeout=timedelta(seconds=args.distributed_timeout))
+    dist.init_process_group(backend, init_method=_init_method(args), rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=args.distributed_timeout))
     control = dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
     return control
 
@@ -81,7 +92,8 @@ def _broadcast(obj, control) -> object:
     return box[0]
 
 
-def worker_main(rank: int, local_rank: int, args: EngineArgs, eos_token_id: int | None, threads: int) -> None:
+def worker_main(rank: int, local_rank: int, args: EngineArgs, eos_token_id: int | None = None,
+                threads: int = 1) -> None:
     """The loop of a rank other than 0: build the shard, agree on the pages, run each step's forward
     until rank 0 sends None. Any error ends the process (rank 0's next collective then fails fast)."""
     torch.set_num_threads(threads)
@@ -112,7 +124,11 @@ class MultiprocExecutor:
         self.procs: list[mp.Process] = []
         self.failed: str | None = None
         self.on_failure: Callable[[str], None] | None = None
-        if args.node_rank == 0:
+        launched = torchrun_rank()
+        if launched is not None and launched[2] != self.world_size:
+            raise ValueError(f"torchrun started {launched[2]} processes, the layout needs {self.world_size} "
+                             f"(tensor_parallel_size x prefill_context_parallel_size)")
+        if launched is None and args.node_rank == 0:
             threads = max(1, torch.get_num_threads() // per_node)
             ctx = mp.get_context("spawn")
             for local in range(1, per_node):
@@ -201,3 +217,22 @@ def run_node(args: EngineArgs, eos_token_id: int | None) -> int:
     for p in procs:
         p.join()
     return max((p.exitcode or 0) for p in procs)
+
+
+def run_if_worker(args: EngineArgs) -> int | None:
+    """For the CLI: run this process as ranks other than 0 and return the exit code once rank 0 ended
+    (torchrun ranks > 0; `--node-rank R` > 0), or None when this process is rank 0's (the engine)."""
+    launched = torchrun_rank()
+    if launched is not None:
+        rank, local_rank, world = launched
+        if world != args.parallel_config().world_size:
+            raise ValueError(f"torchrun started {world} processes, the layout needs "
+                             f"{args.parallel_config().world_size} (tensor_parallel_size x prefill_context_parallel_size)")
+        if rank == 0:
+            return None
+        worker_main(rank, local_rank, args, None, max(1, torch.get_num_threads()))
+        return 0
+    if args.node_rank > 0:
+        return run_node(args, None)
+    return None
+

@@ -93,6 +93,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
                             top_k=args.top_k, seed=args.seed if args.temperature > 0 else None)
     engine_args = EngineArgs.from_cli_args(args)
     engine_args.dtype = DTYPES.get(engine_args.dtype, engine_args.dtype)
+    engine_args.validate()
+    from kimiserve.distributed.executor import run_if_worker
+
+    code = run_if_worker(engine_args)
+    if code is not None:
+        return code
     llm = LLM(**vars(engine_args))
     conversations = [[{"role": "user", "content": p}] for p in args.prompt]
     if args.stream:
@@ -131,6 +137,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine_args.validate()
     server_args = ServerArgs.from_cli_args(args)
     server_args.validate()
+    from kimiserve.distributed.executor import run_if_worker
+
+    code = run_if_worker(engine_args)  # another node's ranks, or a torchrun rank > 0: no API server
+    if code is not None:
+        return code
     _leave_a_core_to_the_server(engine_args)
     return run_server(engine_args, server_args)
 
