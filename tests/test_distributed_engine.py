@@ -85,12 +85,14 @@ def test_more_ranks_same_tokens_and_logits(checkpoint, single, tp):
         llm.engine.shutdown()
 
 
-def test_prefix_cache_preemption_and_samples_on_two_ranks(checkpoint):
+@pytest.mark.parametrize("layout", [dict(tensor_parallel_size=2),
+                                    dict(tensor_parallel_size=2, decode_context_parallel_size=2)], ids=["tp2", "dcp2"])
+def test_prefix_cache_preemption_and_samples_on_two_ranks(checkpoint, layout):
     """What runs on top of the executor works unchanged: n > 1 with seeds under preemption (few pages),
     and a prefix-cache hit."""
     sampled = SamplingParams(n=3, max_tokens=10, temperature=0.9, seed=7)
     results = []
-    for parallel in (dict(), dict(tensor_parallel_size=2)):
+    for parallel in (dict(), layout):
         runs = []
         for pages in (40, 300):  # 40: the batch preempts; 300: the prefix cache keeps what it sealed
             llm = LLM(checkpoint, **dict(ENGINE, num_pages=pages), master_port=free_port(), **parallel)
@@ -252,3 +254,14 @@ def test_under_torchrun(checkpoint, single):
                 proc.wait(60)
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("parallel", [dict(tensor_parallel_size=2, decode_context_parallel_size=2),
+                                      dict(tensor_parallel_size=3, decode_context_parallel_size=3),
+                                      dict(tensor_parallel_size=4, decode_context_parallel_size=4),
+                                      dict(tensor_parallel_size=4, decode_context_parallel_size=2)],
+                         ids=["tp2-dcp2", "tp3-dcp3", "tp4-dcp4", "tp4-dcp2"])
+def test_decode_context_parallel_engine_matches_one_process(checkpoint, single, parallel):
+    """Every sequence's attention pages split over the DCP ranks (prefill chunks and decodes through the
+    exact top-k merge): the one-process engine's greedy tokens; prompts longer than the index top-k."""
+    assert run_parallel(checkpoint, **parallel) == single

@@ -80,7 +80,8 @@ class LLMEngine:
         self.layout = driver.layout
         num_state = len(self.config.kda_layers)
         num_pages = self.executor.agree_num_pages(driver.budget_pages())
-        needed = pages_needed(self.max_model_len, self.layout.block_size, num_state)
+        self.block_size = driver.block_size  # of the block tables (DCP: dcp pages of layout.block_size)
+        needed = pages_needed(self.max_model_len, self.block_size, num_state)
         if num_pages < needed:
             self.executor.shutdown()
             raise ValueError(
@@ -90,7 +91,7 @@ class LLMEngine:
             )
         self.executor.init_cache(num_pages, self.max_model_len)
         self.model, self.pool, self.runner = driver.model, driver.pool, driver.runner
-        self.allocator = PageAllocator(num_pages, self.layout.block_size, num_state, args.enable_prefix_caching)
+        self.allocator = PageAllocator(num_pages, self.block_size, num_state, args.enable_prefix_caching)
         self.scheduler = Scheduler(self.allocator, num_state, args.max_num_seqs, args.max_num_batched_tokens,
                                    args.enable_prefix_caching)
         self.groups: dict[str, RequestGroup] = {}
@@ -345,7 +346,7 @@ class LLMEngine:
     def cache_summary(self) -> str:
         """The cache's capacity in one line (printed when a server starts, as vLLM logs its KV cache
         size and maximum concurrency)."""
-        bs, pages, state = self.layout.block_size, self.allocator.num_pages, self.allocator.num_state_pages_per_seq
+        bs, pages, state = self.block_size, self.allocator.num_pages, self.allocator.num_state_pages_per_seq
         per_request = math.ceil(self.max_model_len / bs) + state
         return (f"KV cache: {pages} pages of {self.layout.page_bytes / 2**20:.2f} MiB ({self.layout.kv_cache_dtype}, "
                 f"{bs} tokens per page) = {pages * bs:,} tokens, each sequence also holding {state} KDA state "

@@ -63,6 +63,13 @@ class ModelRunner:
         self.eos_token_id = eos_token_id
         self.graphs = None
         """DecodeGraphs replaying decode-only steps (CUDA), or None: every step runs eagerly."""
+        parallel = getattr(model, "parallel", None)
+        self.dcp = None
+        """The DCP group when the sequences' tokens are split over ranks (`ForwardBatch.dcp`)."""
+        if parallel is not None and parallel.dcp_size > 1:
+            from kimiserve.distributed.dcp import DcpGroup
+
+            self.dcp = DcpGroup.of(parallel)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> list[ChunkResult]:
@@ -112,7 +119,7 @@ class ModelRunner:
             logits = self.graphs.run(step.token_ids, seq_chunks)  # one token per sequence, each sampled
             if logits is not None:
                 return logits
-        batch = ForwardBatch.build(self.pool, seq_chunks, self.device, self.ops)
+        batch = ForwardBatch.build(self.pool, seq_chunks, self.device, self.ops, self.dcp)
         input_ids = torch.tensor(step.token_ids, device=self.device)
         rows = torch.tensor(step.logit_rows, device=self.device, dtype=torch.long)
         return self.model.forward_batch(input_ids, batch, rows)

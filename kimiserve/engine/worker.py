@@ -43,6 +43,12 @@ class Worker:
         self.pool: PagePool | None = None
         self.runner: ModelRunner | None = None
 
+    @property
+    def block_size(self) -> int:
+        """Tokens per page of a block table: the pool's pages, or under DCP virtual pages of dcp of them
+        (page j of a sequence's table holds its share of tokens [j x dcp x bs, (j + 1) x dcp x bs) on each rank)."""
+        return self.layout.block_size * self.parallel.dcp_size
+
     def budget_pages(self) -> int:
         """Pages this rank's cache budget holds (args.num_pages when given)."""
         return self.args.num_pages or pages_for_budget(self.args.cache_budget_bytes(self.device), self.layout.page_bytes)
@@ -50,7 +56,7 @@ class Worker:
     def init_cache(self, num_pages: int, max_model_len: int) -> None:
         """The pool (plus the CUDA graphs' padding pages past the allocator's) and the runner."""
         num_state = len(self.config.kda_layers)
-        use_graphs = uses_cuda_graphs(self.device, self.args)
+        use_graphs = uses_cuda_graphs(self.device, self.args) and self.parallel.dcp_size == 1  # DCP: eager for now
         reserved = 1 + num_state if use_graphs else 0
         self.pool = PagePool(self.layout, num_pages + reserved, self.device)
         self.runner = ModelRunner(self.model, self.pool, Sampler(self.args.seed), self.eos_token_id)

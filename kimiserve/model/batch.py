@@ -63,13 +63,25 @@ class ForwardBatch:
     the host (no sync); a captured CUDA graph fixes it to its context bucket."""
     ops: DecodeOps = REFERENCE_OPS
     """The paged decode ops (Triton kernels on CUDA, references elsewhere)."""
+    write_rows: torch.Tensor | None = None
+    """int64: the packed rows whose latents and index keys this rank stores (None: every row)."""
+    dcp: object | None = None
+    """Decode context parallel (`distributed.dcp.DcpGroup` of size > 1), or None: a sequence's block
+    table then lists virtual pages of dcp x block_size tokens; token p lives on DCP rank
+    (p // block_size) % dcp, in slot p % block_size of the rank's page block_table[p // (dcp x block_size)]."""
 
     @classmethod
     def build(cls, pool: PagePool, chunks: list[SequenceChunk], device: torch.device | str,
-              ops: DecodeOps = REFERENCE_OPS) -> "ForwardBatch":
+              ops: DecodeOps = REFERENCE_OPS, dcp=None) -> "ForwardBatch":
         bs = pool.block_size
         positions = torch.cat([torch.arange(c.context_start, c.context_end) for c in chunks])
-        pages = torch.cat([c.block_table[torch.arange(c.context_start, c.context_end) // bs] for c in chunks])
+        span = bs * (dcp.size if dcp is not None else 1)  # tokens per (virtual) page of a block table
+        pages = torch.cat([c.block_table[torch.arange(c.context_start, c.context_end) // span] for c in chunks])
+        write_rows = None
+        if dcp is not None:
+            mine = (positions // bs) % dcp.size == dcp.rank
+            write_rows = torch.nonzero(mine)[:, 0]
+            pages = pages[write_rows]
         decode = [c for c in chunks if c.num_tokens == 1]
         width = max((len(c.block_table) for c in decode), default=0)
         tables = torch.zeros(len(decode), width, dtype=torch.int64)
@@ -85,7 +97,7 @@ class ForwardBatch:
             pool=pool,
             positions=to(positions),
             write_pages=to(pages),
-            write_offsets=to(positions % bs),
+            write_offsets=to((positions if write_rows is None else positions[write_rows]) % bs),
             chunks=chunks,
             decode_rows=to(torch.tensor([c.start for c in decode], dtype=torch.int64)),
             decode_block_tables=to(tables),
@@ -93,6 +105,8 @@ class ForwardBatch:
             decode_state_pages=to(states),
             decode_max_context=max((c.context_end for c in decode), default=0),
             ops=ops,
+            write_rows=None if write_rows is None else to(write_rows),
+            dcp=dcp,
         )
 
     @property

@@ -152,8 +152,11 @@ class MLAAttention(nn.Module):
         q_nope, q_pe, q_latent = self.query(x)
         c, k_pe = self.latent(x)
         keys = self.indexer.keys(x)[0] if hasattr(self, "indexer") else None
-        pool.write_mla(layer, batch.write_pages, batch.write_offsets, torch.cat([c, k_pe], dim=-1)[0], keys,
-                       ops.write_mla_tokens)
+        latent_rows = torch.cat([c, k_pe], dim=-1)[0]
+        if batch.write_rows is not None:  # DCP: this rank stores only the tokens it owns
+            latent_rows = latent_rows[batch.write_rows]
+            keys = keys[batch.write_rows] if keys is not None else None
+        pool.write_mla(layer, batch.write_pages, batch.write_offsets, latent_rows, keys, ops.write_mla_tokens)
         w_kc, w_vc = split_kv_b(self.kv_b_proj.weight, self.num_heads, self.nope)
         o = x.new_empty(1, N, self.num_heads, self.v_dim)
         rows = batch.decode_rows
@@ -163,7 +166,7 @@ class MLAAttention(nn.Module):
                                            batch.decode_max_context, batch).to(o.dtype)
         for chunk in batch.prefill_chunks:
             S = chunk.context_end
-            if ops.prefill_in_place:
+            if ops.prefill_in_place or batch.dcp is not None:  # DCP: no rank holds a whole context
                 table = chunk.block_table.to(x.device).unsqueeze(0)
                 step = max(1, PREFILL_SCORE_BYTES // (4 * S))  # bounds the [rows, S] fp32 score buffer
                 for lo in range(chunk.start, chunk.end, step):
@@ -198,6 +201,17 @@ class MLAAttention(nn.Module):
         layer, pool, ops = self.cache_index, batch.pool, batch.ops
         dt = compute_dtype(q_nope, w_kc)
         q_abs = torch.einsum("bhd,hdl->bhl", q_nope.to(dt), w_kc.to(dt))
+        if batch.dcp is not None:  # each rank holds a share of the tokens: exact top-k merge + LSE merge
+            from kimiserve.distributed.dcp import dcp_sparse_decode
+
+            iq = iw = None
+            if hasattr(self, "indexer"):
+                iq, iw = self.indexer.queries(x.unsqueeze(0), q_latent.unsqueeze(0))
+                iq, iw = iq[0], iw[0]
+            out = dcp_sparse_decode(q_abs, q_pe, iq, iw, pool, layer, tables, lens, max_context,
+                                    self.indexer.topk if hasattr(self, "indexer") else None, self.scale, x.dtype,
+                                    batch.dcp, pool.block_size, indexer_scores=ops.indexer_scores, topk_op=ops.topk)
+            return torch.einsum("bhl,hdl->bhd", out, w_vc.to(dt))
         latent_scale = latent_scale_of(pool.kv_cache_dtype, pool.latent_scales[layer])
         if hasattr(self, "indexer") and max_context > self.indexer.topk:
             iq, iw = self.indexer.queries(x.unsqueeze(0), q_latent.unsqueeze(0))
