@@ -45,8 +45,9 @@ def run_parallel(checkpoint, **parallel):
         llm.engine.shutdown()
 
 
-@pytest.mark.parametrize("parallel", [dict(tensor_parallel_size=2), dict(tensor_parallel_size=2, enable_expert_parallel=True)],
-                         ids=["tp2", "tp2-ep"])
+@pytest.mark.parametrize("parallel", [dict(tensor_parallel_size=2), dict(tensor_parallel_size=2, enable_expert_parallel=True),
+                                      dict(tensor_parallel_size=3, enable_expert_parallel=True)],
+                         ids=["tp2", "ep2", "ep3"])
 def test_tensor_parallel_engine_matches_one_process(checkpoint, single, parallel):
     assert run_parallel(checkpoint, **parallel) == single
 
@@ -119,7 +120,8 @@ def children(pid: int) -> list[int]:
     return out
 
 
-def test_server_on_two_ranks_and_a_worker_that_dies(checkpoint, single):
+@pytest.mark.parametrize("extra", [(), ("--decode-context-parallel-size", "2")], ids=["tp2", "tp2-dcp2"])
+def test_server_on_two_ranks_and_a_worker_that_dies(checkpoint, single, extra):
     """`kimiserve serve --tensor-parallel-size 2` answers like the one-process engine; when a worker
     process dies, /health turns 503 and the server exits with code 1 (never a silent hang)."""
     import os
@@ -130,7 +132,7 @@ def test_server_on_two_ranks_and_a_worker_that_dies(checkpoint, single):
     from server_utils import running_server, wait_until
 
     args = ("--model", checkpoint, "--dtype", "float32", "--max-model-len", "256", "--num-pages", "300",
-            "--tensor-parallel-size", "2", "--master-port", str(free_port()))
+            "--tensor-parallel-size", "2", "--master-port", str(free_port()), *extra)
     with running_server(*args, check_exit=False) as s:
         for prompt, tokens in zip(PROMPTS, single):
             r = httpx.post(f"{s.base_url}/completions", timeout=60, json={
@@ -265,3 +267,20 @@ def test_decode_context_parallel_engine_matches_one_process(checkpoint, single, 
     """Every sequence's attention pages split over the DCP ranks (prefill chunks and decodes through the
     exact top-k merge): the one-process engine's greedy tokens; prompts longer than the index top-k."""
     assert run_parallel(checkpoint, **parallel) == single
+
+
+@pytest.mark.parametrize("parallel, message", [
+    (dict(tensor_parallel_size=3), r"KDA heads .* not divisible by tensor_parallel_size \(3\)"),
+    (dict(tensor_parallel_size=2, enable_expert_parallel=True), None),
+    (dict(tensor_parallel_size=2, decode_context_parallel_size=4), "must divide tensor_parallel_size"),
+    (dict(nnodes=2), "multiple of nnodes"),
+])
+def test_bad_layouts_are_clear_errors(parallel, message):
+    """Sizes that do not divide give a ValueError naming them, before any rank starts."""
+    kw = dict(ENGINE, master_port=free_port(), model="tiny", **parallel)
+    if message is None:  # tiny's 4 heads and 8 experts do split in two
+        llm = LLM(kw.pop("model"), **kw)
+        llm.engine.shutdown()
+        return
+    with pytest.raises(ValueError, match=message):
+        LLM(kw.pop("model"), **kw)

@@ -75,6 +75,7 @@ class LLMEngine:
         if self.max_model_len > self.config.max_position_embeddings:
             raise ValueError(f"max_model_len={self.max_model_len} is longer than the model's context of "
                              f"{self.config.max_position_embeddings} tokens")
+        args.parallel_config().check_model(self.config)  # before any rank starts: sizes that do not divide
         self.executor = make_executor(args, self.eos_token_id, self.config)
         driver = self.executor.driver  # rank 0's worker: its model shard, pool and runner (the sampler)
         self.layout = driver.layout

@@ -178,11 +178,17 @@ class RoutedExperts(nn.Module):
                                     self.dtype)
         return getattr(self, name)[experts]
 
-    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """x [N, h], ids/weights [N, k] -> [N, h]. Up to STATIC_MOE_TOKENS tokens run in a form whose
-        shapes do not depend on the routing (no host sync; CUDA graphs capture it): each token through
-        its own k experts when that reads fewer than all experts, else every expert on every token
-        with unrouted pairs weighted 0. More tokens loop over the experts that were picked."""
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """x [N, h], ids/weights [N, k] -> [N, h] in `out_dtype` (default x's: a partial output that is
+        summed over ranks is kept in fp32, so the sum rounds once). Up to STATIC_MOE_TOKENS tokens run
+        in a form whose shapes do not depend on the routing (no host sync; CUDA graphs capture it):
+        each token through its own k experts when that reads fewer than all experts, else every expert
+        on every token with unrouted pairs weighted 0. More tokens loop over the experts that were picked."""
+        y = self._forward(x, ids, weights, out_dtype or x.dtype)
+        return y if out_dtype is None else y.to(out_dtype)
+
+    def _forward(self, x, ids, weights, out_dtype: torch.dtype) -> torch.Tensor:
         fused = fused_moe_for(x.device.type) if self.use_fused is not False else None
         routed = ids
         if self.expert_parallel:  # this rank's experts only: the others' pairs weigh 0
@@ -190,16 +196,17 @@ class RoutedExperts(nn.Module):
             weights = weights.masked_fill(routed < 0, 0)
             ids = routed.clamp_min(0)
         if fused is not None:
-            return self.fused_forward(fused, x, ids, weights)
+            out = None if out_dtype == x.dtype else torch.empty(x.shape, dtype=out_dtype, device=x.device)
+            return self.fused_forward(fused, x, ids, weights, out)
         N, k = ids.shape
-        if N > STATIC_MOE_TOKENS:
-            return experts_forward(x, routed, weights, self.run_expert, self.num_experts)  # -1 matches no expert
+        if N > STATIC_MOE_TOKENS:  # -1 matches no expert
+            return experts_forward(x, routed, weights, self.run_expert, self.num_experts, out_dtype)
         if N * k <= self.num_experts:
             w1, w2, w3 = (self.stacked_weight(n, ids.reshape(-1)).to(x.dtype) for n in self.NAMES)
             xs = x.repeat_interleave(k, dim=0).unsqueeze(-1)  # [N * k, h, 1]
             act = self.act(torch.bmm(w1, xs), torch.bmm(w3, xs))
             y = torch.bmm(w2, act)[..., 0].float().view(N, k, -1)
-            return (y * weights.float().unsqueeze(-1)).sum(1).to(x.dtype)
+            return (y * weights.float().unsqueeze(-1)).sum(1).to(out_dtype)
         every = torch.arange(self.num_experts, device=x.device)
         w1, w2, w3 = (self.stacked_weight(n, every).to(x.dtype) for n in self.NAMES)
         act = self.act(torch.einsum("nh,eih->eni", x, w1), torch.einsum("nh,eih->eni", x, w3))
@@ -209,9 +216,10 @@ class RoutedExperts(nn.Module):
             dense.scatter_add_(1, ids, weights.float())
         else:
             dense.scatter_(1, ids, weights.float())
-        return torch.einsum("enh,ne->nh", y, dense).to(x.dtype)
+        return torch.einsum("enh,ne->nh", y, dense).to(out_dtype)
 
-    def fused_forward(self, fused, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def fused_forward(self, fused, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
         """The fused kernel's forward (`ops.moe.triton.fused_moe`): same contract as `forward`."""
         beta, linear_beta = self.situ_betas
         if self.mxfp4:
@@ -220,7 +228,7 @@ class RoutedExperts(nn.Module):
         else:
             w1, w2, w3, scales = self.w1, self.w2, self.w3, {}
         return fused(x, w1, w2, w3, ids, weights.float(), activation=self.activation, situ_beta=beta,
-                     situ_linear_beta=linear_beta, **scales)
+                     situ_linear_beta=linear_beta, out=out, **scales)
 
 
 class SparseMoE(nn.Module):
@@ -259,9 +267,10 @@ class SparseMoE(nn.Module):
         ids, weights = self.gate(x)
         latent = hasattr(self, "routed_expert_down_proj")
         h = p.tp_all_gather(self.routed_expert_down_proj(x), dim=-1) if latent else x
-        y = self.experts(h, ids, weights)
+        # a partial over the TP group stays fp32 until the sum (a bf16 partial moved bf16 EP-2 results by 2e-3)
+        y = self.experts(h, ids, weights, torch.float32 if p.tp_size > 1 else None)
         if latent:
-            y = combine_expert_outputs(y, p)
+            y = combine_expert_outputs(y, p).to(x.dtype)
             if hasattr(self, "routed_expert_norm"):
                 y = self.routed_expert_norm(y)
             if p.tp_size > 1:
@@ -269,4 +278,4 @@ class SparseMoE(nn.Module):
             y = self.routed_expert_up_proj(y)
         if hasattr(self, "shared_experts"):
             y = y + self.shared_experts(x)
-        return p.tp_all_reduce(y).view(shape)
+        return p.tp_all_reduce(y).to(x.dtype).view(shape)

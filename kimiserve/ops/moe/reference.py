@@ -53,11 +53,12 @@ def experts_forward(
     weights: torch.Tensor,
     expert_fn: Callable[[int, torch.Tensor], torch.Tensor],
     num_experts: int,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """sum_j weights[n, j] * expert_{ids[n, j]}(x[n]) for every token n.
 
     x: [N, h]; expert_fn(e, rows) runs expert e on rows of x (h -> h). Outputs are combined in
-    fp32 and returned in x's dtype.
+    fp32 and returned in `out_dtype` (default x's dtype).
     """
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for e in range(num_experts):
@@ -66,7 +67,7 @@ def experts_forward(
             continue
         y = expert_fn(e, x[token_idx])
         out.index_add_(0, token_idx, y.float() * weights[token_idx, slot].unsqueeze(-1).float())
-    return out.to(x.dtype)
+    return out.to(out_dtype or x.dtype)
 
 
 def fused_moe_reference(
