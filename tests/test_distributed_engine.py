@@ -284,3 +284,34 @@ def test_bad_layouts_are_clear_errors(parallel, message):
         return
     with pytest.raises(ValueError, match=message):
         LLM(kw.pop("model"), **kw)
+
+
+@pytest.mark.parametrize("parallel", [dict(prefill_context_parallel_size=2), dict(prefill_context_parallel_size=3),
+                                      dict(prefill_context_parallel_size=2, tensor_parallel_size=2)],
+                         ids=["pcp2", "pcp3", "tp2-pcp2"])
+def test_token_sharded_prefill_matches_one_process(checkpoint, single, parallel):
+    """One prompt at a time (its prefill a step of its own, so it runs token-sharded over the PCP ranks,
+    every prompt length not divisible by the rank count): the one-process engine's greedy tokens, and
+    the same through a prefix hit that restores KDA state."""
+    llm = LLM(checkpoint, master_port=free_port(), **dict(ENGINE, max_num_batched_tokens=256), **parallel)
+    got = recorded_logits(llm)
+    runner, sharded = llm.engine.runner, []
+    forward = runner._forward_token_sharded
+    runner._forward_token_sharded = lambda step: (sharded.append(len(step.token_ids)), forward(step))[1]
+    try:
+        outs = [llm.generate([p], GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in PROMPTS]
+        assert outs == single
+        assert sorted(sharded) == sorted(len(p) for p in PROMPTS if len(p) >= 2 * llm.engine.args.prefill_context_parallel_size)
+        again = llm.generate([PROMPTS[2] + [4, 5, 6, 7, 8]], GREEDY, use_tqdm=False)[0]
+        assert again.num_cached_tokens > 0
+        llm.engine.check_idle()
+    finally:
+        llm.engine.shutdown()
+    ref = LLM(checkpoint, **dict(ENGINE, max_num_batched_tokens=256))
+    expected = recorded_logits(ref)
+    for p in PROMPTS:
+        ref.generate([p], GREEDY, use_tqdm=False)
+    assert again.outputs[0].token_ids == ref.generate([PROMPTS[2] + [4, 5, 6, 7, 8]], GREEDY,
+                                                      use_tqdm=False)[0].outputs[0].token_ids
+    errors = sorted(float((got[key] - row).norm() / row.norm()) for key, row in expected.items())
+    assert len(errors) == len(got) and errors[len(errors) // 2] < 1e-5 and errors[-1] < 1e-3, errors

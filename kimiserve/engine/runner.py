@@ -16,6 +16,10 @@ from kimiserve.model.model import KimiForCausalLM
 from kimiserve.ops.backend import select_decode_ops
 
 
+MIN_PCP_TOKENS_PER_RANK = 2
+"""Fewest prompt tokens per PCP rank for a chunk to run token-sharded (shorter ones run whole)."""
+
+
 @dataclass
 class ChunkResult:
     samples: list[tuple[int, TokenLogprobs | None]] = field(default_factory=list)
@@ -64,6 +68,7 @@ class ModelRunner:
         self.graphs = None
         """DecodeGraphs replaying decode-only steps (CUDA), or None: every step runs eagerly."""
         parallel = getattr(model, "parallel", None)
+        self.parallel = parallel
         self.dcp = None
         """The DCP group when the sequences' tokens are split over ranks (`ForwardBatch.dcp`)."""
         if parallel is not None and parallel.dcp_size > 1:
@@ -113,6 +118,8 @@ class ModelRunner:
             self.pool.copy_pages([s for s, _ in step.copies], [d for _, d in step.copies])
         if step.fresh_state_pages:
             self.pool.zero_state(torch.tensor(step.fresh_state_pages, device=self.device))
+        if self._token_sharded(step):
+            return self._forward_token_sharded(step)
         seq_chunks = [c.to_sequence_chunk() for c in step.chunks]
         n = len(seq_chunks)
         if self.graphs is not None and step.logit_rows == list(range(n)) and len(step.token_ids) == n:
@@ -123,6 +130,30 @@ class ModelRunner:
         input_ids = torch.tensor(step.token_ids, device=self.device)
         rows = torch.tensor(step.logit_rows, device=self.device, dtype=torch.long)
         return self.model.forward_batch(input_ids, batch, rows)
+
+    def _token_sharded(self, step: "StepInput") -> bool:
+        """Prefill context parallel: a step made of one prefill chunk of at least MIN_PCP_TOKENS_PER_RANK
+        tokens per rank is split over the PCP ranks; any other step runs whole on every PCP rank."""
+        p = self.parallel
+        return (p is not None and p.pcp_size > 1 and len(step.chunks) == 1
+                and step.chunks[0].end - step.chunks[0].start >= MIN_PCP_TOKENS_PER_RANK * p.pcp_size)
+
+    def _forward_token_sharded(self, step: "StepInput") -> torch.Tensor:
+        """This rank's contiguous share of the step's one prefill chunk; the layers exchange what
+        crosses the shares (`ForwardBatch.pcp`) and every rank gets every logits row."""
+        from kimiserve.distributed.prefill_cp import PrefillShard
+
+        c = step.chunks[0]
+        b0 = c.context_start
+        shard = PrefillShard.from_context(self.parallel, b0, b0 + c.end - c.start)
+        lo, hi = shard.start - b0, shard.end - b0
+        snapshot = None if c.snapshot_state_pages is None else torch.tensor(c.snapshot_state_pages)
+        local = SequenceChunk(0, hi - lo, shard.start, torch.tensor(c.block_table), torch.tensor(c.state_pages),
+                              snapshot)
+        batch = ForwardBatch.build(self.pool, [local], self.device, self.ops)
+        batch.pcp = shard
+        input_ids = torch.tensor(step.token_ids[lo:hi], device=self.device)
+        return self.model.forward_batch(input_ids, batch, torch.tensor(step.logit_rows, device=self.device))
 
     def sample(self, sched: SchedulerOutput, plans: list[tuple], logits: torch.Tensor) -> list[ChunkResult]:
         """The driver's part: prompt logprobs and one token per sample, per chunk."""

@@ -65,6 +65,10 @@ class ForwardBatch:
     """The paged decode ops (Triton kernels on CUDA, references elsewhere)."""
     write_rows: torch.Tensor | None = None
     """int64: the packed rows whose latents and index keys this rank stores (None: every row)."""
+    pcp: object | None = None
+    """Token-sharded prefill (`distributed.prefill_cp.PrefillShard`), or None. The batch is then this
+    rank's contiguous share [pcp.start, pcp.end) of ONE prefill chunk (`chunks[0]`: its rows, with
+    the whole chunk's pages); the layers exchange what crosses the shards (KDA states, MLA context)."""
     dcp: object | None = None
     """Decode context parallel (`distributed.dcp.DcpGroup` of size > 1), or None: a sequence's block
     table then lists virtual pages of dcp x block_size tokens; token p lives on DCP rank

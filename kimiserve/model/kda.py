@@ -137,6 +137,8 @@ class KimiDeltaAttention(nn.Module):
         varlen chunked form (`batch.ops.kda_prefill`); each reads and writes its state page of this
         layer. A chunk with snapshot pages also leaves the state before its last token there: its
         last token runs in a second varlen pass, from the snapshot."""
+        if batch.pcp is not None:
+            return self.paged_mix_token_sharded(q, k, v, g, beta, batch)
         pool, i, ops = batch.pool, self.cache_index, batch.ops
         o = v.new_empty(*v.shape[:2], self.num_heads, self.head_dim)
         rows = batch.decode_rows
@@ -180,3 +182,49 @@ class KimiDeltaAttention(nn.Module):
         pool.recurrent[dst] = states
         for (start, end, _, _), offset in zip(segments, cu_seqlens.tolist()):
             o[:, start:end] = out[:, offset : offset + end - start]
+
+    def paged_mix_token_sharded(self, q, k, v, g, beta, batch: ForwardBatch) -> torch.Tensor:
+        """`paged_mix` for this rank's share of a token-sharded prefill chunk (`batch.pcp`): the KDA
+        states cross the shards (`distributed.prefill_cp.kda_mix_cp`: every rank folds the earlier
+        shards' transitions); every rank writes the same final state to the sequence's state page. With
+        a snapshot the shards run up to the prompt's last token, whose owner (the last rank) runs it
+        from the snapshot and broadcasts the final state."""
+        import torch.distributed as dist
+
+        from kimiserve.distributed.prefill_cp import PrefillShard, kda_mix_cp
+
+        pool, i, shard = batch.pool, self.cache_index, batch.pcp
+        chunk = batch.chunks[0]
+        page = chunk.state_pages[i : i + 1]
+        conv0, state0 = pool.conv[page], pool.recurrent[page]
+        kda_fn = batch.ops.kda_prefill
+        snapshot = chunk.snapshot_state_pages
+        if snapshot is None:
+            o, conv, state = kda_mix_cp(self, q, k, v, g, beta, shard, conv0, state0, kda_fn)
+            pool.conv[page], pool.recurrent[page] = conv.to(pool.conv.dtype), state.to(pool.recurrent.dtype)
+            return o
+        last = shard.rank == shard.size - 1
+        bounds = (*shard.bounds[:-1], shard.bounds[-1] - 1)  # the last rank keeps the last token back
+        head = PrefillShard(bounds, shard.rank, shard.group, shard.stats)
+        n = head.length
+        o_head, conv_s, state_s = kda_mix_cp(self, q[:, :n], k[:, :n], v[:, :n], g[:, :n], beta[:, :n], head,
+                                             conv0, state0, kda_fn)
+        snap = snapshot[i : i + 1]
+        pool.conv[snap], pool.recurrent[snap] = conv_s.to(pool.conv.dtype), state_s.to(pool.recurrent.dtype)
+        conv_f = torch.empty_like(pool.conv[page])
+        state_f = torch.empty_like(pool.recurrent[page])
+        o = v.new_empty(*v.shape[:2], self.num_heads, self.head_dim)
+        o[:, :n] = o_head
+        if last:
+            qh, kh, vh, conv = self.short_conv(q[:, n:], k[:, n:], v[:, n:], conv_s.to(pool.conv.dtype))
+            out, state = kda_fn(qh, kh, vh, g[:, n:], beta[:, n:], state_s.to(pool.recurrent.dtype), None)
+            o[:, n:] = out
+            conv_f.copy_(conv)
+            state_f.copy_(state)
+        if shard.size > 1:
+            owner = dist.get_global_rank(shard.group, shard.size - 1)
+            dist.broadcast(conv_f, src=owner, group=shard.group)
+            dist.broadcast(state_f, src=owner, group=shard.group)
+        pool.conv[page], pool.recurrent[page] = conv_f, state_f
+        return o
+

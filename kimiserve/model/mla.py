@@ -147,6 +147,8 @@ class MLAAttention(nn.Module):
         through the paged decode ops; a longer chunk runs through the same ops with one row per
         query token when `ops.prefill_in_place` (the kernels read the pages in place), else by
         gathering its context into the masked full-sequence form (the reference)."""
+        if batch.pcp is not None:
+            return self.forward_token_sharded(x, batch)
         layer, pool, ops = self.cache_index, batch.pool, batch.ops
         N, L = x.shape[1], self.kv_lora_rank
         q_nope, q_pe, q_latent = self.query(x)
@@ -190,6 +192,44 @@ class MLAAttention(nn.Module):
                 q_nope[:, span], q_pe[:, span], latent[..., :L], latent[..., L:], w_kc, w_vc, self.scale, mask
             )
         return self.output(x, o.reshape(1, N, -1))
+
+    def forward_token_sharded(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """`forward_paged` for this rank's share x [1, T_r, d] of a token-sharded prefill chunk
+        (`batch.pcp`): one all-gather gives every rank the chunk's latents and index keys, every rank
+        writes all of them to its pages (each rank's pool holds every token), then this rank's queries
+        attend over the cached tokens before them read back from the pool, as the one-rank prefill does
+        (`distributed.prefill_cp.mla_prefill_cp`: the indexer's exact top-k, sparse MLA)."""
+        from kimiserve.distributed.prefill_cp import PrefillShard, gather_chunks, mla_prefill_cp
+
+        layer, pool, ops, shard = self.cache_index, batch.pool, batch.ops, batch.pcp
+        chunk = batch.chunks[0]
+        q_nope, q_pe, q_latent = self.query(x)
+        c, k_pe = self.latent(x)
+        latent = torch.cat([c, k_pe], dim=-1)
+        indexer = getattr(self, "indexer", None)
+        keys = indexer.keys(x) if indexer is not None else None
+        width = latent.shape[-1]
+        rows = gather_chunks(torch.cat([latent, keys.to(latent.dtype)], dim=-1) if keys is not None else latent,
+                             shard, "mla_tokens")[0]
+        table = chunk.block_table.to(x.device)
+        positions = torch.arange(shard.bounds[0], shard.bounds[-1], device=x.device)
+        pool.write_mla(layer, table[positions // pool.block_size], positions % pool.block_size, rows[:, :width],
+                       rows[:, width:] if keys is not None else None, ops.write_mla_tokens)
+        ctx = torch.arange(shard.end, device=x.device)  # every token up to this rank's last query
+        pages, offsets = table[ctx // pool.block_size], ctx % pool.block_size
+        cached = pool.read_latents(layer, pages, offsets, x.dtype).unsqueeze(0)
+        cached_keys = pool.read_index_keys(layer, pages, offsets, x.dtype).unsqueeze(0) if keys is not None else None
+        mine = PrefillShard((shard.start, shard.end))  # the attention of this rank's queries alone
+        iq = iw = None
+        if indexer is not None:
+            iq, iw = indexer.queries(x, q_latent)
+        w_kc, w_vc = split_kv_b(self.kv_b_proj.weight, self.num_heads, self.nope)
+        res = mla_prefill_cp(q_nope, q_pe, cached[:, shard.start:], w_kc, w_vc, self.scale, mine,
+                             index_keys=None if cached_keys is None else cached_keys[:, shard.start:],
+                             index_q=iq, index_w=iw, topk=indexer.topk if indexer is not None else None,
+                             context_latent=cached[:, :shard.start],
+                             context_keys=None if cached_keys is None else cached_keys[:, :shard.start])
+        return self.output(x, res.o.reshape(1, x.shape[1], -1))
 
     def attend_pages(self, x, q_nope, q_pe, q_latent, w_kc, w_vc, tables, lens, max_context: int,
                      batch: ForwardBatch) -> torch.Tensor:

@@ -160,7 +160,28 @@ class KimiForCausalLM(nn.Module):
     def forward_batch(self, input_ids: torch.Tensor, batch: ForwardBatch, logits_rows: torch.Tensor) -> torch.Tensor:
         """Serving forward of packed tokens ids [N] through the page cache -> fp32 logits of `logits_rows` [M, vocab]."""
         h = self.model(input_ids.unsqueeze(0), batch)[0]
+        if batch.pcp is not None:
+            return self.token_sharded_logits(h, batch.pcp, logits_rows)
         return self.logits(h[logits_rows])
+
+    def token_sharded_logits(self, h: torch.Tensor, shard, logits_rows: torch.Tensor) -> torch.Tensor:
+        """Logits of the chunk rows `logits_rows` (0 = the chunk's first token) when this rank holds only
+        rows [shard.start, shard.end) - b_0 of it: each rank computes the rows it holds, one all-gather
+        (padded to the most rows any rank holds) gives every rank all of them, in row order."""
+        import torch.distributed as dist
+
+        b0 = shard.bounds[0]
+        rows = logits_rows.tolist()
+        counts = [sum(lo - b0 <= r < hi - b0 for r in rows) for lo, hi in zip(shard.bounds, shard.bounds[1:])]
+        mine = [r - (shard.start - b0) for r in rows if shard.start - b0 <= r < shard.end - b0]
+        local = self.logits(h[torch.tensor(mine, dtype=torch.long, device=h.device)])
+        if shard.size == 1:
+            return local
+        width = max(counts)
+        padded = torch.cat([local, local.new_zeros(width - len(mine), local.shape[1])]) if width > len(mine) else local
+        parts = [torch.empty_like(padded) for _ in range(shard.size)]
+        dist.all_gather(parts, padded.contiguous(), group=shard.group)
+        return torch.cat([part[:n] for part, n in zip(parts, counts)])
 
 
 def _generator(seed: int, name: str, device: torch.device) -> torch.Generator:
