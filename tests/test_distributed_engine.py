@@ -287,8 +287,10 @@ def test_bad_layouts_are_clear_errors(parallel, message):
 
 
 @pytest.mark.parametrize("parallel", [dict(prefill_context_parallel_size=2), dict(prefill_context_parallel_size=3),
-                                      dict(prefill_context_parallel_size=2, tensor_parallel_size=2)],
-                         ids=["pcp2", "pcp3", "tp2-pcp2"])
+                                      dict(prefill_context_parallel_size=2, tensor_parallel_size=2),
+                                      dict(prefill_context_parallel_size=2, tensor_parallel_size=2,
+                                           decode_context_parallel_size=2)],
+                         ids=["pcp2", "pcp3", "tp2-pcp2", "tp2-dcp2-pcp2"])
 def test_token_sharded_prefill_matches_one_process(checkpoint, single, parallel):
     """One prompt at a time (its prefill a step of its own, so it runs token-sharded over the PCP ranks,
     every prompt length not divisible by the rank count): the one-process engine's greedy tokens, and

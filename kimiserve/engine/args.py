@@ -95,9 +95,6 @@ class EngineArgs:
             positive(name)
         world = self.parallel_config()
         world.validate()
-        if world.pcp > 1 and world.dcp > 1:
-            raise ValueError("prefill_context_parallel_size and decode_context_parallel_size cannot both be > 1 yet: "
-                             "token-sharded prefill writes every token on every rank")
         if world.world_size % self.nnodes:
             raise ValueError(f"the world size ({world.world_size} = tensor_parallel_size x "
                              f"prefill_context_parallel_size) must be a multiple of nnodes ({self.nnodes})")

@@ -150,7 +150,7 @@ class ModelRunner:
         snapshot = None if c.snapshot_state_pages is None else torch.tensor(c.snapshot_state_pages)
         local = SequenceChunk(0, hi - lo, shard.start, torch.tensor(c.block_table), torch.tensor(c.state_pages),
                               snapshot)
-        batch = ForwardBatch.build(self.pool, [local], self.device, self.ops)
+        batch = ForwardBatch.build(self.pool, [local], self.device, self.ops, self.dcp)
         batch.pcp = shard
         input_ids = torch.tensor(step.token_ids[lo:hi], device=self.device)
         return self.model.forward_batch(input_ids, batch, torch.tensor(step.logit_rows, device=self.device))

@@ -213,12 +213,16 @@ class MLAAttention(nn.Module):
                              shard, "mla_tokens")[0]
         table = chunk.block_table.to(x.device)
         positions = torch.arange(shard.bounds[0], shard.bounds[-1], device=x.device)
-        pool.write_mla(layer, table[positions // pool.block_size], positions % pool.block_size, rows[:, :width],
-                       rows[:, width:] if keys is not None else None, ops.write_mla_tokens)
-        ctx = torch.arange(shard.end, device=x.device)  # every token up to this rank's last query
-        pages, offsets = table[ctx // pool.block_size], ctx % pool.block_size
-        cached = pool.read_latents(layer, pages, offsets, x.dtype).unsqueeze(0)
-        cached_keys = pool.read_index_keys(layer, pages, offsets, x.dtype).unsqueeze(0) if keys is not None else None
+        if batch.dcp is None:
+            pool.write_mla(layer, table[positions // pool.block_size], positions % pool.block_size, rows[:, :width],
+                           rows[:, width:] if keys is not None else None, ops.write_mla_tokens)
+            ctx = torch.arange(shard.end, device=x.device)  # every token up to this rank's last query
+            pages, offsets = table[ctx // pool.block_size], ctx % pool.block_size
+            cached = pool.read_latents(layer, pages, offsets, x.dtype).unsqueeze(0)
+            cached_keys = (pool.read_index_keys(layer, pages, offsets, x.dtype).unsqueeze(0)
+                           if keys is not None else None)
+        else:
+            cached, cached_keys = self._token_sharded_dcp_context(rows, width, positions, table, batch)
         mine = PrefillShard((shard.start, shard.end))  # the attention of this rank's queries alone
         iq = iw = None
         if indexer is not None:
@@ -230,6 +234,47 @@ class MLAAttention(nn.Module):
                              context_latent=cached[:, :shard.start],
                              context_keys=None if cached_keys is None else cached_keys[:, :shard.start])
         return self.output(x, res.o.reshape(1, x.shape[1], -1))
+
+    def _token_sharded_dcp_context(self, rows, width, positions, table, batch: ForwardBatch):
+        """Token-sharded prefill under DCP: this rank stores only the chunk tokens its DCP rank owns; the
+        attention context is the cached tokens before the chunk (each DCP rank reads its share, one
+        all-gather reassembles them in position order) followed by the gathered chunk tokens as the
+        cache returns them (the format's round trip, per token)."""
+        from kimiserve.cache.formats import roundtrip_index_key, roundtrip_latent
+        from kimiserve.distributed.dcp import dcp_global_position, dcp_local_count
+
+        layer, pool, ops, dcp, shard = self.cache_index, batch.pool, batch.ops, batch.dcp, batch.pcp
+        bs, D = pool.block_size, dcp.size
+        mine = (positions // bs) % D == dcp.rank
+        own = positions[mine]
+        keys = rows[:, width:] if rows.shape[1] > width else None
+        pool.write_mla(layer, table[own // (bs * D)], own % bs, rows[mine, :width],
+                       keys[mine] if keys is not None else None, ops.write_mla_tokens)
+        lat = roundtrip_latent(rows[:, :width], pool.kv_cache_dtype, pool.latent_scales[layer])
+        if keys is not None:
+            keys = roundtrip_index_key(keys, pool.kv_cache_dtype, pool.layout.index_key_rotation)
+        b0 = shard.bounds[0]
+        dev, dt = rows.device, rows.dtype
+        context = torch.zeros(b0, rows.shape[1], dtype=dt, device=dev)
+        if b0:
+            n_local = dcp_local_count(b0, dcp.rank, bs, D)
+            local = torch.arange(n_local, device=dev)
+            pages, offsets = table[local // bs], local % bs
+            part = pool.read_latents(layer, pages, offsets, dt)
+            if keys is not None:
+                part = torch.cat([part, pool.read_index_keys(layer, pages, offsets, dt)], dim=-1)
+            width_max = dcp_local_count(b0, 0, bs, D)  # rank 0 holds the most
+            padded = torch.cat([part, part.new_zeros(width_max - n_local, part.shape[1])])
+            import torch.distributed as dist
+
+            parts = [torch.empty_like(padded) for _ in range(D)]
+            dist.all_gather(parts, padded.contiguous(), group=dcp.group)
+            for r, got in enumerate(parts):
+                n = dcp_local_count(b0, r, bs, D)
+                context[dcp_global_position(torch.arange(n, device=dev), r, bs, D)] = got[:n]
+        chunk_rows = torch.cat([lat, keys], dim=-1) if keys is not None else lat
+        full = torch.cat([context, chunk_rows])[: shard.end].unsqueeze(0)
+        return full[..., :width], (full[..., width:] if keys is not None else None)
 
     def attend_pages(self, x, q_nope, q_pe, q_latent, w_kc, w_vc, tables, lens, max_context: int,
                      batch: ForwardBatch) -> torch.Tensor:
