@@ -7,7 +7,10 @@ import json
 import os
 import subprocess
 import sys
+import pytest
 from pathlib import Path
+
+pytestmark = pytest.mark.fixed_threads  # ranks / servers run with one torch thread: OMP_NUM_THREADS changes nothing
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "benchmarks" / "dcp_traffic.py"

@@ -8,7 +8,10 @@ import math
 import os
 import subprocess
 import sys
+import pytest
 from pathlib import Path
+
+pytestmark = pytest.mark.fixed_threads  # ranks / servers run with one torch thread: OMP_NUM_THREADS changes nothing
 
 REPO = Path(__file__).resolve().parent.parent
 TOP_KEYS = {"benchmark", "device", "date", "commit", "command", "quick", "shapes", "iters", "expert_compute", "limits",

@@ -21,6 +21,8 @@ import uvicorn
 from kimiserve.entrypoints.openai.http_limits import (
     BodyLimitMiddleware, TimeoutH11Protocol, h11_protocol_with_timeouts)
 
+pytestmark = pytest.mark.fixed_threads  # ranks / servers run with one torch thread: OMP_NUM_THREADS changes nothing
+
 LIMIT = 1 << 20
 HEADER_TIMEOUT = 0.8
 BODY_TIMEOUT = 0.8

@@ -9,6 +9,8 @@ from dist_utils import run_ranks
 from kimiserve.config import load_preset
 from kimiserve.distributed.parallel_state import ParallelConfig, ParallelContext
 
+pytestmark = pytest.mark.fixed_threads  # ranks / servers run with one torch thread: OMP_NUM_THREADS changes nothing
+
 
 def test_layout_checks_name_what_does_not_divide():
     tiny = load_preset("tiny")  # 4 KDA and MLA heads, 8 experts

@@ -11,6 +11,8 @@ import pytest
 
 from server_utils import LIGHT_SERVER, metrics, running_server, wait_until
 
+pytestmark = pytest.mark.fixed_threads  # ranks / servers run with one torch thread: OMP_NUM_THREADS changes nothing
+
 PROMPT = "The quick brown fox"
 MESSAGES = [{"role": "user", "content": "Hello, Kimi"}]
 

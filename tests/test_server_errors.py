@@ -12,6 +12,8 @@ import pytest
 
 from server_utils import LIGHT_SERVER, metrics, running_server
 
+pytestmark = pytest.mark.fixed_threads  # ranks / servers run with one torch thread: OMP_NUM_THREADS changes nothing
+
 LONG = "word " * 300  # > 256 tokens
 MSG = [{"role": "user", "content": "hi"}]
 TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {}}}}

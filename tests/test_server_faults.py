@@ -15,6 +15,8 @@ import pytest
 
 from server_utils import metrics, running_server, wait_until
 
+pytestmark = pytest.mark.fixed_threads  # ranks / servers run with one torch thread: OMP_NUM_THREADS changes nothing
+
 ROOT = Path(__file__).resolve().parent
 LAUNCHER = (str(ROOT / "fault_injection.py"),)
 POISON, FATAL = 1000, 1001

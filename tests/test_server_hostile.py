@@ -53,6 +53,8 @@ from kimiserve.entrypoints.openai.protocol import (
 from kimiserve.tokenizer.tokenizer import PACKAGED_TEMPLATE, load_tokenizer
 from server_utils import metrics, running_server, wait_until
 
+pytestmark = pytest.mark.fixed_threads  # ranks / servers run with one torch thread: OMP_NUM_THREADS changes nothing
+
 BODY_LIMIT = 256 * 1024
 MAX_MODEL_LEN = 256
 MAX_NUM_SEQS = 8

@@ -21,6 +21,8 @@ import pytest
 from kimiserve.tokenizer import load_tokenizer
 from server_utils import metrics, running_server, wait_until
 
+pytestmark = pytest.mark.fixed_threads  # ranks / servers run with one torch thread: OMP_NUM_THREADS changes nothing
+
 CONCURRENCY, TOTAL, HANG_UP_EVERY = 64, 500, 10
 HANG_UP_AFTER = 2  # data chunks (= tokens on /v1/completions) read before hanging up
 HANG_UP_MAX_TOKENS = 120

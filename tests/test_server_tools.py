@@ -13,6 +13,8 @@ openai = pytest.importorskip("openai")
 from scripted_model import chat_prompt_ids, make_scripted_checkpoint, tiny_tokenizer  # noqa: E402
 from server_utils import running_server  # noqa: E402
 
+pytestmark = pytest.mark.fixed_threads  # ranks / servers run with one torch thread: OMP_NUM_THREADS changes nothing
+
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather of a city.",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
