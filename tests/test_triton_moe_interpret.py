@@ -80,10 +80,10 @@ def test_dequant_variants(variant):
 
 @pytest.mark.parametrize("tokens", [1, 3, 20])
 def test_default_decode_config(tokens):
-    """The bf16 default for few tokens ("lut", swapped 16 x 64 x 256 tiles) on the tiny preset's expert dims
-    (h = I = 32: a K step longer than K)."""
+    """The bf16 MXFP4 default for few tokens ("lut", unswapped 16 x 64 x 256 tiles) on the tiny preset's
+    expert dims (h = I = 32: a K step longer than K)."""
     cfg = tt.default_config(tokens, 2, 8, torch.bfloat16, True)
-    assert cfg.dequant == "lut" and cfg.up.swap and cfg.block_m == 16
+    assert cfg.dequant == "lut" and not cfg.up.swap and cfg.block_m == 16
     check_case(tt, tokens, 32, 32, 8, 2, torch.bfloat16, True, "situ", "random", "cpu", cfg, seed=tokens)
 
 
@@ -91,7 +91,9 @@ def test_default_config_regimes():
     """BLOCK_M follows the mean rows per expert; fp32 always takes exact dequant with small tiles."""
     k31 = [tt.default_config(n, 16, 896, torch.bfloat16, True) for n in (1, 64, 256, 1024, 8192)]
     assert [c.block_m for c in k31] == [16, 16, 16, 32, 128]
-    assert all(c.dequant == "lut" for c in k31) and k31[0].up.swap and not k31[-1].up.swap
+    assert all(c.dequant == "lut" for c in k31)
+    assert [c.up.swap for c in k31] == [False, False, False, True, False]
+    assert tt.default_config(1, 2, 8, torch.bfloat16, False).up.swap  # bf16 weights: swapped
     assert tt.default_config(8192, 16, 896, torch.float32, True).dequant == "exact"
     assert tt.default_config(4, 8, 256, torch.bfloat16, False).up.block_k == 128
 

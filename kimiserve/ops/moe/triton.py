@@ -102,9 +102,9 @@ class MoEConfig:
 def default_config(num_tokens: int, top_k: int, num_experts: int, dtype: torch.dtype, mxfp4: bool) -> MoEConfig:
     """The launch config for a batch: BLOCK_M from the mean rows per expert, tiles by regime.
 
-    Not yet tuned on a GPU (benchmarks/moe_layer.py times the alternatives; --sass shows their sm_90
-    builds): up to 8 rows per expert (K3.1: 256 tokens) 16-row blocks in the swapped form, 64 weight
-    rows x 256 K per step (5.3 SASS instructions per weight in the loop, 167 registers, no spills);
+    Up to 8 rows per expert (K3.1: 256 tokens) 16-row blocks, 64 weight rows x 256 K per step; for
+    MXFP4 the unswapped form, the fastest variant of benchmarks/moe_layer.py's H200 sweep at 1-256
+    K3.1 tokens (~15% under the swapped one); bf16 weights keep the swapped form (not re-measured);
     up to 24, 32-row blocks, still swapped; then 64- and 128-row blocks for the tensor cores."""
     if dtype != torch.bfloat16:  # fp32 (the CPU-sized models) and fp16: exact dequant, IEEE or fp16 dots
         small = GemmTiles(block_n=32, block_k=32, num_warps=4, num_stages=2)
@@ -112,7 +112,7 @@ def default_config(num_tokens: int, top_k: int, num_experts: int, dtype: torch.d
     dequant = "exact" if not mxfp4 else "lut"
     mean_rows = num_tokens * top_k / max(1, num_experts)
     if mean_rows <= 8:  # bf16 weights: 128-wide K steps (shared memory: two weight tiles per stage)
-        tiles = GemmTiles(block_n=64, block_k=256 if mxfp4 else 128, num_warps=4, num_stages=3, swap=True)
+        tiles = GemmTiles(block_n=64, block_k=256 if mxfp4 else 128, num_warps=4, num_stages=3, swap=not mxfp4)
         return MoEConfig(block_m=16, up=tiles, down=tiles, dequant=dequant)
     if mean_rows <= 24:  # still one weight tile per block: the swapped form, wgmma N = 32
         tiles = GemmTiles(block_n=64, block_k=256 if mxfp4 else 128, num_warps=4, num_stages=3, swap=True)
