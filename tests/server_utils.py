@@ -109,12 +109,13 @@ def running_server(*args: str, env: dict[str, str] | None = None, check_exit: bo
             server.check_clean_exit(code)
 
 
-def metrics(url: str) -> dict[str, float]:
-    """GET /metrics -> {'kimiserve:name{labels}': value} (labels without model_name; sorted)."""
+def metrics(url: str, prefix: str = "kimiserve:") -> dict[str, float]:
+    """GET /metrics -> {'kimiserve:name{labels}': value} (labels without model_name; sorted); `prefix`
+    "vllm:" for the vLLM-named copies."""
     text = httpx.get(f"{url}/metrics", timeout=10).text
     out: dict[str, float] = {}
     for line in text.splitlines():
-        if not line.startswith("kimiserve:"):
+        if not line.startswith(prefix):
             continue
         name, value = line.rsplit(" ", 1)
         match = re.match(r"([^{]+)\{(.*)\}", name)

@@ -249,3 +249,37 @@ def test_timeout_fails_requests(server):
     res, _ = run(server, num_prompts=2, input_len=4, output_len=3, timeout=0.01)
     assert res["completed"] == 0 and res["failed"] == 2
     assert all(e.startswith("timed out after 0.01 s") for e in res["errors"])
+
+
+def test_vllm_bench_serve_flags(server, tmp_path, capsys):
+    """`vllm bench serve`'s common flags: --backend picks the endpoint, --host/--port the server, the random
+    dataset's lengths, --save-result with vLLM's file name under --result-dir."""
+    url, state = server
+    port = url.rsplit(":", 1)[1]
+    args = parse(["--backend", "openai-chat", "--host", "127.0.0.1", "--port", port, "--dataset-name", "random",
+                  "--random-input-len", "9", "--random-output-len", "4", "--num-prompts", "3", "--ignore-eos",
+                  "--max-concurrency", "2", "--save-result", "--result-dir", str(tmp_path / "out"),
+                  "--disable-tqdm"])
+    reset(state)
+    assert main(args) == 0
+    (saved,) = (tmp_path / "out").iterdir()
+    assert saved.name.startswith("openai-chat-infqps-concurrency2-fake-model-") and saved.suffix == ".json"
+    data = json.loads(saved.read_text())
+    assert data["backend"] == "openai-chat" and data["endpoint"] == "/v1/chat/completions"
+    assert data["completed"] == 3 and data["input_len"] == 9 and data["output_lens"] == [4] * 3
+    assert data["base_url"] == url
+    assert [len(b["messages"][0]["content"].split()) for b in state["bodies"]] == [9] * 3
+    assert all(b["max_tokens"] == 4 for b in state["bodies"])
+    args = parse(["--backend", "vllm", "--base-url", url, "--random-input-len", "10", "--random-output-len", "6",
+                  "--random-range-ratio", "0.5", "--num-prompts", "12", "--seed", "1", "--save-result",
+                  "--result-dir", str(tmp_path), "--result-filename", "r.json", "--disable-tqdm"])
+    reset(state)
+    assert main(args) == 0
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert data["backend"] == "vllm" and data["endpoint"] == "/v1/completions" and data["completed"] == 12
+    lens = [len(b["prompt"]) for b in state["bodies"]]
+    outs = sorted(b["max_tokens"] for b in state["bodies"])
+    assert all(5 <= n <= 15 for n in lens) and len(set(lens)) > 1 and sorted(data["input_lens"]) == sorted(lens)
+    assert all(3 <= n <= 9 for n in outs) and len(set(outs)) > 1 and sorted(data["output_lens"]) == outs
+    with pytest.raises(SystemExit):
+        parse(["--dataset-name", "sharegpt"])

@@ -5,6 +5,11 @@ Sends `--num-prompts` random prompts to `/v1/completions` (token-id prompts) or
 process of `--request-rate` per second (inf: all at once), and reports TTFT, TPOT, ITL and
 end-to-end latency like `vllm bench serve`. Times in the JSON arrays are seconds; the summary
 statistics (`*_ms`) are milliseconds.
+
+`vllm bench serve`'s common flags work too: `--backend` (vllm/openai: completions, openai-chat:
+chat), `--host`/`--port` (instead of `--base-url`), `--dataset-name random` with
+`--random-input-len`/`--random-output-len`/`--random-range-ratio`, `--ignore-eos`, and
+`--save-result` (with `--result-dir`/`--result-filename`; vLLM's default file name).
 """
 
 from __future__ import annotations
@@ -27,6 +32,9 @@ import numpy as np
 from kimiserve.utils.progress import ProgressBar
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
+BACKENDS = {"vllm": "/v1/completions", "openai": "/v1/completions", "openai-chat": "/v1/chat/completions"}
+"""`vllm bench serve --backend` names and the endpoint each loads."""
+DATASETS = ("random",)
 METRICS = (("ttft", "TTFT", "Time to First Token"), ("tpot", "TPOT", "Time per Output Token (excl. 1st token)"),
            ("itl", "ITL", "Inter-token Latency"), ("e2el", "E2EL", "End-to-end Latency"))
 PERCENTILES = (50, 90, 99)
@@ -42,9 +50,17 @@ WORDS = ("the of and to in is it you that he was for on are with as his they be 
 class BenchConfig:
     """Settings of one benchmark run; the CLI flags of the same names."""
 
-    base_url: str
+    base_url: str | None = None
+    """Server root; None: http://HOST:PORT from `host` and `port`."""
     model: str | None = None
-    endpoint: str = "/v1/completions"
+    endpoint: str | None = None
+    """None: the backend's endpoint."""
+    backend: str = "openai"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    dataset_name: str = "random"
+    random_range_ratio: float = 0.0
+    """Prompt and output lengths are drawn uniformly from [len * (1 - r), len * (1 + r)] (vLLM's flag)."""
     num_prompts: int = 100
     concurrency: int = 16
     request_rate: float = math.inf
@@ -55,6 +71,10 @@ class BenchConfig:
     seed: int = 0
     api_key: str | None = None
     result_file: str | None = None
+    save_result: bool = False
+    result_dir: str | None = None
+    result_filename: str | None = None
+    ignore_eos: bool = True
     disable_tqdm: bool = False
     timeout: float = 600.0
 
@@ -66,6 +86,20 @@ class BenchConfig:
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad setting; normalise the URL."""
+        if self.backend not in BACKENDS:
+            raise ValueError(f"--backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        if self.dataset_name not in DATASETS:
+            raise ValueError(f"--dataset-name must be one of {', '.join(DATASETS)} (the only dataset here), got "
+                             f"{self.dataset_name!r}")
+        if self.endpoint is None:
+            self.endpoint = BACKENDS[self.backend]
+        if self.base_url is None:
+            if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 < self.port < 65536:
+                raise ValueError(f"--port must be in [1, 65535], got {self.port!r}")
+            host = f"[{self.host}]" if ":" in self.host else self.host
+            self.base_url = f"http://{host}:{self.port}"
+        if not isinstance(self.random_range_ratio, (int, float)) or not 0 <= self.random_range_ratio < 1:
+            raise ValueError(f"--random-range-ratio must be in [0, 1), got {self.random_range_ratio!r}")
         url = (self.base_url or "").strip().rstrip("/")
         try:
             parts = urlsplit(url)
@@ -106,9 +140,14 @@ class RequestResult:
 def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the `kimiserve bench serve` flags to `parser`."""
     a = parser.add_argument
-    a("--base-url", required=True, help="server root, e.g. http://127.0.0.1:8000")
+    a("--base-url", default=None, help="server root, e.g. http://127.0.0.1:8000 (default: http://HOST:PORT)")
+    a("--host", default="127.0.0.1", help="server host, when --base-url is not given")
+    a("--port", type=int, default=8000, help="server port, when --base-url is not given")
     a("--model", default=None, help="model id to request (default: the first id of GET /v1/models)")
-    a("--endpoint", default="/v1/completions", choices=ENDPOINTS, help="API to load")
+    a("--backend", default="openai", choices=tuple(BACKENDS),
+      help="vllm bench serve's backend: vllm and openai load /v1/completions, openai-chat /v1/chat/completions")
+    a("--endpoint", default=None, choices=ENDPOINTS, help="API to load (default: the backend's)")
+    a("--dataset-name", default="random", choices=DATASETS, help="prompts: random token ids (or words for chat)")
     a("--num-prompts", type=int, default=100, help="number of requests to send")
     a("--concurrency", "--max-concurrency", dest="concurrency", type=int, default=16,
       help="most requests in flight at once")
@@ -116,22 +155,46 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
       help="mean arrivals per second (Poisson); inf sends all at once, limited by --concurrency")
     a("--burstiness", type=float, default=1.0,
       help="gamma shape of the arrival gaps: 1 is Poisson, < 1 burstier, > 1 more even")
-    a("--input-len", type=int, default=128, help="prompt tokens per request (chat: about as many words)")
-    a("--output-len", type=int, default=64, help="max_tokens per request (sent with ignore_eos=true)")
+    a("--input-len", "--random-input-len", dest="input_len", type=int, default=128,
+      help="prompt tokens per request (chat: about as many words)")
+    a("--output-len", "--random-output-len", dest="output_len", type=int, default=64,
+      help="max_tokens per request (sent with ignore_eos=true)")
+    a("--random-range-ratio", type=float, default=0.0,
+      help="draw each request's input and output lengths uniformly from [len * (1 - r), len * (1 + r)]")
+    a("--ignore-eos", action="store_true", default=True,
+      help="accepted as vllm bench serve's flag: requests always send ignore_eos=true (random prompts)")
     a("--vocab-size", type=int, default=1000, help="random prompt token ids are drawn from [0, vocab-size)")
     a("--seed", type=int, default=0, help="seed of the prompts and arrival times")
     a("--api-key", default=None, help="Bearer token (default: $KIMISERVE_API_KEY, then $OPENAI_API_KEY)")
     a("--result-file", default=None, metavar="PATH", help="write the results as JSON to PATH")
+    a("--save-result", action="store_true", help="write the results as JSON to --result-dir/--result-filename "
+      "(default name: BACKEND-RATEqps[-concurrencyN]-MODEL-DATE.json, as vLLM names it)")
+    a("--result-dir", default=None, help="folder of --save-result's file (default: the current one)")
+    a("--result-filename", default=None, help="file name of --save-result's file")
     a("--disable-tqdm", action="store_true", help="no progress line on stderr")
     a("--timeout", type=float, default=600.0, help="seconds one request may take in all")
+
+
+def _lengths(rng: random.Random, length: int, ratio: float, n: int) -> list[int]:
+    if ratio == 0:
+        return [length] * n
+    lo, hi = max(1, int(length * (1 - ratio))), max(1, int(length * (1 + ratio)))
+    return [rng.randint(lo, hi) for _ in range(n)]
 
 
 def make_prompts(config: BenchConfig) -> list[list[int] | str]:
     """Seeded random prompts: token-id lists for completions, word strings for chat."""
     rng = random.Random(config.seed)
+    lengths = _lengths(rng, config.input_len, config.random_range_ratio, config.num_prompts)
     if config.endpoint == "/v1/chat/completions":
-        return [" ".join(rng.choice(WORDS) for _ in range(config.input_len)) for _ in range(config.num_prompts)]
-    return [[rng.randrange(config.vocab_size) for _ in range(config.input_len)] for _ in range(config.num_prompts)]
+        return [" ".join(rng.choice(WORDS) for _ in range(n)) for n in lengths]
+    return [[rng.randrange(config.vocab_size) for _ in range(n)] for n in lengths]
+
+
+def output_lens(config: BenchConfig) -> list[int]:
+    """max_tokens of each request (seeded; all `output_len` unless --random-range-ratio is set)."""
+    return _lengths(random.Random(f"{config.seed}-outputs"), config.output_len, config.random_range_ratio,
+                    config.num_prompts)
 
 
 def arrival_gaps(n: int, rate: float, burstiness: float = 1.0, seed: int = 0) -> list[float]:
@@ -142,8 +205,8 @@ def arrival_gaps(n: int, rate: float, burstiness: float = 1.0, seed: int = 0) ->
     return [rng.gammavariate(burstiness, 1.0 / (rate * burstiness)) for _ in range(n)]
 
 
-def _payload(config: BenchConfig, prompt: list[int] | str) -> dict:
-    body = {"model": config.model, "max_tokens": config.output_len, "temperature": 0.0, "ignore_eos": True,
+def _payload(config: BenchConfig, prompt: list[int] | str, max_tokens: int) -> dict:
+    body = {"model": config.model, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
     if config.endpoint == "/v1/chat/completions":
         body["messages"] = [{"role": "user", "content": prompt}]
@@ -178,13 +241,15 @@ def _chunk_tokens(choice: dict, chunk: dict, seen_usage: int) -> int | None:
     return len(items) if isinstance(items, list) and items else 1
 
 
-async def send_request(client: httpx.AsyncClient, config: BenchConfig, prompt: list[int] | str) -> RequestResult:
+async def send_request(client: httpx.AsyncClient, config: BenchConfig, prompt: list[int] | str,
+                       max_tokens: int | None = None) -> RequestResult:
     """Stream one request and time its chunks; never raises for request failures."""
-    res = RequestResult(prompt_len=len(prompt) if isinstance(prompt, list) else config.input_len)
+    res = RequestResult(prompt_len=len(prompt) if isinstance(prompt, list) else len(prompt.split()))
     counted, usage_out = 0, None
     start = last = time.perf_counter()
     try:
-        async with client.stream("POST", config.endpoint, json=_payload(config, prompt)) as resp:
+        body = _payload(config, prompt, config.output_len if max_tokens is None else max_tokens)
+        async with client.stream("POST", config.endpoint, json=body) as resp:
             if resp.status_code != 200:
                 body = (await resp.aread()).decode("utf-8", "replace")
                 try:
@@ -267,11 +332,11 @@ def summarize(config: BenchConfig, results: list[RequestResult], duration: float
     total_out = sum(r.output_len for r in ok)
     per_s = 1.0 / duration if duration > 0 else 0.0
     out = {
-        "date": datetime.now().strftime("%Y%m%d-%H%M%S"), "backend": "openai", "base_url": config.base_url,
+        "date": datetime.now().strftime("%Y%m%d-%H%M%S"), "backend": config.backend, "base_url": config.base_url,
         "endpoint": config.endpoint, "model_id": config.model, "num_prompts": config.num_prompts,
         "request_rate": config.request_rate if math.isfinite(config.request_rate) else "inf",
         "burstiness": config.burstiness, "max_concurrency": config.concurrency, "input_len": config.input_len,
-        "output_len": config.output_len, "seed": config.seed,
+        "output_len": config.output_len, "random_range_ratio": config.random_range_ratio, "seed": config.seed,
         "completed": len(ok), "failed": len(results) - len(ok), "duration": duration,
         "total_input_tokens": total_in, "total_output_tokens": total_out,
         "request_throughput": len(ok) * per_s, "input_throughput": total_in * per_s,
@@ -306,10 +371,10 @@ async def run_benchmark(config: BenchConfig | argparse.Namespace) -> dict:
         sem = asyncio.Semaphore(config.concurrency)
         bar = ProgressBar(config.num_prompts, desc="bench serve", enabled=not config.disable_tqdm)
 
-        async def one(prompt):
+        async def one(prompt, max_tokens):
             async with sem:
                 try:
-                    res = await asyncio.wait_for(send_request(client, config, prompt), config.timeout)
+                    res = await asyncio.wait_for(send_request(client, config, prompt, max_tokens), config.timeout)
                 except asyncio.TimeoutError:
                     res = RequestResult(error=f"timed out after {config.timeout:g} s")
                 except Exception as e:
@@ -320,10 +385,10 @@ async def run_benchmark(config: BenchConfig | argparse.Namespace) -> dict:
         start = time.perf_counter()
         tasks = []
         with bar:
-            for prompt, gap in zip(prompts, gaps):
+            for prompt, max_tokens, gap in zip(prompts, output_lens(config), gaps):
                 if gap > 0:
                     await asyncio.sleep(gap)
-                tasks.append(asyncio.create_task(one(prompt)))
+                tasks.append(asyncio.create_task(one(prompt, max_tokens)))
             results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
     return summarize(config, list(results), duration)
@@ -358,6 +423,16 @@ def format_results(result: dict) -> str:
     return "\n".join(lines)
 
 
+def saved_result_path(config: BenchConfig, result: dict) -> str:
+    """Where --save-result writes: --result-dir / (--result-filename or vLLM's default name)."""
+    name = config.result_filename
+    if name is None:
+        concurrency = f"-concurrency{config.concurrency}" if config.concurrency is not None else ""
+        model = (config.model or "model").split("/")[-1]
+        name = f"{config.backend}-{result['request_rate']}qps{concurrency}-{model}-{result['date']}.json"
+    return os.path.join(config.result_dir, name) if config.result_dir else name
+
+
 def main(args: argparse.Namespace) -> int:
     """Run from parsed flags: print the table, write --result-file; 0 if any request succeeded, 1 if none,
     2 for bad settings."""
@@ -377,12 +452,14 @@ def main(args: argparse.Namespace) -> int:
     errors = [e for e in result["errors"] if e]
     for message in sorted(set(errors))[:5]:
         print(f"  {errors.count(message)} x {message}", file=sys.stderr)
-    if config.result_file:
+    for path in filter(None, (config.result_file, saved_result_path(config, result) if config.save_result else None)):
         try:
-            with open(config.result_file, "w") as f:
+            if os.path.dirname(path):
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "w") as f:
                 json.dump(result, f, indent=2)
         except OSError as e:
-            print(f"kimiserve bench serve: error: cannot write {config.result_file}: {e}", file=sys.stderr)
+            print(f"kimiserve bench serve: error: cannot write {path}: {e}", file=sys.stderr)
             return 2
     return 0 if result["completed"] else 1
 

@@ -235,6 +235,16 @@ class AsyncLLMEngine:
             self.abort(request_id)  # the add may still happen: this abort follows it
             raise
 
+    async def reset_prefix_cache(self) -> int:
+        """Drop every prefix-cache snapshot between two steps (running requests are untouched); returns
+        the pages that became free."""
+        self._check_alive()
+        if self._loop is None:
+            raise RuntimeError("AsyncLLMEngine.start() was not called")
+        done = self._loop.create_future()
+        self._submit(("reset_prefix_cache", done))
+        return await done
+
     def abort(self, request_id: str) -> None:
         """Abort a request between steps and free its pages; idempotent, thread-safe, never blocks."""
         self._submit(("abort", request_id))
@@ -312,6 +322,11 @@ class AsyncLLMEngine:
     def _apply(self, command: tuple) -> None:
         if command[0] == "fatal":
             raise EngineFatalError(command[1])
+        if command[0] == "reset_prefix_cache":
+            freed = self.engine.reset_prefix_cache()
+            self._stats = self.engine.stats()
+            self._post(_settle, command[1], None, freed)
+            return
         if command[0] == "abort":
             record = self._records.pop(command[1], None)
             if record is not None:
@@ -367,6 +382,8 @@ class AsyncLLMEngine:
         for command in commands:
             if command[0] == "add":
                 self._post(_settle, command[4], error)
+            elif command[0] == "reset_prefix_cache":
+                self._post(_settle, command[1], error)
         self._post(_deliver, [(r.sink, error) for r in records.values()])
         try:
             self._stats = self.engine.stats()
@@ -374,10 +391,10 @@ class AsyncLLMEngine:
             pass
 
 
-def _settle(future: asyncio.Future, error: BaseException | None) -> None:
+def _settle(future: asyncio.Future, error: BaseException | None, result: Any = None) -> None:
     if not future.done():
         if error is None:
-            future.set_result(None)
+            future.set_result(result)
         else:
             future.set_exception(error)
 

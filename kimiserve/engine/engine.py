@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+import time
 from dataclasses import dataclass, field
 
 from kimiserve.cache.allocator import PageAllocator
@@ -13,7 +14,7 @@ from kimiserve.distributed.executor import make_executor
 from kimiserve.engine.args import EngineArgs, tokenizer_source
 from kimiserve.engine.detokenizer import IncrementalDetokenizer
 from kimiserve.engine.errors import REQUEST_FAILED_MESSAGE, EngineFatalError, is_fatal_error
-from kimiserve.engine.outputs import CompletionOutput, RequestOutput, RequestOutputKind
+from kimiserve.engine.outputs import CompletionOutput, RequestOutput, RequestOutputKind, RequestTimes
 from kimiserve.engine.request import Request
 from kimiserve.engine.scheduler import Scheduler
 from kimiserve.engine.worker import pages_needed
@@ -37,6 +38,7 @@ class RequestGroup:
     error: str | None = None
     """Set when the request failed inside the engine (its samples end with finish_reason "error")."""
     prompt_logprobs_sent: bool = False
+    times: RequestTimes = field(default_factory=lambda: RequestTimes(time.monotonic()))
 
     @property
     def finished(self) -> bool:
@@ -143,6 +145,13 @@ class LLMEngine:
         group.samples.append(first)
         self.scheduler.add(first)
 
+    def reset_prefix_cache(self) -> int:
+        """Drop every prefix-cache snapshot (vLLM's reset_prefix_cache; call between steps); returns the
+        pages that became free. Pages the running requests hold keep their references: they are untouched."""
+        free = self.allocator.num_free
+        self.allocator.evict_all()
+        return self.allocator.num_free - free
+
     def abort_request(self, request_id: str) -> None:
         """Stop a request now (between steps) and free its pages; unknown ids are ignored."""
         group = self.groups.pop(request_id, None)
@@ -170,6 +179,11 @@ class LLMEngine:
         sched = self.scheduler.schedule(only=suspect.request if suspect else None)
         if not sched.chunks:
             return []
+        scheduled_at = time.monotonic()
+        for chunk in sched.chunks:
+            group = self.groups.get(chunk.request.request_id)
+            if group is not None and group.times.first_scheduled is None:
+                group.times.first_scheduled = scheduled_at
         self.num_steps += 1
         try:
             results = self.executor.execute(sched)
@@ -267,6 +281,9 @@ class LLMEngine:
 
     def _append_token(self, request: Request, token: int, logprobs) -> None:
         request.output_ids.append(token)
+        group = self.groups.get(request.request_id)
+        if group is not None and group.times.first_token is None:
+            group.times.first_token = time.monotonic()
         if logprobs is not None:
             request.logprobs.append(logprobs)
         stop_str = request.detokenizer.add(token) if request.detokenizer else None
@@ -298,8 +315,10 @@ class LLMEngine:
         if out is None:
             out = RequestOutput(request_id, group.prompt, group.prompt_ids,
                                 [CompletionOutput(s.sample_index, "", [], None, "error") for s in group.samples],
-                                True, None, group.samples[0].num_cached_tokens, group.error)
+                                True, None, group.samples[0].num_cached_tokens, group.error, group.times)
         if out.finished:
+            if group.times.finished is None:
+                group.times.finished = time.monotonic()
             del self.groups[request_id]
         return out
 
@@ -330,7 +349,7 @@ class LLMEngine:
             prompt_logprobs = None if group.prompt_logprobs_sent else prompt_logprobs
             group.prompt_logprobs_sent = True
         return RequestOutput(request_id, group.prompt, group.prompt_ids, outputs, group.finished, prompt_logprobs,
-                             group.samples[0].num_cached_tokens)
+                             group.samples[0].num_cached_tokens, times=group.times)
 
     # introspection -----------------------------------------------------------------------------
     def stats(self) -> dict:

@@ -39,6 +39,22 @@ class CompletionOutput:
 
 
 @dataclass
+class RequestTimes:
+    """When a request reached each stage (time.monotonic() seconds; None until it has), as vLLM's
+    per-request stats: queue time = first_scheduled - arrival, prefill = first_token - first_scheduled,
+    decode = finished - first_token."""
+
+    arrival: float
+    """The engine accepted it (`LLMEngine.add_request`)."""
+    first_scheduled: float | None = None
+    """A step first scheduled a chunk of it (a later preemption does not move this)."""
+    first_token: float | None = None
+    """Its first token (of any sample) was generated."""
+    finished: float | None = None
+    """Its last sample finished."""
+
+
+@dataclass
 class RequestOutput:
     request_id: str
     prompt: str | None
@@ -51,6 +67,8 @@ class RequestOutput:
     error: str | None = None
     """Set when the request failed inside the engine (finish_reason "error"): a message fit for the
     client, without internal details (those are in the engine's log under the request id)."""
+    times: RequestTimes | None = None
+    """The request's stage times so far (the engine's own object: read, do not change)."""
 
 
 def merge_deltas(deltas: list[RequestOutput]) -> RequestOutput:
@@ -71,4 +89,4 @@ def merge_deltas(deltas: list[RequestOutput]) -> RequestOutput:
                                         end.delta_token_ids))
     prompt_logprobs = next((out.prompt_logprobs for out in deltas if out.prompt_logprobs is not None), None)
     return RequestOutput(last.request_id, last.prompt, last.prompt_token_ids, outputs, last.finished, prompt_logprobs,
-                         last.num_cached_tokens, last.error)
+                         last.num_cached_tokens, last.error, last.times)

@@ -1,7 +1,9 @@
 """The OpenAI-compatible HTTP server: `build_app(engine, server_args)` and `run_server(...)`.
 
-Routes: GET /health, /version, /metrics, /v1/models, /v1/models/{id}; POST /v1/completions,
-/v1/chat/completions, /tokenize, /detokenize. Every error is a JSON body in the OpenAI shape.
+Routes: GET/HEAD /health, GET/POST /ping, GET /version, /metrics, /v1/models, /v1/models/{id}; POST
+/v1/completions, /v1/chat/completions, /tokenize, /detokenize, /reset_prefix_cache. Every error is a
+JSON body in the OpenAI shape (the Anthropic shape under /v1/messages); every response carries an
+X-Request-Id header.
 The engine thread starts with the app (lifespan) and stops after uvicorn's graceful shutdown.
 """
 
@@ -9,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import signal
 import sys
@@ -30,6 +31,7 @@ from kimiserve.engine.async_engine import DEAD_MESSAGE, AsyncLLMEngine, EngineDe
 from kimiserve.entrypoints.openai.errors import JSONResponse, OpenAIError, from_validation_error, from_value_error
 from kimiserve.entrypoints.openai.http_limits import BodyLimitMiddleware, h11_protocol_with_timeouts
 from kimiserve.entrypoints.openai.metrics import ServerMetrics
+from kimiserve.entrypoints.openai.middleware import APIKeyMiddleware, RequestIdMiddleware
 from kimiserve.entrypoints.openai.protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest)
 from kimiserve.entrypoints.openai.serving_chat import create_chat_completion, render_chat
@@ -47,40 +49,22 @@ def version() -> str:
         return "0+unknown"
 
 
-class APIKeyMiddleware:
-    """401 in the OpenAI shape for /v1 routes without `Authorization: Bearer <key>` (as vLLM guards)."""
-
-    def __init__(self, app, api_key: str):
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["method"] != "OPTIONS" and scope["path"].startswith("/v1"):
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
-                error = OpenAIError("Incorrect or missing API key: send the header 'Authorization: Bearer <key>'",
-                                    401, None, "invalid_api_key")
-                await error.response()(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(OpenAIError)
-    async def openai_error(_: Request, exc: OpenAIError):
-        return exc.response()
+    async def openai_error(request: Request, exc: OpenAIError):
+        return exc.response(request.url.path)
 
     @app.exception_handler(RequestValidationError)
-    async def validation_error(_: Request, exc: RequestValidationError):
-        return from_validation_error(exc).response()
+    async def validation_error(request: Request, exc: RequestValidationError):
+        return from_validation_error(exc).response(request.url.path)
 
     @app.exception_handler(ValueError)
-    async def value_error(_: Request, exc: ValueError):
-        return from_value_error(exc).response()
+    async def value_error(request: Request, exc: ValueError):
+        return from_value_error(exc).response(request.url.path)
 
     @app.exception_handler(EngineDeadError)
-    async def engine_dead(_: Request, exc: EngineDeadError):
-        return OpenAIError(str(exc), 503, None, "engine_dead").response()
+    async def engine_dead(request: Request, exc: EngineDeadError):
+        return OpenAIError(str(exc), 503, None, "engine_dead").response(request.url.path)
 
     @app.exception_handler(ClientDisconnect)
     async def client_gone(_: Request, exc: ClientDisconnect):
@@ -88,22 +72,26 @@ def _install_error_handlers(app: FastAPI) -> None:
         return Response(status_code=499)
 
     @app.exception_handler(RecursionError)
-    async def too_deep(_: Request, exc: RecursionError):
-        return OpenAIError("the request is nested too deeply", 400).response()
+    async def too_deep(request: Request, exc: RecursionError):
+        return OpenAIError("the request is nested too deeply", 400).response(request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
         message = {404: f"no route {request.method} {request.url.path}",
                    405: f"method {request.method} is not allowed on {request.url.path}"}.get(exc.status_code,
                                                                                             str(exc.detail))
-        response = OpenAIError(message, exc.status_code).response()
+        response = OpenAIError(message, exc.status_code).response(request.url.path)
         response.headers.update(exc.headers or {})
         return response
 
     @app.exception_handler(Exception)
     async def unhandled_error(request: Request, exc: Exception):
         logger.error("unhandled error in %s %s", request.method, request.url.path, exc_info=exc)
-        return internal_error().response()
+        return internal_error().response(request.url.path)
+
+
+RESET_TIMEOUT_S = 60.0
+"""How long POST /reset_prefix_cache waits for the engine thread to get to it between steps."""
 
 
 def build_app(engine: AsyncLLMEngine, args: ServerArgs | None = None) -> FastAPI:
@@ -141,14 +129,30 @@ def build_app(engine: AsyncLLMEngine, args: ServerArgs | None = None) -> FastAPI
     # outside the API-key check: an oversized body is refused (413) before anything else
     app.add_middleware(BodyLimitMiddleware, max_bytes=args.max_request_body_bytes)
     # added last, so it runs first: browsers' preflight requests carry no API key
-    app.add_middleware(CORSMiddleware, allow_origins=args.allowed_origins, allow_methods=["*"], allow_headers=["*"])
+    app.add_middleware(CORSMiddleware, allow_origins=args.allowed_origins, allow_methods=["*"], allow_headers=["*"],
+                       expose_headers=["X-Request-Id"])
+    app.add_middleware(RequestIdMiddleware)  # outermost: every answer, refusals included, carries the id
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
         if engine.errored or not engine.is_running:
             message = DEAD_MESSAGE if engine.errored else "the engine is not running"
             return OpenAIError(message, 503, None, "engine_dead").response()
         return Response(status_code=200)
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping() -> Response:  # SageMaker's health check, as vLLM serves it
+        return await health()
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> Response:
+        try:
+            freed = await asyncio.wait_for(engine.reset_prefix_cache(), RESET_TIMEOUT_S)
+        except EngineDeadError as exc:
+            raise OpenAIError(str(exc), 503, None, "engine_dead") from exc
+        except asyncio.TimeoutError:
+            raise OpenAIError(f"the engine did not answer within {RESET_TIMEOUT_S:g} s", 503) from None
+        return JSONResponse({"status": "ok", "freed_pages": freed})
 
     @app.get("/version")
     async def get_version():

@@ -19,6 +19,18 @@ TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permis
          422: "invalid_request_error", 500: "server_error", 503: "service_unavailable"}
 
 
+ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                   404: "not_found_error", 405: "invalid_request_error", 408: "timeout_error",
+                   413: "request_too_large", 422: "invalid_request_error", 429: "rate_limit_error",
+                   500: "api_error", 503: "overloaded_error", 529: "overloaded_error"}
+"""Anthropic's error types by status (the Messages API's error shape)."""
+
+
+def is_anthropic_path(path: str) -> bool:
+    """Routes that answer errors in the Anthropic shape: /v1/messages and below."""
+    return path == "/v1/messages" or path.startswith("/v1/messages/")
+
+
 def to_json(data: Any) -> str:
     """JSON text that can always go out as UTF-8: a lone surrogate (JSON input may carry one, e.g. an
     echoed prompt or a model name "\\ud800") cannot, so then non-ASCII characters are escaped."""
@@ -53,8 +65,14 @@ class OpenAIError(Exception):
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+    def anthropic_body(self) -> dict[str, Any]:
+        kind = ANTHROPIC_TYPES.get(self.status, "api_error" if self.status >= 500 else "invalid_request_error")
+        return {"type": "error", "error": {"type": kind, "message": self.message}}
+
+    def response(self, path: str | None = None) -> JSONResponse:
+        """The JSON response; in the Anthropic shape when `path` is one of its routes."""
+        body = self.anthropic_body() if path is not None and is_anthropic_path(path) else self.body()
+        return JSONResponse(body, status_code=self.status)
 
     def sse(self) -> str:
         """The error as one server-sent event (for errors after a stream has started)."""

@@ -83,7 +83,7 @@ import h11
 from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from kimiserve.entrypoints.openai.errors import OpenAIError, to_json
+from kimiserve.entrypoints.openai.errors import OpenAIError, is_anthropic_path, to_json
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 16 * 1024 * 1024
 DEFAULT_HEADER_READ_TIMEOUT = 30.0
@@ -101,9 +101,10 @@ def _size(n: int) -> str:
     return f"{n} bytes"
 
 
-def error_body(message: str, status: int) -> bytes:
-    """The OpenAI-shaped JSON body of an error response, as UTF-8."""
-    return to_json(OpenAIError(message, status).body()).encode("utf-8")
+def error_body(message: str, status: int, path: str = "") -> bytes:
+    """The JSON body of an error response, as UTF-8: OpenAI-shaped (Anthropic-shaped on its routes)."""
+    error = OpenAIError(message, status)
+    return to_json(error.anthropic_body() if is_anthropic_path(path) else error.body()).encode("utf-8")
 
 
 def error_headers(body: bytes) -> list[tuple[bytes, bytes]]:
@@ -145,8 +146,8 @@ class BodyLimitMiddleware:
         return (f"the request body is too large: the limit is {_size(self.max_bytes)} and this request sent "
                 f"{what}; start the server with a larger --max-request-body-bytes to allow it")
 
-    async def refuse(self, send, sent: int | None) -> None:
-        body = error_body(self.message(sent), 413)
+    async def refuse(self, scope, send, sent: int | None) -> None:
+        body = error_body(self.message(sent), 413, scope.get("path", ""))
         await send({"type": "http.response.start", "status": 413, "headers": error_headers(body)})
         await send({"type": "http.response.body", "body": body, "more_body": False})
 
@@ -158,7 +159,7 @@ class BodyLimitMiddleware:
         if declared is not None:
             # the server reads exactly `declared` bytes as this request's body (h11 enforces the framing)
             if declared > self.max_bytes:
-                await self.refuse(send, declared)
+                await self.refuse(scope, send, declared)
                 return
             await self.app(scope, receive, send)
             return
@@ -172,7 +173,7 @@ class BodyLimitMiddleware:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.max_bytes:
-                await self.refuse(send, None)
+                await self.refuse(scope, send, None)
                 return
             if chunk:
                 chunks.append(chunk)
