@@ -51,6 +51,10 @@ class UniProcExecutor:
     def execute(self, sched):
         return self.driver.runner.execute(sched)
 
+    def commit_verified(self, accepted: dict[int, int]) -> None:
+        """After a step with speculative verify chunks: `ModelRunner.commit_verified`."""
+        self.driver.runner.commit_verified(accepted)
+
     def check_health(self) -> None:
         pass
 
@@ -167,6 +171,9 @@ class MultiprocExecutor:
     def check_health(self) -> None:
         if self.failed is not None:
             raise EngineFatalError(self.failed)
+
+    def commit_verified(self, accepted: dict[int, int]) -> None:
+        raise NotImplementedError("speculative decoding runs on one rank for now (EngineArgs.speculative refuses more)")
 
     def execute(self, sched):
         self.check_health()

@@ -74,6 +74,10 @@ class EngineArgs:
     """Port of that rendezvous on node 0."""
     distributed_timeout: float = 300.0
     """Seconds a collective may wait for the other ranks before the engine declares them hung and stops."""
+    speculative_config: dict | str | None = None
+    """Speculative decoding, as a JSON object (vLLM's shape): {"method": "ngram", "num_speculative_tokens": K,
+    "prompt_lookup_max": N, "prompt_lookup_min": M} or {"method": "draft_model", "model": PATH,
+    "num_speculative_tokens": K}; off when unset."""
 
     def validate(self) -> None:
         def positive(name):
@@ -104,11 +108,26 @@ class EngineArgs:
             raise ValueError(f"master_port must be in [1, 65535], got {self.master_port!r}")
         if not self.distributed_timeout > 0:
             raise ValueError(f"distributed_timeout must be > 0, got {self.distributed_timeout}")
+        self.speculative()
         if world.world_size > 1 and self.resolved_device().type == "cuda":
             per_node, have = world.world_size // self.nnodes, torch.cuda.device_count()
             if per_node > have:
                 raise ValueError(f"{per_node} ranks per node need {per_node} GPUs, this host has {have}: lower "
                                  f"tensor_parallel_size / prefill_context_parallel_size or add nodes (nnodes)")
+
+    def speculative(self):
+        """The parsed `spec_decode.config.SpeculativeConfig`, or None when speculation is off (ValueError
+        for a bad config or one combined with what speculation does not support yet)."""
+        if self.speculative_config is None:
+            return None
+        from kimiserve.engine.spec_decode.config import SpeculativeConfig
+
+        config = SpeculativeConfig.from_user(self.speculative_config)
+        for name in ("tensor_parallel_size", "decode_context_parallel_size", "prefill_context_parallel_size", "nnodes"):
+            if getattr(self, name) != 1:
+                raise ValueError(f"speculative decoding runs on one rank for now: {name}={getattr(self, name)} "
+                                 f"with speculative_config is not supported (set {name}=1 or drop speculative_config)")
+        return config
 
     def parallel_config(self):
         """The ranks' layout (`kimiserve.distributed.parallel_state.ParallelConfig`)."""

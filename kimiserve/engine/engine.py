@@ -17,6 +17,9 @@ from kimiserve.engine.errors import REQUEST_FAILED_MESSAGE, EngineFatalError, is
 from kimiserve.engine.outputs import CompletionOutput, RequestOutput, RequestOutputKind, RequestTimes
 from kimiserve.engine.request import Request
 from kimiserve.engine.scheduler import Scheduler
+from kimiserve.engine.spec_decode import check_request, make_proposer
+from kimiserve.engine.spec_decode.metrics import SpecDecodeStats
+from kimiserve.engine.spec_decode.verify import accept_drafts
 from kimiserve.engine.worker import pages_needed
 from kimiserve.sampling_params import SamplingParams
 
@@ -97,6 +100,14 @@ class LLMEngine:
         self.allocator = PageAllocator(num_pages, self.block_size, num_state, args.enable_prefix_caching)
         self.scheduler = Scheduler(self.allocator, num_state, args.max_num_seqs, args.max_num_batched_tokens,
                                    args.enable_prefix_caching)
+        self.speculative_config = args.speculative()
+        self.proposer = None
+        """Drafts tokens for the running decodes after each step (speculative decoding), or None."""
+        self.spec_stats = SpecDecodeStats(self.speculative_config.num_speculative_tokens
+                                          if self.speculative_config else 0)
+        if self.speculative_config is not None:
+            self.proposer = make_proposer(self.speculative_config, self)
+            self.scheduler.on_finish = self.proposer.release
         self.groups: dict[str, RequestGroup] = {}
         self._arrivals = itertools.count()
         self._suspects: list[Suspect] = []
@@ -138,6 +149,8 @@ class LLMEngine:
             raise ValueError("stop strings need a tokenizer; this model has none: use stop_token_ids")
         if params.n > self.args.max_num_seqs:
             raise ValueError(f"n={params.n} is more than max_num_seqs={self.args.max_num_seqs}")
+        if self.proposer is not None:
+            check_request(params)
         group = RequestGroup(text, prompt, params, output_kind=output_kind)
         self.groups[request_id] = group
         first = Request(request_id, prompt, params, next(self._arrivals))
@@ -194,6 +207,7 @@ class LLMEngine:
             return [out for out in map(self._output, failed) if out is not None]
         self._isolated_failures = 0
         touched = self._postprocess(sched, results)
+        self._propose()
         if suspect is not None and (suspect.request.finished or suspect.request.num_computed >= suspect.target):
             self._suspects.remove(suspect)
         return [out for out in map(self._output, touched) if out is not None]
@@ -240,18 +254,28 @@ class LLMEngine:
     def _postprocess(self, sched, results) -> dict[str, None]:
         """Advance each chunk's request, keep prompt snapshots, fork n > 1 samples, append tokens, check stops."""
         touched: dict[str, None] = {}
-        for chunk, result in zip(sched.chunks, results):
+        committed: dict[int, int] = {}  # verify chunk (index in the step) -> tokens committed
+        for index, (chunk, result) in enumerate(zip(sched.chunks, results)):
             request = chunk.request
             if request.finished:  # another sample of its request failed earlier in this loop
                 self.scheduler.drop_prompt_snapshot(chunk)
                 continue
-            request.num_computed += chunk.num_tokens
-            self.num_computed_tokens += chunk.num_tokens
+            if not chunk.draft_token_ids:
+                request.num_computed += chunk.num_tokens
+                self.num_computed_tokens += chunk.num_tokens
             request.prompt_logprobs += result.prompt_logprobs
             self.scheduler.keep_prompt_snapshot(chunk)
             if result.error is not None:
                 self._fail(request.request_id, result.error)
                 touched[request.request_id] = None
+                continue
+            if chunk.draft_token_ids:
+                touched[request.request_id] = None
+                kept = self._append_verified(chunk, result)
+                if kept and not request.finished:
+                    request.num_computed += kept  # the fed pending token and the kept drafts before the last token
+                    self.num_computed_tokens += kept
+                    committed[index] = kept
                 continue
             if not result.samples:
                 continue
@@ -270,7 +294,68 @@ class LLMEngine:
                     raise
                 self._fail(request.request_id, exc)
             touched[request.request_id] = None
+        if any(c.draft_token_ids for c in sched.chunks):
+            self._commit_verified(sched, committed)
         return touched
+
+    def _append_verified(self, chunk, result) -> int:
+        """Keep a verify chunk's accepted drafts and the target's next token (until a stop); returns the
+        tokens kept. A failure in appending fails the request alone."""
+        request = chunk.request
+        drafts = chunk.draft_token_ids
+        accepted = accept_drafts(drafts, [t for t, _ in result.samples])
+        self.spec_stats.record(len(drafts), accepted)
+        request.num_draft_tokens += len(drafts)
+        request.num_accepted_tokens += accepted
+        kept = 0
+        try:
+            for token, logprobs in result.samples[: accepted + 1]:
+                self._append_token(request, token, logprobs)
+                kept += 1
+                if request.finished:
+                    break
+        except Exception as exc:  # noqa: BLE001 - this request fails alone
+            if is_fatal_error(exc):
+                raise
+            self._fail(request.request_id, exc)
+        return kept
+
+    def _commit_verified(self, sched, committed: dict[int, int]) -> None:
+        """Replay the kept tokens of the step's verify chunks into their KDA state, release the pages
+        of rejected drafts. A failed replay fails the requests it was for (their state is unknown)."""
+        try:
+            self.executor.commit_verified(committed)
+        except Exception as exc:  # noqa: BLE001 - blamed on the requests whose state it was replaying
+            if is_fatal_error(exc):
+                raise
+            for index in committed:
+                self._fail(sched.chunks[index].request.request_id, exc)
+        for index in committed:
+            request = sched.chunks[index].request
+            if not request.finished:
+                self.scheduler.after_verify(request)
+
+    def _propose(self) -> None:
+        """Draft tokens for every running decode (speculative decoding), verified by the next step."""
+        if self.proposer is None:
+            return
+        decodes = [r for r in self.scheduler.running if r.is_decode]
+        for r in self.scheduler.running:
+            r.spec_token_ids = []
+        if not decodes:
+            return
+        # room for the drafts plus the target's bonus token within max_tokens and max_model_len
+        limits = [min(r.params.max_tokens - len(r.output_ids), self.max_model_len - r.num_tokens) - 1 for r in decodes]
+        try:
+            drafts = self.proposer.propose(decodes, limits)
+        except Exception as exc:  # noqa: BLE001 - no drafts this round; the requests decode as usual
+            if is_fatal_error(exc):
+                raise
+            logger.warning("the speculative proposer failed (%s: %s); decoding without drafts this step",
+                           type(exc).__name__, exc)
+            return
+        for r, d in zip(decodes, drafts):
+            r.spec_token_ids = list(d)
 
     def _attach_detokenizer(self, request: Request) -> None:
         if self.tokenizer is not None:
@@ -361,6 +446,7 @@ class LLMEngine:
             "computed_tokens": self.num_computed_tokens,
             "steps": self.num_steps,
             "failed_requests": self.num_failed_requests,
+            **self.spec_stats.as_dict(),
         }
 
     def cache_summary(self) -> str:
@@ -381,3 +467,5 @@ class LLMEngine:
         if self.scheduler.has_work:
             raise RuntimeError("the engine still has requests")
         self.allocator.check_idle()
+        if self.proposer is not None:
+            self.proposer.check_idle()

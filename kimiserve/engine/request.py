@@ -55,6 +55,11 @@ class Request:
     detokenizer: "IncrementalDetokenizer | None" = None
     streamed_tokens: int = 0
     """Output tokens already reported by streaming outputs."""
+    spec_token_ids: list[int] = field(default_factory=list)
+    """Speculative decoding: drafted tokens after the pending one, verified by the next step."""
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    """Drafted tokens verified for this sample and how many of them were kept."""
 
     @property
     def all_ids(self) -> list[int]:

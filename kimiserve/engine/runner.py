@@ -40,11 +40,13 @@ class StepChunk:
     block_table: list[int]
     state_pages: list[int]
     snapshot_state_pages: list[int] | None = None
+    verify: bool = False
+    """A speculative verify chunk (`SequenceChunk.verify`)."""
 
     def to_sequence_chunk(self) -> SequenceChunk:
         snapshot = None if self.snapshot_state_pages is None else torch.tensor(self.snapshot_state_pages)
         return SequenceChunk(self.start, self.end, self.context_start, torch.tensor(self.block_table),
-                             torch.tensor(self.state_pages), snapshot)
+                             torch.tensor(self.state_pages), snapshot, self.verify)
 
 
 @dataclass
@@ -65,6 +67,9 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         self.ops = select_decode_ops(self.device)
         self.eos_token_id = eos_token_id
+        self.verified: tuple | None = None
+        """(ForwardBatch, step chunk indices of its verify chunks) of the latest step with verify chunks,
+        until `commit_verified` replays the accepted tokens into the KDA state pages."""
         self.graphs = None
         """DecodeGraphs replaying decode-only steps (CUDA), or None: every step runs eagerly."""
         parallel = getattr(model, "parallel", None)
@@ -91,10 +96,17 @@ class ModelRunner:
         for chunk in sched.chunks:
             r, n = chunk.request, chunk.num_tokens
             start = r.num_computed
-            ids.extend(r.all_ids[start : start + n])
+            drafts = chunk.draft_token_ids
+            ids.extend(r.all_ids[start : start + n - len(drafts)] + drafts)
             snapshot = list(chunk.snapshot_state_pages) if n > 1 and chunk.snapshot_state_pages else None
-            chunks.append(StepChunk(row, row + n, start, list(r.block_table), list(r.state_pages), snapshot))
+            chunks.append(StepChunk(row, row + n, start, list(r.block_table), list(r.state_pages), snapshot,
+                                    bool(drafts)))
             first = len(logit_rows)
+            if drafts:  # every row is sampled: row i as if drafts[:i] had been generated
+                logit_rows.extend(range(row, row + n))
+                plans.append((first, start, 0, True))
+                row += n
+                continue
             # prompt logprobs: the row at position p predicts prompt token p + 1; entry 0 is None, so
             # positions below len(r.prompt_logprobs) - 1 were reported before (e.g. before a preemption)
             lo, n_prompt = max(start, len(r.prompt_logprobs) - 1), 0
@@ -129,7 +141,24 @@ class ModelRunner:
         batch = ForwardBatch.build(self.pool, seq_chunks, self.device, self.ops, self.dcp)
         input_ids = torch.tensor(step.token_ids, device=self.device)
         rows = torch.tensor(step.logit_rows, device=self.device, dtype=torch.long)
-        return self.model.forward_batch(input_ids, batch, rows)
+        self.verified = None
+        logits = self.model.forward_batch(input_ids, batch, rows)
+        if batch.verify_inputs is not None:
+            self.verified = (batch, [j for j, c in enumerate(step.chunks) if c.verify])
+        return logits
+
+    @torch.inference_mode()
+    def commit_verified(self, accepted: dict[int, int]) -> None:
+        """After the latest step's verification: for each verify chunk (by its index in the step) whose
+        sequence goes on, replay its first `accepted[j]` tokens (the pending token and the accepted
+        drafts) into its KDA state pages; the other chunks' pages stay at their committed state."""
+        if self.verified is None:
+            return
+        from kimiserve.engine.spec_decode.verify import replay_verified
+
+        batch, order = self.verified
+        self.verified = None
+        replay_verified(self.model, batch, order, accepted)
 
     def _token_sharded(self, step: "StepInput") -> bool:
         """Prefill context parallel: a step made of one prefill chunk of at least MIN_PCP_TOKENS_PER_RANK
@@ -165,7 +194,13 @@ class ModelRunner:
             if n_prompt:
                 nxt = r.prompt_ids[lo + 1 : lo + 1 + n_prompt]
                 res.prompt_logprobs += prompt_logprobs_chunk(logits[first : first + n_prompt], nxt, r.params.prompt_logprobs)
-            if samples:
+            if chunk.draft_token_ids:
+                for i in range(chunk.num_tokens):
+                    sample_rows.append(first + i)
+                    sample_reqs.append(SampleRequest(r.params, r.prompt_ids, r.output_ids + chunk.draft_token_ids[:i],
+                                                     r.seed, self.eos_token_id))
+                    owners.append(res)
+            elif samples:
                 fork = r.params.n if not r.output_ids and r.sample_index == 0 and r.params.n > 1 else 1
                 for i in range(fork):
                     seed = r.seed if i == 0 else sample_seed(r.params.seed, i)

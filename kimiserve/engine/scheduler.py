@@ -25,6 +25,9 @@ class ScheduledChunk:
     """(src, dst) page copies to run before the forward, in order."""
     fresh_state_pages: list[int] = field(default_factory=list)
     """State pages to zero before the forward (a sequence starting from scratch)."""
+    draft_token_ids: list[int] = field(default_factory=list)
+    """Speculative decoding: the drafts fed after the pending token (num_tokens = 1 + len of them); the
+    chunk is verified and only its accepted tokens are committed (`spec_decode.verify`)."""
     snapshot_state_pages: list[int] = field(default_factory=list)
     """Pages that receive the KDA state before the prompt's last token (for a prefix-cache
     snapshot that an identical or extended prompt can restore, leaving one token to compute)."""
@@ -48,6 +51,8 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_prefix_caching = enable_prefix_caching
+        self.on_finish = None
+        """Called with each sample that finishes (the draft-model proposer frees its pages there)."""
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -71,13 +76,15 @@ class Scheduler:
                 break
             if request.status is not Status.RUNNING:
                 continue  # preempted earlier in this step
-            n = min(request.num_pending, budget)
+            drafts = request.spec_token_ids[: budget - 1] if request.is_decode else []
+            n = min(request.num_pending + len(drafts), budget)
             while (chunk := self._reserve(request, n)) is None:
                 victim = max(self.running, key=lambda r: r.arrival)
                 budget += self._preempt(victim, out)
                 if victim is request:
                     break
             if chunk is not None:
+                chunk.draft_token_ids = list(drafts)
                 out.chunks.append(chunk)
                 budget -= n
         while self.waiting and budget > 0 and not out.preempted:
@@ -191,6 +198,16 @@ class Scheduler:
         self.allocator.decref(request.pages)
         request.block_table, request.state_pages = [], []
         request.num_computed = 0
+        request.spec_token_ids = []
+
+    def after_verify(self, request: Request) -> None:
+        """After a verify chunk committed its accepted tokens: release the pages past the committed ones
+        (written only for rejected drafts); the slots of rejected drafts in the last page are
+        overwritten by later tokens."""
+        keep = -(-request.num_computed // self.allocator.block_size)
+        if len(request.block_table) > keep:
+            self.allocator.decref(request.block_table[keep:])
+            del request.block_table[keep:]
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> int:
         """Free the request's pages and requeue it at the front; returns the budget it gave back."""
@@ -219,6 +236,8 @@ class Scheduler:
             self.waiting.remove(request)
         self._release(request)
         request.status, request.finish_reason, request.stop_reason = Status.FINISHED, reason, stop_reason
+        if self.on_finish is not None:
+            self.on_finish(request)
 
     def keep_prompt_snapshot(self, chunk: ScheduledChunk) -> None:
         """After the step: hand the state kept before the prompt's last token to the prefix cache."""

@@ -25,6 +25,10 @@ class SequenceChunk:
     """int64 [num_kda_layers] state page ids."""
     snapshot_state_pages: torch.Tensor | None = None
     """int64 [num_kda_layers]: where to keep the KDA state before the chunk's last token (or None)."""
+    verify: bool = False
+    """A speculative-decoding verify chunk (the pending token plus drafts): KDA layers leave its state
+    pages as they are and keep their inputs in `ForwardBatch.verify_inputs`, replayed for the accepted
+    tokens only (`kimiserve.engine.spec_decode.verify`)."""
 
     @property
     def num_tokens(self) -> int:
@@ -74,6 +78,10 @@ class ForwardBatch:
     table then lists virtual pages of dcp x block_size tokens; token p lives on DCP rank
     (p // block_size) % dcp, in slot p % block_size of the rank's page block_table[p // (dcp x block_size)]."""
 
+    verify_inputs: dict[int, list[tuple[torch.Tensor, ...]]] | None = None
+    """Per KDA layer (cache index): per verify chunk, in `verify_chunks` order, the layer's inputs
+    (q, k, v before the short conv [1, T, H * K], g [1, T, H, K], beta [1, T, H]); filled by the forward."""
+
     @classmethod
     def build(cls, pool: PagePool, chunks: list[SequenceChunk], device: torch.device | str,
               ops: DecodeOps = REFERENCE_OPS, dcp=None) -> "ForwardBatch":
@@ -111,11 +119,17 @@ class ForwardBatch:
             ops=ops,
             write_rows=None if write_rows is None else to(write_rows),
             dcp=dcp,
+            verify_inputs={} if any(c.verify for c in chunks) else None,
         )
 
     @property
     def prefill_chunks(self) -> list[SequenceChunk]:
+        """Chunks of several tokens (prefill chunks and speculative verify chunks)."""
         return [c for c in self.chunks if c.num_tokens > 1]
+
+    @property
+    def verify_chunks(self) -> list[SequenceChunk]:
+        return [c for c in self.chunks if c.verify and c.num_tokens > 1]
 
 
 @dataclass(frozen=True)

@@ -148,7 +148,9 @@ class KimiDeltaAttention(nn.Module):
             qh, kh, vh, conv = self.short_conv(one(q), one(k), one(v), pool.conv[pages])
             pool.conv[pages] = conv
             o[0, rows] = ops.kda_decode(qh, kh, vh, one(g), one(beta), pool.recurrent, pages)[:, 0]
-        chunks = batch.prefill_chunks
+        chunks = [c for c in batch.prefill_chunks if not c.verify]
+        if batch.verify_chunks:
+            self.verify_mix(q, k, v, g, beta, batch, o)
         if chunks:
             first, last = [], []  # (start, end, state page read, state page written)
             for c in chunks:
@@ -163,6 +165,53 @@ class KimiDeltaAttention(nn.Module):
                 if segments:
                     self.prefill_segments(q, k, v, g, beta, segments, o, pool, ops)
         return o
+
+    def verify_mix(self, q, k, v, g, beta, batch: ForwardBatch, o: torch.Tensor) -> None:
+        """Verify chunks (the pending token plus K drafts): outputs in recurrent form, token by token as
+        decode runs them, from a copy of each state page; the pages stay at the committed state and the
+        inputs are kept for `replay_verified`, so a rejected draft costs no recompute of the prefix."""
+        pool, i, ops = batch.pool, self.cache_index, batch.ops
+        chunks = batch.verify_chunks
+        kept = batch.verify_inputs.setdefault(i, [])
+        pages = torch.stack([c.state_pages[i] for c in chunks])
+        conv_in = pool.conv[pages]
+        mixed = []
+        for j, c in enumerate(chunks):
+            rows = slice(c.start, c.end)
+            kept.append((q[:, rows], k[:, rows], v[:, rows], g[:, rows], beta[:, rows]))
+            mixed.append(self.short_conv(q[:, rows], k[:, rows], v[:, rows], conv_in[j : j + 1])[:3])
+        states = pool.recurrent[pages].clone()
+        self._recurrent_steps(mixed, [c.num_tokens for c in chunks], [(g, beta, c.start) for c in chunks], states,
+                              torch.arange(len(chunks), device=states.device), ops,
+                              lambda j, t, out: o.__setitem__((0, chunks[j].start + t), out))
+
+    def replay_verified(self, pool, ops, pages: torch.Tensor, inputs: list[tuple[torch.Tensor, ...]],
+                        accepted: list[int]) -> None:
+        """Advance this layer's state pages `pages` [B] (one per committed verify chunk, the state at the
+        chunk's start) over the first accepted[j] tokens of inputs[j] (`ForwardBatch.verify_inputs`):
+        short conv and the recurrent form token by token, the same ops a decode step runs."""
+        conv_in = pool.conv[pages]
+        mixed, gates = [], []
+        for j, ((q, k, v, g, beta), m) in enumerate(zip(inputs, accepted)):
+            qh, kh, vh, conv = self.short_conv(q[:, :m], k[:, :m], v[:, :m], conv_in[j : j + 1])
+            pool.conv[pages[j : j + 1]] = conv
+            mixed.append((qh, kh, vh))
+            gates.append((g, beta, 0))
+        self._recurrent_steps(mixed, accepted, gates, pool.recurrent, pages, ops, None)
+
+    @staticmethod
+    def _recurrent_steps(mixed, lengths, gates, states, ids, ops, emit) -> None:
+        """Token t of every sequence longer than t, batched, through `ops.kda_decode` on states[ids]."""
+        for t in range(max(lengths)):
+            active = [j for j, n in enumerate(lengths) if n > t]
+            pick = lambda seq: torch.cat([seq[j][:, t : t + 1] for j in active])  # noqa: E731
+            qh, kh, vh = (pick([m[a] for m in mixed]) for a in range(3))
+            gt = torch.cat([gates[j][0][:, gates[j][2] + t : gates[j][2] + t + 1] for j in active])
+            bt = torch.cat([gates[j][1][:, gates[j][2] + t : gates[j][2] + t + 1] for j in active])
+            out = ops.kda_decode(qh, kh, vh, gt, bt, states, ids[active] if len(active) < len(lengths) else ids)
+            if emit is not None:
+                for row, j in enumerate(active):
+                    emit(j, t, out[row, 0])
 
     def prefill_segments(self, q, k, v, g, beta, segments, o, pool, ops) -> None:
         """Packed rows [start, end) of each segment continue from the state pages `src` and leave
