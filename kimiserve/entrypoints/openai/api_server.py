@@ -35,7 +35,9 @@ from kimiserve.entrypoints.openai.middleware import APIKeyMiddleware, RequestIdM
 from kimiserve.entrypoints.openai.protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest)
 from kimiserve.entrypoints.openai.serving_chat import create_chat_completion, render_chat
+from kimiserve.entrypoints.openai.protocol_messages import CountTokensRequest, MessagesRequest
 from kimiserve.entrypoints.openai.serving_completion import create_completion
+from kimiserve.entrypoints.openai.serving_messages import count_tokens, create_message
 from kimiserve.entrypoints.openai.serving_utils import ServingContext, internal_error, now, token_str
 from kimiserve.entrypoints.openai.server_args import ServerArgs
 
@@ -186,6 +188,14 @@ def build_app(engine: AsyncLLMEngine, args: ServerArgs | None = None) -> FastAPI
     @app.post("/v1/chat/completions", openapi_extra=body_schema(ChatCompletionRequest))
     async def chat_completions(raw: Request) -> Response:
         return await create_chat_completion(ctx, await ctx.parse(raw, ChatCompletionRequest), raw)
+
+    @app.post("/v1/messages", openapi_extra=body_schema(MessagesRequest))
+    async def messages(raw: Request) -> Response:
+        return await create_message(ctx, await ctx.parse(raw, MessagesRequest), raw)
+
+    @app.post("/v1/messages/count_tokens", openapi_extra=body_schema(CountTokensRequest))
+    async def messages_count_tokens(raw: Request) -> Response:
+        return await count_tokens(ctx, await ctx.parse(raw, CountTokensRequest))
 
     @app.post("/tokenize", openapi_extra=body_schema(TokenizeRequest))
     async def tokenize(raw: Request):

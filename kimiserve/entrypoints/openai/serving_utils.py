@@ -357,6 +357,11 @@ class SSEResponse(StreamingResponse):
         self._on_close = on_close
         self._send_timeout = send_timeout
 
+    @property
+    def on_close(self) -> Callable[[], None]:
+        """What runs when the response ends (the abort of its requests)."""
+        return self._on_close
+
     async def __call__(self, scope, receive, send) -> None:
         timeout = self._send_timeout
 
