@@ -32,7 +32,9 @@ VLLM_NAMES = frozenset((
     "prefix_cache_hits", "num_preemptions", "prompt_tokens", "generation_tokens", "request_success",
     "time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds",
     "request_prompt_tokens", "request_generation_tokens", "request_queue_time_seconds",
-    "request_prefill_time_seconds", "request_decode_time_seconds", "request_inference_time_seconds"))
+    "request_prefill_time_seconds", "request_decode_time_seconds", "request_inference_time_seconds",
+    "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
+    "spec_decode_num_accepted_tokens_per_pos"))
 """The metrics vLLM exports under the same name and meaning (also exported as `vllm:NAME`)."""
 
 
@@ -99,6 +101,24 @@ class _EngineCollector:
         yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s["prefix_query_tokens"])
         yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", s["prefix_hit_tokens"])
         yield counter("num_preemptions", "Sequences preempted (freed and recomputed later).", s["preemptions"])
+        if "spec_decode_num_drafts" in s:  # speculative decoding is on
+            yield counter("spec_decode_num_drafts", "Verify rounds (chunks that carried drafts).",
+                          s["spec_decode_num_drafts"])
+            yield counter("spec_decode_num_draft_tokens", "Drafted tokens verified.", s["spec_decode_num_draft_tokens"])
+            yield counter("spec_decode_num_accepted_tokens", "Drafted tokens accepted.",
+                          s["spec_decode_num_accepted_tokens"])
+            yield self._per_position(s["spec_decode_num_accepted_tokens_per_pos"])
+
+    def _per_position(self, counts: list[int]):
+        name = "spec_decode_num_accepted_tokens_per_pos"
+        out = []
+        for prefix in prefixes(name):
+            f = CounterMetricFamily(f"{prefix}:{name}", "Rounds whose draft at this position (0-based) was accepted.",
+                                    labels=["model_name", "position"])
+            for position, count in enumerate(counts):
+                f.add_metric([self.model_name, str(position)], count)
+            out.append(f)
+        return out
 
 
 class ServerMetrics:

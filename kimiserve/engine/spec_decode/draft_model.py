@@ -1,0 +1,148 @@
+"""Draft-model proposer: a kimiserve model with the target's vocabulary drafts K tokens greedily per
+round, batched over the sequences, on its own page pool (its own attention pages and KDA state pages).
+
+Per sequence the draft holds a block table, committed KDA state pages (the state after the sequence's
+tokens [0, num_computed)) and work state pages. A round: one forward catches the draft up on the
+sequence's tokens it has not seen (the first time the whole prompt, later the tokens the last round
+kept: what the target accepted plus its own token) and drafts d_1 from the last row; then K - 1
+one-token steps feed d_1..d_{K-1} on the work pages (a copy of the committed ones), so the committed
+state never sees a draft and needs no rollback. Latents written for drafts are overwritten by the
+next catch-up, which starts at the committed position. Drafts are greedy (argmax within the
+request's allowed_token_ids), i.e. one-hot draft distributions, which `verify.accept_drafts` is exact for.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from kimiserve.cache.allocator import PageAllocator
+from kimiserve.cache.layout import CacheLayout
+from kimiserve.cache.pool import PagePool
+from kimiserve.config import resolve_model
+from kimiserve.distributed.parallel_state import ParallelContext
+from kimiserve.engine.runner import ModelRunner, StepChunk, StepInput
+from kimiserve.engine.sampler import Sampler
+from kimiserve.model.loader import load_model
+
+
+@dataclass(eq=False)
+class DraftSequence:
+    block_table: list[int] = field(default_factory=list)
+    state_pages: list[int] = field(default_factory=list)
+    work_pages: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    drafts: list[int] = field(default_factory=list)
+    """The latest round's drafts (after num_computed tokens): reused when no token came since."""
+
+    @property
+    def pages(self) -> list[int]:
+        return self.block_table + self.state_pages + self.work_pages
+
+
+class DraftModelProposer:
+    def __init__(self, config, engine):
+        args = engine.args
+        self.k = config.num_speculative_tokens
+        draft_config = resolve_model(config.model)
+        if draft_config.vocab_size != engine.config.vocab_size:
+            raise ValueError(f"the draft model {config.model!r} has {draft_config.vocab_size} token ids, the target "
+                             f"{engine.config.vocab_size}: a draft model needs the target's tokenizer and vocabulary")
+        device, dtype = engine.device, engine.dtype
+        seed = args.seed if config.draft_seed is None else config.draft_seed
+        self.model = load_model(config.model, dtype, seed, device, ParallelContext.single(device))
+        self.layout = CacheLayout.from_config(self.model.cache_config, args.resolved_kv_cache_dtype(device), dtype, None,
+                                              args.index_key_rotation)
+        self.num_state = len(draft_config.kda_layers)
+        bs = self.layout.block_size
+        num_pages = config.draft_num_pages or math.ceil(engine.allocator.num_pages * engine.block_size / bs)
+        self.pool = PagePool(self.layout, num_pages, device)
+        self.allocator = PageAllocator(num_pages, bs, self.num_state, enable_prefix_caching=False)
+        self.runner = ModelRunner(self.model, self.pool, Sampler(args.seed), engine.eos_token_id)
+        self.sequences: dict[object, DraftSequence] = {}
+        self.num_forwards = 0
+
+    def release(self, request) -> None:
+        seq = self.sequences.pop(request, None)
+        if seq is not None:
+            self.allocator.decref(seq.pages)
+
+    def check_idle(self) -> None:
+        if self.sequences:
+            raise RuntimeError(f"the draft model still holds {len(self.sequences)} sequence(s)")
+        self.allocator.check_idle()
+
+    def _reserve(self, request, k: int) -> DraftSequence | None:
+        """The request's draft sequence with pages for its tokens plus k - 1 drafts; None if the pool is short."""
+        seq = self.sequences.get(request)
+        fresh = seq is None
+        seq = seq or DraftSequence()
+        end = request.num_tokens + k - 1
+        blocks = -(-end // self.allocator.block_size) - len(seq.block_table)
+        need = max(0, blocks) + (2 * self.num_state if fresh else 0)
+        if not self.allocator.can_allocate(need):
+            return None
+        pages = self.allocator.allocate(need)
+        if fresh:
+            seq.state_pages, seq.work_pages = pages[: self.num_state], pages[self.num_state : 2 * self.num_state]
+            pages = pages[2 * self.num_state :]
+            self.sequences[request] = seq
+        seq.block_table += pages
+        return seq
+
+    def _pick(self, logits: torch.Tensor, requests: list) -> list[int]:
+        """Greedy drafts: the argmax within each request's allowed_token_ids."""
+        out = []
+        for row, r in zip(logits, requests):
+            allowed = r.params.allowed_token_ids
+            if allowed:
+                ids = torch.tensor(allowed, device=row.device)
+                out.append(int(ids[torch.argmax(row[ids])]))
+            else:
+                out.append(int(torch.argmax(row)))
+        return out
+
+    @torch.inference_mode()
+    def propose(self, requests: list, limits: list[int]) -> list[list[int]]:
+        drafts = [[] for _ in requests]
+        active = []  # (index, request, seq, k)
+        for i, (r, limit) in enumerate(zip(requests, limits)):
+            k = min(self.k, limit)
+            seq = self.sequences.get(r)
+            if k > 0 and seq is not None and seq.num_computed == r.num_tokens:
+                drafts[i] = seq.drafts[:k]  # not verified last step (the budget): nothing new to see
+            elif k > 0 and (seq := self._reserve(r, k)) is not None:
+                active.append((i, r, seq, k))
+        if not active:
+            return drafts
+        # catch up on the tokens the draft has not seen; d_1 from each chunk's last row
+        ids, chunks, rows, fresh, row = [], [], [], [], 0
+        for _, r, seq, _ in active:
+            new = r.all_ids[seq.num_computed : r.num_tokens]
+            if seq.num_computed == 0:
+                fresh += seq.state_pages
+            chunks.append(StepChunk(row, row + len(new), seq.num_computed, list(seq.block_table), list(seq.state_pages)))
+            ids += new
+            row += len(new)
+            rows.append(row - 1)
+            seq.num_computed = r.num_tokens
+        logits = self.runner.forward(StepInput(ids, chunks, rows, [], fresh))
+        self.num_forwards += 1
+        for (i, *_), token in zip(active, self._pick(logits, [a[1] for a in active])):
+            drafts[i].append(token)
+        # the other drafts one token at a time on the work pages (a copy of the committed state)
+        copies = [(s, w) for _, _, seq, k in active if k > 1 for s, w in zip(seq.state_pages, seq.work_pages)]
+        for step in range(1, max(k for *_, k in active)):
+            going = [a for a in active if a[3] > step]
+            chunks = [StepChunk(j, j + 1, seq.num_computed + step - 1, list(seq.block_table), list(seq.work_pages))
+                      for j, (_, _, seq, _) in enumerate(going)]
+            logits = self.runner.forward(StepInput([drafts[i][-1] for i, *_ in going], chunks, list(range(len(going))),
+                                                   copies if step == 1 else []))
+            self.num_forwards += 1
+            for (i, *_), token in zip(going, self._pick(logits, [a[1] for a in going])):
+                drafts[i].append(token)
+        for i, _, seq, _ in active:
+            seq.drafts = list(drafts[i])
+        return drafts
