@@ -65,3 +65,22 @@ def test_other_weights_draft_preemption_prefix_hits(reference):
 def test_draft_model_errors():
     with pytest.raises(ValueError, match="vocabulary"):
         make_engine(speculative_config=draft(2, model="small"))
+
+
+def test_benchmark_quick(tmp_path):
+    """benchmarks/spec_decode.py --quick runs every method and writes complete rows; speculation gives
+    the tokens of speculation off."""
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import spec_decode
+
+    out = tmp_path / "spec.json"
+    assert spec_decode.main(["--quick", "--batch-sizes", "1", "--kinds", "repetitive,agentic", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["kind"], r["method"]) for r in rows] == [(k, m) for k in ("repetitive", "agentic")
+                                                        for m in ("off", "ngram", "draft")]
+    assert all(r["same_tokens_as_off"] for r in rows if r["method"] != "off")
+    assert all(r["acceptance_length"] == 4.0 for r in rows if r["method"] == "draft")  # the target drafting for itself
