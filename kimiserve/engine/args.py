@@ -51,6 +51,10 @@ class EngineArgs:
     """Fraction of the GPU's memory the engine may use (weights + cache) when no cache size is given."""
     enable_prefix_caching: bool = True
     """Reuse cached prefixes (pages + KDA state snapshots at prompt and request ends)."""
+    batch_invariant: bool = False
+    """Make each sequence's logits and logprobs bit-identical whatever else is in the batch, however it is
+    chunked, cached or preempted (fixed reduction orders: `kimiserve.rl.forward`), and equal to the
+    trainer forward's (`kimiserve.rl.trainer`); slower (benchmarks/batch_invariant.py); one process only."""
     enforce_eager: bool = False
     """Run decode steps eagerly instead of replaying CUDA graphs (CUDA only; a graph is captured the first
     time a padded batch size and context bucket occur)."""
@@ -99,6 +103,11 @@ class EngineArgs:
             positive(name)
         world = self.parallel_config()
         world.validate()
+        if self.batch_invariant and world.world_size > 1:
+            raise ValueError("batch_invariant runs in one process: leave tensor_parallel_size and "
+                             "prefill_context_parallel_size at 1")
+        if self.batch_invariant and self.speculative_config is not None:
+            raise ValueError("batch_invariant does not run speculative decoding yet: drop speculative_config")
         if world.world_size % self.nnodes:
             raise ValueError(f"the world size ({world.world_size} = tensor_parallel_size x "
                              f"prefill_context_parallel_size) must be a multiple of nnodes ({self.nnodes})")

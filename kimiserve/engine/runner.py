@@ -62,8 +62,15 @@ class StepInput:
 
 
 class ModelRunner:
-    def __init__(self, model: KimiForCausalLM, pool: PagePool, sampler: Sampler, eos_token_id: int | None):
+    def __init__(self, model: KimiForCausalLM, pool: PagePool, sampler: Sampler, eos_token_id: int | None,
+                 batch_invariant: bool = False):
         self.model, self.pool, self.sampler = model, pool, sampler
+        self.invariant = None
+        """The batch-invariant forward (`kimiserve.rl.forward.InvariantForward`) in that mode, else None."""
+        if batch_invariant:
+            from kimiserve.rl.forward import InvariantForward
+
+            self.invariant = InvariantForward(model)
         self.device = next(model.parameters()).device
         self.ops = select_decode_ops(self.device)
         self.eos_token_id = eos_token_id
@@ -142,6 +149,8 @@ class ModelRunner:
         input_ids = torch.tensor(step.token_ids, device=self.device)
         rows = torch.tensor(step.logit_rows, device=self.device, dtype=torch.long)
         self.verified = None
+        if self.invariant is not None:
+            return self.invariant.forward_batch(input_ids, batch, rows)
         logits = self.model.forward_batch(input_ids, batch, rows)
         if batch.verify_inputs is not None:
             self.verified = (batch, [j for j, c in enumerate(step.chunks) if c.verify])
@@ -193,7 +202,8 @@ class ModelRunner:
                 res.prompt_logprobs.append(None)  # the first prompt token has no logprob
             if n_prompt:
                 nxt = r.prompt_ids[lo + 1 : lo + 1 + n_prompt]
-                res.prompt_logprobs += prompt_logprobs_chunk(logits[first : first + n_prompt], nxt, r.params.prompt_logprobs)
+                res.prompt_logprobs += prompt_logprobs_chunk(logits[first : first + n_prompt], nxt, r.params.prompt_logprobs,
+                                                             getattr(self.sampler, "log_softmax", torch.log_softmax))
             if chunk.draft_token_ids:
                 for i in range(chunk.num_tokens):
                     sample_rows.append(first + i)

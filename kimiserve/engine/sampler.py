@@ -79,23 +79,24 @@ def _to_token_logprobs(token_lp, rank, top_ids, top_lp) -> list[TokenLogprobs]:
             for lp, rk, ids, lps in zip(token_lp.tolist(), rank.tolist(), top_ids.tolist(), top_lp.tolist())]
 
 
-def logprobs_of(logits: torch.Tensor, token_ids: list[int], n: int) -> list[TokenLogprobs]:
+def logprobs_of(logits: torch.Tensor, token_ids: list[int], n: int, log_softmax=torch.log_softmax) -> list[TokenLogprobs]:
     """TokenLogprobs of token_ids[i] under the log_softmax of logits row i, with n alternatives."""
     ids = torch.tensor(token_ids, dtype=torch.int64, device=logits.device)
-    out = _to_token_logprobs(*ops.logprobs_with_top(torch.log_softmax(logits.float(), -1), ids, n))
+    out = _to_token_logprobs(*ops.logprobs_with_top(log_softmax(logits.float(), -1), ids, n))
     for entry, token in zip(out, token_ids):
         entry.token_id = token
     return out
 
 
-def prompt_logprobs_chunk(logits: torch.Tensor, next_ids: list[int], n: int) -> list[TokenLogprobs]:
+def prompt_logprobs_chunk(logits: torch.Tensor, next_ids: list[int], n: int,
+                          log_softmax=torch.log_softmax) -> list[TokenLogprobs]:
     """Prompt logprobs for one chunk: logits [C, V] at positions [start, end) and next_ids, the
     prompt tokens at positions start+1 .. end. For the prompt's last chunk next_ids has one entry
     fewer than the logits rows (the last row predicts the first output token) and that row is
     ignored. Returns len(next_ids) entries."""
     if len(next_ids) > logits.shape[0]:
         raise ValueError(f"{len(next_ids)} next ids but only {logits.shape[0]} logits rows")
-    return logprobs_of(logits[:len(next_ids)], next_ids, n) if next_ids else []
+    return logprobs_of(logits[:len(next_ids)], next_ids, n, log_softmax) if next_ids else []
 
 
 def prompt_logprobs(logits: torch.Tensor, prompt_ids: list[int], n: int) -> list[TokenLogprobs | None]:
@@ -121,9 +122,17 @@ def _scatter_ones(target: torch.Tensor, ids_per_row: list[list[int]], accumulate
 class Sampler:
     """Turns the batch's logits into tokens; owns the generator of the unseeded rows."""
 
-    def __init__(self, seed: int | None = None):
+    def __init__(self, seed: int | None = None, batch_invariant: bool = False):
         self._seed = seed
         self._generators: dict[torch.device, torch.Generator] = {}
+        self.batch_invariant = batch_invariant
+        """Logprobs and sampling probabilities through the batch-invariant softmaxes (`ops.batch_invariant`)."""
+        if batch_invariant:
+            from kimiserve.ops.batch_invariant import reference as bi
+
+            self.log_softmax, self.softmax = bi.log_softmax, bi.softmax
+        else:
+            self.log_softmax, self.softmax = torch.log_softmax, torch.softmax
 
     def _shared_generator(self, device: torch.device) -> torch.Generator:
         if device not in self._generators:
@@ -247,7 +256,7 @@ class Sampler:
                                                 torch.tensor([p.top_p for p in sub], device=dev),
                                                 torch.tensor([p.min_p for p in sub], device=dev))
             gens = [self._generator(requests[i], dev) for i in rows]
-            token_ids[idx] = ops.sample(torch.softmax(y, dim=-1), gens)
+            token_ids[idx] = ops.sample(self.softmax(y, dim=-1), gens)
         ids = torch.where(valid, token_ids, -1).tolist()  # one host transfer; -1: no finite logit
         for i, t in enumerate(ids):
             if t < 0:
@@ -257,7 +266,7 @@ class Sampler:
         if want:
             n = max(requests[i].params.logprobs for i in want)
             picked = torch.tensor(want, dtype=torch.int64, device=dev)
-            for i, entry in zip(want, logprobs_of(raw[picked], [ids[i] for i in want], n)):
+            for i, entry in zip(want, logprobs_of(raw[picked], [ids[i] for i in want], n, self.log_softmax)):
                 entry.top = entry.top[:requests[i].params.logprobs]
                 results[i] = (ids[i], entry)
         return results

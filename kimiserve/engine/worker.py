@@ -22,7 +22,7 @@ from kimiserve.model.loader import load_model
 
 
 def uses_cuda_graphs(device: torch.device, args: EngineArgs) -> bool:
-    return device.type == "cuda" and not args.enforce_eager
+    return device.type == "cuda" and not args.enforce_eager and not args.batch_invariant
 
 
 class Worker:
@@ -59,7 +59,8 @@ class Worker:
         use_graphs = uses_cuda_graphs(self.device, self.args) and self.parallel.dcp_size == 1  # DCP: eager for now
         reserved = 1 + num_state if use_graphs else 0
         self.pool = PagePool(self.layout, num_pages + reserved, self.device)
-        self.runner = ModelRunner(self.model, self.pool, Sampler(self.args.seed), self.eos_token_id)
+        self.runner = ModelRunner(self.model, self.pool, Sampler(self.args.seed, self.args.batch_invariant),
+                                  self.eos_token_id, batch_invariant=self.args.batch_invariant)
         if use_graphs:
             from kimiserve.engine.cuda_graphs import DecodeGraphs
 

@@ -1,0 +1,252 @@
+"""Batch-invariant ops in pure torch: every output element is computed by a fixed sequence of IEEE
+operations on its own row's inputs, whatever the batch, its size, the row's place in it, the tensor's
+strides or the thread count (the thinking-machines "defeating nondeterminism" argument, on the CPU).
+
+Why this is needed here, measured on this project's CPUs (torch 2.13, AVX-512; tests/test_batch_invariant.py
+keeps checking it): `F.linear` gives a row different bits alone (M = 1: a GEMV) than among other rows
+(M >= 2: a GEMM with another blocking), and `torch.sigmoid` / `F.silu` / `F.softplus` give an element
+different bits in a tensor's vectorised body than in its scalar tail or in a strided tensor. `exp`,
+`log`, `tanh`, `sqrt`, `rsqrt`, `+ - * /` and comparisons give the same bits wherever the element is.
+
+So the ops below use only those, and every reduction is `tree_sum`: pad the reduced dim with zeros to
+a power of two, then add its two halves until one value is left. Each addition is one elementwise IEEE
+add, so the result is a function of the row's values alone; and because extra zero padding up to any
+larger power of two only adds exact zeros in the first levels, a row's sum is the same whatever length
+it was padded to (a batch's longest context, a top-k list or a chunk), up to the sign of an exact zero,
+which the final `+ 0.0` makes positive. Matmuls are products then a `tree_sum` over the contracted dim
+(rows in chunks: the products tensor is bounded), with a custom backward that uses ordinary matmuls
+(gradients need not be bit-exact, only the forward is compared).
+
+Slower than BLAS (several elementwise passes over a [rows, out, in] products tensor per linear), and
+the price is measured by benchmarks/batch_invariant.py. The fp32 compute dtype throughout; outputs
+come back in the input's dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+LINEAR_CHUNK_ELEMENTS = 1 << 22
+"""Rows of a linear run in chunks whose [rows, out, in] products tensor has at most this many elements."""
+
+
+def tree_sum(x: torch.Tensor, dim: int = -1, keepdim: bool = False) -> torch.Tensor:
+    """Sum over `dim` in the fixed pairwise order described in the module doc."""
+    dim = dim % x.dim()
+    n = x.shape[dim]
+    if n == 0:
+        return x.sum(dim, keepdim=keepdim)
+    width = 1 << (n - 1).bit_length()
+    if width != n:
+        pad = list(x.shape)
+        pad[dim] = width - n
+        x = torch.cat([x, x.new_zeros(pad)], dim)
+    while x.shape[dim] > 1:
+        half = x.shape[dim] // 2
+        x = x.narrow(dim, 0, half) + x.narrow(dim, half, half)
+    out = x + 0.0
+    return out if keepdim else out.squeeze(dim)
+
+
+def tree_mean(x: torch.Tensor, dim: int = -1, keepdim: bool = False) -> torch.Tensor:
+    return tree_sum(x, dim, keepdim) / x.shape[dim]
+
+
+def _linear_rows(x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x2 [N, K] (fp32) times w [O, K] (fp32), or per-row weights w [N, O, K]: [N, O]."""
+    N, K = x2.shape
+    O = w.shape[-2]
+    rows = max(1, LINEAR_CHUNK_ELEMENTS // max(1, O * K))
+    parts = []
+    for i in range(0, N, rows):
+        wi = w if w.dim() == 2 else w[i : i + rows]
+        parts.append(tree_sum(x2[i : i + rows, None, :] * wi, -1))
+    return torch.cat(parts) if parts else x2.new_zeros(0, O)
+
+
+class _InvariantLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, w)
+        K, O = w.shape[-1], w.shape[-2]
+        y = _linear_rows(x.reshape(-1, K).float(), w.reshape(-1, O, K).float() if w.dim() == 3 else w.float())
+        return y.view(*x.shape[:-1], O).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, w = ctx.saved_tensors
+        K, O = w.shape[-1], w.shape[-2]
+        g2, x2 = grad.reshape(-1, O).float(), x.reshape(-1, K).float()
+        gx = gw = None
+        if w.dim() == 2:
+            if ctx.needs_input_grad[0]:
+                gx = (g2 @ w.float()).view(x.shape).to(x.dtype)
+            if ctx.needs_input_grad[1]:
+                gw = (g2.T @ x2).to(w.dtype)
+        else:
+            w3 = w.reshape(-1, O, K).float()
+            if ctx.needs_input_grad[0]:
+                gx = torch.bmm(g2.unsqueeze(1), w3)[:, 0].view(x.shape).to(x.dtype)
+            if ctx.needs_input_grad[1]:
+                gw = (g2.unsqueeze(-1) * x2.unsqueeze(1)).view(w.shape).to(w.dtype)
+        return gx, gw
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [..., K] @ weight [O, K]^T -> [..., O] in x's dtype, products and a `tree_sum` in fp32.
+    weight may also be one matrix per row, [N, O, K] for x [N, K] (experts, LoRA: grouped matmuls)."""
+    if weight.dim() == 3 and (x.dim() != 2 or weight.shape[0] != x.shape[0]):
+        raise ValueError(f"per-row weights {tuple(weight.shape)} need x [N, K] with the same N, got {tuple(x.shape)}")
+    return _InvariantLinear.apply(x, weight)
+
+
+class _Sigmoid(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        y = 1.0 / (1.0 + torch.exp(-x))
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        (y,) = ctx.saved_tensors
+        return grad * y * (1.0 - y)
+
+
+def sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """1 / (1 + exp(-x)): torch.sigmoid's vector and tail paths differ; exp's do not."""
+    return _Sigmoid.apply(x)
+
+
+def silu(x: torch.Tensor) -> torch.Tensor:
+    return x * sigmoid(x)
+
+
+def softplus(x: torch.Tensor) -> torch.Tensor:
+    """log(1 + exp(x)), x itself above 20 (torch's threshold)."""
+    return torch.where(x > 20, x, torch.log1p(torch.exp(x.clamp(max=20))))
+
+
+def situ_and_mul(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float | None) -> torch.Tensor:
+    g, u = gate.float(), up.float()
+    act = beta * torch.tanh(g / beta) * sigmoid(g)
+    if linear_beta is not None:
+        u = linear_beta * torch.tanh(u / linear_beta)
+    return (act * u).to(gate.dtype)
+
+
+def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return silu(gate) * up
+
+
+def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """exp(x - max) / tree_sum(...); -inf entries get exactly 0 (a row needs one finite entry)."""
+    m = x.amax(dim, keepdim=True).detach()
+    e = torch.exp(x - m)
+    return e / tree_sum(e, dim, keepdim=True)
+
+
+def log_softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    m = x.amax(dim, keepdim=True).detach()
+    shifted = x - m
+    return shifted - torch.log(tree_sum(torch.exp(shifted), dim, keepdim=True))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`ops.norm.reference.rms_norm` (normalise in fp32, cast, then scale) with a tree mean."""
+    xf = x.float()
+    normed = xf * torch.rsqrt(tree_mean(xf * xf, -1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype) if weight.dtype == x.dtype else (weight.float() * normed).to(x.dtype)
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    normed = xf * torch.rsqrt(tree_mean(xf * xf, -1, keepdim=True) + eps)
+    return (normed * weight.float() * sigmoid(gate.float())).to(x.dtype)
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    centred = xf - tree_mean(xf, -1, keepdim=True)
+    var = tree_mean(centred * centred, -1, keepdim=True)
+    return (centred * torch.rsqrt(var + eps) * weight.float() + bias.float()).to(x.dtype)
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    xf = x.float()
+    return (xf * torch.rsqrt(tree_sum(xf * xf, -1, keepdim=True) + eps)).to(x.dtype)
+
+
+def attn_res_read(running: torch.Tensor, blocks: list[torch.Tensor], norm_weight: torch.Tensor,
+                  proj_weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`ops.attn_res.reference.attn_res_read` with tree reductions."""
+    v = torch.stack([*blocks, running], dim=-2).float()  # [..., n, d]
+    query = norm_weight.float().reshape(-1) * proj_weight.float().reshape(-1)
+    scores = tree_sum(v * query, -1) * torch.rsqrt(tree_mean(v * v, -1) + eps)
+    probs = softmax(scores, -1)
+    return tree_sum(probs.unsqueeze(-1) * v, -2).to(running.dtype)
+
+
+def causal_conv_step(window: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """One token of the short conv: window [..., C, W] (the W-1 earlier inputs, then this one),
+    weight [C, W] -> SiLU(sum_j weight[c, j] window[c, j]) [..., C]."""
+    return silu(tree_sum(window.float() * weight.float(), -1)).to(window.dtype)
+
+
+def kda_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+             state: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token of the KDA delta rule (`ops.kda.reference.recurrent_kda`'s step) for rows of
+    q, k, g [A, H, K], v [A, H, V], beta [A, H] from state [A, H, K, V] (fp32). Returns (o [A, H, V], state)."""
+    S = state * torch.exp(g.float()).unsqueeze(-1)
+    kf = k.float()
+    residual = v.float() - tree_sum(S * kf.unsqueeze(-1), -2)
+    S = S + (beta.float()[..., None, None] * kf.unsqueeze(-1)) * residual.unsqueeze(-2)
+    o = tree_sum(S * (q.float() * scale).unsqueeze(-1), -2)
+    return o, S
+
+
+def indexer_topk(iq: torch.Tensor, iw: torch.Tensor, keys: torch.Tensor, lens: torch.Tensor, topk: int) -> torch.Tensor:
+    """Rows' selected context positions: score(s) = sum_h iw[h] ReLU(iq[h] . keys[s]) over s < lens,
+    the topk best (ties: the earlier token), listed in ascending position order; entries past a row's
+    count are S (= keys.shape[1], "none"). iq [G, Hi, D], iw [G, Hi], keys [G, S, D], lens [G]."""
+    S = keys.shape[1]
+    dots = tree_sum(iq.float()[:, None] * keys.float()[:, :, None], -1)  # [G, S, Hi]
+    scores = tree_sum(dots.relu() * iw.float()[:, None], -1)  # [G, S]
+    visible = torch.arange(S, device=keys.device) < lens.unsqueeze(1)
+    scores = scores.masked_fill(~visible, float("-inf"))
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, : min(topk, S)]
+    order = torch.where(torch.gather(visible, 1, order), order, S)
+    return torch.sort(order, dim=-1).values
+
+
+def sparse_latent_attention(q_abs: torch.Tensor, q_pe: torch.Tensor, latents: torch.Tensor, positions: torch.Tensor,
+                            scale: float) -> torch.Tensor:
+    """Absorbed MLA over listed context tokens: q_abs [G, H, L], q_pe [G, H, R], latents [G, S, L + R]
+    (as the cache returns them), positions [G, n] into them (S = none). Returns [G, H, L] fp32."""
+    S, L = latents.shape[1], q_abs.shape[-1]
+    valid = positions < S
+    picked = torch.gather(latents.float(), 1, positions.clamp(max=S - 1).unsqueeze(-1).expand(-1, -1, latents.shape[-1]))
+    picked = torch.where(valid.unsqueeze(-1), picked, 0.0)  # unlisted slots (maybe never written): exact zeros
+    q = torch.cat([q_abs.float(), q_pe.float()], dim=-1)  # [G, H, L + R]
+    logits = tree_sum(q[:, :, None] * picked[:, None], -1) * scale  # [G, H, n]
+    probs = softmax(logits.masked_fill(~valid[:, None], float("-inf")), -1)
+    return tree_sum(probs.unsqueeze(-1) * picked[:, None, :, :L], -2)
+
+
+def route(router_logits: torch.Tensor, correction_bias: torch.Tensor | None, top_k: int, *, score_func: str,
+          renormalize: bool, scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`ops.moe.reference.route` without expert groups: ties between experts go to the smaller id,
+    the renormalising sum is a tree sum."""
+    logits = router_logits.float()
+    if score_func == "sigmoid":
+        scores = sigmoid(logits)
+    elif score_func == "softmax":
+        scores = softmax(logits, -1)
+    else:
+        raise ValueError(f"score_func must be 'sigmoid' or 'softmax', got {score_func!r}")
+    choice = scores if correction_bias is None else scores + correction_bias.float()
+    ids = torch.sort(choice.detach(), dim=-1, descending=True, stable=True).indices[:, :top_k]
+    weights = scores.gather(1, ids)
+    if renormalize and top_k > 1:
+        weights = weights / (tree_sum(weights, -1, keepdim=True) + 1e-20)
+    return ids, weights * scaling_factor
