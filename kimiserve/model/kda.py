@@ -108,7 +108,7 @@ class KimiDeltaAttention(nn.Module):
         if isinstance(ctx, ForwardBatch):
             o = self.paged_mix(q, k, v, g, beta, ctx)
         else:
-            o, _, _ = self.mix(q, k, v, g, beta)
+            o, _, _ = self.mix(q, k, v, g, beta, chunk_size=getattr(ctx, "kda_chunk_size", 64))
         o = gated_rms_norm(o, heads(self.output_gate(x)), self.o_norm.weight, self.eps)
         return self.o_proj(o.reshape(B, T, H * K))
 
@@ -123,12 +123,14 @@ class KimiDeltaAttention(nn.Module):
         v, cv = causal_conv1d(v, self.v_conv1d.weight, cs[2])
         return l2_normalize(heads(q)), l2_normalize(heads(k)), heads(v), torch.stack([cq, ck, cv], dim=1)
 
-    def mix(self, q, k, v, g, beta, conv_state=None, state=None, recurrent=False):
+    def mix(self, q, k, v, g, beta, conv_state=None, state=None, recurrent=False, chunk_size: int = 64):
         """Short conv + delta rule over [B, T] tokens from (conv_state [B, 3, P, W-1], state [B, H, K, V])
         (zeros when None). Returns (o [B, T, H, V], new conv state, new recurrent state)."""
         q, k, v, conv = self.short_conv(q, k, v, conv_state)
-        rule = recurrent_kda if recurrent else chunk_kda
-        o, state = rule(q, k, v, g, beta, initial_state=state)
+        if recurrent:
+            o, state = recurrent_kda(q, k, v, g, beta, initial_state=state)
+        else:
+            o, state = chunk_kda(q, k, v, g, beta, initial_state=state, chunk_size=chunk_size)
         return o, conv, state
 
     def paged_mix(self, q, k, v, g, beta, batch: ForwardBatch) -> torch.Tensor:

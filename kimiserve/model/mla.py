@@ -10,6 +10,7 @@ from kimiserve.config import ModelConfig
 from kimiserve.model.batch import CacheRoundTrip, ForwardBatch
 from kimiserve.distributed.parallel_state import ParallelContext
 from kimiserve.model.layers import Linear, RMSNorm, Weights
+from kimiserve.model.training import TrainContext, mla_train_forward
 from kimiserve.model.parallel_layers import ColumnParallelLinear, RowParallelLinear, context, divide
 from kimiserve.ops.dtypes import compute_dtype
 from kimiserve.ops.indexer.reference import indexer_scores
@@ -114,10 +115,13 @@ class MLAAttention(nn.Module):
         """x [B, T, d] -> [B, T, d]. Full sequence from scratch, or (ctx a ForwardBatch) packed serving tokens.
 
         With a CacheRoundTrip the full-sequence form reads latents and index keys as the cache would
-        return them, which makes it the oracle of the serving path for lossy cache dtypes.
+        return them, which makes it the oracle of the serving path for lossy cache dtypes. With a
+        TrainContext, the training form (`kimiserve.model.training`).
         """
         if isinstance(ctx, ForwardBatch):
             return self.forward_paged(x, ctx)
+        if isinstance(ctx, TrainContext):
+            return mla_train_forward(self, x, ctx)
         B, T, _ = x.shape
         q_nope, q_pe, q_latent = self.query(x)
         c, k_pe = self.latent(x)

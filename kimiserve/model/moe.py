@@ -9,6 +9,7 @@ from kimiserve.config import ModelConfig
 from kimiserve.distributed.expert_parallel import ExpertPlacement
 from kimiserve.distributed.parallel_state import ParallelContext
 from kimiserve.model.layers import RMSNorm, Source, check_shape, make_param, read
+from kimiserve.model.training import routed_experts_train_forward
 from kimiserve.model.parallel_layers import ColumnParallelLinear, RowParallelLinear, context, divide
 from kimiserve.ops.activation.reference import silu_and_mul, situ_and_mul
 from kimiserve.ops.moe.dispatch import fused_moe_for
@@ -144,6 +145,10 @@ class RoutedExperts(nn.Module):
         self.situ_betas = (config.activation_situ_beta, config.activation_situ_linear_beta)
         self.use_fused: bool | None = None
         """None: the fused kernel wherever `fused_moe_for` offers one; False: always the torch forms."""
+        self.fake_quant = False
+        """Training mode: run float weights rounded through MXFP4 (straight-through gradient)."""
+        self.routed_load: torch.Tensor | None = None
+        """Training mode: tokens routed to each expert since the trainer last read it."""
         for name in self.NAMES:
             out, inp = (h, local_inter) if name == "w2" else (local_inter, h)
             full_out, full_inp = (h, inter) if name == "w2" else (inter, h)
@@ -189,6 +194,8 @@ class RoutedExperts(nn.Module):
         return y if out_dtype is None else y.to(out_dtype)
 
     def _forward(self, x, ids, weights, out_dtype: torch.dtype) -> torch.Tensor:
+        if self.training:
+            return routed_experts_train_forward(self, x, ids, weights).to(out_dtype)
         fused = fused_moe_for(x.device.type) if self.use_fused is not False else None
         routed = ids
         if self.expert_parallel:  # this rank's experts only: the others' pairs weigh 0

@@ -1,0 +1,1 @@
+"""The trained demo model: its synthetic corpus (training and evaluation) and its training loop."""

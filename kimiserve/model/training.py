@@ -1,0 +1,116 @@
+"""Training forms of the model (autograd on the reference ops): what `scripts/train_demo.py` runs.
+
+A `TrainContext` passed as the model's attention context selects them: KDA runs its chunked form
+(as for any full sequence), MLA attends densely or over the indexer's top-k (`sparse`), and the
+indexer, which gets no gradient through a hard top-k, is trained DeepSeek-V3.2-style: a KL loss
+between the MLA attention distribution (summed over heads, renormalised, detached) and the softmax
+of the indexer's scores over the same keys; the indexer reads detached inputs, so that loss moves
+the indexer alone. Routed experts take a dense-dispatch form in training mode (every expert on
+every token, unrouted pairs weighted 0: a handful of batched einsums, no host sync), with optional
+MXFP4 fake quantisation (straight-through) of their weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kimiserve.ops.quant.reference import dequantize_mxfp4, quantize_mxfp4
+
+
+@dataclass
+class TrainContext:
+    """Attention context of a training forward (full sequences from scratch, autograd on)."""
+
+    sparse: bool = False
+    """MLA attends only to the indexer's top-k keys (as served); False: dense causal attention."""
+    kda_chunk_size: int = 64
+    """Chunk of KDA's chunked form: its memory grows with it, its sequential steps shrink."""
+    indexer_losses: list[torch.Tensor] = field(default_factory=list)
+    """One KL term per MLA layer with an indexer, appended by the forward."""
+
+
+def fake_quant_mxfp4(w: torch.Tensor) -> torch.Tensor:
+    """w rounded through MXFP4 (groups of 32 along the last dim) in the forward, identity gradient."""
+    packed, scales = quantize_mxfp4(w.detach())
+    return w + (dequantize_mxfp4(packed, scales, w.dtype) - w).detach()
+
+
+def indexer_kl(probs: torch.Tensor, scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean over query tokens of KL(p || softmax(scores)) over the keys in `mask`.
+
+    probs [B, H, T, S] attention probabilities (detached here), scores [B, T, S] indexer scores,
+    mask [B, T, S] the keys attended (every row has at least one)."""
+    target = probs.detach().sum(1)
+    target = target / target.sum(-1, keepdim=True).clamp_min(1e-20)
+    logq = torch.log_softmax(scores.float().masked_fill(~mask, float("-inf")), dim=-1)
+    terms = torch.where(mask & (target > 0), target * (torch.log(target.clamp_min(1e-20)) - logq), 0.0)
+    return terms.sum(-1).mean()
+
+
+def mla_train_forward(attn, x: torch.Tensor, ctx: TrainContext) -> torch.Tensor:
+    """`MLAAttention` training forward: x [B, T, d] -> [B, T, d]; appends the indexer's KL to ctx."""
+    from kimiserve.ops.indexer.reference import indexer_scores
+    from kimiserve.ops.mla.reference import split_kv_b
+    from kimiserve.ops.topk.reference import causal_topk, selection_mask
+
+    B, T, _ = x.shape
+    q_nope, q_pe, q_latent = attn.query(x)
+    c, k_pe = attn.latent(x)
+    positions = torch.arange(T, device=x.device)
+    mask = (positions.view(1, T) <= positions.view(T, 1)).expand(B, T, T)
+    indexer = getattr(attn, "indexer", None)
+    scores = None
+    if indexer is not None:
+        iq, iw = indexer.queries(x.detach(), q_latent.detach())
+        scores = indexer_scores(iq, indexer.keys(x.detach()), iw)
+        if ctx.sparse:
+            mask = selection_mask(causal_topk(scores.detach(), positions, indexer.topk), T)
+    w_kc, w_vc = split_kv_b(attn.kv_b_proj.weight, attn.num_heads, attn.nope)
+    k_nope = torch.einsum("bsl,hdl->bshd", c, w_kc)
+    v = torch.einsum("bsl,hdl->bshd", c, w_vc)
+    logits = torch.einsum("bthd,bshd->bhts", q_nope, k_nope) + torch.einsum("bthr,bsr->bhts", q_pe, k_pe)
+    probs = torch.softmax((logits * attn.scale).float().masked_fill(~mask.unsqueeze(1), float("-inf")), dim=-1)
+    o = torch.einsum("bhts,bshd->bthd", probs.to(v.dtype), v).reshape(B, T, -1)
+    if scores is not None:
+        ctx.indexer_losses.append(indexer_kl(probs, scores, mask))
+    return attn.output(x, o)
+
+
+def routed_experts_train_forward(experts, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """`RoutedExperts` training forward (float weights): every expert on every token, combined with the
+    routing weights (0 for unrouted pairs), so gradients reach the router through `weights`. Counts the
+    tokens routed to each expert into `experts.routed_load` (for the bias-based load balancing)."""
+    if experts.mxfp4:
+        raise ValueError("training needs float routed experts: build the model with routed_experts_mxfp4=False")
+    w1, w2, w3 = (getattr(experts, n) for n in experts.NAMES)
+    if experts.fake_quant:
+        w1, w2, w3 = fake_quant_mxfp4(w1), fake_quant_mxfp4(w2), fake_quant_mxfp4(w3)
+    E = experts.num_experts
+    act = experts.act(torch.einsum("nh,eih->eni", x, w1.to(x.dtype)), torch.einsum("nh,eih->eni", x, w3.to(x.dtype)))
+    y = torch.einsum("eni,ehi->enh", act, w2.to(x.dtype))
+    dense = torch.zeros(x.shape[0], E, dtype=y.dtype, device=x.device).scatter(1, ids, weights.to(y.dtype))
+    load = torch.bincount(ids.reshape(-1), minlength=E).detach()
+    experts.routed_load = load if experts.routed_load is None else experts.routed_load + load
+    return torch.einsum("enh,ne->nh", y, dense)
+
+
+def enable_training(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """Put `model` in training mode with gradients on every floating parameter except the routers'
+    score-correction biases (moved by load balancing, not by gradients); returns the trained ones."""
+    model.train()
+    trained = []
+    for name, p in model.named_parameters():
+        p.requires_grad_(p.is_floating_point() and not name.endswith("e_score_correction_bias"))
+        if p.requires_grad:
+            trained.append(p)
+    return trained
+
+
+def train_logits(model, input_ids: torch.Tensor, ctx: TrainContext, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 logits of a training forward: [B, T, vocab], or of the flattened positions `rows` only [R, vocab]."""
+    h = model.model(input_ids, ctx)
+    if rows is not None:
+        h = h.reshape(-1, h.shape[-1])[rows]
+    return model.logits(h)

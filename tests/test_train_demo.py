@@ -1,0 +1,106 @@
+"""The demo model's training path: loss falls, the release-format export loads with equal logits."""
+
+import json
+import random
+
+import pytest
+import torch
+
+from kimiserve.demo import corpus
+from kimiserve.demo.train import TOKENIZER_DIR, BatchStream, TrainArgs, batch_loss, export, tiny_train_config, train
+from kimiserve.model.loader import load_model
+from kimiserve.model.model import build_model
+from kimiserve.model.training import TrainContext, enable_training, train_logits
+from kimiserve.tokenizer import load_tokenizer
+
+
+def _tiny_model(seed=0):
+    torch.manual_seed(seed)
+    model = build_model(tiny_train_config(routed_experts_mxfp4=False), torch.float32, seed=seed)
+    return model, enable_training(model)
+
+
+def test_loss_falls_and_export_round_trips(tmp_path):
+    model, params = _tiny_model()
+    ids, mask = next(iter(BatchStream(0, 2048, 384, 100, pool=32)))
+    opt = torch.optim.AdamW(params, lr=3e-3)
+    losses, kls = [], []
+    for step in range(10):
+        opt.zero_grad()
+        ctx = TrainContext(sparse=step >= 5, kda_chunk_size=32)
+        ce, kl, _, _ = batch_loss(model, ids, mask, ctx)
+        (ce + kl).backward()
+        opt.step()
+        losses.append(ce.item())
+        kls.append(kl.item())
+    assert losses[-1] < 0.8 * losses[0], losses
+    assert all(k >= 0 for k in kls) and kls[0] > 0, kls
+    # the indexer is trained (its weights moved) by the KL alone: the LM loss does not reach it
+    idx = model.model.layers[1].self_attn.indexer
+    assert idx.wk.weight.grad is not None and idx.wk.weight.grad.abs().sum() > 0
+
+    # export: round non-expert weights to bf16 first, so the float model and the release agree exactly
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".experts." not in name and p.dtype == torch.float32:
+                p.copy_(p.to(torch.bfloat16))
+    folder = export(model, tmp_path / "demo")
+    for f in ("config.json", "chat_template.jinja", "tokenizer.json", "tiktoken.model", "tokenizer_config.json"):
+        assert (folder / f).is_file()
+    cfg = json.loads((folder / "config.json").read_text())["text_config"]
+    assert "mxfp4" in cfg["quantization_config"]["format"] and cfg["index_topk"] == 16
+    loaded = load_model(folder, torch.float32)
+    assert loaded.model.layers[1].block_sparse_moe.experts.w1_packed.dtype == torch.uint8
+    x = ids[:2, :200]
+    for m in model.modules():
+        if hasattr(m, "fake_quant"):
+            m.fake_quant = True
+    with torch.no_grad():
+        ref = train_logits(model, x, TrainContext(sparse=True))
+    got = loaded(x)
+    assert torch.allclose(got, ref, atol=2e-4, rtol=1e-4), (got - ref).abs().max()
+
+
+def test_train_loop_writes_a_loadable_model(tmp_path):
+    args = TrainArgs(out=str(tmp_path / "m"), device="cpu", max_minutes=5, max_steps=3, tokens_per_step=1024,
+                     max_seq_len=320, max_filler_tokens=50, warmup_steps=2, log_every=1, eval_examples=3,
+                     num_workers=0)
+    lines = []
+    _, records = train(tiny_train_config(), args, log=lines.append)
+    steps = [r for r in records if r["event"] == "step"]
+    assert [r["step"] for r in steps] == [1, 2, 3] and all(r["step_s"] > 0 for r in steps)
+    assert any(r["event"] == "final_eval" for r in records)
+    assert json.loads(lines[-1])["event"] == "done"
+    info = json.loads((tmp_path / "m" / "training_info.json").read_text())
+    assert info["steps"] == 3 and info["final"]
+    net = load_model(tmp_path / "m", torch.bfloat16)
+    assert net(torch.tensor([768, 5, 6])).shape == (3, 1024)
+
+
+def test_corpus_renders_through_the_chat_template():
+    tok = load_tokenizer(TOKENIZER_DIR)
+    rng = random.Random(1)
+    seen = set()
+    for _ in range(300):
+        ex = corpus.sample(rng, 200)
+        seen.add(ex.kind)
+        ids, mask = corpus.render(tok, ex)
+        text = tok.decode(ids)
+        # segment-wise tokenisation equals tokenising the whole text (segments end at special tokens)
+        assert tok.encode(text, allow_special=True) == ids
+        target = tok.decode([i for i, m in zip(ids, mask) if m])
+        assert target.endswith(corpus.generation_text(ex.messages[-1]))
+        assert text.startswith(tok.apply_chat_template(ex.prompt_messages, tools=ex.tools, add_generation_prompt=True))
+        if ex.messages[-1].get("tool_calls"):  # a tool-call turn renders in the history as generated
+            full = tok.apply_chat_template(ex.messages, tools=ex.tools, add_generation_prompt=False)
+            assert full == text
+    assert seen == {"chat", "multi_turn", "arithmetic", "word_problem", "tool_call", "tool_answer", "no_tool",
+                    "decline", "passkey"}
+
+
+@pytest.mark.parametrize("a,b", [(47, 38), (999, 1), (5, 0), (120, 85)])
+def test_worked_arithmetic_is_right(a, b):
+    assert corpus.addition_steps(a, b).endswith(f"= {a + b}.")
+    hi, lo = max(a, b), min(a, b)
+    assert corpus.subtraction_steps(hi, lo).endswith(f"= {hi - lo}.")
+    assert corpus.multiplication_steps(a % 100, 7).endswith(f"{a % 100 * 7}.")
