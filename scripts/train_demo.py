@@ -2,7 +2,8 @@
 """Train the kimi-demo model (seeded, wall-clock budgeted) and export it in the release format.
 
 GPU run (the shipped checkpoint):   python scripts/train_demo.py --device cuda --out OUT/kimi-demo --max-minutes 8
-CPU smoke run (about two minutes):  python scripts/train_demo.py --quick --out /tmp/kimi-demo-quick
+CPU smoke run (about two minutes, the tiny model of the same structure):
+    python scripts/train_demo.py --quick --out /tmp/kimi-demo-quick
 
 Logs one JSON record per line to stdout (step time of the first steps, loss, token accuracy,
 throughput, held-out teacher-forced exact match every minute) and writes train_log.json and
@@ -20,12 +21,12 @@ from pathlib import Path
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # batch workers fork after the parent tokenised
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kimiserve.demo.train import TrainArgs, demo_config, train  # noqa: E402
+from kimiserve.demo.train import TrainArgs, train  # noqa: E402
 from kimiserve.utils.docs import field_docs  # noqa: E402
 
-QUICK = dict(device="cpu", max_minutes=2.0, tokens_per_step=4096, max_seq_len=512, max_filler_tokens=200,
+QUICK = dict(model="tiny", device="cpu", max_minutes=2.0, tokens_per_step=2048, max_seq_len=512, max_filler_tokens=200,
              warmup_steps=10, log_every=5, eval_every_minutes=0.75, eval_examples=24, export_every_minutes=1.0,
-             num_workers=0, kda_chunk_size=64)
+             num_workers=0, kda_chunk_size=32)
 
 
 def parse(argv=None) -> TrainArgs:
@@ -50,7 +51,7 @@ def main(argv=None) -> None:
 
         if not torch.cuda.is_available():
             raise SystemExit("--device cuda but no CUDA device is visible; use --device cpu (or --quick)")
-    train(demo_config(), args, log=lambda s: print(s, flush=True))
+    train(args.model_config(), args, log=lambda s: print(s, flush=True))
 
 
 if __name__ == "__main__":

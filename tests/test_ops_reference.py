@@ -11,7 +11,7 @@ from kimiserve.ops.activation.reference import situ_and_mul
 from kimiserve.ops.attn_res.reference import attn_res_read
 from kimiserve.ops.conv.reference import causal_conv1d
 from kimiserve.ops.indexer.reference import indexer_scores
-from kimiserve.ops.kda.reference import chunk_kda, kda_gate, recurrent_kda
+from kimiserve.ops.kda.reference import chunk_kda, chunk_kda_batched, kda_gate, recurrent_kda
 from kimiserve.ops.mla.reference import mla_absorbed, mla_expanded
 from kimiserve.ops.moe.reference import route
 from kimiserve.ops.norm.reference import l2_normalize
@@ -40,6 +40,26 @@ def test_chunk_kda_equals_recurrent_fp64(T, lower_bound, with_state):
     o, s = chunk_kda(q, k, v, g, beta, initial_state=s0, chunk_size=16)
     torch.testing.assert_close(o, o_ref, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(s, s_ref, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("T", [1, 13, 100])
+@pytest.mark.parametrize("with_state", [False, True])
+def test_chunk_kda_batched_equals_recurrent_and_its_gradients_equal_chunk_kda(T, with_state):
+    B, H, K, V = 2, 3, 8, 6
+    q, k, v, g, beta = (t.requires_grad_() for t in kda_inputs(B, T, H, K, V, -5.0))
+    s0 = torch.randn(B, H, K, V, dtype=F64) if with_state else None
+    o_ref, s_ref = recurrent_kda(q, k, v, g, beta, initial_state=s0)
+    o, s = chunk_kda_batched(q, k, v, g, beta, initial_state=s0, chunk_size=16)
+    torch.testing.assert_close(o, o_ref, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(s, s_ref, rtol=1e-10, atol=1e-10)
+    w_o, w_s = torch.randn_like(o), torch.randn_like(s)
+    grads = torch.autograd.grad((o * w_o).sum() + (s * w_s).sum(), (q, k, v, g, beta))
+    o2, s2 = chunk_kda(q, k, v, g, beta, initial_state=s0, chunk_size=16)
+    grads_ref = torch.autograd.grad((o2 * w_o).sum() + (s2 * w_s).sum(), (q, k, v, g, beta))
+    for a, b in zip(grads, grads_ref):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+    strong = chunk_kda_batched(q.float(), k.float(), v.float(), torch.full_like(g, -4.99).float(), beta.float())
+    assert all(torch.isfinite(t).all() for t in strong)
 
 
 def test_kda_chunks_compose_and_strong_decay_stays_finite():

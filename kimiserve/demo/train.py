@@ -64,6 +64,8 @@ def tiny_train_config(**changes) -> ModelConfig:
 class TrainArgs:
     """Options of a training run (the command line's)."""
 
+    model: str = "demo"
+    """Model size: demo (the shipped one, `demo_config`) or tiny (same structure, for smoke runs and tests)."""
     out: str = "kimi-demo"
     """Model folder to write (release format; an intermediate export every `export_every_minutes`)."""
     device: str = "cuda"
@@ -74,7 +76,7 @@ class TrainArgs:
     """Stop after this many steps (None: only the budget stops the run)."""
     seed: int = 0
     """Seed of the weights, the corpus and the batch order."""
-    tokens_per_step: int = 49152
+    tokens_per_step: int = 65536
     """Padded tokens per optimizer step (a batch of equal-length rows)."""
     max_seq_len: int = 1280
     """Examples longer than this are skipped."""
@@ -96,16 +98,21 @@ class TrainArgs:
     """KDA chunk of the training forward."""
     log_every: int = 10
     """Log every this many steps (the first 5 steps always)."""
-    eval_every_minutes: float = 1.0
+    eval_every_minutes: float = 2.0
     """Held-out teacher-forced evaluation every this many minutes."""
-    eval_examples: int = 96
+    eval_examples: int = 128
     """Held-out examples (another seed) per evaluation."""
     export_every_minutes: float = 3.0
     """Intermediate export every this many minutes."""
     num_workers: int = 4
     """Batch-making worker processes (0: in the training process)."""
     quick: bool = False
-    """CPU smoke run: small batches, short filler, two minutes."""
+    """CPU smoke run: the tiny model, small batches, short filler, two minutes."""
+
+    def model_config(self) -> ModelConfig:
+        if self.model not in ("demo", "tiny"):
+            raise ValueError(f"--model must be demo or tiny, got {self.model!r}")
+        return demo_config() if self.model == "demo" else tiny_train_config()
 
 
 # ---------------------------------------------------------------------------------- batches
@@ -178,34 +185,47 @@ def batch_loss(model, ids: torch.Tensor, mask: torch.Tensor, ctx: TrainContext):
 
 
 @torch.no_grad()
-def evaluate(model, examples, device, ctx_args: dict) -> dict:
+def evaluate(model, examples, device, ctx_args: dict, tokens_per_batch: int = 32768) -> dict:
     """Teacher-forced held-out metrics per kind: target-token accuracy and the share of examples whose
-    every target token is the argmax (exactly what greedy decoding would produce)."""
+    every target token is the argmax (exactly what greedy decoding would produce). Examples run in
+    length-sorted right-padded batches (padding after a sequence changes nothing before it)."""
     was_training = model.training
     model.train()  # the training forms (sparse MLA as served), no gradients here
     stats: dict[str, list[float]] = {}
     tot_loss, tot_n = 0.0, 0
-    for kind, ids, mask in examples:
-        x = torch.tensor(ids, device=device).unsqueeze(0)
-        m = torch.tensor(mask, dtype=torch.bool, device=device).unsqueeze(0)
-        ctx = TrainContext(**ctx_args)
-        inputs, targets, weight = x[:, :-1], x[:, 1:], m[:, 1:]
+    order = sorted(range(len(examples)), key=lambda i: len(examples[i][1]))
+    groups, cur = [], []
+    for i in order:
+        T = -(-len(examples[i][1]) // 64) * 64
+        if cur and (len(cur) + 1) * T > tokens_per_batch:
+            groups.append(cur)
+            cur = []
+        cur.append(i)
+    groups.append(cur)
+    for group in groups:
+        ids, mask = collate([examples[i][1:] for i in group])
+        ids, mask = ids.to(device), mask.to(device)
+        weight = mask[:, 1:]
         rows = weight.reshape(-1).nonzero().squeeze(1)
-        logits = train_logits(model, inputs, ctx, rows)
-        tgt = targets.reshape(-1)[rows]
-        ok = logits.argmax(-1) == tgt
+        logits = train_logits(model, ids[:, :-1], TrainContext(**ctx_args), rows)
+        tgt = ids[:, 1:].reshape(-1)[rows]
         tot_loss += torch.nn.functional.cross_entropy(logits, tgt, reduction="sum").item()
         tot_n += rows.numel()
-        s = stats.setdefault(kind, [0, 0, 0, 0])
-        s[0] += ok.sum().item()
-        s[1] += ok.numel()
-        s[2] += bool(ok.all())
-        s[3] += 1
+        ok = torch.zeros(weight.shape, dtype=torch.bool, device=device).reshape(-1)
+        ok[rows] = logits.argmax(-1) == tgt
+        ok = ok.view(weight.shape)
+        right, count = (ok & weight).sum(1).tolist(), weight.sum(1).tolist()
+        for j, i in enumerate(group):
+            s = stats.setdefault(examples[i][0], [0, 0, 0, 0])
+            s[0] += right[j]
+            s[1] += count[j]
+            s[2] += right[j] == count[j]
+            s[3] += 1
     model.train(was_training)
     for m in moe_layers(model):
         m.routed_load = None
-    return {"loss": tot_loss / max(tot_n, 1),
-            "token_acc": {k: round(v[0] / v[1], 4) for k, v in sorted(stats.items())},
+    return {"loss": round(tot_loss / max(tot_n, 1), 4),
+            "token_acc": {k: round(v[0] / max(v[1], 1), 4) for k, v in sorted(stats.items())},
             "exact": {k: round(v[2] / v[3], 3) for k, v in sorted(stats.items())},
             "exact_all": round(sum(v[2] for v in stats.values()) / len(examples), 4)}
 
@@ -255,8 +275,9 @@ def moe_layers(model):
 
 
 def balance_routers(model, rate: float) -> float:
-    """Move each router's score-correction bias towards the mean load; returns the worst max/mean load."""
-    worst = 0.0
+    """Move each router's score-correction bias towards the mean load; returns the worst max/mean load
+    (a device scalar: no sync)."""
+    worst = torch.zeros((), device=next(model.parameters()).device)
     with torch.no_grad():
         for layer in model.model.layers:
             moe = getattr(layer, "block_sparse_moe", None)
@@ -265,7 +286,7 @@ def balance_routers(model, rate: float) -> float:
             load = moe.experts.routed_load.float()
             moe.experts.routed_load = None
             moe.gate.e_score_correction_bias.add_(rate * torch.sign(load.mean() - load))
-            worst = max(worst, (load.max() / load.mean().clamp_min(1)).item())
+            worst = torch.maximum(worst, load.max() / load.mean().clamp_min(1))
     return worst
 
 
@@ -300,7 +321,12 @@ def train(config: ModelConfig, args: TrainArgs, log=print) -> tuple[torch.nn.Mod
     start = time.time()
     last_eval = last_export = start
     step, tokens, target_tokens, micro = 0, 0, 0, 1
-    window = {"loss": 0.0, "kl": 0.0, "n": 0, "correct": 0, "t": time.time(), "tokens": 0}
+
+    def new_window() -> dict:
+        return {"stats": torch.zeros(3, device=device), "worst": torch.zeros((), device=device), "n": 0, "steps": 0,
+                "t": time.time(), "tokens": 0}
+
+    window = new_window()
 
     def info(final: bool) -> dict:
         return {"steps": step, "tokens": tokens, "target_tokens": target_tokens, "minutes": (time.time() - start) / 60,
@@ -313,6 +339,7 @@ def train(config: ModelConfig, args: TrainArgs, log=print) -> tuple[torch.nn.Mod
         if frac >= 1.0 or (args.max_steps is not None and step >= args.max_steps):
             break
         ids, mask = next(batches)
+        total = int(mask[:, 1:].sum())  # on the host: no device sync
         ids, mask = ids.to(device, non_blocking=True), mask.to(device, non_blocking=True)
         lr = lr_at(args, step, frac)
         for g in opt.param_groups:
@@ -325,15 +352,12 @@ def train(config: ModelConfig, args: TrainArgs, log=print) -> tuple[torch.nn.Mod
         oom = False
         try:
             opt.zero_grad(set_to_none=True)
-            total = int(mask[:, 1:].sum())
-            stats = [0.0, 0.0, 0]
+            stats = torch.zeros(3, device=device)  # summed loss, mean indexer KL, correct tokens: read when logged
             for part_ids, part_mask in zip(ids.chunk(micro), mask.chunk(micro)):
                 ctx = TrainContext(**ctx_args)
                 ce, kl, n, correct = batch_loss(model, part_ids, part_mask, ctx)
                 ((ce * n / max(total, 1)) + kl / micro).backward()
-                stats[0] += ce.item() * n
-                stats[1] += kl.item() / micro
-                stats[2] += int(correct)
+                stats += torch.stack([ce.detach() * n, kl.detach() / micro, correct.float()])
         except torch.OutOfMemoryError:
             if micro >= ids.shape[0]:
                 raise
@@ -350,27 +374,30 @@ def train(config: ModelConfig, args: TrainArgs, log=print) -> tuple[torch.nn.Mod
         step += 1
         tokens += ids.numel()
         target_tokens += total
-        window["loss"] += stats[0]
-        window["kl"] += stats[1]
+        window["stats"] = window["stats"] + stats
+        window["worst"] = torch.maximum(window["worst"], worst)
         window["n"] += total
-        window["correct"] += stats[2]
+        window["steps"] += 1
         window["tokens"] += ids.numel()
         if step <= 5 or step % args.log_every == 0:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             now = time.time()
+            loss_sum, kl_sum, correct = window["stats"].tolist()
             rec = {"event": "step", "step": step, "minutes": round((now - start) / 60, 3), "lr": round(lr, 6),
-                   "loss": round(window["loss"] / max(window["n"], 1), 4),
-                   "token_acc": round(window["correct"] / max(window["n"], 1), 4),
-                   "indexer_kl": round(window["kl"] / max(1, step if step <= 5 else args.log_every), 4),
+                   "loss": round(loss_sum / max(window["n"], 1), 4),
+                   "token_acc": round(correct / max(window["n"], 1), 4),
+                   "indexer_kl": round(kl_sum / window["steps"], 4),
                    "batch": list(ids.shape), "step_s": round(now - t0, 3),
+                   "mean_step_s": round((now - window["t"]) / window["steps"], 3),
                    "tokens_per_s": round(window["tokens"] / max(now - window["t"], 1e-9)),
-                   "max_expert_load": round(worst, 2), "sparse": ctx_args["sparse"], "fake_quant": fake_quant}
+                   "max_expert_load": round(window["worst"].item(), 2), "sparse": ctx_args["sparse"],
+                   "fake_quant": fake_quant, "micro_batches": micro}
             if device.type == "cuda":
                 rec["gpu_mem_gb"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 1)
             log(json.dumps(rec))
             records.append(rec)
-            window = {"loss": 0.0, "kl": 0.0, "n": 0, "correct": 0, "t": time.time(), "tokens": 0}
+            window = new_window()
         now = time.time()
         if now - last_eval >= args.eval_every_minutes * 60:
             rec = {"event": "eval", "step": step, "minutes": round((now - start) / 60, 3),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 from kimiserve.config import ModelConfig
@@ -13,7 +14,8 @@ from kimiserve.model.batch import ForwardBatch
 from kimiserve.model.layers import Linear, Source, Weights, make_param, read, sharded_loader, source_shape
 from kimiserve.model.parallel_layers import ColumnParallelLinear, RowParallelLinear, context, divide
 from kimiserve.ops.conv.reference import causal_conv1d
-from kimiserve.ops.kda.reference import chunk_kda, kda_gate, recurrent_kda
+from kimiserve.model.training import TrainContext
+from kimiserve.ops.kda.reference import chunk_kda, chunk_kda_batched, kda_gate, recurrent_kda
 from kimiserve.ops.norm.reference import gated_rms_norm, l2_normalize
 
 
@@ -108,7 +110,8 @@ class KimiDeltaAttention(nn.Module):
         if isinstance(ctx, ForwardBatch):
             o = self.paged_mix(q, k, v, g, beta, ctx)
         else:
-            o, _, _ = self.mix(q, k, v, g, beta, chunk_size=getattr(ctx, "kda_chunk_size", 64))
+            train = isinstance(ctx, TrainContext)
+            o, _, _ = self.mix(q, k, v, g, beta, chunk_size=ctx.kda_chunk_size if train else 64, train=train)
         o = gated_rms_norm(o, heads(self.output_gate(x)), self.o_norm.weight, self.eps)
         return self.o_proj(o.reshape(B, T, H * K))
 
@@ -123,12 +126,19 @@ class KimiDeltaAttention(nn.Module):
         v, cv = causal_conv1d(v, self.v_conv1d.weight, cs[2])
         return l2_normalize(heads(q)), l2_normalize(heads(k)), heads(v), torch.stack([cq, ck, cv], dim=1)
 
-    def mix(self, q, k, v, g, beta, conv_state=None, state=None, recurrent=False, chunk_size: int = 64):
+    def mix(self, q, k, v, g, beta, conv_state=None, state=None, recurrent=False, chunk_size: int = 64,
+            train: bool = False):
         """Short conv + delta rule over [B, T] tokens from (conv_state [B, 3, P, W-1], state [B, H, K, V])
-        (zeros when None). Returns (o [B, T, H, V], new conv state, new recurrent state)."""
+        (zeros when None). Returns (o [B, T, H, V], new conv state, new recurrent state).
+
+        train: the chunked form with all chunks batched but the state recurrence (fewer, larger kernels),
+        recomputed in the backward pass (its [C, C, K] decays per token are the bulk of a step's memory)."""
         q, k, v, conv = self.short_conv(q, k, v, conv_state)
         if recurrent:
             o, state = recurrent_kda(q, k, v, g, beta, initial_state=state)
+        elif train:
+            o, state = torch.utils.checkpoint.checkpoint(chunk_kda_batched, q, k, v, g, beta, None, state, chunk_size,
+                                                         use_reentrant=False)
         else:
             o, state = chunk_kda(q, k, v, g, beta, initial_state=state, chunk_size=chunk_size)
         return o, conv, state

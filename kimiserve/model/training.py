@@ -7,7 +7,9 @@ between the MLA attention distribution (summed over heads, renormalised, detache
 of the indexer's scores over the same keys; the indexer reads detached inputs, so that loss moves
 the indexer alone. Routed experts take a dense-dispatch form in training mode (every expert on
 every token, unrouted pairs weighted 0: a handful of batched einsums, no host sync), with optional
-MXFP4 fake quantisation (straight-through) of their weights.
+MXFP4 fake quantisation (straight-through) of their weights. KDA's chunk form and the experts are
+recomputed in the backward pass (activation checkpointing): their intermediates are per token
+[C, C, K] decays and [E, I] activations, the bulk of a step's memory otherwise.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.utils.checkpoint
 
 from kimiserve.ops.quant.reference import dequantize_mxfp4, quantize_mxfp4
 
@@ -88,12 +91,17 @@ def routed_experts_train_forward(experts, x: torch.Tensor, ids: torch.Tensor, we
     if experts.fake_quant:
         w1, w2, w3 = fake_quant_mxfp4(w1), fake_quant_mxfp4(w2), fake_quant_mxfp4(w3)
     E = experts.num_experts
-    act = experts.act(torch.einsum("nh,eih->eni", x, w1.to(x.dtype)), torch.einsum("nh,eih->eni", x, w3.to(x.dtype)))
-    y = torch.einsum("eni,ehi->enh", act, w2.to(x.dtype))
-    dense = torch.zeros(x.shape[0], E, dtype=y.dtype, device=x.device).scatter(1, ids, weights.to(y.dtype))
+    dense = torch.zeros(x.shape[0], E, dtype=x.dtype, device=x.device).scatter(1, ids, weights.to(x.dtype))
     load = torch.bincount(ids.reshape(-1), minlength=E).detach()
     experts.routed_load = load if experts.routed_load is None else experts.routed_load + load
-    return torch.einsum("enh,ne->nh", y, dense)
+    # recomputed in the backward pass: the [E, N, I] activations would be a step's largest saved tensors
+    return torch.utils.checkpoint.checkpoint(_every_expert, experts.act, x, w1, w2, w3, dense, use_reentrant=False)
+
+
+def _every_expert(act, x, w1, w2, w3, dense):
+    """sum_e dense[n, e] * expert_e(x[n]) with experts w1/w3 [E, I, h], w2 [E, h, I]."""
+    a = act(torch.einsum("nh,eih->eni", x, w1.to(x.dtype)), torch.einsum("nh,eih->eni", x, w3.to(x.dtype)))
+    return torch.einsum("eni,ehi,ne->nh", a, w2.to(x.dtype), dense)
 
 
 def enable_training(model: torch.nn.Module) -> list[torch.nn.Parameter]:

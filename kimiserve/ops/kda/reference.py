@@ -128,3 +128,53 @@ def chunk_kda(
         S = torch.exp(G_last).transpose(-1, -2) * S + (torch.exp(G_last - G) * k_c).transpose(-1, -2) @ D
     o = o.permute(0, 2, 3, 1, 4).reshape(B, N * C, H, V)[:, :T]
     return o.to(out_dtype), S
+
+
+def chunk_kda_batched(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`chunk_kda` with everything that does not depend on the state computed for all chunks at once
+    (decays, the triangular solve, the intra-chunk scores); only the state recurrence loops over the
+    chunks, a few matmuls each. Same result up to rounding; a few times fewer (larger) kernels, which
+    is what a launch-bound training step on a GPU wants. Memory: all chunks' [C, C, K] decays at once."""
+    dt, out_dtype, scale = _prepare(q, k, v, g, beta, initial_state, scale)
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    C = chunk_size
+    pad = (-T) % C
+    q, k, v, g = (F.pad(t.to(dt), (0, 0, 0, 0, 0, pad)) for t in (q, k, v, g))
+    beta = F.pad(beta.to(dt), (0, 0, 0, pad))
+    N = (T + pad) // C
+    q, k, g = (t.view(B, N, C, H, K).permute(0, 3, 1, 2, 4) for t in (q, k, g))  # [B, H, N, C, K]
+    v = v.view(B, N, C, H, V).permute(0, 3, 1, 2, 4)
+    beta = beta.view(B, N, C, H).permute(0, 3, 1, 2).unsqueeze(-1)  # [B, H, N, C, 1]
+    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+    strict = causal.clone().fill_diagonal_(False)
+    eye = torch.eye(C, dtype=dt, device=q.device)
+    q = q * scale
+    G = g.cumsum(dim=-2)
+    decay = torch.exp((G.unsqueeze(-2) - G.unsqueeze(-3)).masked_fill(~causal[..., None], float("-inf")))
+    A = (torch.einsum("bhnik,bhnijk,bhnjk->bhnij", k, decay, k) * beta).masked_fill(~strict, 0.0)
+    rhs = torch.cat([beta * v, beta * (torch.exp(G) * k)], dim=-1)
+    UW = torch.linalg.solve_triangular(eye + A, rhs, upper=False, unitriangular=True)
+    U, W = UW[..., :V], UW[..., V:]
+    Aqk = torch.einsum("bhnik,bhnijk,bhnjk->bhnij", q, decay, k)
+    G_last = G[..., -1:, :]  # [B, H, N, 1, K]
+    q_in = torch.exp(G) * q  # reads the entry state
+    k_out = (torch.exp(G_last - G) * k).transpose(-1, -2)  # [B, H, N, K, C]: writes the exit state
+    keep = torch.exp(G_last).transpose(-1, -2)  # [B, H, N, K, 1]
+    S = q.new_zeros(B, H, K, V) if initial_state is None else initial_state.to(dt)
+    outs = []
+    for n in range(N):
+        D = U[:, :, n] - W[:, :, n] @ S
+        outs.append(q_in[:, :, n] @ S + Aqk[:, :, n] @ D)
+        S = keep[:, :, n] * S + k_out[:, :, n] @ D
+    o = torch.stack(outs, dim=2).permute(0, 2, 3, 1, 4).reshape(B, N * C, H, V)[:, :T]
+    return o.to(out_dtype), S
