@@ -3,7 +3,7 @@
     python benchmarks/spec_decode.py [--model tiny] [--device cpu] [--batch-sizes 1,4,16] [--k 3]
                                      [--methods off,ngram,draft] [--draft-model MODEL] [--quick] [--out PATH]
 
-For each prompt kind, batch size B and method, a fresh engine runs B requests of the kind (greedy,
+For each prompt kind, batch size B and method, `--repeats` times (the median run is reported), a fresh engine runs B requests of the kind (greedy,
 ignore_eos, max_tokens = gen_len + 1). Prefill steps (and the step that samples each request's first
 token) are not timed; the timer runs over the remaining steps until every request is done.
 tokens/s per user = generated tokens in the timed steps / B / time; speedup = that / the same figure
@@ -128,11 +128,12 @@ def main(argv=None) -> int:
     ap.add_argument("--kv-cache-memory-gib", type=float, default=None)
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repeats", type=int, default=3, help="runs per configuration (fresh engines); the median is kept")
     ap.add_argument("--quick", action="store_true", help="batch 1 and 2, 8 tokens: a smoke test")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if args.quick:
-        args.gen_len = 8
+        args.gen_len, args.repeats = 8, 1
     args.batch_sizes = args.batch_sizes or ("1,2" if args.quick else "1,4,16")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print("--device cuda asked for, but CUDA is not available", file=sys.stderr)
@@ -145,7 +146,10 @@ def main(argv=None) -> int:
         for batch in batches:
             base = None
             for method in methods:
-                row = run_one(args, kind, batch, method)
+                runs = sorted((run_one(args, kind, batch, method) for _ in range(args.repeats)),
+                              key=lambda r: r["seconds"])
+                row = runs[len(runs) // 2]  # the median run
+                row["seconds_all"] = [r["seconds"] for r in runs]
                 if method == "off":
                     base = row
                 elif base is not None:

@@ -78,6 +78,14 @@ class ForwardBatch:
     table then lists virtual pages of dcp x block_size tokens; token p lives on DCP rank
     (p // block_size) % dcp, in slot p % block_size of the rank's page block_table[p // (dcp x block_size)]."""
 
+    verify_rows: torch.Tensor | None = None
+    """int64 [R]: the packed rows of the verify chunks (None without any). MLA attends them as decode rows,
+    each over its sequence's context up to its own position, in one call of the paged decode ops."""
+    verify_block_tables: torch.Tensor | None = None
+    """int64 [R, max pages]: each verify row's block table, padded with page 0."""
+    verify_context_lens: torch.Tensor | None = None
+    """int64 [R]: each verify row's context length (its position + 1)."""
+    verify_max_context: int = 0
     verify_inputs: dict[int, list[tuple[torch.Tensor, ...]]] | None = None
     """Per KDA layer (cache index): per verify chunk, in `verify_chunks` order, the layer's inputs
     (q, k, v before the short conv [1, T, H * K], g [1, T, H, K], beta [1, T, H]); filled by the forward."""
@@ -100,6 +108,16 @@ class ForwardBatch:
         for i, c in enumerate(decode):
             tables[i, : len(c.block_table)] = c.block_table
         states = torch.stack([c.state_pages for c in decode]) if decode else torch.zeros(0, 0, dtype=torch.int64)
+        verify = [c for c in chunks if c.verify and c.num_tokens > 1]
+        verify_rows = verify_tables = verify_lens = None
+        if verify:
+            verify_rows = torch.cat([torch.arange(c.start, c.end) for c in verify])
+            verify_lens = torch.cat([torch.arange(c.context_start, c.context_end) + 1 for c in verify])
+            verify_tables = torch.zeros(len(verify_rows), max(len(c.block_table) for c in verify), dtype=torch.int64)
+            row = 0
+            for c in verify:
+                verify_tables[row : row + c.num_tokens, : len(c.block_table)] = c.block_table
+                row += c.num_tokens
         to = lambda t: t.to(device)
         # every layer reads each chunk's page ids: move them to the device once per step
         chunks = [replace(c, block_table=to(c.block_table), state_pages=to(c.state_pages),
@@ -119,7 +137,11 @@ class ForwardBatch:
             ops=ops,
             write_rows=None if write_rows is None else to(write_rows),
             dcp=dcp,
-            verify_inputs={} if any(c.verify for c in chunks) else None,
+            verify_rows=None if verify_rows is None else to(verify_rows),
+            verify_block_tables=None if verify_tables is None else to(verify_tables),
+            verify_context_lens=None if verify_lens is None else to(verify_lens),
+            verify_max_context=max((c.context_end for c in verify), default=0),
+            verify_inputs={} if verify else None,
         )
 
     @property

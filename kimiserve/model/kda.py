@@ -195,7 +195,8 @@ class KimiDeltaAttention(nn.Module):
         states = pool.recurrent[pages].clone()
         self._recurrent_steps(mixed, [c.num_tokens for c in chunks], [(g, beta, c.start) for c in chunks], states,
                               torch.arange(len(chunks), device=states.device), ops,
-                              lambda j, t, out: o.__setitem__((0, chunks[j].start + t), out))
+                              lambda active, t, out: o[0].index_copy_(
+                                  0, torch.tensor([chunks[j].start + t for j in active], device=o.device), out[:, 0]))
 
     def replay_verified(self, pool, ops, pages: torch.Tensor, inputs: list[tuple[torch.Tensor, ...]],
                         accepted: list[int]) -> None:
@@ -222,8 +223,7 @@ class KimiDeltaAttention(nn.Module):
             bt = torch.cat([gates[j][1][:, gates[j][2] + t : gates[j][2] + t + 1] for j in active])
             out = ops.kda_decode(qh, kh, vh, gt, bt, states, ids[active] if len(active) < len(lengths) else ids)
             if emit is not None:
-                for row, j in enumerate(active):
-                    emit(j, t, out[row, 0])
+                emit(active, t, out)
 
     def prefill_segments(self, q, k, v, g, beta, segments, o, pool, ops) -> None:
         """Packed rows [start, end) of each segment continue from the state pages `src` and leave

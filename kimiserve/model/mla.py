@@ -170,7 +170,14 @@ class MLAAttention(nn.Module):
             o[0, rows] = self.attend_pages(x[0, rows], q_nope[0, rows], q_pe[0, rows], q_latent[0, rows], w_kc, w_vc,
                                            batch.decode_block_tables, batch.decode_context_lens,
                                            batch.decode_max_context, batch).to(o.dtype)
+        rows = batch.verify_rows
+        if rows is not None:
+            o[0, rows] = self.attend_pages(x[0, rows], q_nope[0, rows], q_pe[0, rows], q_latent[0, rows], w_kc, w_vc,
+                                           batch.verify_block_tables, batch.verify_context_lens,
+                                           batch.verify_max_context, batch).to(o.dtype)
         for chunk in batch.prefill_chunks:
+            if chunk.verify:
+                continue
             S = chunk.context_end
             if ops.prefill_in_place or batch.dcp is not None:  # DCP: no rank holds a whole context
                 table = chunk.block_table.to(x.device).unsqueeze(0)
