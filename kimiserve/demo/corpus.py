@@ -341,7 +341,7 @@ def no_tool(rng: random.Random) -> Example:
 
 
 # ---------------------------------------------------------------------------------- passkey
-def passkey(rng: random.Random, filler_tokens: int, tokens_per_sentence: float = 4.5) -> Example:
+def passkey(rng: random.Random, filler_tokens: int, tokens_per_sentence: float = 11.25) -> Example:
     """A 5-digit pass key in about `filler_tokens` tokens of filler, asked for at the end."""
     key = str(rng.randint(10000, 99999))
     n = max(1, round(filler_tokens / tokens_per_sentence))

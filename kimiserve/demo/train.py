@@ -76,13 +76,13 @@ class TrainArgs:
     """Stop after this many steps (None: only the budget stops the run)."""
     seed: int = 0
     """Seed of the weights, the corpus and the batch order."""
-    tokens_per_step: int = 65536
+    tokens_per_step: int = 98304
     """Padded tokens per optimizer step (a batch of equal-length rows)."""
     max_seq_len: int = 1280
     """Examples longer than this are skipped."""
     max_filler_tokens: int = 900
     """Passkey filler in training: uniform in [0, this] tokens."""
-    lr: float = 3e-3
+    lr: float = 2e-3
     """Peak learning rate (AdamW)."""
     weight_decay: float = 0.1
     """AdamW weight decay on matrices."""
@@ -358,7 +358,7 @@ def train(config: ModelConfig, args: TrainArgs, log=print) -> tuple[torch.nn.Mod
                 ce, kl, n, correct = batch_loss(model, part_ids, part_mask, ctx)
                 ((ce * n / max(total, 1)) + kl / micro).backward()
                 stats += torch.stack([ce.detach() * n, kl.detach() / micro, correct.float()])
-        except torch.OutOfMemoryError:
+        except torch.cuda.OutOfMemoryError:  # (torch.OutOfMemoryError on recent torch)
             if micro >= ids.shape[0]:
                 raise
             oom = True

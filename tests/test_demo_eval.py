@@ -1,0 +1,39 @@
+"""benchmarks/demo_eval.py's scoring: a reply equal to the corpus target scores perfectly; wrong ones do not."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+from kimiserve.demo import corpus
+
+_spec = importlib.util.spec_from_file_location("demo_eval", Path(__file__).parent.parent / "benchmarks" / "demo_eval.py")
+demo_eval = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(demo_eval)
+
+
+def _reply(ex: corpus.Example) -> str:
+    return corpus.generation_text(ex.messages[-1]).removesuffix(corpus.TURN_END)
+
+
+def test_targets_score_perfectly_and_kinds_are_balanced():
+    examples = demo_eval.heldout(seed=3, n=6) + demo_eval.passkeys(3, [64, 128], 2)
+    kinds = {}
+    for ex in examples:
+        kinds[ex.kind] = kinds.get(ex.kind, 0) + 1
+        s = demo_eval.score(ex, _reply(ex))
+        assert all(s.values()), (ex.kind, s, _reply(ex))
+    assert kinds["arithmetic"] == kinds["tool_call"] == 6 and kinds["no_tool"] + kinds.get("decline", 0) == 6
+    assert kinds["passkey"] == 4
+
+
+def test_wrong_replies_fail():
+    ex = next(e for e in demo_eval.heldout(seed=4, n=4) if e.kind == "tool_call")
+    call = ex.messages[-1]["tool_calls"][0]
+    bad_args = dict(json.loads(call["function"]["arguments"]), extra="x")
+    wrong = corpus.assistant("", "", [{**call, "function": {**call["function"], "arguments": json.dumps(bad_args)}}])
+    s = demo_eval.score(ex, corpus.generation_text(wrong))
+    assert s["called"] and s["parsed"] and not s["schema_valid"] and not s["correct"]
+    s = demo_eval.score(ex, "<think></think>I do not know.")
+    assert not s["called"]
+    arith = next(e for e in demo_eval.heldout(seed=4, n=4) if e.kind == "arithmetic")
+    assert not demo_eval.score(arith, f"<think>x</think>= {int(arith.answer) + 1}.")["exact"]
