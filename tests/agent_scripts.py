@@ -74,3 +74,83 @@ SCRIPTS = [
 
 def dumps(value) -> str:
     return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+
+
+# the OpenAI Agents SDK's conversation (test_server_responses.py runs it against the server) ----------
+SDK_INSTRUCTIONS, SDK_QUESTION, SDK_ANSWER = "You answer weather questions.", "Weather in Lisbon?", LISBON_ANSWER
+
+
+def sdk_agent(client):
+    """The Agents SDK agent of the tests: one function tool, greedy, on the Responses model."""
+    from agents import Agent, ModelSettings, OpenAIResponsesModel, function_tool
+
+    @function_tool
+    def get_weather(city: str) -> str:
+        """Current weather of a city."""
+        return SUNNY if city == "Lisbon" else "Unknown city."
+
+    return Agent(name="weather", instructions=SDK_INSTRUCTIONS, tools=[get_weather],
+                 model=OpenAIResponsesModel(model="kimi-agent", openai_client=client),
+                 model_settings=ModelSettings(temperature=0))
+
+
+def sdk_request_bodies() -> list[dict]:
+    """The Responses request bodies the SDK sends for SDK_QUESTION, captured by running the agent on a
+    mock transport whose replies are the scripted ones (so the second body carries the first reply
+    as input, as it will against the server)."""
+    import asyncio
+
+    import httpx
+    from agents import Runner, set_tracing_disabled
+    from openai import AsyncOpenAI
+
+    set_tracing_disabled(True)
+    bodies: list[dict] = []
+    replies = [[{"id": "rs_1", "type": "reasoning", "summary": [], "status": "completed",
+                 "content": [{"type": "reasoning_text", "text": "Look it up."}]},
+                {"id": "fc_1", "type": "function_call", "call_id": "functions.get_weather:0", "name": "get_weather",
+                 "arguments": LISBON_ARGS, "status": "completed"}],
+               [{"id": "msg_1", "type": "message", "role": "assistant", "status": "completed",
+                 "content": [{"type": "output_text", "text": SDK_ANSWER, "annotations": []}]}]]
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        bodies.append(json.loads(request.content))
+        return httpx.Response(200, json={
+            "id": f"resp_{len(bodies)}", "object": "response", "created_at": 0, "status": "completed",
+            "model": "kimi-agent", "output": replies[len(bodies) - 1], "parallel_tool_calls": True,
+            "tool_choice": "auto", "tools": [], "usage": {
+                "input_tokens": 1, "output_tokens": 1, "total_tokens": 2, "input_tokens_details": {"cached_tokens": 0},
+                "output_tokens_details": {"reasoning_tokens": 0}}})
+
+    client = AsyncOpenAI(base_url="http://mock/v1", api_key="k",
+                         http_client=httpx.AsyncClient(transport=httpx.MockTransport(handler)))
+    result = asyncio.run(Runner.run(sdk_agent(client), SDK_QUESTION))
+    assert result.final_output == SDK_ANSWER and len(bodies) == 2
+    return bodies
+
+
+def responses_prompt_ids(body: dict) -> list[int]:
+    """The prompt the server renders for a Responses request body (its own translation, then the
+    chat template as render_chat applies it)."""
+    from kimiserve.entrypoints.openai.chat_bridge import chat_request
+    from kimiserve.entrypoints.openai.protocol_responses import ResponsesRequest
+    from kimiserve.entrypoints.openai.serving_chat import template_messages
+    from kimiserve.entrypoints.openai.serving_responses import chat_body
+
+    chat = chat_request(chat_body(ResponsesRequest.model_validate(body), []))
+    tok = tiny_tokenizer()
+    tools = [t.model_dump(exclude_none=True) for t in chat.tools or []] or None
+    return tok.encode(tok.apply_chat_template(template_messages(chat.messages), tools=tools,
+                                              add_generation_prompt=True))
+
+
+def sdk_scripts() -> list[tuple[list[int], str]]:
+    """The two turns of the SDK's conversation, or none when openai-agents is not installed."""
+    try:
+        import agents  # noqa: F401
+    except ImportError:
+        return []
+    first, second = sdk_request_bodies()
+    return [(responses_prompt_ids(first), "<think>Look it up.</think><|tool_calls_section_begin|>"
+             + call(0, LISBON_ARGS) + "<|tool_calls_section_end|>"),
+            (responses_prompt_ids(second), "<think>Say it.</think>" + SDK_ANSWER)]

@@ -53,11 +53,11 @@ def agent_server(tmp_path_factory):
     """One server for the agent-API tests (test_server_messages.py, test_server_responses.py): the
     scripted tiny model of tests/agent_scripts.py, reasoning and tool parsers on, auto tool choice,
     `--api-key agent-key` (so x-api-key and Bearer auth are both exercised)."""
-    from agent_scripts import SCRIPTS
+    from agent_scripts import SCRIPTS, sdk_scripts
     from scripted_model import make_scripted_checkpoint
     from server_utils import running_server
 
-    path = make_scripted_checkpoint(tmp_path_factory.mktemp("agent-scripted"), SCRIPTS)
+    path = make_scripted_checkpoint(tmp_path_factory.mktemp("agent-scripted"), SCRIPTS + sdk_scripts())
     with running_server("--model", str(path), "--dtype", "float32", "--max-model-len", "512", "--num-pages", "400",
                         "--reasoning-parser", "kimi", "--tool-call-parser", "kimi_k2", "--enable-auto-tool-choice",
                         "--api-key", API_KEY, "--served-model-name", "kimi-agent") as server:

@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP server: `build_app(engine, server_args)` and `run_server(...)`.
 
 Routes: GET/HEAD /health, GET/POST /ping, GET /version, /metrics, /v1/models, /v1/models/{id}; POST
-/v1/completions, /v1/chat/completions, /tokenize, /detokenize, /reset_prefix_cache. Every error is a
+/v1/completions, /v1/chat/completions, /v1/responses (GET/DELETE /v1/responses/{id}), /v1/messages,
+/v1/messages/count_tokens, /tokenize, /detokenize, /reset_prefix_cache. Every error is a
 JSON body in the OpenAI shape (the Anthropic shape under /v1/messages); every response carries an
 X-Request-Id header.
 The engine thread starts with the app (lifespan) and stops after uvicorn's graceful shutdown.
@@ -36,8 +37,11 @@ from kimiserve.entrypoints.openai.protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest)
 from kimiserve.entrypoints.openai.serving_chat import create_chat_completion, render_chat
 from kimiserve.entrypoints.openai.protocol_messages import CountTokensRequest, MessagesRequest
+from kimiserve.entrypoints.openai.protocol_responses import ResponsesRequest
+from kimiserve.entrypoints.openai.response_store import ResponseStore
 from kimiserve.entrypoints.openai.serving_completion import create_completion
 from kimiserve.entrypoints.openai.serving_messages import count_tokens, create_message
+from kimiserve.entrypoints.openai.serving_responses import create_response
 from kimiserve.entrypoints.openai.serving_utils import ServingContext, internal_error, now, token_str
 from kimiserve.entrypoints.openai.server_args import ServerArgs
 
@@ -188,6 +192,22 @@ def build_app(engine: AsyncLLMEngine, args: ServerArgs | None = None) -> FastAPI
     @app.post("/v1/chat/completions", openapi_extra=body_schema(ChatCompletionRequest))
     async def chat_completions(raw: Request) -> Response:
         return await create_chat_completion(ctx, await ctx.parse(raw, ChatCompletionRequest), raw)
+
+    responses = ResponseStore(args.responses_store_mib * 2**20)
+    app.state.responses = responses
+
+    @app.post("/v1/responses", openapi_extra=body_schema(ResponsesRequest))
+    async def create_responses(raw: Request) -> Response:
+        return await create_response(ctx, responses, await ctx.parse(raw, ResponsesRequest), raw)
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str):
+        return JSONResponse(responses.get(response_id).response)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str):
+        responses.delete(response_id)
+        return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 
     @app.post("/v1/messages", openapi_extra=body_schema(MessagesRequest))
     async def messages(raw: Request) -> Response:

@@ -60,6 +60,9 @@ class ServerArgs:
     error, so an unread stream costs bounded memory."""
     stream_send_timeout: float = 60.0
     """Seconds a stream may wait on a client that does not read before its connection is closed."""
+    responses_store_mib: int = 256
+    """Memory for the Responses API's stored responses (`store: true`, for previous_response_id and
+    GET /v1/responses/{id}), in MiB of their JSON; the least recently used go first (0: keep none)."""
 
     def validate(self) -> None:
         if not isinstance(self.port, int) or isinstance(self.port, bool) or not 0 <= self.port <= 65535:
@@ -79,6 +82,9 @@ class ServerArgs:
         for name in ("header_read_timeout", "body_read_timeout"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0 (0: no limit), got {getattr(self, name)}")
+        if isinstance(self.responses_store_mib, bool) or not isinstance(self.responses_store_mib, int) \
+                or self.responses_store_mib < 0:
+            raise ValueError(f"responses_store_mib must be an int >= 0, got {self.responses_store_mib!r}")
         if not self.stream_send_timeout > 0:
             raise ValueError(f"stream_send_timeout must be > 0, got {self.stream_send_timeout}")
         if not self.shutdown_timeout >= 0:
