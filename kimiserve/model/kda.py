@@ -13,10 +13,10 @@ from kimiserve.distributed.parallel_state import ParallelContext
 from kimiserve.model.batch import ForwardBatch
 from kimiserve.model.layers import Linear, Source, Weights, make_param, read, sharded_loader, source_shape
 from kimiserve.model.parallel_layers import ColumnParallelLinear, RowParallelLinear, context, divide
-from kimiserve.ops.conv.reference import causal_conv1d
 from kimiserve.model.training import TrainContext
+from kimiserve.ops.kda.paged import KDADecodeWeights, short_conv
 from kimiserve.ops.kda.reference import chunk_kda, chunk_kda_batched, kda_gate, recurrent_kda
-from kimiserve.ops.norm.reference import gated_rms_norm, l2_normalize
+from kimiserve.ops.norm.reference import gated_rms_norm
 
 
 def a_log_loader(rank: int, parts: int):
@@ -103,28 +103,54 @@ class KimiDeltaAttention(nn.Module):
         serving tokens continuing from each sequence's state page. Other contexts do not concern KDA."""
         B, T, _ = x.shape
         H, K = self.num_heads, self.head_dim
-        heads = lambda t: t.view(B, T, H, K)
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        g = kda_gate(heads(self.f_b_proj(self.f_a_proj(x))), self.A_log, self.dt_bias, self.lower_bound)
-        beta = torch.sigmoid(self.b_proj(x).float())
+        f, b, gate = self.f_b_proj(self.f_a_proj(x)), self.b_proj(x), self.output_gate(x)
+        if isinstance(ctx, ForwardBatch) and ctx.pcp is None:
+            o = self.paged_forward(q, k, v, f, b, gate, ctx)
+        else:
+            o = self.mix_and_norm(q, k, v, f, b, gate, ctx)
+        return self.o_proj(o.reshape(B, T, H * K))
+
+    def mix_and_norm(self, q, k, v, f, b, gate, ctx: object = None) -> torch.Tensor:
+        """Gate, beta, the mix (full sequences, or `paged_mix` on a ForwardBatch) and the gated RMSNorm
+        over all [B, T] tokens."""
+        B, T, _ = q.shape
+        heads = lambda t: t.view(B, T, self.num_heads, self.head_dim)  # noqa: E731
+        g = kda_gate(heads(f), self.A_log, self.dt_bias, self.lower_bound)
+        beta = torch.sigmoid(b.float())
         if isinstance(ctx, ForwardBatch):
             o = self.paged_mix(q, k, v, g, beta, ctx)
         else:
             train = isinstance(ctx, TrainContext)
             o, _, _ = self.mix(q, k, v, g, beta, chunk_size=ctx.kda_chunk_size if train else 64, train=train)
-        o = gated_rms_norm(o, heads(self.output_gate(x)), self.o_norm.weight, self.eps)
-        return self.o_proj(o.reshape(B, T, H * K))
+        return gated_rms_norm(o, heads(gate), self.o_norm.weight, self.eps)
+
+    def paged_forward(self, q, k, v, f, b, gate, batch: ForwardBatch) -> torch.Tensor:
+        """Packed serving tokens [1, N] after the projections -> the o_proj input [1, N, H, V]: the
+        one-token (decode) rows through `batch.ops.kda_decode_step` (short conv, gates, delta rule on
+        their state pages, norm: one fused kernel on CUDA), the other rows through `mix_and_norm`."""
+        B, T, _ = q.shape
+        rows = batch.decode_rows
+        if rows.numel() < T:
+            o = self.mix_and_norm(q, k, v, f, b, gate, batch)
+        else:
+            o = v.new_empty(B, T, self.num_heads, self.head_dim)
+        if rows.numel():
+            pick = lambda t: t[0, rows]  # noqa: E731
+            o[0, rows] = batch.ops.kda_decode_step(
+                pick(q), pick(k), pick(v), pick(f), pick(b), pick(gate), self.decode_weights,
+                batch.pool.conv, batch.pool.recurrent, batch.decode_state_pages[:, self.cache_index])
+        return o
+
+    @property
+    def decode_weights(self) -> KDADecodeWeights:
+        return KDADecodeWeights(self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight, self.A_log,
+                                self.dt_bias, self.lower_bound, self.o_norm.weight, self.eps)
 
     def short_conv(self, q, k, v, conv_state=None):
         """Short conv over [B, T] tokens from conv_state [B, 3, P, W-1] (zeros when None). Returns
         (q, k [B, T, H, K] L2-normalised, v [B, T, H, V], new conv state)."""
-        B, T, _ = q.shape
-        heads = lambda t: t.view(B, T, self.num_heads, self.head_dim)
-        cs = (None, None, None) if conv_state is None else conv_state.unbind(1)
-        q, cq = causal_conv1d(q, self.q_conv1d.weight, cs[0])
-        k, ck = causal_conv1d(k, self.k_conv1d.weight, cs[1])
-        v, cv = causal_conv1d(v, self.v_conv1d.weight, cs[2])
-        return l2_normalize(heads(q)), l2_normalize(heads(k)), heads(v), torch.stack([cq, ck, cv], dim=1)
+        return short_conv(q, k, v, self.decode_weights, self.num_heads, conv_state)
 
     def mix(self, q, k, v, g, beta, conv_state=None, state=None, recurrent=False, chunk_size: int = 64,
             train: bool = False):
@@ -153,13 +179,6 @@ class KimiDeltaAttention(nn.Module):
             return self.paged_mix_token_sharded(q, k, v, g, beta, batch)
         pool, i, ops = batch.pool, self.cache_index, batch.ops
         o = v.new_empty(*v.shape[:2], self.num_heads, self.head_dim)
-        rows = batch.decode_rows
-        if rows.numel():
-            pages = batch.decode_state_pages[:, i]
-            one = lambda t: t[0, rows].unsqueeze(1)  # one-token rows become a batch of length-1 sequences
-            qh, kh, vh, conv = self.short_conv(one(q), one(k), one(v), pool.conv[pages])
-            pool.conv[pages] = conv
-            o[0, rows] = ops.kda_decode(qh, kh, vh, one(g), one(beta), pool.recurrent, pages)[:, 0]
         chunks = [c for c in batch.prefill_chunks if not c.verify]
         if batch.verify_chunks:
             self.verify_mix(q, k, v, g, beta, batch, o)

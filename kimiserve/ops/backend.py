@@ -3,6 +3,7 @@ the pure-torch references elsewhere (and on CUDA when Triton is missing)."""
 
 from __future__ import annotations
 
+import functools
 import warnings
 from dataclasses import dataclass
 from typing import Callable
@@ -39,6 +40,15 @@ class DecodeOps:
     """MLA prefill chunks: True runs the decode ops above with one row per query token, reading the
     pages in place (the kernels); False gathers the chunk's context and runs the masked full-sequence
     form (the reference)."""
+    kda_decode_step: Callable | None = None
+    """(q, k, v, f, b, gate, KDADecodeWeights, conv [P, 3, HK, W-1], states [P, H, K, V], page_ids [Bd])
+    -> o [Bd, H, V]: a KDA layer's whole decode step after the projections (`kda.paged.kda_decode_step`);
+    None: that composition around `kda_decode`"""
+
+    def __post_init__(self):
+        if self.kda_decode_step is None:
+            object.__setattr__(self, "kda_decode_step", functools.partial(kda_ref.kda_decode_step,
+                                                                          kda_decode=self.kda_decode))
 
 
 REFERENCE_OPS = DecodeOps(
@@ -63,11 +73,14 @@ def select_decode_ops(device: torch.device) -> DecodeOps:
     try:
         from kimiserve.ops.cache_write import triton as cache_write_tt
         from kimiserve.ops.indexer import triton as indexer_tt
+        from kimiserve.ops.kda import triton_decode as kda_decode_step_tt
         from kimiserve.ops.mla import triton as mla_tt
         from kimiserve.ops.topk import triton as topk_tt
     except ImportError as e:
         warnings.warn(f"Triton kernels unavailable ({e}); the GPU runs the pure-torch reference ops")
         return REFERENCE_OPS
+    kda_prefill, kda_decode = _kda_ops()
     return DecodeOps("triton", cache_write_tt.write_mla_tokens, indexer_tt.paged_indexer_scores,
                      topk_tt.topk_indices, mla_tt.paged_sparse_mla_decode, mla_tt.paged_dense_mla_decode,
-                     *_kda_ops(), prefill_in_place=True)
+                     kda_prefill, kda_decode, prefill_in_place=True,
+                     kda_decode_step=functools.partial(kda_decode_step_tt.kda_decode_step, fallback=kda_decode))

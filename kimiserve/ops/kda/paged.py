@@ -7,9 +7,13 @@ beta [B, T, H]; states fp32 [H, K, V] per sequence; scale K^-0.5 (see `reference
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
-from kimiserve.ops.kda.reference import chunk_kda, recurrent_kda
+from kimiserve.ops.conv.reference import causal_conv1d
+from kimiserve.ops.kda.reference import chunk_kda, kda_gate, recurrent_kda
+from kimiserve.ops.norm.reference import gated_rms_norm, l2_normalize
 
 
 def kda_prefill(q, k, v, g, beta, initial_state, cu_seqlens=None):
@@ -37,3 +41,49 @@ def kda_decode(q, k, v, g, beta, states: torch.Tensor, page_ids: torch.Tensor) -
     o, state = recurrent_kda(q, k, v, g, beta, initial_state=states[page_ids])
     states[page_ids] = state
     return o
+
+
+class KDADecodeWeights(NamedTuple):
+    """What one KDA layer's decode step needs besides the token's projections (this rank's heads)."""
+
+    q_conv: torch.Tensor
+    """[H * K, W] fp32 depthwise conv weights, and k_conv, v_conv likewise"""
+    k_conv: torch.Tensor
+    v_conv: torch.Tensor
+    A_log: torch.Tensor
+    """[H] fp32"""
+    dt_bias: torch.Tensor
+    """[H * K] fp32"""
+    lower_bound: float | None
+    norm_weight: torch.Tensor
+    """[V] fp32, the gated RMSNorm's weight"""
+    eps: float
+
+
+def short_conv(q, k, v, weights: KDADecodeWeights, num_heads: int, conv_state=None):
+    """KDA's short conv over [B, T] tokens from conv_state [B, 3, H * K, W-1] (zeros when None).
+    Returns (q, k [B, T, H, K] L2-normalised, v [B, T, H, V], new conv state)."""
+    B, T, _ = q.shape
+    heads = lambda t: t.view(B, T, num_heads, -1)  # noqa: E731
+    cs = (None, None, None) if conv_state is None else conv_state.unbind(1)
+    q, cq = causal_conv1d(q, weights.q_conv, cs[0])
+    k, ck = causal_conv1d(k, weights.k_conv, cs[1])
+    v, cv = causal_conv1d(v, weights.v_conv, cs[2])
+    return l2_normalize(heads(q)), l2_normalize(heads(k)), heads(v), torch.stack([cq, ck, cv], dim=1)
+
+
+def kda_decode_step(q, k, v, f, b, gate, weights: KDADecodeWeights, conv, states, page_ids,
+                    kda_decode=kda_decode):
+    """One KDA layer's decode step for one token per sequence, after the projections: q, k, v, f (the
+    gate projection), gate (the output gate) [Bd, H * K] and b [Bd, H] (beta's logits) in the model
+    dtype; conv [P, 3, H * K, W - 1] and states [P, H, K, V] fp32 the pool's views, page_ids [Bd]
+    distinct. Short conv from and to the conv pages, the gate, beta, the delta rule on the state pages
+    (`kda_decode`), the gated RMSNorm. Returns o [Bd, H, V] in the model dtype (the o_proj input)."""
+    Bd, H = b.shape
+    one = lambda t: t.unsqueeze(1)  # noqa: E731  [Bd, 1, ...]: a batch of one-token sequences
+    qh, kh, vh, new_conv = short_conv(one(q), one(k), one(v), weights, H, conv[page_ids])
+    conv[page_ids] = new_conv
+    g = kda_gate(one(f).view(Bd, 1, H, -1), weights.A_log, weights.dt_bias, weights.lower_bound)
+    beta = torch.sigmoid(one(b).float())
+    o = kda_decode(qh, kh, vh, g, beta, states, page_ids)[:, 0]
+    return gated_rms_norm(o, gate.view(Bd, H, -1), weights.norm_weight, weights.eps)

@@ -1,0 +1,51 @@
+"""Shared check of the fused KDA decode step (`ops/kda/triton_decode.py`) against the reference
+composition (`ops/kda/paged.kda_decode_step`), run on CUDA (test_kda_decode_step.py) and in
+Triton's CPU interpreter (test_kda_decode_step_interpret.py)."""
+
+import torch
+
+from conftest import rel_rms
+from kimiserve.ops.kda import paged
+
+# (rows, heads, head_dim, conv taps, gate lower bound): head dims that are and are not powers of two
+CASES = [(1, 1, 16, 4, -5.0), (3, 5, 24, 4, -5.0), (7, 3, 128, 4, None), (2, 2, 64, 3, -5.0), (5, 4, 40, 2, None)]
+
+
+def page_view(pages: int, shape: tuple[int, ...], dtype, device, gen, scale=1.0):
+    """Pages of `shape` with a page stride past the page's size (as in the packed pool)."""
+    n = 1
+    for s in shape:
+        n *= s
+    buf = torch.randn(pages, n + 37, generator=gen).mul_(scale).to(dtype=dtype, device=device)
+    return buf[:, :n].view(pages, *shape)
+
+
+def check_decode_step(kernel, device, dtype, rows, H, K, W, lower_bound, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    rnd = lambda *s, scale=1.0: (torch.randn(*s, generator=gen) * scale).to(device)  # noqa: E731
+    P = H * K
+    q, k, v, f, gate = (rnd(rows, P).to(dtype) for _ in range(5))
+    b = rnd(rows, H).to(dtype)
+    weights = paged.KDADecodeWeights(rnd(P, W, scale=0.5), rnd(P, W, scale=0.5), rnd(P, W, scale=0.5),
+                                     rnd(H, scale=0.5), rnd(P), lower_bound, 1 + rnd(K, scale=0.1), 1e-5)
+    num_pages = rows + 4
+    conv = page_view(num_pages, (3, P, W - 1), dtype, device, gen)
+    states = page_view(num_pages, (H, K, K), torch.float32, device, gen, scale=0.1)
+    page_ids = torch.randperm(num_pages, generator=gen)[:rows].to(device)
+
+    conv_ref, states_ref = conv.clone(), states.clone()
+    want = paged.kda_decode_step(q, k, v, f, b, gate, weights, conv_ref, states_ref, page_ids)
+    conv_out, states_out = conv.clone(), states.clone()
+    got = kernel(q, k, v, f, b, gate, weights, conv_out, states_out, page_ids)
+
+    assert got.shape == want.shape == (rows, H, K) and got.dtype == dtype
+    assert torch.isfinite(got).all()
+    bound = 1e-5 if dtype == torch.float32 else 2e-2
+    err = rel_rms(got, want)
+    assert err < bound, f"output rel RMS {err:.2e} over {bound:.0e}"
+    assert torch.equal(conv_out, conv_ref), "conv state pages differ (they hold copies of inputs)"
+    err = rel_rms(states_out[page_ids], states_ref[page_ids])
+    assert err < bound, f"state rel RMS {err:.2e} over {bound:.0e}"
+    others = torch.ones(num_pages, dtype=torch.bool)
+    others[page_ids.cpu()] = False
+    assert torch.equal(states_out[others.to(device)], states[others.to(device)]), "pages of other sequences changed"
