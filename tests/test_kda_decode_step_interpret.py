@@ -24,3 +24,34 @@ from kimiserve.ops.kda import triton_decode  # noqa: E402
 @pytest.mark.parametrize("rows, H, K, W, lower_bound", CASES)
 def test_kernel_matches_reference(rows, H, K, W, lower_bound, dtype):
     check_decode_step(triton_decode.kda_decode_step, "cpu", dtype, rows, H, K, W, lower_bound, seed=rows * 31 + K)
+
+
+@pytest.mark.parametrize("kv", ["bf16", "fp8"])
+def test_engine_with_fused_kda_decode_matches_reference_ops(kv):
+    """The tiny engine with the kernel as its KDA decode step: the reference-ops engine's greedy tokens,
+    and its logits at every step within fp32 rounding."""
+    import dataclasses
+    import functools
+
+    from conftest import rel_rms
+    from engine_utils import GREEDY, make_engine, random_prompts, run
+    from kimiserve.ops.backend import REFERENCE_OPS
+    from kimiserve.ops.kda import paged
+    from kimiserve.sampling_params import SamplingParams
+
+    fused = dataclasses.replace(REFERENCE_OPS, name="fused-kda-interpreted", kda_decode_step=functools.partial(
+        triton_decode.kda_decode_step, fallback=paged.kda_decode))
+    prompts = random_prompts([40, 90, 7], seed=11)
+    params = SamplingParams(max_tokens=6, **GREEDY)
+    outs = {}
+    for name, ops in (("reference", REFERENCE_OPS), ("fused", fused)):
+        engine = make_engine("float32", kv, max_num_batched_tokens=64)
+        engine.runner.ops = ops
+        outs[name] = (engine, run(engine, prompts, params))
+        engine.check_idle()
+    (ref_engine, ref_out), (f_engine, f_out) = outs["reference"], outs["fused"]
+    for i, prompt in enumerate(prompts):
+        assert f_out[f"r{i}"].outputs[0].token_ids == ref_out[f"r{i}"].outputs[0].token_ids
+        for step in range(6):
+            key = (tuple(prompt), None, step)
+            assert rel_rms(f_engine.recorded[key], ref_engine.recorded[key]) < 1e-4
