@@ -1,0 +1,129 @@
+"""A KDA layer's whole decode step after the projections (issue 15 item 2: <= 10 us per layer at
+batch 1): the fused Triton kernel (`ops/kda/triton_decode.py`) against the composition the engine ran
+before it (torch short conv over the gathered conv pages, L2 norms, gate, beta, fla-core's
+`fused_recurrent_kda` on the state pages in place, torch gated RMSNorm) and against fla's delta-rule
+kernel alone, each replayed from a CUDA graph (as the engine's decode steps run).
+
+Sizes: a K3.1 layer (96 heads x 128, conv 4) on one GPU and one TP8 rank's share (12 heads); state
+and conv pages as strided views of a pool (page stride past the page). Bytes per step: the fp32
+state read and written (2 x H x K x V x 4 per sequence), the conv state read and written, the five
+[H * K] inputs, beta's logits and the output; the copy bandwidth is measured in the same run.
+
+    python benchmarks/kda_decode_step.py [--batches 1,8,64,256] [--heads 96,12] [--out PATH]
+    python benchmarks/kda_decode_step.py --cpu-smoke     # Triton interpreter, tiny sizes (plumbing)
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from kimiserve.ops.kda import paged  # noqa: E402
+from kimiserve.utils.run_info import git_commit  # noqa: E402
+
+
+def make_case(B: int, H: int, K: int, W: int, device: str, gen: torch.Generator):
+    P = H * K
+    rnd = lambda *s, scale=1.0: (torch.randn(*s, generator=gen) * scale).to(device)  # noqa: E731
+    xs = [rnd(B, P).bfloat16() for _ in range(5)]
+    b = rnd(B, H).bfloat16()
+    weights = paged.KDADecodeWeights(rnd(P, W, scale=0.5), rnd(P, W, scale=0.5), rnd(P, W, scale=0.5),
+                                     rnd(H, scale=0.5), rnd(P), -5.0, 1 + rnd(K, scale=0.1), 1e-5)
+    pages = B + 3
+    state_n, conv_n = H * K * K, 3 * P * (W - 1)
+    states = torch.zeros(pages, state_n + 64, device=device)[:, :state_n].view(pages, H, K, K)
+    states.copy_(rnd(pages, H, K, K, scale=0.1))
+    conv = torch.zeros(pages, conv_n + 64, device=device, dtype=torch.bfloat16)[:, :conv_n].view(pages, 3, P, W - 1)
+    conv.copy_(rnd(pages, 3, P, W - 1).bfloat16())
+    page_ids = torch.randperm(pages, generator=gen)[:B].to(device)
+    q, k, v, f, gate = xs
+    return (q, k, v, f, b, gate, weights, conv, states, page_ids)
+
+
+def step_bytes(B: int, H: int, K: int, W: int) -> int:
+    P = H * K
+    return B * (2 * H * K * K * 4 + 2 * 3 * P * (W - 1) * 2 + 5 * P * 2 + H * 2 + P * 2)
+
+
+def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt().clamp_min(1e-30))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batches", default="1,8,64,256")
+    parser.add_argument("--heads", default="96,12", help="KDA heads per GPU (96: one GPU; 12: a TP8 rank)")
+    parser.add_argument("--cpu-smoke", action="store_true")
+    parser.add_argument("--out", default="benchmarks/results/kda_decode_step.json")
+    args = parser.parse_args()
+    K, W = 128, 4
+    if args.cpu_smoke:
+        os.environ["TRITON_INTERPRET"] = "1"
+        device, batches, heads, K = "cpu", [1, 3], [2], 16
+    else:
+        device, batches, heads = "cuda", [int(x) for x in args.batches.split(",")], [int(x) for x in args.heads.split(",")]
+    from kimiserve.ops.kda import triton_decode
+
+    variants = {"fused": functools.partial(triton_decode.kda_decode_step, fallback=paged.kda_decode)}
+    if device == "cuda":
+        from kimiserve.ops.kda import fla
+        from kimiserve.utils.cuda_timing import copy_bandwidth_gbps, graph_time
+
+        variants["torch + fla"] = functools.partial(paged.kda_decode_step, kda_decode=fla.kda_decode)
+        variants["fla delta rule only"] = None
+        copy = copy_bandwidth_gbps("cuda", 1 << 30)
+    else:
+        from kimiserve.utils.cuda_timing import wall_time as graph_time
+
+        copy = float("nan")
+    variants["torch reference"] = paged.kda_decode_step
+    rows = []
+    gen = torch.Generator().manual_seed(0)
+    for H in heads:
+        for B in batches:
+            case = make_case(B, H, K, W, device, gen)
+            outs = {}
+            for name, fn in variants.items():
+                if fn is None:  # fla's kernel on already-mixed inputs (what the engine paid for the delta rule alone)
+                    q, k, v, f, b, gate, weights, conv, states, page_ids = case
+                    qh, kh, vh = (t.view(B, 1, H, K) for t in (q, k, v))
+                    g = torch.full((B, 1, H, K), -0.1, device=device)
+                    beta = torch.full((B, 1, H), 0.5, device=device)
+                    run = lambda: fla.kda_decode(qh, kh, vh, g, beta, states, page_ids)  # noqa: E731
+                else:
+                    conv, states = case[7].clone(), case[8].clone()
+                    args_ = (*case[:7], conv, states, case[9])
+                    outs[name] = fn(*args_)
+                    run = functools.partial(fn, *args_)
+                ms = graph_time(run) if device == "cuda" else graph_time(run, repeats=1)
+                nbytes = step_bytes(B, H, K, W)
+                row = {"heads": H, "batch": B, "variant": name, "us": ms * 1e3, "bytes": nbytes,
+                       "roofline_us": nbytes / (copy * 1e9) * 1e6 if copy == copy else None}
+                row["roofline_fraction"] = row["roofline_us"] / row["us"] if row["roofline_us"] else None
+                rows.append(row)
+            ref = outs.get("torch + fla", outs["torch reference"])
+            err = rel_rms(outs["fused"], ref)
+            for row in rows[-len(variants):]:
+                row["fused_vs_previous_rel_rms"] = err
+            print(f"H {H:3d} batch {B:4d}: " + ", ".join(f"{r['variant']} {r['us']:.1f} us" for r in rows[-len(variants):])
+                  + f"; roofline {rows[-1]['roofline_us'] or float('nan'):.1f} us; fused vs previous rel RMS {err:.1e}")
+    result = {"benchmark": "kda_decode_step", "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+              "torch": torch.__version__, "date": datetime.date.today().isoformat(), "commit": git_commit(),
+              "copy_gbps": copy, "rows": rows}
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as fh:
+        json.dump(result, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
