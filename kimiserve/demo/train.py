@@ -393,6 +393,8 @@ def train(config: ModelConfig, args: TrainArgs, log=print) -> tuple[torch.nn.Mod
                    "tokens_per_s": round(window["tokens"] / max(now - window["t"], 1e-9)),
                    "max_expert_load": round(window["worst"].item(), 2), "sparse": ctx_args["sparse"],
                    "fake_quant": fake_quant, "micro_batches": micro}
+            if step == 5:  # is the run as fast as planned? (the budget stops it on time either way)
+                rec["projected_steps"] = round(budget / max((now - start) / step, 1e-9))
             if device.type == "cuda":
                 rec["gpu_mem_gb"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 1)
             log(json.dumps(rec))
