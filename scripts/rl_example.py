@@ -35,7 +35,7 @@ def run_mode(mode: str, cfg: GRPOConfig, log=print) -> list[dict]:
 
         llm = make_llm(enable_lora=True, max_lora_rank=8)
         adapter = LoRAAdapter.init(llm.engine.model, "policy", rank=8, alpha=16, seed=cfg.seed)
-        llm.engine.load_lora_adapter(adapter)
+        llm.engine.load_lora_adapter(adapter.name, adapter)
         return run_grpo(llm, cfg, adapter=adapter, log=log)
     raise ValueError(f"mode must be full or lora, got {mode!r}")
 

@@ -92,7 +92,7 @@ class PageAllocator:
         self._snap_ref = [0] * num_pages  # the snapshots among them
         self._free: deque[int] = deque(range(num_pages))
         self._num_cached = 0  # pages with refcount > 0 held only by snapshots
-        self._root = _Node(HASH_SEED, (), None, 0)
+        self._roots: dict[int, _Node] = {0: _Node(HASH_SEED, (), None, 0)}  # salt -> trie root
         self._index: dict[int, list[_Node]] = {}  # chain hash -> nodes (a list: collisions)
         self._lru: OrderedDict[_Snapshot, None] = OrderedDict()  # oldest first
         self._queries = self._query_tokens = self._hit_tokens = 0
@@ -179,17 +179,24 @@ class PageAllocator:
 
     # ---- prefix cache ------------------------------------------------------------------------
 
-    def lookup(self, token_ids: Sequence[int], max_tokens: int) -> PrefixHit | None:
+    def _root(self, salt: int) -> _Node:
+        """The trie of prefixes computed under `salt` (0: the base model; else a LoRA adapter's id)."""
+        if salt not in self._roots:
+            self._roots[salt] = _Node(page_hash(HASH_SEED, ("salt", salt)), (), None, 0)
+        return self._roots[salt]
+
+    def lookup(self, token_ids: Sequence[int], max_tokens: int, salt: int = 0) -> PrefixHit | None:
         """The longest snapshot at p, 1 <= p <= max_tokens, whose ids equal token_ids[:p] (each
-        page verified). Takes no references (call `acquire` before the next allocate, which may
-        evict it); marks the snapshot recently used. Query tokens count len(token_ids)."""
+        page verified), among those registered with the same `salt`. Takes no references (call
+        `acquire` before the next allocate, which may evict it); marks the snapshot recently used.
+        Query tokens count len(token_ids)."""
         self._queries += 1
         self._query_tokens += len(token_ids)
         limit = min(max_tokens, len(token_ids))
         if not self.enable_prefix_caching or limit < 1 or not self._lru:
             return None
         bs = self.block_size
-        path = [self._root]
+        path = [self._root(salt)]
         while len(path) * bs <= limit:  # a deeper node only holds snapshots at p >= its depth * bs
             k = len(path) - 1
             child = self._child(path[-1], tuple(map(int, token_ids[k * bs:(k + 1) * bs])), create=False)
@@ -216,7 +223,8 @@ class PageAllocator:
         """Take one reference to every page of `hit` for a new holder (the sequence)."""
         self.incref([*hit.block_table, *hit.state_pages])
 
-    def snapshot(self, token_ids: Sequence[int], block_table: Sequence[int], state_pages: Sequence[int]) -> bool:
+    def snapshot(self, token_ids: Sequence[int], block_table: Sequence[int], state_pages: Sequence[int],
+                 salt: int = 0) -> bool:
         """Register a snapshot at p = len(token_ids), the whole prefix [0, p), referencing
         block_table[:ceil(p / block_size)] and state_pages (increfed). Returns True if it was
         added; False if disabled, p == 0, or an equal snapshot exists (its LRU spot is refreshed,
@@ -235,7 +243,7 @@ class PageAllocator:
             if self._ref[q] == 0:
                 raise ValueError(f"page {q} is free; a snapshot can only reference held pages")
         ids = [int(t) for t in token_ids]
-        node = self._root
+        node = self._root(salt)
         for k in range(p // bs):
             node = self._child(node, tuple(ids[k * bs:(k + 1) * bs]), create=True)
         partial = tuple(ids[(p // bs) * bs:])
@@ -315,7 +323,7 @@ class PageAllocator:
         snap, _ = self._lru.popitem(last=False)
         node = snap.node
         del node.snaps[snap.partial]
-        while node is not self._root and not node.snaps and node.children == 0:  # prune empty branch
+        while node.parent is not None and not node.snaps and node.children == 0:  # prune empty branch
             bucket = self._index[node.hash]
             bucket.remove(node)
             if not bucket:

@@ -55,6 +55,16 @@ class EngineArgs:
     """Make each sequence's logits and logprobs bit-identical whatever else is in the batch, however it is
     chunked, cached or preempted (fixed reduction orders: `kimiserve.rl.forward`), and equal to the
     trainer forward's (`kimiserve.rl.trainer`); slower (benchmarks/batch_invariant.py); one process only."""
+    enable_lora: bool = False
+    """Serve LoRA adapters (chosen per request by model name; several and the base model in one batch).
+    Needs batch_invariant: the adapters run in the batch-invariant forward for now."""
+    lora_modules: str | None = None
+    """LoRA adapters to load at start, NAME=PATH pairs separated by spaces or commas (PATH: a PEFT folder
+    with adapter_config.json and adapter_model.safetensors); implies enable_lora."""
+    max_loras: int = 8
+    """Most LoRA adapters loaded at once."""
+    max_lora_rank: int = 64
+    """Largest LoRA rank accepted."""
     enforce_eager: bool = False
     """Run decode steps eagerly instead of replaying CUDA graphs (CUDA only; a graph is captured the first
     time a padded batch size and context bucket occur)."""
@@ -106,6 +116,12 @@ class EngineArgs:
         if self.batch_invariant and world.world_size > 1:
             raise ValueError("batch_invariant runs in one process: leave tensor_parallel_size and "
                              "prefill_context_parallel_size at 1")
+        if (self.enable_lora or self.lora_modules) and not self.batch_invariant:
+            raise ValueError("LoRA adapters run in the batch-invariant forward for now: add batch_invariant=True "
+                             "(--batch-invariant) with enable_lora / lora_modules")
+        for name in ("max_loras", "max_lora_rank"):
+            positive(name)
+        self.lora_module_paths()
         if self.batch_invariant and self.speculative_config is not None:
             raise ValueError("batch_invariant does not run speculative decoding yet: drop speculative_config")
         if world.world_size % self.nnodes:
@@ -137,6 +153,18 @@ class EngineArgs:
                 raise ValueError(f"speculative decoding runs on one rank for now: {name}={getattr(self, name)} "
                                  f"with speculative_config is not supported (set {name}=1 or drop speculative_config)")
         return config
+
+    def lora_module_paths(self) -> dict[str, str]:
+        """lora_modules parsed: {name: path} (ValueError for an entry that is not NAME=PATH)."""
+        out: dict[str, str] = {}
+        for item in (self.lora_modules or "").replace(",", " ").split():
+            name, sep, path = item.partition("=")
+            if not sep or not name or not path:
+                raise ValueError(f"lora_modules entries are NAME=PATH, got {item!r}")
+            if name in out:
+                raise ValueError(f"lora_modules names {name!r} twice")
+            out[name] = path
+        return out
 
     def parallel_config(self):
         """The ranks' layout (`kimiserve.distributed.parallel_state.ParallelConfig`)."""

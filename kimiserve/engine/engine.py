@@ -108,6 +108,14 @@ class LLMEngine:
         if self.speculative_config is not None:
             self.proposer = make_proposer(self.speculative_config, self)
             self.scheduler.on_finish = self.proposer.release
+        self.lora = None
+        """The loaded LoRA adapters (`kimiserve.lora.registry.LoRARegistry`) when LoRA is enabled."""
+        if args.enable_lora or args.lora_modules:
+            from kimiserve.lora.registry import LoRARegistry
+
+            self.lora = self.runner.lora = LoRARegistry(self.model, args.max_loras, args.max_lora_rank)
+            for name, path in args.lora_module_paths().items():
+                self.lora.load(name, path)
         self.groups: dict[str, RequestGroup] = {}
         self._arrivals = itertools.count()
         self._suspects: list[Suspect] = []
@@ -118,9 +126,11 @@ class LLMEngine:
 
     # requests ----------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> None:
+                    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE, lora_name: str | None = None) -> None:
         """Queue a request; every check runs before anything is allocated (ValueError on bad input).
-        `output_kind`: whether its outputs hold everything so far or only what is new (DELTA)."""
+        `output_kind`: whether its outputs hold everything so far or only what is new (DELTA).
+        `lora_name`: a loaded LoRA adapter to run it with (None: the base model)."""
+        lora_id = self._lora_id(lora_name)
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
@@ -153,7 +163,7 @@ class LLMEngine:
             check_request(params)
         group = RequestGroup(text, prompt, params, output_kind=output_kind)
         self.groups[request_id] = group
-        first = Request(request_id, prompt, params, next(self._arrivals))
+        first = Request(request_id, prompt, params, next(self._arrivals), lora_id=lora_id)
         self._attach_detokenizer(first)
         group.samples.append(first)
         self.scheduler.add(first)
@@ -164,6 +174,45 @@ class LLMEngine:
         free = self.allocator.num_free
         self.allocator.evict_all()
         return self.allocator.num_free - free
+
+    # LoRA adapters ------------------------------------------------------------------------------
+    def _lora_id(self, name: str | None) -> int:
+        if name is None:
+            return 0
+        if self.lora is None:
+            raise ValueError(f"LoRA adapter {name!r} asked for, but this engine serves none (enable_lora)")
+        return self.lora.id_of(name)
+
+    def lora_names(self) -> list[str]:
+        """The loaded adapters' names (empty without LoRA)."""
+        return [] if self.lora is None else self.lora.names()
+
+    def load_lora_adapter(self, name: str, source) -> None:
+        """Load an adapter (a PEFT folder, or a `kimiserve.lora.LoRAAdapter`, copied) under `name`."""
+        if self.lora is None:
+            raise ValueError("this engine does not serve LoRA adapters: start it with enable_lora (--enable-lora)")
+        self.lora.load(name, source)
+
+    def _lora_in_use(self, name: str) -> bool:
+        lora_id = self.lora.id_of(name)
+        return any(s.lora_id == lora_id and not s.finished for g in self.groups.values() for s in g.samples)
+
+    def unload_lora_adapter(self, name: str) -> None:
+        """Unload an adapter no running request uses (ValueError otherwise)."""
+        if self.lora is None:
+            raise ValueError("this engine does not serve LoRA adapters")
+        if self._lora_in_use(name):
+            raise ValueError(f"LoRA adapter {name!r} is in use by running requests: unload it when they finish")
+        self.lora.unload(name)
+
+    def update_lora_adapter(self, adapter) -> None:
+        """New values for the loaded adapter of adapter.name (between requests: RL weight sync). It gets a new
+        prefix-cache salt, so nothing computed with the old values is reused."""
+        if self.lora is None:
+            raise ValueError("this engine does not serve LoRA adapters")
+        if self._lora_in_use(adapter.name):
+            raise RuntimeError(f"LoRA adapter {adapter.name!r} is in use by running requests: update it between steps")
+        self.lora.update(adapter)
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request now (between steps) and free its pages; unknown ids are ignored."""

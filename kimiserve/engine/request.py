@@ -57,6 +57,8 @@ class Request:
     """Output tokens already reported by streaming outputs."""
     spec_token_ids: list[int] = field(default_factory=list)
     """Speculative decoding: drafted tokens after the pending one, verified by the next step."""
+    lora_id: int = 0
+    """The engine's id of the LoRA adapter this sample runs with (0: the base model); salts its prefix-cache keys."""
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     """Drafted tokens verified for this sample and how many of them were kept."""

@@ -42,6 +42,8 @@ class StepChunk:
     snapshot_state_pages: list[int] | None = None
     verify: bool = False
     """A speculative verify chunk (`SequenceChunk.verify`)."""
+    lora_id: int = 0
+    """The LoRA adapter its rows run with (the engine's id; 0: the base model)."""
 
     def to_sequence_chunk(self) -> SequenceChunk:
         snapshot = None if self.snapshot_state_pages is None else torch.tensor(self.snapshot_state_pages)
@@ -71,6 +73,8 @@ class ModelRunner:
             from kimiserve.rl.forward import InvariantForward
 
             self.invariant = InvariantForward(model)
+        self.lora = None
+        """The engine's `kimiserve.lora.registry.LoRARegistry` when it serves adapters."""
         self.device = next(model.parameters()).device
         self.ops = select_decode_ops(self.device)
         self.eos_token_id = eos_token_id
@@ -107,7 +111,7 @@ class ModelRunner:
             ids.extend(r.all_ids[start : start + n - len(drafts)] + drafts)
             snapshot = list(chunk.snapshot_state_pages) if n > 1 and chunk.snapshot_state_pages else None
             chunks.append(StepChunk(row, row + n, start, list(r.block_table), list(r.state_pages), snapshot,
-                                    bool(drafts)))
+                                    bool(drafts), r.lora_id))
             first = len(logit_rows)
             if drafts:  # every row is sampled: row i as if drafts[:i] had been generated
                 logit_rows.extend(range(row, row + n))
@@ -150,7 +154,10 @@ class ModelRunner:
         rows = torch.tensor(step.logit_rows, device=self.device, dtype=torch.long)
         self.verified = None
         if self.invariant is not None:
-            return self.invariant.forward_batch(input_ids, batch, rows)
+            lora = None
+            if self.lora is not None:
+                lora = self.lora.batch([c.lora_id for c in step.chunks for _ in range(c.end - c.start)], self.device)
+            return self.invariant.forward_batch(input_ids, batch, rows, lora)
         logits = self.model.forward_batch(input_ids, batch, rows)
         if batch.verify_inputs is not None:
             self.verified = (batch, [j for j, c in enumerate(step.chunks) if c.verify])

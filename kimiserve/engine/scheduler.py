@@ -145,7 +145,7 @@ class Scheduler:
         request.num_cached_tokens = 0
         if not self.enable_prefix_caching or request.params.prompt_logprobs is not None:
             return
-        hit = self.allocator.lookup(request.all_ids, request.num_tokens - 1)
+        hit = self.allocator.lookup(request.all_ids, request.num_tokens - 1, request.lora_id)
         if hit is None:
             return
         self.allocator.acquire(hit)
@@ -231,7 +231,8 @@ class Scheduler:
         if request.status is Status.RUNNING:
             self.running.remove(request)
             if self.enable_prefix_caching and reason not in ("abort", "error") and request.num_computed:
-                self.allocator.snapshot(request.all_ids[: request.num_computed], request.block_table, request.state_pages)
+                self.allocator.snapshot(request.all_ids[: request.num_computed], request.block_table, request.state_pages,
+                                        request.lora_id)
         elif request.status is Status.WAITING:
             self.waiting.remove(request)
         self._release(request)
@@ -243,7 +244,8 @@ class Scheduler:
         """After the step: hand the state kept before the prompt's last token to the prefix cache."""
         if chunk.snapshot_state_pages:
             request = chunk.request
-            self.allocator.snapshot(request.prompt_ids[:-1], request.block_table, chunk.snapshot_state_pages)
+            self.allocator.snapshot(request.prompt_ids[:-1], request.block_table, chunk.snapshot_state_pages,
+                                    request.lora_id)
             self.allocator.decref(chunk.snapshot_state_pages)  # the snapshot holds them now (or they are free)
 
     def drop_prompt_snapshot(self, chunk: ScheduledChunk) -> None:
@@ -256,7 +258,7 @@ class Scheduler:
         child = Request(parent.request_id, parent.prompt_ids, parent.params, arrival, sample_index,
                         num_computed=parent.num_computed, block_table=list(parent.block_table),
                         state_pages=list(parent.state_pages), status=Status.RUNNING,
-                        num_cached_tokens=parent.num_cached_tokens)
+                        num_cached_tokens=parent.num_cached_tokens, lora_id=parent.lora_id)
         self.allocator.incref(child.pages)
         self.running.append(child)
         return child

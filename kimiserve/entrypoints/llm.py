@@ -57,16 +57,17 @@ class LLM:
     # public calls ------------------------------------------------------------------------------
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, lora_request: str | None = None) -> list[RequestOutput]:
         """Run every prompt to completion; one RequestOutput per prompt, in input order.
 
         prompts: a str, a list of str, a list of ints (one tokenized prompt) or a list of lists of
         ints. sampling_params: one SamplingParams for all prompts or one per prompt (default:
         SamplingParams()). use_tqdm: show a progress bar on stderr for more than one prompt.
+        lora_request: the name of a loaded LoRA adapter to run them with (None: the base model).
         """
         prompts = _as_prompts(prompts)
         params = _as_params(sampling_params, len(prompts))
-        return self._run(self._add_all(prompts, params), use_tqdm)
+        return self._run(self._add_all(prompts, params, lora_request), use_tqdm)
 
     def chat(self, messages: Conversation | Sequence[Conversation],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -102,7 +103,7 @@ class LLM:
         ids = self._add_all(prompts, params)
         yield from self._steps(ids)
 
-    def _add_all(self, prompts: list, params: list[SamplingParams]) -> list[str]:
+    def _add_all(self, prompts: list, params: list[SamplingParams], lora_request: str | None = None) -> list[str]:
         """Add every request, or none: if one is refused, abort those already added and re-raise."""
         if self._engine.has_unfinished_requests():
             raise RuntimeError("this LLM is still running requests of an earlier call (an unfinished stream()?): "
@@ -111,7 +112,7 @@ class LLM:
         for i, (prompt, p) in enumerate(zip(prompts, params)):
             request_id = str(next(self._request_ids))
             try:
-                self._engine.add_request(request_id, prompt, p)
+                self._engine.add_request(request_id, prompt, p, lora_name=lora_request)
             except BaseException as e:
                 for added in ids:
                     self._engine.abort_request(added)

@@ -216,6 +216,8 @@ class InvariantForward:
     def __init__(self, model: KimiForCausalLM):
         check_supported(model)
         self.model, self.config = model, model.config
+        self.names = {id(m): name for name, m in model.named_modules()}
+        self.lora = None
 
     # entry points ------------------------------------------------------------------------------
     def forward_batch(self, input_ids: torch.Tensor, batch: ForwardBatch, logits_rows: torch.Tensor,
@@ -275,7 +277,7 @@ class InvariantForward:
     def proj(self, module, x: torch.Tensor) -> torch.Tensor:
         y = bi.linear(x, module.weight)
         if self.lora is not None:
-            y = self.lora.apply(module, x, y)
+            y = self.lora.apply(self.names[id(module)], x, y)
         return y
 
     def act(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -407,10 +409,13 @@ class InvariantForward:
         xs = h.repeat_interleave(k, dim=0)
         w1, w2, w3 = (experts.stacked_weight(n, every).to(h.dtype)[flat] for n in experts.NAMES)
         gate, up = bi.linear(xs, w1), bi.linear(xs, w3)
-        if self.lora is not None:
-            gate, up = self.lora.apply_experts(experts, "w1", xs, flat, gate), self.lora.apply_experts(experts, "w3", xs, flat, up)
+        lora = self.lora
+        if lora is not None:
+            base, slots = self.names[id(experts)], lora.row_slot.repeat_interleave(k)
+            gate = lora.apply_experts(f"{base}.w1", xs, flat, slots, gate)
+            up = lora.apply_experts(f"{base}.w3", xs, flat, slots, up)
         act = self.act(gate, up)
         y = bi.linear(act, w2)
-        if self.lora is not None:
-            y = self.lora.apply_experts(experts, "w2", act, flat, y)
+        if lora is not None:
+            y = lora.apply_experts(f"{base}.w2", act, flat, slots, y)
         return bi.tree_sum(y.float().view(N, k, -1) * weights.float().unsqueeze(-1), 1).to(h.dtype)
