@@ -135,6 +135,8 @@ def main(argv=None) -> int:
     if args.quick:
         args.gen_len, args.repeats = 8, 1
     args.batch_sizes = args.batch_sizes or ("1,2" if args.quick else "1,4,16")
+    if args.device.startswith("cuda") and args.kv_cache_memory_gib is None and args.num_pages is None:
+        args.kv_cache_memory_gib = 16.0  # the target's pool; the draft model's pool holds as many tokens
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print("--device cuda asked for, but CUDA is not available", file=sys.stderr)
         return 2

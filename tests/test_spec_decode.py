@@ -165,7 +165,7 @@ def test_kda_state_matches_run_without_speculation_and_abort_mid_round():
     # verify step that released rejected pages
     on.add_request("x", prompt, p)
     on.add_request("y", random_prompts([25], seed=4)[0], p)
-    while not all(r.spec_token_ids for r in on.scheduler.running):
+    while len(on.scheduler.running) < 2 or not all(r.spec_token_ids for r in on.scheduler.running):
         on.step()
     on.abort_request("x")
     on.step()  # y verifies its drafts
@@ -173,3 +173,43 @@ def test_kda_state_matches_run_without_speculation_and_abort_mid_round():
     assert not on.has_unfinished_requests()
     on.check_idle()
     assert on.allocator.stats()["pages_used"] == on.allocator.stats()["pages_cached"]
+
+
+def test_logprobs_stops_and_length_limits():
+    """Kept tokens carry their own row's logprobs; a stop token or max_model_len inside an accepted run
+    of drafts ends the request there, as without speculation."""
+    prompts = random_prompts([30, 50, 40], seed=12)
+    params = [SamplingParams(max_tokens=40, allowed_token_ids=FEW, logprobs=3, **GREEDY),
+              SamplingParams(max_tokens=40, allowed_token_ids=FEW, stop_token_ids=[23], min_tokens=6, temperature=0.0),
+              SamplingParams(max_tokens=200, allowed_token_ids=FEW[:2], **GREEDY)]
+    outs = []
+    for spec in (None, ngram(5)):
+        engine = make_engine(max_model_len=72, speculative_config=spec)
+        outs.append(run(engine, prompts, params))
+        engine.check_idle()
+    (off, on) = outs
+    assert tokens(on) == tokens(off)
+    assert on["r1"].outputs[0].finish_reason == "stop" and on["r2"].outputs[0].finish_reason == "length"
+    assert len(on["r2"].outputs[0].token_ids) == 72 - 40
+    for a, b in zip(on["r0"].outputs[0].logprobs, off["r0"].outputs[0].logprobs):
+        assert a.token_id == b.token_id and a.rank == b.rank and abs(a.logprob - b.logprob) < 1e-4
+        assert [t for t, _ in a.top] == [t for t, _ in b.top]
+    assert engine.stats()["spec_decode_num_accepted_tokens"] > 0
+
+
+def test_llm_api_and_cli_flag():
+    import argparse
+
+    from kimiserve.entrypoints.llm import LLM
+
+    parser = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    args = EngineArgs.from_cli_args(parser.parse_args(["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}']))
+    assert args.speculative().num_speculative_tokens == 2
+    llm = LLM("tiny", max_model_len=128, num_pages=60, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    prompt = [3, 7, 11, 3, 7, 11, 3, 7]
+    out = llm.generate([prompt], SamplingParams(max_tokens=12, allowed_token_ids=FEW, **GREEDY), use_tqdm=False)
+    ref = LLM("tiny", max_model_len=128, num_pages=60).generate([prompt], SamplingParams(
+        max_tokens=12, allowed_token_ids=FEW, **GREEDY), use_tqdm=False)
+    assert out[0].outputs[0].token_ids == ref[0].outputs[0].token_ids
+    assert llm.engine.stats()["spec_decode_num_drafts"] > 0

@@ -84,3 +84,18 @@ def test_benchmark_quick(tmp_path):
                                                         for m in ("off", "ngram", "draft")]
     assert all(r["same_tokens_as_off"] for r in rows if r["method"] != "off")
     assert all(r["acceptance_length"] == 4.0 for r in rows if r["method"] == "draft")  # the target drafting for itself
+
+
+def test_abort_mid_round_frees_draft_pages():
+    engine = make_engine(speculative_config=draft(3, draft_seed=1))
+    p = SamplingParams(max_tokens=40, allowed_token_ids=FEW, **GREEDY)
+    for i, prompt in enumerate(random_prompts([30, 45], seed=2)):
+        engine.add_request(f"q{i}", prompt, p)
+    while len(engine.scheduler.running) < 2 or not all(r.spec_token_ids for r in engine.scheduler.running):
+        engine.step()
+    assert engine.proposer.allocator.num_used > 0
+    engine.abort_request("q0")  # drafts pending
+    engine.step()  # q1 verifies
+    engine.abort_request("q1")
+    engine.check_idle()  # the target's pages and the draft model's (check_idle of its allocator)
+    assert engine.proposer.allocator.num_used == 0

@@ -94,15 +94,14 @@ class DraftModelProposer:
 
     def _pick(self, logits: torch.Tensor, requests: list) -> list[int]:
         """Greedy drafts: the argmax within each request's allowed_token_ids."""
-        out = []
-        for row, r in zip(logits, requests):
-            allowed = r.params.allowed_token_ids
-            if allowed:
-                ids = torch.tensor(allowed, device=row.device)
-                out.append(int(ids[torch.argmax(row[ids])]))
-            else:
-                out.append(int(torch.argmax(row)))
-        return out
+        masked = [i for i, r in enumerate(requests) if r.params.allowed_token_ids]
+        if masked:
+            logits = logits.clone()
+            for i in masked:
+                keep = torch.zeros(logits.shape[1], dtype=torch.bool, device=logits.device)
+                keep[torch.tensor(requests[i].params.allowed_token_ids, device=logits.device)] = True
+                logits[i].masked_fill_(~keep, float("-inf"))
+        return torch.argmax(logits, dim=-1).tolist()  # one host transfer
 
     @torch.inference_mode()
     def propose(self, requests: list, limits: list[int]) -> list[list[int]]:
