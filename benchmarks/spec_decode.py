@@ -3,7 +3,8 @@
     python benchmarks/spec_decode.py [--model tiny] [--device cpu] [--batch-sizes 1,4,16] [--k 3]
                                      [--methods off,ngram,draft] [--draft-model MODEL] [--quick] [--out PATH]
 
-For each prompt kind, batch size B and method, `--repeats` times (the median run is reported), a fresh engine runs B requests of the kind (greedy,
+For each prompt kind, batch size B and method, `--repeats` times (methods interleaved; the median run
+is reported), a fresh engine runs B requests of the kind (greedy,
 ignore_eos, max_tokens = gen_len + 1). Prefill steps (and the step that samples each request's first
 token) are not timed; the timer runs over the remaining steps until every request is done.
 tokens/s per user = generated tokens in the timed steps / B / time; speedup = that / the same figure
@@ -28,6 +29,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import platform
 import shlex
 import sys
@@ -142,16 +144,20 @@ def main(argv=None) -> int:
         return 2
     batches = [int(b) for b in args.batch_sizes.split(",")]
     methods = args.methods.split(",")
+    load_before = os.getloadavg()[0]
     run_one(args, "repetitive", 1, "off")  # warm-up
     rows = []
     for kind in args.kinds.split(","):
         for batch in batches:
             base = None
+            runs = {m: [] for m in methods}
+            for _ in range(args.repeats):  # methods interleaved, so a change of the machine's load hits all alike
+                for method in methods:
+                    runs[method].append(run_one(args, kind, batch, method))
             for method in methods:
-                runs = sorted((run_one(args, kind, batch, method) for _ in range(args.repeats)),
-                              key=lambda r: r["seconds"])
-                row = runs[len(runs) // 2]  # the median run
-                row["seconds_all"] = [r["seconds"] for r in runs]
+                ordered = sorted(runs[method], key=lambda r: r["seconds"])
+                row = ordered[len(ordered) // 2]  # the median run
+                row["seconds_all"] = [r["seconds"] for r in runs[method]]
                 if method == "off":
                     base = row
                 elif base is not None:
@@ -168,7 +174,8 @@ def main(argv=None) -> int:
     result = {"benchmark": "spec_decode", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
               "commit": git_commit(), "command": shlex.join([sys.executable, *sys.argv]),
               "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor()
-              or platform.machine(), "threads": torch.get_num_threads(), "args": vars(args), "rows": rows}
+              or platform.machine(), "threads": torch.get_num_threads(), "load_average_1min": [load_before, os.getloadavg()[0]],
+              "args": vars(args), "rows": rows}
     out = Path(args.out) if args.out else REPO / "benchmarks" / "results" / f"spec_decode_{args.model}_{args.device.split(':')[0]}.json"
     if str(out) != "/dev/null":
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -78,7 +78,10 @@ class Scheduler:
                 continue  # preempted earlier in this step
             drafts = request.spec_token_ids[: budget - 1] if request.is_decode else []
             n = min(request.num_pending + len(drafts), budget)
-            while (chunk := self._reserve(request, n)) is None:
+            chunk = self._reserve(request, n)
+            if chunk is None and drafts:  # no pages for the drafts: decode without them before preempting
+                drafts, n = [], 1
+            while chunk is None and (chunk := self._reserve(request, n)) is None:
                 victim = max(self.running, key=lambda r: r.arrival)
                 budget += self._preempt(victim, out)
                 if victim is request:

@@ -209,7 +209,8 @@ class KimiDeltaAttention(nn.Module):
         mixed = []
         for j, c in enumerate(chunks):
             rows = slice(c.start, c.end)
-            kept.append((q[:, rows], k[:, rows], v[:, rows], g[:, rows], beta[:, rows]))
+            # copies: views would keep the whole step's projections (prefill chunks' too) alive per layer
+            kept.append(tuple(t[:, rows].clone() for t in (q, k, v, g, beta)))
             mixed.append(self.short_conv(q[:, rows], k[:, rows], v[:, rows], conv_in[j : j + 1])[:3])
         states = pool.recurrent[pages].clone()
         self._recurrent_steps(mixed, [c.num_tokens for c in chunks], [(g, beta, c.start) for c in chunks], states,

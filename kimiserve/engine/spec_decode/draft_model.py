@@ -50,6 +50,9 @@ class DraftModelProposer:
         if draft_config.vocab_size != engine.config.vocab_size:
             raise ValueError(f"the draft model {config.model!r} has {draft_config.vocab_size} token ids, the target "
                              f"{engine.config.vocab_size}: a draft model needs the target's tokenizer and vocabulary")
+        if draft_config.max_position_embeddings < engine.max_model_len:
+            raise ValueError(f"the draft model {config.model!r} has a context of {draft_config.max_position_embeddings} "
+                             f"tokens, less than max_model_len={engine.max_model_len}: lower max_model_len")
         device, dtype = engine.device, engine.dtype
         seed = args.seed if config.draft_seed is None else config.draft_seed
         self.model = load_model(config.model, dtype, seed, device, ParallelContext.single(device))
