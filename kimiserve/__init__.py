@@ -11,12 +11,13 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-__all__ = ["LLM", "SamplingParams", "EngineArgs"]
+__all__ = ["LLM", "SamplingParams", "EngineArgs", "StructuredOutputsParams"]
 
 _EXPORTS = {
     "LLM": "kimiserve.entrypoints.llm",
     "SamplingParams": "kimiserve.sampling_params",
     "EngineArgs": "kimiserve.engine.args",
+    "StructuredOutputsParams": "kimiserve.structured_output.params",
 }
 
 if TYPE_CHECKING:

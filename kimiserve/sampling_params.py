@@ -16,6 +16,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from kimiserve.structured_output.params import StructuredOutputsParams
+
 MAX_LOGPROBS = 20
 """Largest number of top alternatives that `logprobs` / `prompt_logprobs` may ask for."""
 
@@ -45,6 +47,12 @@ sampler checks every sequence against the output at every step (`kimiserve/engin
 
 MAX_BAD_WORD_CHARS = 256
 """Longest bad word, in characters."""
+
+MAX_LOGIT_BIAS = 300
+"""Most entries of `logit_bias` (OpenAI's limit)."""
+
+MAX_ABS_LOGIT_BIAS = 100.0
+"""`logit_bias` values lie in [-100, 100] (OpenAI's range)."""
 
 MAX_BAD_WORDS_TOKENS = 4096
 """Most tokens over all the tokenized bad-word sequences of one request (checked in
@@ -142,6 +150,20 @@ class SamplingParams:
     with the sequence's other tokens (a one-token sequence is always banned). The token ids come
     from `update_from_tokenizer`, which the engine calls once when the request is added; a word
     the model spells with other tokens is not caught (as in vLLM). Logprobs stay raw."""
+    logit_bias: dict[int, float] | None = None
+    """OpenAI's logit_bias: token id -> a bias in [-100, 100] added to that token's logit before
+    sampling (after the hard masks, before the penalties; greedy rows take the argmax of the biased
+    logits). At most `MAX_LOGIT_BIAS` (300) entries; ids are checked against the vocabulary by
+    `validate_vocab`. A bias never brings back a token a hard mask excludes. Logprobs stay raw."""
+    thinking_token_budget: int | None = None
+    """Most tokens the sample may generate inside `<think>` ... `</think>` (vLLM's name; >= 0): once
+    that many were generated and the block is still open, the next token is `</think>`
+    (`kimiserve/engine/thinking.py`). Needs a tokenizer with both markers. None: no budget."""
+    structured_outputs: StructuredOutputsParams | None = None
+    """Guided decoding (vLLM's name): the output must match this JSON schema, regex, choice list or
+    grammar (`kimiserve/structured_output/`). The engine compiles it off the hot path (the request
+    waits until it is ready; one that does not compile fails alone) and masks every step's logits
+    with the grammar; each of the n samples has its own matcher. Logprobs stay raw."""
     _bad_words_token_ids: list[list[int]] | None = field(default=None, init=False, repr=False, compare=False)
     """The bad words' token sequences, set by `update_from_tokenizer` (None until then)."""
 
@@ -179,6 +201,12 @@ class SamplingParams:
         self.allowed_token_ids = self._normalise_allowed_token_ids(self.allowed_token_ids)
         self.bad_words = self._normalise_strings("bad_words", self.bad_words, MAX_BAD_WORDS, MAX_BAD_WORD_CHARS,
                                                  "a list of strings")
+        self.logit_bias = self._normalise_logit_bias(self.logit_bias)
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got "
+                             f"{_kind(self.structured_outputs)}")
+        if self.thinking_token_budget is not None:
+            self.thinking_token_budget = _check_int("thinking_token_budget", self.thinking_token_budget, lo=0)
 
     @staticmethod
     def _in_range(name: str, value: Any, lo: float, hi: float) -> float:
@@ -229,6 +257,24 @@ class SamplingParams:
         return list(dict.fromkeys(ids))
 
     @staticmethod
+    def _normalise_logit_bias(bias: Any) -> dict[int, float] | None:
+        if bias is None:
+            return None
+        if not isinstance(bias, dict):
+            raise ValueError(f"logit_bias must be a dict of token id -> bias, got {_kind(bias)}")
+        if len(bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias must hold at most {MAX_LOGIT_BIAS} entries, got {len(bias)}")
+        out = {}
+        for t, b in bias.items():
+            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                raise ValueError(f"logit_bias must have token ids (ints >= 0) as keys, got {t!r}")
+            if isinstance(b, bool) or not isinstance(b, (int, float)) or not math.isfinite(b) \
+                    or not -MAX_ABS_LOGIT_BIAS <= b <= MAX_ABS_LOGIT_BIAS:
+                raise ValueError(f"logit_bias must map token ids to numbers in [-100, 100], got {b!r} for token {t}")
+            out[t] = float(b)
+        return out or None
+
+    @staticmethod
     def _normalise_stop_token_ids(ids: Any) -> list[int]:
         if ids is None:
             return []
@@ -242,11 +288,15 @@ class SamplingParams:
         return list(ids)
 
     def validate_vocab(self, vocab_size: int) -> None:
-        """Raise ValueError if a stop token id or an allowed token id is outside [0, vocab_size)."""
+        """Raise ValueError if a stop token id, an allowed token id or a logit_bias id is outside
+        [0, vocab_size)."""
         for name in ("stop_token_ids", "allowed_token_ids"):
             for i, t in enumerate(getattr(self, name) or ()):
                 if t >= vocab_size:
                     raise ValueError(f"{name} must be in [0, {vocab_size}), got {t} at {name}[{i}]")
+        for t in self.logit_bias or ():
+            if t >= vocab_size:
+                raise ValueError(f"logit_bias must have token ids in [0, {vocab_size}) as keys, got {t}")
 
     def update_from_tokenizer(self, tokenizer: Any) -> None:
         """Tokenize `bad_words` into `_bad_words_token_ids` (the engine calls this once per request,

@@ -304,7 +304,7 @@ class AsyncLLMEngine:
                 if engine.has_unfinished_requests():
                     before = engine.num_steps
                     outputs = engine.step()
-                    if not outputs and engine.num_steps == before:  # would spin forever (as LLM checks)
+                    if not outputs and engine.num_steps == before and not engine.num_compiling:  # would spin forever
                         raise RuntimeError("the engine scheduled nothing while requests wait")
                     self._dispatch(outputs)
                 self._stats = engine.stats()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 import logging
 import math
@@ -20,8 +21,10 @@ from kimiserve.engine.scheduler import Scheduler
 from kimiserve.engine.spec_decode import check_request, make_proposer
 from kimiserve.engine.spec_decode.metrics import SpecDecodeStats
 from kimiserve.engine.spec_decode.verify import accept_drafts
+from kimiserve.engine.thinking import THINK_END, THINK_START, ThinkingBudget
 from kimiserve.engine.worker import pages_needed
 from kimiserve.sampling_params import SamplingParams
+from kimiserve.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger("kimiserve.engine")
 
@@ -123,6 +126,11 @@ class LLMEngine:
         self.num_computed_tokens = 0
         self.num_steps = 0
         self.num_failed_requests = 0
+        self.structured_outputs = StructuredOutputManager(self.tokenizer, self.config.vocab_size, self.eos_token_id)
+        """Guided decoding's grammar cache and compile thread (llguidance is imported on first use;
+        `compile` may be called from other threads, e.g. the server's, to check a spec)."""
+        self._compiling: list[Request] = []
+        """Requests whose grammar is compiling (they wait in the scheduler until it is resolved)."""
 
     # requests ----------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
@@ -161,9 +169,16 @@ class LLMEngine:
             raise ValueError(f"n={params.n} is more than max_num_seqs={self.args.max_num_seqs}")
         if self.proposer is not None:
             check_request(params)
+        thinking = self._thinking_budget(prompt, params)
+        grammar_future = None
+        if params.structured_outputs is not None:
+            grammar_future = self.structured_outputs.submit(params.structured_outputs)
         group = RequestGroup(text, prompt, params, output_kind=output_kind)
         self.groups[request_id] = group
-        first = Request(request_id, prompt, params, next(self._arrivals), lora_id=lora_id)
+        first = Request(request_id, prompt, params, next(self._arrivals), lora_id=lora_id, thinking=thinking,
+                        grammar_future=grammar_future)
+        if grammar_future is not None:
+            self._compiling.append(first)
         self._attach_detokenizer(first)
         group.samples.append(first)
         self.scheduler.add(first)
@@ -214,6 +229,41 @@ class LLMEngine:
             raise RuntimeError(f"LoRA adapter {adapter.name!r} is in use by running requests: update it between steps")
         self.lora.update(adapter)
 
+    def _thinking_budget(self, prompt: list[int], params: SamplingParams) -> ThinkingBudget | None:
+        if params.thinking_token_budget is None:
+            return None
+        ids = [self.tokenizer.token_to_id(t) if self.tokenizer is not None else None for t in (THINK_START, THINK_END)]
+        if None in ids:
+            raise ValueError(f"thinking_token_budget needs a tokenizer with {THINK_START} and {THINK_END} tokens; "
+                             f"model {self.args.model!r} has none")
+        return ThinkingBudget.for_prompt(prompt, ids[0], ids[1], params.thinking_token_budget)
+
+    def _resolve_grammars(self) -> list[str]:
+        """Requests whose grammar finished compiling get their matcher (and can be scheduled); one whose
+        grammar failed fails alone. Returns the ids of the failed ones."""
+        failed, still = [], []
+        for request in self._compiling:
+            future = request.grammar_future
+            if request.finished or future is None:
+                continue
+            if not future.done():
+                still.append(request)
+                continue
+            request.grammar_future = None
+            exc = future.exception()
+            if exc is None:
+                try:
+                    request.grammar = self.structured_outputs.new_grammar(request.params.structured_outputs,
+                                                                          future.result(), request.prompt_ids)
+                except Exception as new_exc:  # noqa: BLE001 - this request fails alone
+                    exc = new_exc
+            if exc is not None:
+                message = str(exc) if isinstance(exc, ValueError) else "its grammar could not be built"
+                self._fail(request.request_id, exc, message)
+                failed.append(request.request_id)
+        self._compiling = still
+        return failed
+
     def abort_request(self, request_id: str) -> None:
         """Stop a request now (between steps) and free its pages; unknown ids are ignored."""
         group = self.groups.pop(request_id, None)
@@ -222,6 +272,11 @@ class LLMEngine:
         for sample in group.samples:
             if not sample.finished:
                 self.scheduler.finish(sample, "abort")
+
+    @property
+    def num_compiling(self) -> int:
+        """Requests waiting for their grammar to compile (a step may then schedule nothing)."""
+        return len(self._compiling)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work
@@ -237,10 +292,14 @@ class LLMEngine:
         error comes from fails alone and the others go on (their tokens unchanged: seeded sampling
         is batch-independent, and greedy decoding deterministic).
         """
+        failed = self._resolve_grammars() if self._compiling else []
         suspect = self._current_suspect()
         sched = self.scheduler.schedule(only=suspect.request if suspect else None)
         if not sched.chunks:
-            return []
+            if not failed and self._compiling:  # nothing to run until a grammar is ready: wait for one
+                concurrent.futures.wait([r.grammar_future for r in self._compiling], timeout=0.05,
+                                        return_when=concurrent.futures.FIRST_COMPLETED)
+            return [out for out in map(self._output, failed) if out is not None]
         scheduled_at = time.monotonic()
         for chunk in sched.chunks:
             group = self.groups.get(chunk.request.request_id)
@@ -255,7 +314,8 @@ class LLMEngine:
             failed = self._after_failed_forward(sched, exc)
             return [out for out in map(self._output, failed) if out is not None]
         self._isolated_failures = 0
-        touched = self._postprocess(sched, results)
+        touched = dict.fromkeys(failed)
+        touched.update(self._postprocess(sched, results))
         self._propose()
         if suspect is not None and (suspect.request.finished or suspect.request.num_computed >= suspect.target):
             self._suspects.remove(suspect)
@@ -287,14 +347,17 @@ class LLMEngine:
         self.scheduler.retry_later(sched)
         return []
 
-    def _fail(self, request_id: str, exc: BaseException) -> None:
+    def _fail(self, request_id: str, exc: BaseException, message: str | None = None) -> None:
         """End a request because of an error inside the engine: its samples finish with "error", its
         pages are freed (no prefix-cache snapshot of it is kept), its next output carries the error."""
         group = self.groups.get(request_id)
         if group is None or group.error is not None:
             return
-        logger.error("request %s failed inside the engine; the other requests go on", request_id, exc_info=exc)
-        group.error = REQUEST_FAILED_MESSAGE.format(request_id=request_id)
+        if message is None:
+            logger.error("request %s failed inside the engine; the other requests go on", request_id, exc_info=exc)
+        else:
+            logger.warning("request %s failed: %s", request_id, message.splitlines()[0] if message else "")
+        group.error = message or REQUEST_FAILED_MESSAGE.format(request_id=request_id)
         self.num_failed_requests += 1
         for sample in group.samples:
             if not sample.finished:
@@ -332,6 +395,8 @@ class LLMEngine:
             samples = [request]
             for index in range(1, len(result.samples)):
                 child = self.scheduler.fork(request, index, next(self._arrivals))
+                child.grammar = request.grammar.fork() if request.grammar is not None else None
+                child.thinking = request.thinking.copy() if request.thinking is not None else None
                 self._attach_detokenizer(child)
                 group.samples.append(child)
                 samples.append(child)
@@ -414,6 +479,10 @@ class LLMEngine:
                 p.min_tokens)
 
     def _append_token(self, request: Request, token: int, logprobs) -> None:
+        if request.grammar is not None:
+            request.grammar.accept(token)  # a token the grammar refuses fails the request
+        if request.thinking is not None:
+            request.thinking.advance(token)
         request.output_ids.append(token)
         group = self.groups.get(request.request_id)
         if group is not None and group.times.first_token is None:
@@ -509,6 +578,7 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Stop the other ranks (world size > 1); idempotent. The engine cannot step afterwards."""
+        self.structured_outputs.shutdown()
         self.executor.shutdown()
 
     def check_idle(self) -> None:

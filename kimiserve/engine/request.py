@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -11,6 +12,8 @@ from kimiserve.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from kimiserve.engine.detokenizer import IncrementalDetokenizer
     from kimiserve.engine.sampler import TokenLogprobs
+    from kimiserve.engine.thinking import ThinkingBudget
+    from kimiserve.structured_output.manager import RequestGrammar
 
 
 def sample_seed(seed: int | None, sample_index: int) -> int | None:
@@ -50,7 +53,8 @@ class Request:
     logprobs: list["TokenLogprobs"] = field(default_factory=list)
     prompt_logprobs: list["TokenLogprobs | None"] = field(default_factory=list)
     num_cached_tokens: int = 0
-    """Prompt tokens restored from the prefix cache at the latest admission."""
+    """Prompt tokens restored from the prefix cache at the request's first admission (what usage
+    reports as cached_tokens; a recompute after a preemption does not change it)."""
     num_preemptions: int = 0
     detokenizer: "IncrementalDetokenizer | None" = None
     streamed_tokens: int = 0
@@ -62,6 +66,22 @@ class Request:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     """Drafted tokens verified for this sample and how many of them were kept."""
+    grammar: "RequestGrammar | None" = None
+    """Guided decoding: this sample's grammar state (advanced by the engine with each token)."""
+    grammar_future: "Future | None" = None
+    """The grammar still compiling; the scheduler keeps the request waiting until it is resolved."""
+    thinking: "ThinkingBudget | None" = None
+    """The thinking-token budget's state (params.thinking_token_budget set), advanced by the engine."""
+
+    @property
+    def ready(self) -> bool:
+        """False while the request's grammar compiles."""
+        return self.grammar_future is None
+
+    @property
+    def forced_token_id(self) -> int | None:
+        """A token the next sample must be (the budget's `</think>`), else None."""
+        return self.thinking.forced_token_id if self.thinking is not None else None
 
     @property
     def all_ids(self) -> list[int]:

@@ -222,7 +222,8 @@ class ModelRunner:
                 for i in range(fork):
                     seed = r.seed if i == 0 else sample_seed(r.params.seed, i)
                     sample_rows.append(first + n_prompt)
-                    sample_reqs.append(SampleRequest(r.params, r.prompt_ids, r.output_ids, seed, self.eos_token_id))
+                    sample_reqs.append(SampleRequest(r.params, r.prompt_ids, r.output_ids, seed, self.eos_token_id,
+                                                     r.grammar, r.forced_token_id))
                     owners.append(res)
             results.append(res)
         if sample_rows:

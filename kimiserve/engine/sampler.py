@@ -1,9 +1,10 @@
 """Sampler: logits of the batch's last positions -> one token id per row (plus logprobs).
 
-Order per row: hard masks (allowed_token_ids, bad words, min_tokens masking of eos /
-stop_token_ids) -> penalties -> greedy rows take the argmax (smallest id among ties) -> other
-rows: temperature, top-k, top-p, min-p, softmax, one draw. Logprobs are the log_softmax of the
-raw model logits (vLLM's default "raw_logprobs"), whatever the masks and penalties.
+Order per row: hard masks (the grammar's token bitmask, a forced token, allowed_token_ids, bad
+words, min_tokens masking of eos / stop_token_ids) -> logit_bias -> penalties -> greedy rows take
+the argmax (smallest id among ties) -> other rows: temperature, top-k, top-p, min-p, softmax, one
+draw. Logprobs are the log_softmax of the raw model logits (vLLM's default "raw_logprobs"),
+whatever the masks and penalties.
 
 Reproducibility: a row with a seed draws from a fresh generator seeded with
 `mix_seed(seed, len(output_ids))`, so its tokens do not depend on the batch it runs in and are
@@ -19,17 +20,25 @@ A row left with no finite logit (its raw logits, masks or penalties exclude ever
 back, deterministically, to the best raw logit among the tokens its hard masks allow (penalties
 are then ignored); if they allow no token with a finite raw logit, to the first token they
 allow; if they allow none (allowed_token_ids all banned), the masks are relaxed in that order:
-allowed_token_ids alone, then every token.
+allowed_token_ids alone, then every token. The grammar's mask and a forced token count as part of
+allowed_token_ids there.
+
+Guided decoding: rows with a grammar (`SampleRequest.grammar`) get their bitmask filled on the host
+(`structured_output.manager.fill_bitmask`, into a pinned buffer on CUDA) while the device still runs
+the step's forward, copied without blocking and applied on the device (`ops/sampling/bitmask.py`);
+the only host transfer of a step stays the sampled ids.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from kimiserve.engine.bad_words import banned_tokens
 from kimiserve.ops.sampling import reference as ops
+from kimiserve.ops.sampling.bitmask import unpack_bitmask
 from kimiserve.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
@@ -49,6 +58,10 @@ class SampleRequest:
     """Seed specific to this sample (e.g. the request seed mixed with the sample index), or None."""
     eos_token_id: int | None
     """The model's eos id, masked while fewer than min_tokens tokens exist (unless ignore_eos)."""
+    grammar: Any = None
+    """The sample's `RequestGrammar` (guided decoding), or None."""
+    forced_token_id: int | None = None
+    """A token this row must produce (the thinking budget's `</think>`), or None."""
 
 
 @dataclass
@@ -133,6 +146,8 @@ class Sampler:
             self.log_softmax, self.softmax = bi.log_softmax, bi.softmax
         else:
             self.log_softmax, self.softmax = torch.log_softmax, torch.softmax
+        self._host_bitmask: torch.Tensor | None = None
+        """Reused host buffer of the grammar bitmasks (pinned when the logits are on CUDA)."""
 
     def _shared_generator(self, device: torch.device) -> torch.Generator:
         if device not in self._generators:
@@ -190,14 +205,57 @@ class Sampler:
         _, ids, largest = cached
         return ids if largest < V else ids[ids < V]
 
+    def _row_allowed_ids(self, req: SampleRequest, V: int) -> torch.Tensor:
+        """The ids a row may take by itself: its forced token, else its allowed_token_ids."""
+        if req.forced_token_id is not None:
+            return torch.tensor([req.forced_token_id], dtype=torch.int64)
+        return self._allowed_ids(req.params, V)
+
+    def _grammar_masks(self, x: torch.Tensor, requests: list[SampleRequest]) -> dict[int, torch.Tensor]:
+        """-inf, in place, where the rows' grammars disallow a token; returns row -> its bool keep
+        mask (on the device) for the fallback."""
+        grammars = [r.grammar if r.forced_token_id is None else None for r in requests]
+        if not any(g is not None and g.needs_mask for g in grammars):
+            return {}
+        from kimiserve.structured_output.manager import fill_bitmask
+
+        R, V = x.shape
+        W = (V + 31) // 32
+        buf = self._host_bitmask
+        if buf is None or buf.shape[0] < R or buf.shape[1] != W:
+            buf = torch.empty(max(R, 64), W, dtype=torch.int32, pin_memory=x.device.type == "cuda")
+            self._host_bitmask = buf
+        host = buf[:R]
+        rows = fill_bitmask(grammars, host)
+        dev_mask = host.to(x.device, non_blocking=True)
+        idx = torch.tensor(rows, dtype=torch.int64, device=x.device)
+        keep = unpack_bitmask(dev_mask[idx], V)
+        x[idx] = x[idx].masked_fill_(~keep, ops.NEG_INF)
+        return {r: keep[j] for j, r in enumerate(rows)}
+
+    @staticmethod
+    def _logit_bias(x: torch.Tensor, requests: list[SampleRequest]) -> None:
+        """Add each row's logit_bias in place (a -inf stays -inf: a bias never lifts a hard mask)."""
+        rows, ids, bias = [], [], []
+        for i, r in enumerate(requests):
+            for t, b in (r.params.logit_bias or {}).items():
+                if t < x.shape[1]:
+                    rows.append(i)
+                    ids.append(t)
+                    bias.append(b)
+        if rows:
+            dev = x.device
+            x.index_put_((torch.tensor(rows, device=dev), torch.tensor(ids, device=dev)),
+                         torch.tensor(bias, dtype=x.dtype, device=dev), accumulate=True)
+
     def _hard_masks(self, x: torch.Tensor, requests: list[SampleRequest]) -> None:
         """-inf, in place, on what allowed_token_ids, bad words and min_tokens exclude: one
         [rows, V] mask for the rows with allowed_token_ids and one index_put for the bans."""
         R, V = x.shape
         dev = x.device
-        rows = [i for i, r in enumerate(requests) if r.params.allowed_token_ids]
+        rows = [i for i, r in enumerate(requests) if r.params.allowed_token_ids or r.forced_token_id is not None]
         if rows:
-            ids = [self._allowed_ids(requests[i].params, V) for i in rows]
+            ids = [self._row_allowed_ids(requests[i], V) for i in rows]
             which = torch.repeat_interleave(torch.arange(len(rows)), torch.tensor([len(t) for t in ids]))
             keep = torch.zeros(len(rows), V, dtype=torch.bool, device=dev)
             keep[which.to(dev), torch.cat(ids).to(dev)] = True
@@ -211,14 +269,15 @@ class Sampler:
         if ban_rows:
             x[torch.tensor(ban_rows, device=dev), torch.tensor(ban_ids, device=dev)] = ops.NEG_INF
 
-    def _fallback(self, raw: torch.Tensor, req: SampleRequest) -> int:
+    def _fallback(self, raw: torch.Tensor, req: SampleRequest, grammar_keep: torch.Tensor | None = None) -> int:
         """The token of a row left with no finite logit (see the module doc)."""
         V = raw.shape[0]
         row = ops.saturate(raw)
-        allowed = torch.ones(V, dtype=torch.bool, device=raw.device)
-        if req.params.allowed_token_ids:
-            allowed = torch.zeros_like(allowed)
-            allowed[self._allowed_ids(req.params, V).to(raw.device)] = True
+        allowed = torch.ones(V, dtype=torch.bool, device=raw.device) if grammar_keep is None else grammar_keep.clone()
+        if req.params.allowed_token_ids or req.forced_token_id is not None:
+            only = torch.zeros_like(allowed)
+            only[self._row_allowed_ids(req, V).to(raw.device)] = True
+            allowed &= only
         strict = allowed.clone()
         banned = self._banned(req, V)
         if banned:
@@ -237,7 +296,9 @@ class Sampler:
         dev = raw.device
         V = raw.shape[1]
         x = ops.saturate(raw)  # a fresh tensor: the masks write into it
+        grammar_keep = self._grammar_masks(x, requests)
         self._hard_masks(x, requests)
+        self._logit_bias(x, requests)
         x = self._penalise(x, requests)
         best = x.max(dim=-1, keepdim=True).values
         valid = best.squeeze(-1) > ops.NEG_INF
@@ -260,7 +321,7 @@ class Sampler:
         ids = torch.where(valid, token_ids, -1).tolist()  # one host transfer; -1: no finite logit
         for i, t in enumerate(ids):
             if t < 0:
-                ids[i] = self._fallback(raw[i], requests[i])
+                ids[i] = self._fallback(raw[i], requests[i], grammar_keep.get(i))
         results: list[tuple[int, TokenLogprobs | None]] = [(t, None) for t in ids]
         want = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
         if want:

@@ -90,8 +90,12 @@ class Scheduler:
                 chunk.draft_token_ids = list(drafts)
                 out.chunks.append(chunk)
                 budget -= n
+        compiling: list[Request] = []  # waiting for their grammar: the requests behind them go first
         while self.waiting and budget > 0 and not out.preempted:
             request = self.waiting[0]
+            if not request.ready:
+                compiling.append(self.waiting.popleft())
+                continue
             if len(self.running) + (request.params.n if not request.output_ids else 1) > self.max_num_seqs:
                 break
             self._restore_prefix(request)
@@ -105,6 +109,7 @@ class Scheduler:
             self.running.append(request)
             out.chunks.append(chunk)
             budget -= n
+        self.waiting.extendleft(reversed(compiling))
         return out
 
     def _schedule_only(self, request: Request) -> SchedulerOutput:
@@ -145,7 +150,9 @@ class Scheduler:
 
     def _restore_prefix(self, request: Request) -> None:
         """Start from the longest cached prefix that ends at a snapshot (never the whole sequence)."""
-        request.num_cached_tokens = 0
+        first = not request.output_ids and request.num_preemptions == 0
+        if first:  # what the request reports: its first admission's hit (a recompute's is not the client's)
+            request.num_cached_tokens = 0
         if not self.enable_prefix_caching or request.params.prompt_logprobs is not None:
             return
         hit = self.allocator.lookup(request.all_ids, request.num_tokens - 1, request.lora_id)
@@ -154,7 +161,8 @@ class Scheduler:
         self.allocator.acquire(hit)
         request.block_table, request.state_pages = list(hit.block_table), list(hit.state_pages)
         request.num_computed = hit.num_tokens
-        request.num_cached_tokens = min(hit.num_tokens, len(request.prompt_ids))
+        if first:
+            request.num_cached_tokens = min(hit.num_tokens, len(request.prompt_ids))
 
     def _reserve(self, request: Request, n: int) -> ScheduledChunk | None:
         """Pages for `n` more tokens of `request`, copying shared pages it writes into; None if the pool is short."""

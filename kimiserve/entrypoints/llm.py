@@ -130,7 +130,7 @@ class LLM:
             while pending:
                 before = self._engine.num_steps
                 outputs = self._engine.step()
-                if not outputs and self._engine.num_steps == before:
+                if not outputs and self._engine.num_steps == before and not self._engine.num_compiling:
                     raise RuntimeError(f"the engine scheduled nothing while {len(pending)} requests wait")
                 for out in outputs:
                     if out.request_id in pending:

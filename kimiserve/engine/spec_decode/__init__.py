@@ -25,3 +25,6 @@ def check_request(params) -> None:
             raise ValueError("structured outputs (guided decoding) are not supported with speculative decoding "
                              "yet: drop the request's structured output / response_format, or serve without "
                              "speculative_config")
+    if getattr(params, "thinking_token_budget", None) is not None:  # verify rows would not force </think>
+        raise ValueError("thinking_token_budget is not supported with speculative decoding yet: drop it, or serve "
+                         "without speculative_config")

@@ -120,3 +120,18 @@ def logprobs_with_top(logprobs: torch.Tensor, token_ids: torch.Tensor, n: int):
         top_lp = logprobs.new_empty(logprobs.shape[0], 0)
         top_ids = torch.empty(logprobs.shape[0], 0, dtype=torch.int64, device=logprobs.device)
     return chosen.squeeze(-1), rank, top_ids, top_lp
+
+
+def apply_token_bitmask_reference(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """The oracle of `kimiserve.ops.sampling.bitmask.apply_token_bitmask`, one token at a time:
+    token t of row r keeps its logit when bit t % 32 of word bitmask[r, t // 32] is set, else -inf.
+    bitmask: int32 [R, ceil(V / 32)] (llguidance's / xgrammar's layout); tokens past 32 x W are
+    dropped. Returns new logits."""
+    out = logits.clone()
+    words = bitmask.to(torch.int64).tolist()
+    for r in range(logits.shape[0]):
+        for t in range(logits.shape[1]):
+            w = t // 32
+            if w >= len(words[r]) or not (words[r][w] >> (t % 32)) & 1:
+                out[r, t] = NEG_INF
+    return out
