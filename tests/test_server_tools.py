@@ -189,9 +189,10 @@ def test_forced_calls_cut_short_parse_the_same_streamed_or_not(client, choice, m
         assert whole[0]["name"] == "get_weather" and '{"city":"Rome"}'.startswith(whole[0]["arguments"])
 
 
-def test_forced_call_the_model_does_not_complete_leaves_no_markup():
-    """On a random model, `required` forcing "...functions." rarely gets a valid header: the reply falls
-    back to content, which holds what the model wrote but none of the server's markup."""
+def test_forced_call_on_a_random_model_is_completed_by_the_grammar():
+    """On a random model, `required` forcing "...functions." alone would rarely get a valid header; the
+    tool-call grammar completes it (a call to a declared function), and no markup reaches content
+    even when max_tokens cuts the call short."""
     with running_server("--max-model-len", "512", "--num-pages", "400") as s:
         for stream in (False, True):
             r = httpx.post(f"{s.base_url}/chat/completions", timeout=60, json={
@@ -202,9 +203,14 @@ def test_forced_call_the_model_does_not_complete_leaves_no_markup():
                 events = [json.loads(line[6:]) for line in r.text.splitlines()
                           if line.startswith("data: {")]
                 content = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"])
+                names = [tc["function"].get("name") for e in events if e["choices"]
+                         for tc in e["choices"][0]["delta"].get("tool_calls") or []]
             else:
-                content = r.json()["choices"][0]["message"]["content"] or ""
+                message = r.json()["choices"][0]["message"]
+                content = message["content"] or ""
+                names = [tc["function"]["name"] for tc in message["tool_calls"]]
             assert "<|tool_call" not in content and not content.startswith("functions.")
+            assert "get_weather" in names
 
 
 def test_chat_echo_include_reasoning_and_prompt_controls(server, client):

@@ -109,7 +109,7 @@ def build_app(engine: AsyncLLMEngine, args: ServerArgs | None = None) -> FastAPI
     engine.observer = metrics
     metrics.attach(engine)
     ctx = ServingContext(engine, names, args.reasoning_parser, args.tool_call_parser, args.enable_auto_tool_choice,
-                         args.max_queued_output_bytes, args.stream_send_timeout)
+                         args.enforce_tool_call_grammar, args.max_queued_output_bytes, args.stream_send_timeout)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):

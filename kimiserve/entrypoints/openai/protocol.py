@@ -29,6 +29,28 @@ class StreamOptions(OpenAIBaseModel):
     include_usage: StrictBool | None = False
 
 
+class JsonSchemaFormat(OpenAIBaseModel):
+    name: StrictStr | None = None
+    description: StrictStr | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(OpenAIBaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(OpenAIBaseModel):
+    """vLLM's `structured_outputs` extra body (exactly one of these)."""
+
+    json_: dict[str, Any] | StrictStr | None = Field(None, alias="json")
+    regex: StrictStr | None = None
+    choice: list[StrictStr] | None = None
+    grammar: StrictStr | None = None
+    json_object: StrictBool | None = None
+
+
 class SamplingRequest(OpenAIBaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions (OpenAI's plus vLLM's extras)."""
 
@@ -42,7 +64,7 @@ class SamplingRequest(OpenAIBaseModel):
     stop: StrictStr | list[StrictStr] | None = None
     stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
-    logit_bias: dict[str, Any] | None = None
+    logit_bias: dict[str, Float] | None = None
     user: StrictStr | None = None
     # vLLM's extra sampling parameters
     top_k: StrictInt | None = Field(None, ge=-1)
@@ -56,6 +78,12 @@ class SamplingRequest(OpenAIBaseModel):
     prompt_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     allowed_token_ids: list[Annotated[StrictInt, Field(ge=0)]] | None = None
     bad_words: list[StrictStr] | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: dict[str, Any] | StrictStr | None = None
+    guided_regex: StrictStr | None = None
+    guided_choice: list[StrictStr] | None = None
+    guided_grammar: StrictStr | None = None
 
     @field_validator("n")
     @classmethod
@@ -167,10 +195,6 @@ def check_text_only(messages: list[ChatMessage]) -> None:
                                  f"{type(part.get('text')).__name__}")
 
 
-class ResponseFormat(OpenAIBaseModel):
-    type: Literal["text", "json_object", "json_schema"]
-
-
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_tokens: StrictInt | None = Field(None, ge=1)
@@ -180,7 +204,6 @@ class ChatCompletionRequest(SamplingRequest):
     tools: list[ChatTool] | None = None
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
     parallel_tool_calls: StrictBool | None = True
-    response_format: ResponseFormat | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     # vLLM's chat extras
     echo: StrictBool = False
@@ -189,6 +212,9 @@ class ChatCompletionRequest(SamplingRequest):
     continue_final_message: StrictBool = False
     """Render the final message open-ended so the model continues it (needs add_generation_prompt false)."""
     include_reasoning: StrictBool = True
+    thinking_token_budget: StrictInt | None = Field(None, ge=0)
+    """Most tokens of reasoning (vLLM's name); then `</think>` is forced. Also `max_thinking_tokens`."""
+    max_thinking_tokens: StrictInt | None = Field(None, ge=0)
 
 
 class TokenizeRequest(OpenAIBaseModel):
@@ -211,8 +237,7 @@ class DetokenizeRequest(OpenAIBaseModel):
 
 UNSUPPORTED_FIELDS: dict[str, tuple] = {
     # name: the values that mean "not used" (accepted); any other value is a 400 naming the field
-    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
-    "guided_decoding_backend": (None,), "guided_whitespace_pattern": (None,), "structured_outputs": (None,),
+    "guided_decoding_backend": (None,), "guided_whitespace_pattern": (None,),
     "use_beam_search": (None, False), "length_penalty": (None, 1, 1.0), "early_stopping": (None, False),
     "logits_processors": (None,), "truncate_prompt_tokens": (None,), "prompt_embeds": (None,),
     "return_tokens_as_token_ids": (None, False), "return_token_ids": (None, False),
@@ -220,7 +245,7 @@ UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "chat_template": (None,), "functions": (None,), "function_call": (None,), "audio": (None,),
     "modalities": (None, ["text"]), "prediction": (None,), "web_search_options": (None,),
     "kv_transfer_params": (None,), "vllm_xargs": (None,), "priority": (None, 0), "reasoning_effort": (None,),
-    "thinking_token_budget": (None,), "max_thinking_tokens": (None,), "cache_salt": (None,),
+    "cache_salt": (None,),
 }
 """Request fields that OpenAI or vLLM define and this server does not implement. Unknown fields
 (`user`, `metadata`, ...) pass, as in vLLM; these would silently change what the client gets."""

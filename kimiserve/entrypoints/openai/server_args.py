@@ -36,6 +36,10 @@ class ServerArgs:
     """Return <think> reasoning as reasoning_content: kimi."""
     enable_auto_tool_choice: bool = False
     """Allow tool_choice "auto" (the model decides whether to call tools); needs --tool-call-parser."""
+    enforce_tool_call_grammar: bool = False
+    """Under tool_choice "auto", once the model opens a tool-call section, constrain it with the grammar
+    of the declared tools' JSON schemas (as "required" and named calls always are), so every call it
+    makes parses and its arguments validate. Needs the llguidance package."""
     shutdown_timeout: float = 10.0
     """Seconds to let in-flight requests finish after SIGTERM/SIGINT; then the engine stops and they end
     with an error (an error event in a stream, else a 503)."""
@@ -71,6 +75,9 @@ class ServerArgs:
             value = getattr(self, name)
             if value is not None and value not in allowed:
                 raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
+        if self.enforce_tool_call_grammar and not self.enable_auto_tool_choice:
+            raise ValueError("enforce_tool_call_grammar applies under tool_choice auto: it needs "
+                             "--enable-auto-tool-choice --tool-call-parser kimi_k2")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("enable_auto_tool_choice needs a tool_call_parser (--tool-call-parser kimi_k2)")
         if isinstance(self.max_queued_output_bytes, bool) or not isinstance(self.max_queued_output_bytes, int) \

@@ -2,10 +2,16 @@
 
 Output parsing (`ChatOutputParser`): reasoning when the server runs with `--reasoning-parser kimi`,
 tool calls when the request has tools and `tool_choice` is not "none" (`auto` needs
-`--enable-auto-tool-choice --tool-call-parser kimi_k2`, as in vLLM). There is no guided decoding:
-`required` and a named function force the start of a tool call by appending it to the prompt,
-and the parser is fed that forced text first. Forced calls are parsed the same way streamed or
-not (a call cut by max_tokens keeps what it has), and the forced markup never shows in `content`.
+`--enable-auto-tool-choice --tool-call-parser kimi_k2`, as in vLLM). `required` and a named
+function force the start of a tool call by appending it to the prompt (the parser is fed that
+forced text first), and the rest of the section is guided by the grammar of the declared tools'
+schemas (`structured_output/tool_grammar.py`), so every call parses and its arguments validate;
+`--enforce-tool-call-grammar` applies that grammar under `auto` from the moment the model opens a
+section. Forced calls are parsed the same way streamed or not (a call cut by max_tokens keeps what
+it has), and the forced markup never shows in `content`. `response_format` and vLLM's
+`structured_outputs` go through `structured.py`; with a reasoning parser the grammar applies after
+`</think>`. `chat_template_kwargs: {"thinking": false}` turns thinking off (the template closes an
+empty `<think></think>`); `thinking_token_budget` (or `max_thinking_tokens`) bounds it.
 """
 
 from __future__ import annotations
@@ -19,14 +25,17 @@ from fastapi.responses import Response
 
 from kimiserve.engine.async_engine import OutputSink
 from kimiserve.engine.outputs import RequestOutput
-from kimiserve.entrypoints.openai.chat_output import ChatOutputParser, DeltaMessage
+from kimiserve.entrypoints.openai.chat_output import THINK_DONE, ChatOutputParser, DeltaMessage
 from kimiserve.entrypoints.openai.errors import JSONResponse, OpenAIError, from_value_error
 from kimiserve.entrypoints.openai.protocol import (
     ChatCompletionRequest, ChatMessage, ChatTool, NamedToolChoice, check_text_only)
 from kimiserve.entrypoints.openai.serving_utils import (
     ServingContext, SSEResponse, abort_all, chat_logprobs, check_common, final_outputs, max_tokens_for, new_id,
     now, outputs, prompt_logprobs, sampling_params, sse, stream_error, submit, unless_disconnected, usage)
+from kimiserve.entrypoints.openai.structured import check_compiles, requested_spec
 from kimiserve.entrypoints.openai.tool_parser import ARG_BEGIN, CALL_BEGIN, SECTION_BEGIN, ToolCallDelta
+from kimiserve.structured_output.params import StructuredOutputsParams
+from kimiserve.structured_output.tool_grammar import functions_of_openai_tools, kimi_tool_call_params
 
 TEMPLATE_RESERVED = ("messages", "tools", "add_generation_prompt", "tokenize")
 """chat_template_kwargs keys that would replace what the server passes the template itself."""
@@ -144,9 +153,6 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     check_common(req)
     model = ctx.check_model(req.model)
     tokenizer = ctx.need_tokenizer("chat")
-    if req.response_format is not None and req.response_format.type != "text":
-        raise OpenAIError(f"response_format {req.response_format.type!r} needs guided decoding, which this server "
-                          f"does not have; only 'text' is supported", 400, "response_format.type")
     if req.top_logprobs is not None and not req.logprobs:
         raise OpenAIError("top_logprobs needs logprobs to be true", 400, "top_logprobs")
     if req.continue_final_message and req.add_generation_prompt:
@@ -166,6 +172,9 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         ctx.check_fits(text, "messages")
         return tokenizer.encode(text)
 
+    spec, spec_param = guided_spec(ctx, req, plan)
+    await check_compiles(ctx, spec, spec_param)
+    budget = thinking_budget(req)
     prompt_ids = await ctx.maybe_blocking(size, prompt)
     engine = ctx.engine
     max_field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
@@ -173,7 +182,8 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
                                 "messages", max_field)
     rename = {"logprobs": "top_logprobs", "max_tokens": max_field}
     params = sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None,
-                             engine.engine.args.max_num_seqs, rename)
+                             engine.engine.args.max_num_seqs, rename, structured_outputs=spec,
+                             thinking_token_budget=budget)
     request_id = new_id("chatcmpl")
     sink = ctx.new_sink([request_id])
     await submit(engine, [(request_id, prompt_ids, params)], sink, rename, final_only=not req.stream)
@@ -188,6 +198,33 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         finally:
             abort_all(engine, [request_id])()
     return await unless_disconnected(raw, collect())
+
+
+def guided_spec(ctx: ServingContext, req: ChatCompletionRequest,
+                plan: ToolPlan) -> tuple[StructuredOutputsParams | None, str]:
+    """The request's guided decoding and the field it comes from: the tool-call grammar for
+    required / named calls (continuing the forced start) and for `auto` under
+    --enforce-tool-call-grammar (lazy), else response_format / structured_outputs."""
+    spec, param = requested_spec(req, after_reasoning=ctx.reasoning_parser is not None)
+    if plan.choice in ("required", "named"):
+        if spec is not None:
+            raise OpenAIError(f"{param} cannot be combined with tool_choice {plan.choice!r} (the reply is a tool call)",
+                              400, param)
+        functions = functions_of_openai_tools([t.model_dump() for t in req.tools])
+        return kimi_tool_call_params(functions, plan.name, req.parallel_tool_calls is not False,
+                                     prefix=plan.forced.removeprefix(THINK_DONE)), "tools"
+    if plan.choice == "auto" and ctx.enforce_tool_call_grammar and spec is None:
+        functions = functions_of_openai_tools([t.model_dump() for t in req.tools])
+        return kimi_tool_call_params(functions, None, req.parallel_tool_calls is not False, lazy=True), "tools"
+    return spec, param
+
+
+def thinking_budget(req: ChatCompletionRequest) -> int | None:
+    a, b = req.thinking_token_budget, req.max_thinking_tokens
+    if a is not None and b is not None and a != b:
+        raise OpenAIError(f"thinking_token_budget ({a}) and max_thinking_tokens ({b}) differ: give one", 400,
+                          "max_thinking_tokens")
+    return a if a is not None else b
 
 
 def _echo_prefix(req: ChatCompletionRequest) -> str:
@@ -228,7 +265,8 @@ class _Chat:
                             "finish_reason": self._finish_reason(c.finish_reason, bool(calls)),
                             "stop_reason": c.stop_reason})
         response = {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
-                    "choices": choices, "usage": usage(len(out.prompt_token_ids), completion_tokens)}
+                    "choices": choices,
+                    "usage": usage(len(out.prompt_token_ids), completion_tokens, out.num_cached_tokens)}
         if self.req.prompt_logprobs is not None:
             response["prompt_logprobs"] = prompt_logprobs(self.ctx.tokenizer, out.prompt_logprobs)
         return response
@@ -256,7 +294,7 @@ class _Chat:
         parsers = [self._parser() for _ in range(n)]
         has_calls = [False] * n
         done = [False] * n
-        prompt_tokens = completion_tokens = 0
+        prompt_tokens = completion_tokens = cached_tokens = 0
         try:
             for i in range(n):
                 yield self._chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -271,7 +309,7 @@ class _Chat:
                         yield self._chunk({"index": i, "delta": self._delta(dm), "logprobs": None,
                                            "finish_reason": None})
             async for out in outputs(sink, [self.id]):
-                prompt_tokens = len(out.prompt_token_ids)
+                prompt_tokens, cached_tokens = len(out.prompt_token_ids), out.num_cached_tokens
                 for c in out.outputs:
                     if done[c.index]:
                         continue
@@ -296,7 +334,7 @@ class _Chat:
                         yield self._chunk(choice)
             if self.include_usage:
                 yield sse({"id": self.id, "object": "chat.completion.chunk", "created": self.created,
-                           "model": self.model, "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
+                           "model": self.model, "choices": [], "usage": usage(prompt_tokens, completion_tokens, cached_tokens)})
         except Exception as exc:  # noqa: BLE001 - reported in the stream, which still ends properly
             yield stream_error(exc, self.id)
         yield "data: [DONE]\n\n"

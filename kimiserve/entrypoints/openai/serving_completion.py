@@ -16,6 +16,7 @@ from kimiserve.engine.async_engine import OutputSink
 from kimiserve.engine.outputs import CompletionOutput, RequestOutput
 from kimiserve.entrypoints.openai.errors import JSONResponse, OpenAIError
 from kimiserve.entrypoints.openai.protocol import CompletionRequest
+from kimiserve.entrypoints.openai.structured import check_compiles, requested_spec
 from kimiserve.entrypoints.openai.serving_utils import (
     ServingContext, SSEResponse, abort_all, check_common, completion_logprobs, final_outputs, max_tokens_for,
     new_id, now, outputs, prompt_logprobs, sampling_params, sse, stream_error, submit, unless_disconnected, usage)
@@ -57,13 +58,16 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
         raise OpenAIError("suffix is not supported by this model", 400, "suffix")
     if req.best_of is not None and req.best_of != req.n:
         raise OpenAIError("best_of is not supported (it must equal n when given)", 400, "best_of")
+    spec, spec_param = requested_spec(req)
+    await check_compiles(ctx, spec, spec_param)
     prompts = await _prompts(ctx, req)
     engine = ctx.engine
     request_id = new_id("cmpl")
     requests = []
     for i, (_, ids) in enumerate(prompts):
         max_tokens = max_tokens_for(len(ids), req.max_tokens, engine.max_model_len, "prompt", "max_tokens")
-        params = sampling_params(req, max_tokens, req.logprobs, engine.engine.args.max_num_seqs, {})
+        params = sampling_params(req, max_tokens, req.logprobs, engine.engine.args.max_num_seqs, {},
+                                 structured_outputs=spec)
         if req.echo and req.logprobs is not None:
             params.prompt_logprobs = max(params.prompt_logprobs or 0, req.logprobs)
         requests.append((f"{request_id}-{i}", ids, params))
@@ -95,10 +99,11 @@ class _Completion:
 
     def response(self, final: dict[str, RequestOutput]) -> dict[str, Any]:
         req, tok = self.req, self.ctx.tokenizer
-        choices, prompt_tokens, completion_tokens = [], 0, 0
+        choices, prompt_tokens, completion_tokens, cached_tokens = [], 0, 0, 0
         for rid, p in self.index.items():
             out = final[rid]
             prompt_tokens += len(out.prompt_token_ids)
+            cached_tokens += out.num_cached_tokens
             prefix = _prompt_text(self.ctx, self.prompts[p][0], out.prompt_token_ids) if req.echo else ""
             for c in out.outputs:
                 completion_tokens += len(c.token_ids)
@@ -114,7 +119,7 @@ class _Completion:
                 choices.append(choice)
         choices.sort(key=lambda ch: ch["index"])
         return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-                "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
+                "choices": choices, "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
 
     def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         chunk = {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
@@ -127,7 +132,7 @@ class _Completion:
         req, tok = self.req, self.ctx.tokenizer
         offsets: dict[int, int] = {}  # choice -> characters sent (text_offset of the next token)
         done: set[int] = set()
-        prompt_tokens = completion_tokens = 0
+        prompt_tokens = completion_tokens = cached_tokens = 0
         try:
             async for out in outputs(sink, list(self.index)):
                 p = self.index[out.request_id]
@@ -140,6 +145,7 @@ class _Completion:
                         offsets[index] = 0
                         if c.index == 0:
                             prompt_tokens += len(out.prompt_token_ids)
+                            cached_tokens += out.num_cached_tokens
                     text, entries, token_ids = self._delta(out, c, first, p)
                     completion_tokens += len(c.delta_token_ids)
                     logprobs = None
@@ -154,7 +160,7 @@ class _Completion:
                         yield sse(self._chunk([{"index": index, "text": text, "logprobs": logprobs,
                                                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]))
             if req.stream_options is not None and req.stream_options.include_usage:
-                yield sse({**self._chunk([]), "usage": usage(prompt_tokens, completion_tokens)})
+                yield sse({**self._chunk([]), "usage": usage(prompt_tokens, completion_tokens, cached_tokens)})
         except Exception as exc:  # noqa: BLE001 - reported in the stream, which still ends properly
             yield stream_error(exc, self.id)
         yield "data: [DONE]\n\n"

@@ -45,6 +45,8 @@ class ServingContext:
     reasoning_parser: str | None = None
     tool_call_parser: str | None = None
     enable_auto_tool_choice: bool = False
+    enforce_tool_call_grammar: bool = False
+    """Under tool_choice "auto", enforce the tool-call grammar once the model opens a tool-call section."""
     max_queued_output_bytes: int | None = None
     """Unread output one HTTP request may have waiting before its requests are aborted (None: no bound)."""
     stream_send_timeout: float | None = None
@@ -142,8 +144,6 @@ def check_common(req: SamplingRequest) -> None:
     """Request-level rules that are not a single field's type or range."""
     if req.stream_options is not None and not req.stream:
         raise OpenAIError("stream_options is only allowed when stream is true", 400, "stream_options")
-    if req.logit_bias:
-        raise OpenAIError("logit_bias is not supported by this server", 400, "logit_bias")
     name = unsupported_field(req)
     if name is not None:
         raise OpenAIError(f"{name} is not supported by this server; leave it out", 400, name)
@@ -173,7 +173,10 @@ def max_tokens_for(num_prompt: int, max_tokens: int | None, max_model_len: int, 
 
 
 def sampling_params(req: SamplingRequest, max_tokens: int, logprobs: int | None, max_num_seqs: int,
-                    rename: dict[str, str]) -> SamplingParams:
+                    rename: dict[str, str], **extra: Any) -> SamplingParams:
+    """The engine's parameters of a request; `extra`: SamplingParams fields the handler worked out
+    (structured_outputs, thinking_token_budget)."""
+
     if req.n > max_num_seqs:
         raise OpenAIError(f"n must be <= {max_num_seqs} (the server's --max-num-seqs), got {req.n}", 400, "n")
     opt = {name: getattr(req, name) for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
@@ -185,9 +188,26 @@ def sampling_params(req: SamplingRequest, max_tokens: int, logprobs: int | None,
             min_tokens=req.min_tokens, ignore_eos=req.ignore_eos, logprobs=logprobs,
             prompt_logprobs=req.prompt_logprobs, include_stop_str_in_output=req.include_stop_str_in_output,
             skip_special_tokens=req.skip_special_tokens, allowed_token_ids=req.allowed_token_ids,
-            bad_words=req.bad_words, **opt)
+            bad_words=req.bad_words, logit_bias=logit_bias_ids(req.logit_bias), **opt, **extra)
     except ValueError as exc:
         raise from_value_error(exc, rename) from exc
+
+
+def logit_bias_ids(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's logit_bias ({"token id": bias}) with int keys; a key that is not a token id is a 400."""
+    if not bias:
+        return None
+    out = {}
+    for key, value in bias.items():
+        try:
+            token = int(key)
+        except ValueError:
+            token = -1
+        if token < 0 or str(token) != key.strip():
+            raise OpenAIError(f"logit_bias must have token ids (non-negative integers) as keys, got {key!r}", 400,
+                              "logit_bias")
+        out[token] = value
+    return out
 
 
 # logprobs ----------------------------------------------------------------------------------------
@@ -265,9 +285,11 @@ def prompt_logprobs(tokenizer, entries: list[TokenLogprobs | None] | None) -> li
     return out
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI's usage; prompt_tokens_details.cached_tokens: prompt tokens the prefix cache served."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 # the engine round trip ---------------------------------------------------------------------------
