@@ -175,7 +175,18 @@ SAMPLING_FIELDS = {
     "stream": st.booleans(),
     "stream_options": st.sampled_from([None, {}, {"include_usage": True}, {"include_usage": False},
                                        {"include_usage": None}, {"continuous_usage_stats": False}]),
-    "logit_bias": st.sampled_from([None, {}]),
+    "logit_bias": st.sampled_from([None, {}, {"1": 5}, {"3": -100, "7": 2.5}, {"5": 100}]),
+    "response_format": st.sampled_from([None, {"type": "text"}, {"type": "json_object"},
+                                        {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}},
+                                        {"type": "json_schema", "json_schema": {"schema": {
+                                            "type": "object", "properties": {"a": {"type": "integer"}}}}}]),
+    "structured_outputs": st.sampled_from([None, {"regex": "[a-z]{1,4}"}, {"choice": ["a", "b"]},
+                                           {"json": {"type": "object", "properties": {"a": {"enum": [1, 2]}}}},
+                                           {"grammar": 'root ::= "x" [0-9]'}, {"json_object": True}]),
+    "guided_json": st.sampled_from([None, {"type": "object"}, '{"type": "string", "maxLength": 3}']),
+    "guided_regex": st.sampled_from([None, "[0-9]{2}"]),
+    "guided_choice": st.sampled_from([None, ["x", "y"]]),
+    "guided_grammar": st.sampled_from([None, 'root ::= "a" | "b"']),
     "user": texts(),
     "top_k": st.one_of(st.integers(-1, 2 * VOCAB), st.sampled_from([-1, 0, 1, VOCAB, VOCAB + 1, 2**63, 2**64, 10**30])),
     "min_p": st.one_of(st.floats(0, 1), st.sampled_from([0, 1, 1.0, 5e-324, -0.0])),
@@ -301,9 +312,9 @@ CHAT_FIELDS = {
     "tools": tool_lists,
     "tool_choice": st.sampled_from(TOOL_CHOICES),  # replaced by tool_choices(tools) when tools are drawn
     "parallel_tool_calls": st.booleans(),
-    "response_format": st.sampled_from([None, {"type": "text"}, {"type": "json_object"},
-                                        {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}]),
     "chat_template_kwargs": template_kwargs,
+    "thinking_token_budget": st.one_of(st.none(), st.integers(0, 4)),
+    "max_thinking_tokens": st.one_of(st.none(), st.integers(0, 4)),
     "echo": st.booleans(),
     "add_generation_prompt": st.booleans(),
     "continue_final_message": st.booleans(),
@@ -344,8 +355,18 @@ BAD_FIELD_VALUES = {  # hostile values that are wrong in a way specific to the f
     "prompt_logprobs": st.sampled_from([21, -1, 2**64]),
     "tool_choice": st.sampled_from(TOOL_CHOICES),
     "stream_options": st.sampled_from([[], "yes", {"include_usage": "yes"}, {"continuous_usage_stats": True}]),
-    "logit_bias": st.sampled_from([{"1": 5}, {"x": None}, [], "x"]),
-    "response_format": st.sampled_from([{"type": "bogus"}, "text", {}, {"type": None}]),
+    "logit_bias": st.sampled_from([{"x": None}, [], "x", {"1": 1000}, {"-3": 1}, {"1.5": 1}, {str(10**9): 1},
+                                   {"1": float("nan")}]),
+    "response_format": st.sampled_from([{"type": "bogus"}, "text", {}, {"type": None}, {"type": "json_schema"},
+                                        {"type": "json_schema", "json_schema": {"schema": {"type": "nosuch"}}},
+                                        {"type": "json_schema", "json_schema": {"schema": []}}]),
+    "structured_outputs": st.sampled_from([{}, {"regex": "[0-"}, {"json": "{"}, {"choice": []}, "x", {"bogus": 1},
+                                           {"regex": "a", "choice": ["b"]}, {"grammar": "root ::= ("},
+                                           {"json": {"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}},
+                                           {"regex": "(a|b)*" * 200}, {"choice": [""]}]),
+    "guided_regex": st.sampled_from(["((", "[z-a]"]),
+    "guided_json": st.sampled_from(["not json", 5, {"type": 7}]),
+    "thinking_token_budget": st.sampled_from([-1, "x", 2**64, 1.5]),
     "seed": st.sampled_from([2**64, -(2**63) - 1, 2**100, 1.0, "1"]),
     "top_k": st.sampled_from([-2, -(2**63), 1.5, "5"]),
     "temperature": st.sampled_from([-5e-324, -1e308, float("inf"), float("nan"), "hot"]),
@@ -386,8 +407,14 @@ def consistent(body: dict) -> None:
         body["logprobs"] = True
     if body.get("continue_final_message"):
         body["add_generation_prompt"] = False
-    if isinstance(body.get("response_format"), dict):
-        body["response_format"] = {"type": "text"}
+    guided = [k for k in ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                          "guided_grammar") if body.get(k) not in (None, {"type": "text"})]
+    for k in guided[1:]:  # one kind of guided decoding per request
+        body.pop(k)
+    if guided and (body.get("tool_choice") not in (None, "none", "auto") and body.get("tools")):
+        body.pop(guided[0])  # the reply of a forced tool call follows the tools' grammar
+    if "max_thinking_tokens" in body and "thinking_token_budget" in body:
+        body.pop("max_thinking_tokens")
     if body.get("best_of") is not None:
         body["best_of"] = body.get("n") or 1
     limit = body.get("max_completion_tokens") or body.get("max_tokens")
