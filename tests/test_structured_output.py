@@ -275,3 +275,47 @@ def test_logit_bias(engines):
         SamplingParams(logit_bias={1: 101})
     with pytest.raises(ValueError, match="logit_bias"):
         engine.add_request("bad", PROMPT, SamplingParams(logit_bias={10**6: 1.0}))
+
+
+@pytest.mark.fixed_threads
+def test_multiprocess_executor_samples_under_the_grammar_on_rank_0(tmp_path):
+    """Tensor parallel 2 (a spawned gloo rank): the grammar lives with the sampler on rank 0; the
+    greedy guided outputs equal the one-process engine's and validate."""
+    from dist_utils import free_port
+
+    from kimiserve.config import tiny_parallel_config
+    from kimiserve.entrypoints.llm import LLM
+    from kimiserve.model.loader import save_checkpoint
+    from kimiserve.model.model import build_model
+    from kimiserve.tokenizer import load_tokenizer
+
+    save_checkpoint(build_model(tiny_parallel_config(), torch.float32, seed=3), tmp_path)
+    load_tokenizer("tiny").save_pretrained(tmp_path)
+    schemas = random_schemas(4, seed=8)
+    params = [SamplingParams(n=2, temperature=0, max_tokens=120, structured_outputs=Spec(json=s)) for s in schemas]
+    engine_args = dict(dtype="float32", max_model_len=256, num_pages=300)
+    texts = []
+    for parallel in ({}, {"tensor_parallel_size": 2, "master_port": free_port()}):
+        llm = LLM(str(tmp_path), **engine_args, **parallel)
+        try:
+            outs = llm.generate([PROMPT] * 4, params, use_tqdm=False)
+            llm.engine.check_idle()
+        finally:
+            llm.engine.shutdown()
+        texts.append([[c.text for c in o.outputs] for o in outs])
+    assert texts[0] == texts[1]
+    assert all(validates(t, s) for row, s in zip(texts[0], schemas) for t in row), texts[0]
+
+
+def test_prefix_hits_and_stop_strings_with_a_grammar(engines):
+    engine = engines()
+    schema = random_schemas(1, seed=9)[0]
+    prompt = list(range(100, 230))
+    params = SamplingParams(temperature=1.0, seed=4, max_tokens=200, structured_outputs=Spec(json=schema))
+    first = run(engine, [prompt], params)["r0"]
+    again = run(engine, [prompt], params)["r0"]
+    assert again.num_cached_tokens > 0 and first.num_cached_tokens == 0
+    assert again.outputs[0].text == first.outputs[0].text and validates(first.outputs[0].text, schema)
+    cut = run(engine, [prompt], SamplingParams(temperature=1.0, seed=4, max_tokens=200, stop=[":"],
+                                               structured_outputs=Spec(json=schema)))["r0"].outputs[0]
+    assert cut.finish_reason == "stop" and cut.stop_reason == ":" and first.outputs[0].text.startswith(cut.text)
