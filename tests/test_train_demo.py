@@ -22,7 +22,7 @@ def _tiny_model(seed=0):
 
 def test_loss_falls_and_export_round_trips(tmp_path):
     model, params = _tiny_model()
-    ids, mask = next(iter(BatchStream(0, 2048, 384, 100, pool=32)))
+    ids, mask = (torch.from_numpy(a) for a in next(iter(BatchStream(0, 2048, 384, 100, pool=32))))
     opt = torch.optim.AdamW(params, lr=3e-3)
     losses, kls = [], []
     for step in range(10):

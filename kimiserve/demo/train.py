@@ -117,7 +117,7 @@ class TrainArgs:
 
 # ---------------------------------------------------------------------------------- batches
 class BatchStream(torch.utils.data.IterableDataset):
-    """Endless length-bucketed batches (ids int64 [B, T], loss mask bool [B, T]) of rendered examples:
+    """Endless length-bucketed batches (numpy ids int64 [B, T], loss mask bool [B, T]) of rendered examples:
     a pool of examples is sorted by length and cut into batches of at most `tokens_per_step` padded
     tokens (T a multiple of 64), handed out in a random order. Deterministic per (seed, worker)."""
 
@@ -146,7 +146,12 @@ class BatchStream(torch.utils.data.IterableDataset):
             batches.append(cur)
             rng.shuffle(batches)
             for b in batches:
-                yield collate(b)
+                ids, mask = collate(b)
+                yield ids.numpy(), mask.numpy()  # numpy crosses the worker pipe pickled: no /dev/shm needed
+
+
+def _as_is(batch):
+    return batch
 
 
 def collate(rows: list[tuple[list[int], list[int]]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -300,7 +305,7 @@ def train(config: ModelConfig, args: TrainArgs, log=print) -> tuple[torch.nn.Mod
         torch.backends.cudnn.allow_tf32 = True
     stream = BatchStream(args.seed, args.tokens_per_step, args.max_seq_len, args.max_filler_tokens)
     loader = torch.utils.data.DataLoader(stream, batch_size=None, num_workers=args.num_workers,
-                                         pin_memory=device.type == "cuda",
+                                         collate_fn=_as_is,
                                          **({"prefetch_factor": 8, "persistent_workers": True} if args.num_workers else {}))
     batches = iter(loader)  # workers fork before the model touches the device
     model = build_model(config.replace(routed_experts_mxfp4=False), torch.float32, seed=args.seed, device=device)
@@ -338,9 +343,9 @@ def train(config: ModelConfig, args: TrainArgs, log=print) -> tuple[torch.nn.Mod
         frac = elapsed / budget
         if frac >= 1.0 or (args.max_steps is not None and step >= args.max_steps):
             break
-        ids, mask = next(batches)
+        ids, mask = (torch.from_numpy(a) for a in next(batches))
         total = int(mask[:, 1:].sum())  # on the host: no device sync
-        ids, mask = ids.to(device, non_blocking=True), mask.to(device, non_blocking=True)
+        ids, mask = ids.to(device), mask.to(device)
         lr = lr_at(args, step, frac)
         for g in opt.param_groups:
             g["lr"] = lr
