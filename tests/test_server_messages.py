@@ -10,7 +10,8 @@ import pytest
 anthropic = pytest.importorskip("anthropic")
 
 from agent_scripts import (  # noqa: E402
-    MATH_ANSWER, MATH_Q, OSLO_Q, PARIS_ANSWER, PARIS_Q, ROME_Q, SUNNY, WEATHER)
+    FORCED, MATH_ANSWER, MATH_Q, OSLO_Q, PARIS_ANSWER, PARIS_Q, ROME_Q, SUNNY, TOOLS, WEATHER, prompt_ids, user)
+from scripted_model import tiny_tokenizer  # noqa: E402
 from conftest import API_KEY  # noqa: E402
 
 pytestmark = pytest.mark.fixed_threads  # the server runs with one torch thread: OMP_NUM_THREADS changes nothing
@@ -115,6 +116,23 @@ def test_thinking_switch_stop_sequences_and_max_tokens(client):
     assert cut.stop_reason == "max_tokens" and cut.usage.output_tokens == 3
     system = create(client, math, system=[{"type": "text", "text": "Be brief."}])  # off script, but served
     assert system.stop_reason in ("end_turn", "max_tokens")
+
+
+def test_thinking_budget_and_thinking_off_with_a_forced_call(client):
+    """budget_tokens is the engine's thinking budget: after 2 tokens of the scripted reasoning `</think>`
+    is forced. With thinking disabled a forced call starts right after the template's empty
+    `<think></think>` (one, not two: the prompt counted is exactly that)."""
+    tok = tiny_tokenizer()
+    two = tok.decode(tok.encode("Add the numbers.")[:2])
+    cut = create(client, [{"role": "user", "content": MATH_Q}], max_tokens=8,
+                 thinking={"type": "enabled", "budget_tokens": 2})
+    assert cut.content[0].type == "thinking" and cut.content[0].thinking == two
+    off = {"thinking": {"type": "disabled"}, "tool_choice": {"type": "any"}}
+    expected = prompt_ids(user(OSLO_Q), TOOLS, FORCED.removeprefix("<think></think>"), thinking=False)
+    assert count(client, [{"role": "user", "content": OSLO_Q}], **off) == len(expected)
+    reply = create(client, [{"role": "user", "content": OSLO_Q}], tools=[TOOL], max_tokens=30, **off)
+    assert reply.usage.input_tokens + reply.usage.cache_read_input_tokens == len(expected)
+    assert [b.type for b in reply.content][-1] == "tool_use"  # the grammar completes the call off script
 
 
 def test_tool_choice_any_and_named(client):

@@ -105,6 +105,16 @@ class ThinkingConfig(AnthropicModel):
     budget_tokens: StrictInt | None = Field(None, ge=1)
 
 
+class JSONOutputFormat(AnthropicModel):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(..., alias="schema")
+
+
+class OutputConfig(AnthropicModel):
+    format: JSONOutputFormat | None = None
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
+
+
 class CountTokensRequest(AnthropicModel):
     model: StrictStr | None = None
     messages: list[Message] = Field(..., min_length=1)
@@ -112,6 +122,9 @@ class CountTokensRequest(AnthropicModel):
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     thinking: ThinkingConfig | None = None
+    output_config: OutputConfig | None = None
+    output_format: JSONOutputFormat | None = None
+    """The structured-outputs beta's name for output_config.format."""
 
     def system_text(self) -> str | None:
         if isinstance(self.system, list):
@@ -128,6 +141,6 @@ class MessagesRequest(CountTokensRequest):
     top_k: StrictInt | None = Field(None, ge=0)
 
 
-UNSUPPORTED_MESSAGES_FIELDS = ("mcp_servers", "container", "output_config", "output_format", "context_management")
+UNSUPPORTED_MESSAGES_FIELDS = ("mcp_servers", "container", "context_management")
 """Messages API fields that would change what the client gets and that this server does not implement
 (a 400 naming the field when set)."""

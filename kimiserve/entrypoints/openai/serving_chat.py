@@ -105,7 +105,11 @@ def plan_tools(ctx: ServingContext, req: ChatCompletionRequest) -> ToolPlan:
     choice = req.tool_choice
     if choice is None:
         choice = "auto" if names else "none"
-    think = "<think></think>" if ctx.reasoning_parser else ""
+    # the forced call starts after an empty reasoning part, unless the template's thinking switch is off
+    # (then the prompt ends with one already)
+    thinking_off = (req.chat_template_kwargs or {}).get("thinking") is False and ctx.tokenizer is not None \
+        and "thinking" in ctx.tokenizer.chat_template_variables()
+    think = "<think></think>" if ctx.reasoning_parser and not thinking_off else ""
     if isinstance(choice, NamedToolChoice):
         if not names:
             raise OpenAIError("tool_choice names a function but the request has no tools", 400, "tool_choice")

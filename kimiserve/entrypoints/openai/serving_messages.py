@@ -7,7 +7,9 @@ are its reasoning, `tool_use` blocks its tool calls (ids not in the Kimi form ar
 `chat_bridge.CallIds`); a final assistant message is continued (prefill). `tool_choice` auto /
 any / tool / none is chat's auto / required / the named function / none (`disable_parallel_tool_use`:
 one call); `thinking` disabled / enabled sets the chat template's `thinking` switch
-(`chat_template_kwargs`); `stop_sequences` are stop strings.
+(`chat_template_kwargs`) and `budget_tokens` is chat's `thinking_token_budget` (then `</think>` is
+forced); `output_config.format` (or `output_format`) json_schema is chat's `response_format`
+(grammar-guided); `stop_sequences` are stop strings.
 
 Chat -> response: reasoning is a `thinking` block (with `--reasoning-parser kimi`; its signature
 is empty), content a `text` block, each tool call a `tool_use` block whose id is the Kimi call id
@@ -131,7 +133,15 @@ def chat_body(req: CountTokensRequest) -> dict[str, Any]:
         body["parallel_tool_calls"] = parallel
     if req.thinking is not None and req.thinking.type != "adaptive":
         body["chat_template_kwargs"] = {"thinking": req.thinking.type == "enabled"}
+    fmt = req.output_config.format if req.output_config is not None and req.output_config.format else \
+        req.output_format
+    if fmt is not None:
+        if req.output_config is not None and req.output_config.format and req.output_format:
+            raise OpenAIError("give output_config.format or output_format, not both", 400, "output_format")
+        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt.schema_}}
     if isinstance(req, MessagesRequest):
+        if req.thinking is not None and req.thinking.type == "enabled" and req.thinking.budget_tokens is not None:
+            body["thinking_token_budget"] = req.thinking.budget_tokens
         body["max_tokens"] = req.max_tokens
         for name in ("temperature", "top_p", "top_k"):
             if getattr(req, name) is not None:
