@@ -87,6 +87,8 @@ class LLGuidanceBackend:
         try:
             text = grammar_text(self.llg, spec)
             matcher = self.llg.LLMatcher(self.tokenizer, text, log_level=0)
+        except MemoryError:
+            raise
         except Exception as exc:  # noqa: BLE001 - whatever the library raises for a spec is the spec's problem
             raise ValueError(f"structured_outputs.{spec.kind} does not compile: {exc}") from None
         if matcher.is_error():
