@@ -98,7 +98,7 @@ def synthetic_tokenizer(vocab_size: int, folder: Path):
 
 def engine_for(model: str, device: str, tokenizer: str | None, max_num_seqs: int, max_model_len: int) -> LLMEngine:
     args = EngineArgs(model=model, device=device, tokenizer=tokenizer, max_num_seqs=max_num_seqs,
-                      max_model_len=max_model_len, seed=0, num_pages=None if device == "cuda" else 400)
+                      max_model_len=max_model_len, seed=0, num_pages=None if device == "cuda" else 3000)
     return LLMEngine(args)
 
 
@@ -120,6 +120,8 @@ def decode_run(engine: LLMEngine, batch: int, cfg: dict, guided: bool, seed: int
     sync(engine)
     seconds = time.perf_counter() - t0
     steps, tokens = engine.num_steps - steps, engine.num_computed_tokens - tokens
+    if engine.scheduler.num_preemptions:
+        raise RuntimeError("requests were preempted: give the engine more pages")
     if steps != cfg["gen_len"] or tokens != batch * cfg["gen_len"]:
         raise RuntimeError(f"the timed phase ran {steps} steps of {tokens} tokens, not {cfg['gen_len']} of {batch}")
     while engine.has_unfinished_requests():
