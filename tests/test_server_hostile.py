@@ -187,6 +187,8 @@ SAMPLING_FIELDS = {
     "guided_regex": st.sampled_from([None, "[0-9]{2}"]),
     "guided_choice": st.sampled_from([None, ["x", "y"]]),
     "guided_grammar": st.sampled_from([None, 'root ::= "a" | "b"']),
+    "thinking_token_budget": st.one_of(st.none(), st.integers(0, 4)),
+    "max_thinking_tokens": st.one_of(st.none(), st.integers(0, 4)),
     "user": texts(),
     "top_k": st.one_of(st.integers(-1, 2 * VOCAB), st.sampled_from([-1, 0, 1, VOCAB, VOCAB + 1, 2**63, 2**64, 10**30])),
     "min_p": st.one_of(st.floats(0, 1), st.sampled_from([0, 1, 1.0, 5e-324, -0.0])),
@@ -313,8 +315,6 @@ CHAT_FIELDS = {
     "tool_choice": st.sampled_from(TOOL_CHOICES),  # replaced by tool_choices(tools) when tools are drawn
     "parallel_tool_calls": st.booleans(),
     "chat_template_kwargs": template_kwargs,
-    "thinking_token_budget": st.one_of(st.none(), st.integers(0, 4)),
-    "max_thinking_tokens": st.one_of(st.none(), st.integers(0, 4)),
     "echo": st.booleans(),
     "add_generation_prompt": st.booleans(),
     "continue_final_message": st.booleans(),

@@ -72,7 +72,7 @@ def test_200_random_schemas_all_validate_and_free_text_does_not(engines):
     assert all(outs[f"r{i}"].outputs[0].finish_reason == "stop" for i in range(200))
     bad = [(t, s) for t, s in zip(texts, schemas) if not validates(t, s)]
     assert not bad, bad[:3]
-    free = run(engine, [PROMPT] * 200, [SamplingParams(temperature=1.0, seed=i, max_tokens=32) for i in range(200)])
+    free = run(engine, [PROMPT] * 200, [SamplingParams(temperature=1.0, seed=i, max_tokens=24) for i in range(200)])
     share = sum(validates(free[f"r{i}"].outputs[0].text, s) for i, s in enumerate(schemas)) / 200
     assert share <= 0.02
 
@@ -96,7 +96,7 @@ def test_200_tool_calls_parse_and_validate(engines):
             ok = ok and validates(c.arguments, TOOLS[c.name])
         good += ok and outs[f"r{i}"].outputs[0].finish_reason == "stop"
     assert good == 200
-    free = run(engine, [PROMPT] * 200, [SamplingParams(temperature=1.0, seed=i, max_tokens=32) for i in range(200)])
+    free = run(engine, [PROMPT] * 200, [SamplingParams(temperature=1.0, seed=i, max_tokens=24) for i in range(200)])
     assert sum(bool(_calls(engine, free[f"r{i}"])[1]) for i in range(200)) <= 4
 
 
@@ -319,3 +319,21 @@ def test_prefix_hits_and_stop_strings_with_a_grammar(engines):
     cut = run(engine, [prompt], SamplingParams(temperature=1.0, seed=4, max_tokens=200, stop=[":"],
                                                structured_outputs=Spec(json=schema)))["r0"].outputs[0]
     assert cut.finish_reason == "stop" and cut.stop_reason == ":" and first.outputs[0].text.startswith(cut.text)
+
+
+def test_guided_benchmark_quick(tmp_path):
+    """benchmarks/guided.py --quick runs and writes every figure (no timing asserted)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parent.parent
+    out = tmp_path / "guided.json"
+    proc = subprocess.run([sys.executable, str(repo / "benchmarks" / "guided.py"), "--quick", "--out", str(out)],
+                          cwd=repo, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert set(data["decode"]) == {"batch_1", "batch_4"}
+    for row in data["decode"].values():
+        assert row["free"]["tokens_per_s"] > 0 and row["guided"]["tokens_per_s"] > 0
+    assert data["compile"]["cached_ms"] < data["compile"]["cold_ms"]

@@ -84,6 +84,9 @@ class SamplingRequest(OpenAIBaseModel):
     guided_regex: StrictStr | None = None
     guided_choice: list[StrictStr] | None = None
     guided_grammar: StrictStr | None = None
+    thinking_token_budget: StrictInt | None = Field(None, ge=0)
+    """Most tokens of reasoning (vLLM's name); then `</think>` is forced. Also `max_thinking_tokens`."""
+    max_thinking_tokens: StrictInt | None = Field(None, ge=0)
 
     @field_validator("n")
     @classmethod
@@ -212,9 +215,6 @@ class ChatCompletionRequest(SamplingRequest):
     continue_final_message: StrictBool = False
     """Render the final message open-ended so the model continues it (needs add_generation_prompt false)."""
     include_reasoning: StrictBool = True
-    thinking_token_budget: StrictInt | None = Field(None, ge=0)
-    """Most tokens of reasoning (vLLM's name); then `</think>` is forced. Also `max_thinking_tokens`."""
-    max_thinking_tokens: StrictInt | None = Field(None, ge=0)
 
 
 class TokenizeRequest(OpenAIBaseModel):

@@ -31,7 +31,8 @@ from kimiserve.entrypoints.openai.protocol import (
     ChatCompletionRequest, ChatMessage, ChatTool, NamedToolChoice, check_text_only)
 from kimiserve.entrypoints.openai.serving_utils import (
     ServingContext, SSEResponse, abort_all, chat_logprobs, check_common, final_outputs, max_tokens_for, new_id,
-    now, outputs, prompt_logprobs, sampling_params, sse, stream_error, submit, unless_disconnected, usage)
+    now, outputs, prompt_logprobs, sampling_params, sse, stream_error, submit, thinking_budget, unless_disconnected,
+    usage)
 from kimiserve.entrypoints.openai.structured import check_compiles, requested_spec
 from kimiserve.entrypoints.openai.tool_parser import ARG_BEGIN, CALL_BEGIN, SECTION_BEGIN, ToolCallDelta
 from kimiserve.structured_output.params import StructuredOutputsParams
@@ -221,14 +222,6 @@ def guided_spec(ctx: ServingContext, req: ChatCompletionRequest,
         functions = functions_of_openai_tools([t.model_dump() for t in req.tools])
         return kimi_tool_call_params(functions, None, req.parallel_tool_calls is not False, lazy=True), "tools"
     return spec, param
-
-
-def thinking_budget(req: ChatCompletionRequest) -> int | None:
-    a, b = req.thinking_token_budget, req.max_thinking_tokens
-    if a is not None and b is not None and a != b:
-        raise OpenAIError(f"thinking_token_budget ({a}) and max_thinking_tokens ({b}) differ: give one", 400,
-                          "max_thinking_tokens")
-    return a if a is not None else b
 
 
 def _echo_prefix(req: ChatCompletionRequest) -> str:

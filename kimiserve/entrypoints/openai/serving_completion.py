@@ -19,7 +19,8 @@ from kimiserve.entrypoints.openai.protocol import CompletionRequest
 from kimiserve.entrypoints.openai.structured import check_compiles, requested_spec
 from kimiserve.entrypoints.openai.serving_utils import (
     ServingContext, SSEResponse, abort_all, check_common, completion_logprobs, final_outputs, max_tokens_for,
-    new_id, now, outputs, prompt_logprobs, sampling_params, sse, stream_error, submit, unless_disconnected, usage)
+    new_id, now, outputs, prompt_logprobs, sampling_params, sse, stream_error, submit, thinking_budget,
+    unless_disconnected, usage)
 
 
 async def _prompts(ctx: ServingContext, req: CompletionRequest) -> list[tuple[str | None, list[int]]]:
@@ -60,6 +61,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
         raise OpenAIError("best_of is not supported (it must equal n when given)", 400, "best_of")
     spec, spec_param = requested_spec(req)
     await check_compiles(ctx, spec, spec_param)
+    budget = thinking_budget(req)
     prompts = await _prompts(ctx, req)
     engine = ctx.engine
     request_id = new_id("cmpl")
@@ -67,7 +69,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
     for i, (_, ids) in enumerate(prompts):
         max_tokens = max_tokens_for(len(ids), req.max_tokens, engine.max_model_len, "prompt", "max_tokens")
         params = sampling_params(req, max_tokens, req.logprobs, engine.engine.args.max_num_seqs, {},
-                                 structured_outputs=spec)
+                                 structured_outputs=spec, thinking_token_budget=budget)
         if req.echo and req.logprobs is not None:
             params.prompt_logprobs = max(params.prompt_logprobs or 0, req.logprobs)
         requests.append((f"{request_id}-{i}", ids, params))

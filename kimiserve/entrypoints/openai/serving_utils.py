@@ -193,6 +193,15 @@ def sampling_params(req: SamplingRequest, max_tokens: int, logprobs: int | None,
         raise from_value_error(exc, rename) from exc
 
 
+def thinking_budget(req: SamplingRequest) -> int | None:
+    """thinking_token_budget, or its other name max_thinking_tokens (a 400 when both differ)."""
+    a, b = req.thinking_token_budget, req.max_thinking_tokens
+    if a is not None and b is not None and a != b:
+        raise OpenAIError(f"thinking_token_budget ({a}) and max_thinking_tokens ({b}) differ: give one", 400,
+                          "max_thinking_tokens")
+    return a if a is not None else b
+
+
 def logit_bias_ids(bias: dict[str, float] | None) -> dict[int, float] | None:
     """OpenAI's logit_bias ({"token id": bias}) with int keys; a key that is not a token id is a 400."""
     if not bias:
