@@ -65,12 +65,12 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--modes", default="full,lora")
-    parser.add_argument("--lr", type=float, default=None, help="default: 1e-2 full, 2e-2 LoRA")
+    parser.add_argument("--lr", type=float, default=None, help="default: 1e-2 full, 5e-2 LoRA")
     parser.add_argument("--out", default=os.path.join(RESULTS, "rl_parity.json"))
     args = parser.parse_args(argv)
     results = {}
     for mode in args.modes.split(","):
-        lr = args.lr if args.lr is not None else (1e-2 if mode == "full" else 2e-2)
+        lr = args.lr if args.lr is not None else (1e-2 if mode == "full" else 5e-2)
         t0 = time.perf_counter()
         results[mode] = run_mode(mode, GRPOConfig(steps=args.steps, lr=lr))
         print(f"{mode}: {args.steps} steps in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
