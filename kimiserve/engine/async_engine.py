@@ -131,6 +131,8 @@ class RequestRecord:
     """Deliver one output, the whole result, when it finishes (folded from the engine's deltas)."""
     deltas: list[RequestOutput] = field(default_factory=list)
     """final_only: the outputs so far, folded when it finishes."""
+    lora_name: str | None = None
+    """The LoRA adapter it runs with (None: the base model)."""
     num_prompt_tokens: int = 0
     first_token_time: float | None = None
     last_token_time: float | None = None
@@ -219,7 +221,8 @@ class AsyncLLMEngine:
 
     # requests ------------------------------------------------------------------------------------
     async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                          sink: Any, arrival: float | None = None, final_only: bool = False) -> None:
+                          sink: Any, arrival: float | None = None, final_only: bool = False,
+                          lora_name: str | None = None) -> None:
         """Queue a request whose outputs go to `sink` (a DELTA RequestOutput per step it progresses,
         or with `final_only` one whole RequestOutput when it finishes; or an exception: EngineDeadError,
         RequestFailedError). Returns once the engine accepted it; the engine's ValueError is raised here."""
@@ -227,7 +230,8 @@ class AsyncLLMEngine:
         if self._loop is None:
             raise RuntimeError("AsyncLLMEngine.start() was not called")
         accepted = self._loop.create_future()
-        record = RequestRecord(request_id, sink, arrival if arrival is not None else time.monotonic(), final_only)
+        record = RequestRecord(request_id, sink, arrival if arrival is not None else time.monotonic(), final_only,
+                               lora_name=lora_name)
         self._submit(("add", record, prompt, params, accepted))
         try:
             await accepted
@@ -243,6 +247,16 @@ class AsyncLLMEngine:
             raise RuntimeError("AsyncLLMEngine.start() was not called")
         done = self._loop.create_future()
         self._submit(("reset_prefix_cache", done))
+        return await done
+
+    async def call(self, fn: Callable[[Any], Any]) -> Any:
+        """Run fn(engine) on the engine thread between two steps (LoRA loading, weight updates); returns its
+        result or raises its exception here."""
+        self._check_alive()
+        if self._loop is None:
+            raise RuntimeError("AsyncLLMEngine.start() was not called")
+        done = self._loop.create_future()
+        self._submit(("call", fn, done))
         return await done
 
     def abort(self, request_id: str) -> None:
@@ -327,6 +341,15 @@ class AsyncLLMEngine:
             self._stats = self.engine.stats()
             self._post(_settle, command[1], None, freed)
             return
+        if command[0] == "call":
+            try:
+                result = command[1](self.engine)
+            except Exception as exc:  # noqa: BLE001 - the caller's error, raised on its side
+                self._post(_settle, command[2], exc)
+            else:
+                self._post(_settle, command[2], None, result)
+            self._stats = self.engine.stats()
+            return
         if command[0] == "abort":
             record = self._records.pop(command[1], None)
             if record is not None:
@@ -336,7 +359,7 @@ class AsyncLLMEngine:
             return
         _, record, prompt, params, accepted = command
         try:
-            self.engine.add_request(record.request_id, prompt, params, RequestOutputKind.DELTA)
+            self.engine.add_request(record.request_id, prompt, params, RequestOutputKind.DELTA, lora_name=record.lora_name)
         except Exception as exc:  # noqa: BLE001 - refused requests are the caller's error, not the engine's
             self._post(_settle, accepted, exc)
             return
@@ -384,6 +407,8 @@ class AsyncLLMEngine:
                 self._post(_settle, command[4], error)
             elif command[0] == "reset_prefix_cache":
                 self._post(_settle, command[1], error)
+            elif command[0] == "call":
+                self._post(_settle, command[2], error)
         self._post(_deliver, [(r.sink, error) for r in records.values()])
         try:
             self._stats = self.engine.stats()

@@ -39,6 +39,7 @@ from kimiserve.entrypoints.openai.serving_chat import create_chat_completion, re
 from kimiserve.entrypoints.openai.protocol_messages import CountTokensRequest, MessagesRequest
 from kimiserve.entrypoints.openai.protocol_responses import ResponsesRequest
 from kimiserve.entrypoints.openai.response_store import ResponseStore
+from kimiserve.entrypoints.openai.rl_routes import add_rl_routes
 from kimiserve.entrypoints.openai.serving_completion import create_completion
 from kimiserve.entrypoints.openai.serving_messages import count_tokens, create_message
 from kimiserve.entrypoints.openai.serving_responses import create_response
@@ -172,13 +173,21 @@ def build_app(engine: AsyncLLMEngine, args: ServerArgs | None = None) -> FastAPI
         return {"id": name, "object": "model", "created": now(), "owned_by": "kimiserve",
                 "root": engine.engine.args.model, "parent": None, "max_model_len": engine.max_model_len}
 
+    def lora_card(name: str) -> dict:
+        adapter = engine.engine.lora.by_name[name]
+        return {**model_card(name), "root": adapter.path or name, "parent": names[0]}
+
     @app.get("/v1/models")
     async def list_models():
-        return {"object": "list", "data": [model_card(name) for name in names]}
+        return {"object": "list", "data": [model_card(name) for name in names]
+                + [lora_card(name) for name in engine.engine.lora_names() if name not in names]}
 
     @app.get("/v1/models/{model:path}")
     async def get_model(model: str):
-        return model_card(ctx.check_model(model))
+        name = ctx.check_model(model)
+        return lora_card(name) if ctx.lora_of(name) is not None else model_card(name)
+
+    add_rl_routes(app, engine, names)
 
     # request bodies are parsed by ctx.parse (off the event loop when large), so the routes take the
     # raw Request; openapi_extra keeps each body's schema in /openapi.json

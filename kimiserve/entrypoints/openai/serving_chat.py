@@ -191,7 +191,8 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
                              thinking_token_budget=budget)
     request_id = new_id("chatcmpl")
     sink = ctx.new_sink([request_id])
-    await submit(engine, [(request_id, prompt_ids, params)], sink, rename, final_only=not req.stream)
+    await submit(engine, [(request_id, prompt_ids, params)], sink, rename, final_only=not req.stream,
+                 lora_name=ctx.lora_of(model))
     job = _Chat(ctx, req, model, request_id, plan)
     if req.stream:
         return SSEResponse(job.stream(sink), abort_all(engine, [request_id]), ctx.stream_send_timeout)

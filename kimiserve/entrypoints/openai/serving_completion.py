@@ -75,7 +75,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
         requests.append((f"{request_id}-{i}", ids, params))
     ids = [r[0] for r in requests]
     sink = ctx.new_sink(ids)
-    await submit(engine, requests, sink, {}, final_only=not req.stream)
+    await submit(engine, requests, sink, {}, final_only=not req.stream, lora_name=ctx.lora_of(model))
     job = _Completion(ctx, req, model, request_id, prompts, ids)
     if req.stream:
         return SSEResponse(job.stream(sink), abort_all(engine, ids), ctx.stream_send_timeout)

@@ -100,9 +100,13 @@ class ServingContext:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    def lora_of(self, model: str) -> str | None:
+        """The LoRA adapter a request's model name selects (None: the base model)."""
+        return model if model not in self.served_model_names and model in self.engine.engine.lora_names() else None
+
     def check_model(self, model: str | None) -> str:
-        """The model name to report; 404 for a model this server does not serve."""
-        if model is None or model in self.served_model_names:
+        """The model name to report (a served name or a loaded LoRA adapter's); 404 for any other."""
+        if model is None or model in self.served_model_names or model in self.engine.engine.lora_names():
             return model or self.model_name
         raise OpenAIError(f"The model `{model}` does not exist (this server serves "
                           f"{', '.join(self.served_model_names)}).", 404, "model", "model_not_found")
@@ -303,12 +307,13 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
 
 # the engine round trip ---------------------------------------------------------------------------
 async def submit(engine: AsyncLLMEngine, requests: list[tuple[str, list[int], SamplingParams]],
-                 sink: OutputSink, rename: dict[str, str], final_only: bool) -> None:
-    """Add every request to the engine, or none (a refused one aborts those already added)."""
+                 sink: OutputSink, rename: dict[str, str], final_only: bool, lora_name: str | None = None) -> None:
+    """Add every request to the engine (with the LoRA adapter `lora_name`, or the base model), or none (a
+    refused one aborts those already added)."""
     added: list[str] = []
     try:
         for request_id, prompt_ids, params in requests:
-            await engine.add_request(request_id, prompt_ids, params, sink, final_only=final_only)
+            await engine.add_request(request_id, prompt_ids, params, sink, final_only=final_only, lora_name=lora_name)
             added.append(request_id)
     except BaseException as exc:
         for request_id in added:
