@@ -67,7 +67,13 @@ def main(argv=None) -> int:
     parser.add_argument("--modes", default="full,lora")
     parser.add_argument("--lr", type=float, default=None, help="default: 1e-2 full, 5e-2 LoRA")
     parser.add_argument("--out", default=os.path.join(RESULTS, "rl_parity.json"))
+    parser.add_argument("--plot-only", action="store_true", help="redraw the PNG from --out's JSON, run nothing")
     args = parser.parse_args(argv)
+    if args.plot_only:
+        with open(args.out) as f:
+            png = plot(json.load(f), os.path.splitext(args.out)[0] + ".png")
+        print(png or "matplotlib is not installed (pip install 'kimiserve[plot]')")
+        return 0 if png else 1
     results = {}
     for mode in args.modes.split(","):
         lr = args.lr if args.lr is not None else (1e-2 if mode == "full" else 5e-2)

@@ -1,0 +1,136 @@
+"""Throughput of batch-invariant mode against the default mode, in the same run.
+
+For each mode an engine is built from the same weights; then
+- prefill: `--batch` prompts of `--prompt-len` tokens, one output token each: prompt tokens/s;
+- decode: `--batch` sequences past their prompts, `--decode-steps` pure decode steps timed: tokens/s;
+- the batch-invariant engine's logprobs of one sequence alone and in the batch are compared (torch.equal),
+  and the default engine's too (that they differ there is what the mode is for).
+Anchors from the same run: the matrix rate of one large fp32 matmul (the device's BLAS) and the plain
+torch time of the model's full-sequence forward over the prefill batch.
+
+    PYTHONPATH=. OMP_NUM_THREADS=1 python benchmarks/batch_invariant.py            # tiny, CPU
+    PYTHONPATH=. python benchmarks/batch_invariant.py --model small --device cuda --batch 16 --prompt-len 2048
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import torch
+
+from kimiserve.engine.args import EngineArgs
+from kimiserve.engine.engine import LLMEngine
+from kimiserve.sampling_params import SamplingParams
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def matmul_rate(device: str, n: int = 2048) -> float:
+    a = torch.randn(n, n, device=device)
+    b = torch.randn(n, n, device=device)
+    a @ b
+    sync(device)
+    t = time.perf_counter()
+    reps = 5
+    for _ in range(reps):
+        a @ b
+    sync(device)
+    return 2 * n ** 3 * reps / (time.perf_counter() - t)
+
+
+def run_to_end(engine: LLMEngine) -> dict:
+    outs = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                outs[o.request_id] = o
+    return outs
+
+
+def measure(args, batch_invariant: bool, prompts: list[list[int]]) -> dict:
+    engine = LLMEngine(EngineArgs(model=args.model, device=args.device, batch_invariant=batch_invariant,
+                                  max_model_len=args.prompt_len + args.decode_steps + 8, enable_prefix_caching=False,
+                                  max_num_batched_tokens=max(2048, args.prompt_len), num_pages=args.num_pages,
+                                  kv_cache_dtype=args.kv_cache_dtype))
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    for i, p in enumerate(prompts[:1]):  # warm-up
+        engine.add_request(f"w{i}", p, one)
+    run_to_end(engine)
+    sync(args.device)
+    t = time.perf_counter()
+    for i, p in enumerate(prompts):
+        engine.add_request(f"p{i}", p, one)
+    run_to_end(engine)
+    sync(args.device)
+    prefill_s = time.perf_counter() - t
+    params = SamplingParams(temperature=1.0, seed=1, max_tokens=args.decode_steps + 1, logprobs=0, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"d{i}", p, params)
+    while any(not engine.groups[f"d{i}"].samples[0].output_ids for i in range(len(prompts))):
+        engine.step()  # prefill until every sequence has its first token
+    sync(args.device)
+    t, steps, done = time.perf_counter(), 0, {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                done[o.request_id] = o
+        steps += 1
+    sync(args.device)
+    decode_s = time.perf_counter() - t
+    engine.add_request("alone", prompts[0], params)
+    alone = run_to_end(engine)["alone"].outputs[0]
+    batched = done["d0"].outputs[0]
+    return {"prefill_tokens_per_s": sum(map(len, prompts)) / prefill_s, "prefill_s": prefill_s,
+            "decode_tokens_per_s": steps * len(prompts) / decode_s, "decode_step_ms": 1e3 * decode_s / steps,
+            "d0_alone_equals_in_batch": [lp.logprob for lp in alone.logprobs] == [lp.logprob for lp in batched.logprobs]}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="tiny")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--decode-steps", type=int, default=32)
+    parser.add_argument("--num-pages", type=int, default=None)
+    parser.add_argument("--kv-cache-dtype", default="auto")
+    parser.add_argument("--out", default=None, help="default: benchmarks/results/batch_invariant_<device>.json")
+    args = parser.parse_args(argv)
+    torch.manual_seed(0)
+    vocab = 768 if args.model == "tiny" else 100_000
+    prompts = [torch.randint(0, vocab, (args.prompt_len,)).tolist() for _ in range(args.batch)]
+    rate = matmul_rate(args.device)
+    results = {}
+    for mode, flag in (("default", False), ("batch_invariant", True)):
+        results[mode] = measure(args, flag, prompts)
+    d, b = results["default"], results["batch_invariant"]
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        commit = "unknown"
+    record = {
+        "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else f"cpu ({torch.get_num_threads()} threads)",
+        "date": time.strftime("%Y-%m-%d"), "commit": commit, "command": " ".join(["python", *sys.argv]),
+        "model": args.model, "batch": args.batch, "prompt_len": args.prompt_len, "decode_steps": args.decode_steps,
+        "matmul_fp32_flops": rate, **results,
+        "slowdown_prefill": d["prefill_tokens_per_s"] / b["prefill_tokens_per_s"],
+        "slowdown_decode": d["decode_tokens_per_s"] / b["decode_tokens_per_s"],
+    }
+    out = args.out or os.path.join(os.path.dirname(__file__), "results", f"batch_invariant_{args.device.split(':')[0]}.json")
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(record, f, indent=1)
+    print(json.dumps(record, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
