@@ -351,29 +351,34 @@ class InvariantForward:
         delta-rule step. qkv [N, 3, P] fp32 (before the conv), g [N, H, K], beta [N, H] -> o [N, H, V]."""
         H, K, layer = a.num_heads, a.head_dim, a.cache_index
         conv_weight = torch.stack([a.q_conv1d.weight, a.k_conv1d.weight, a.v_conv1d.weight]).float()  # [3, P, W]
-        conv0, state0 = ctx.kda_initial(layer, H, K, conv_weight.shape[-1], qkv.dtype)
-        convs, states = list(conv0.unbind(0)), list(state0.unbind(0))
+        conv, state = ctx.kda_initial(layer, H, K, conv_weight.shape[-1], qkv.dtype)
         segs = ctx.segments
         snap_at = [ctx.kda_snapshot_row(j) for j in range(len(segs))]
+        starts = torch.tensor([s.start for s in segs], device=qkv.device)
+        lengths = torch.tensor([s.length for s in segs], device=qkv.device)
         row_order, outs = [], []
-        for t in range(max(s.length for s in segs)):
-            active = [j for j, s in enumerate(segs) if s.length > t]
-            for j in active:
+        for t in range(int(lengths.max())):
+            active = torch.nonzero(lengths > t)[:, 0]
+            every = len(active) == len(segs)
+            for j in range(len(segs)):
                 if snap_at[j] == t:
-                    ctx.kda_snapshot(layer, j, convs[j], states[j])
-            rows = torch.tensor([segs[j].start + t for j in active], device=qkv.device)
-            window = torch.cat([torch.stack([convs[j] for j in active]), qkv[rows].unsqueeze(-1)], dim=-1)
+                    ctx.kda_snapshot(layer, j, conv[j], state[j])
+            rows = starts[active] + t
+            conv_a = conv if every else conv[active]
+            window = torch.cat([conv_a, qkv[rows].unsqueeze(-1)], dim=-1)
             y = bi.causal_conv_step(window, conv_weight)  # [A, 3, P]
             A = len(active)
             qh, kh = bi.l2_normalize(y[:, 0].view(A, H, K)), bi.l2_normalize(y[:, 1].view(A, H, K))
-            o_t, new_states = bi.kda_step(qh, kh, y[:, 2].view(A, H, K), g[rows], beta[rows],
-                                          torch.stack([states[j] for j in active]), K ** -0.5)
+            o_t, new_state = bi.kda_step(qh, kh, y[:, 2].view(A, H, K), g[rows], beta[rows],
+                                         state if every else state[active], K ** -0.5)
             new_conv = window[..., 1:]
-            for i, j in enumerate(active):
-                convs[j], states[j] = new_conv[i], new_states[i]
+            if every:
+                conv, state = new_conv, new_state
+            else:  # out of place: autograd keeps every step's state
+                conv, state = conv.index_copy(0, active, new_conv), state.index_copy(0, active, new_state)
             row_order.append(rows)
             outs.append(o_t)
-        ctx.kda_final(layer, torch.stack(convs), torch.stack(states))
+        ctx.kda_final(layer, conv, state)
         order = torch.argsort(torch.cat(row_order))
         return torch.cat(outs)[order]
 
