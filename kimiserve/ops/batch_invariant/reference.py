@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import torch
 
-LINEAR_CHUNK_ELEMENTS = 1 << 22
-"""Rows of a linear run in chunks whose [rows, out, in] products tensor has at most this many elements."""
+LINEAR_CHUNK_ELEMENTS = {"cpu": 1 << 22, "cuda": 1 << 28}
+"""Rows of a linear run in chunks whose [rows, out, in] products tensor has at most this many elements
+(per device type; others use the CPU's)."""
 
 
 def tree_sum(x: torch.Tensor, dim: int = -1, keepdim: bool = False) -> torch.Tensor:
@@ -56,7 +57,8 @@ def _linear_rows(x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x2 [N, K] (fp32) times w [O, K] (fp32), or per-row weights w [N, O, K]: [N, O]."""
     N, K = x2.shape
     O = w.shape[-2]
-    rows = max(1, LINEAR_CHUNK_ELEMENTS // max(1, O * K))
+    budget = LINEAR_CHUNK_ELEMENTS.get(x2.device.type, LINEAR_CHUNK_ELEMENTS["cpu"])
+    rows = max(1, budget // max(1, O * K))
     parts = []
     for i in range(0, N, rows):
         wi = w if w.dim() == 2 else w[i : i + rows]
