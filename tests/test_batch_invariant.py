@@ -183,3 +183,21 @@ def test_engine_logprobs_equal_trainer_logprobs():
 def test_batch_invariant_is_refused_with_several_ranks():
     with pytest.raises(ValueError, match="one process"):
         EngineArgs(batch_invariant=True, tensor_parallel_size=2).validate()
+
+
+@pytest.mark.parametrize("dtype,kv", [("float32", "fp8"), ("float32", "fp4"), ("bfloat16", "bf16")])
+def test_other_cache_formats_and_bf16_weights(dtype, kv):
+    """fp8 latents (per-layer scale), fp4 (NVFP4 latents, rotated MXFP4 index keys) and bf16 weights:
+    a sequence alone == in a chunked batch, and the trainer's logprobs == the engine's."""
+    make = lambda **k: LLMEngine(EngineArgs(model="tiny", dtype=dtype, kv_cache_dtype=kv, max_model_len=512,  # noqa: E731
+                                            num_pages=200, batch_invariant=True, **k))
+    prompts = random_prompts([70, 9, 30], seed=2)
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=8, logprobs=0, ignore_eos=True) for s in range(3)]
+    e = make(max_num_batched_tokens=16)
+    outs = run(e, prompts, params)
+    alone = run(make(), [prompts[0]], params[0])["r0"]
+    assert_same(result(alone), result(outs["r0"]))
+    with torch.no_grad():
+        lps = PolicyTrainer.from_engine(e).logprobs(prompts, [outs[f"r{i}"].outputs[0].token_ids for i in range(3)])
+    for i, lp in enumerate(lps):
+        assert torch.equal(lp, result(outs[f"r{i}"])[1])
