@@ -76,11 +76,13 @@ def main() -> int:
     variants = {"fused": functools.partial(triton_decode.kda_decode_step, fallback=paged.kda_decode)}
     if device == "cuda":
         from kimiserve.ops.kda import fla
-        from kimiserve.utils.cuda_timing import copy_bandwidth_gbps, graph_time
+        from kimiserve.utils.cuda_timing import cuda_time, graph_time
 
         variants["torch + fla"] = functools.partial(paged.kda_decode_step, kda_decode=fla.kda_decode)
         variants["fla delta rule only"] = None
-        copy = copy_bandwidth_gbps("cuda", 1 << 30)
+        src = torch.empty(1 << 28, dtype=torch.float32, device="cuda")
+        dst = torch.empty_like(src)
+        copy = 2 * src.numel() * 4 / (cuda_time(lambda: dst.copy_(src), repeats=10) * 1e-3) / 1e9
     else:
         from kimiserve.utils.cuda_timing import wall_time as graph_time
 
