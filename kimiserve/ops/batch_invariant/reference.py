@@ -66,11 +66,23 @@ def _linear_rows(x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts) if parts else x2.new_zeros(0, O)
 
 
+def _cuda_matmul():
+    """`ops.batch_invariant.triton.matmul` when Triton imports (CUDA), else None (the tree form runs)."""
+    try:
+        from kimiserve.ops.batch_invariant.triton import matmul
+    except ImportError:
+        return None
+    return matmul
+
+
 class _InvariantLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(x, w)
         K, O = w.shape[-1], w.shape[-2]
+        fast = _cuda_matmul() if x.is_cuda and w.dim() == 2 else None
+        if fast is not None:  # one fixed tiling: batch-invariant too, other bits than the tree
+            return fast(x.reshape(-1, K), w).view(*x.shape[:-1], O).to(x.dtype)
         y = _linear_rows(x.reshape(-1, K).float(), w.reshape(-1, O, K).float() if w.dim() == 3 else w.float())
         return y.view(*x.shape[:-1], O).to(x.dtype)
 
@@ -95,7 +107,8 @@ class _InvariantLinear(torch.autograd.Function):
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [..., K] @ weight [O, K]^T -> [..., O] in x's dtype, products and a `tree_sum` in fp32.
+    """x [..., K] @ weight [O, K]^T -> [..., O] in x's dtype, products and a `tree_sum` in fp32 (on CUDA
+    with Triton, one weight matrix: the fixed-tiling kernel `ops.batch_invariant.triton.matmul`).
     weight may also be one matrix per row, [N, O, K] for x [N, K] (experts, LoRA: grouped matmuls)."""
     if weight.dim() == 3 and (x.dim() != 2 or weight.shape[0] != x.shape[0]):
         raise ValueError(f"per-row weights {tuple(weight.shape)} need x [N, K] with the same N, got {tuple(x.shape)}")
