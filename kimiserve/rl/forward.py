@@ -37,8 +37,9 @@ from kimiserve.ops.batch_invariant import reference as bi
 from kimiserve.ops.mla.reference import split_kv_b
 from kimiserve.ops.quant.reference import hadamard
 
-ATTENTION_CHUNK_ELEMENTS = 1 << 22
-"""MLA query rows are attended in groups whose [rows, context, width] tensors stay about this size."""
+ATTENTION_CHUNK_ELEMENTS = {"cpu": 1 << 22, "cuda": 1 << 28}
+"""MLA query rows are attended in groups whose [rows, heads, context, width] products stay about this
+size (per device type; others use the CPU's)."""
 
 
 @dataclass
@@ -312,7 +313,8 @@ class InvariantForward:
         q_abs = bi.tree_sum(q_nope.float().unsqueeze(-1) * w_kc.float(), -2)  # [N, H, L]
         longest = int(ctx.positions.max()) + 1
         width = max(latent_rows.shape[-1] * H, indexer.num_heads * indexer.head_dim if indexer is not None else 0)
-        group = max(1, ATTENTION_CHUNK_ELEMENTS // (longest * width))
+        budget = ATTENTION_CHUNK_ELEMENTS.get(x.device.type, ATTENTION_CHUNK_ELEMENTS["cpu"])
+        group = max(1, budget // (longest * width))
         parts = []
         for lo in range(0, N, group):
             rows = torch.arange(lo, min(N, lo + group), device=x.device)
