@@ -177,6 +177,9 @@ def test_error_shapes_and_auth(agent_server, client):
         assert r.status_code == status, (body, r.text)
         data = r.json()
         assert data["type"] == "error" and data["error"]["type"] == kind and data["error"]["message"], data
+    for r, status in ((httpx.get(url, headers={"x-api-key": API_KEY}), 405),
+                      (httpx.post(url + "/nope", json=ok, headers={"x-api-key": API_KEY}), 404)):
+        assert r.status_code == status and r.json()["type"] == "error" and r.json()["error"]["message"], r.text
     bad_json = httpx.post(url, content=b"{", headers={"x-api-key": API_KEY, "content-type": "application/json"})
     assert bad_json.status_code == 400 and bad_json.json()["type"] == "error"
     assert httpx.post(url, json=ok, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30).status_code == 200
