@@ -170,7 +170,8 @@ def _add_serve_parser(sub) -> None:
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (like `vllm serve`)",
                        description="Serve a model over an OpenAI-compatible HTTP API: /v1/completions, "
-                                   "/v1/chat/completions, /v1/models, /tokenize, /detokenize, /health, /metrics.")
+                                   "/v1/chat/completions, /v1/responses, /v1/messages (Anthropic), /v1/models, "
+                                   "/tokenize, /detokenize, /health, /ping, /metrics, /reset_prefix_cache.")
     p.add_argument("model_tag", nargs="?", default=None, help="the model (same as --model)")
     ServerArgs.add_cli_args(p.add_argument_group("server arguments (ServerArgs)"))
     p.add_argument("--dtype", default="auto", help="model dtype: fp32/float32, bf16/bfloat16 or auto "

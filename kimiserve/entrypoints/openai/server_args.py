@@ -28,8 +28,8 @@ class ServerArgs:
     served_model_name: list[str] | None = None
     """Model name(s) the API answers to (the first is reported in responses); default: --model."""
     api_key: str | None = None
-    """If set, every /v1 route needs `Authorization: Bearer <key>` (default: the KIMISERVE_API_KEY
-    environment variable)."""
+    """If set, every /v1 route and POST /reset_prefix_cache need `Authorization: Bearer <key>` or
+    `x-api-key: <key>` (default: the KIMISERVE_API_KEY environment variable)."""
     tool_call_parser: str | None = None
     """Parse tool calls out of chat output: kimi_k2."""
     reasoning_parser: str | None = None
