@@ -30,6 +30,7 @@ the weights.
 from __future__ import annotations
 
 import argparse
+import gc
 import datetime
 import json
 import platform
@@ -192,6 +193,10 @@ def main(argv: list[str] | None = None) -> int:
                 engine = engine_for(args.model, args.device, tokenizer_dir, max(batch, 1), max_len)
                 out = decode_run(engine, batch, cfg, guided, seed=rep)
                 engine.shutdown()
+                del engine  # before the next engine is built: on a GPU each takes most of its memory
+                gc.collect()
+                if args.device == "cuda":
+                    torch.cuda.empty_cache()
                 if rep:
                     runs.append(out["tokens_per_s"])
             row["guided" if guided else "free"] = {"tokens_per_s": statistics.median(runs), "runs": runs}
