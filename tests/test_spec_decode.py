@@ -60,6 +60,8 @@ def test_config_errors():
         EngineArgs(tensor_parallel_size=2, speculative_config=ngram(2)).validate()
     with pytest.raises(ValueError, match="prefill_context_parallel_size"):
         EngineArgs(prefill_context_parallel_size=2, speculative_config=ngram(2)).speculative()
+    with pytest.raises(ValueError, match="batch_invariant"):
+        EngineArgs(batch_invariant=True, speculative_config=ngram(2)).validate()
     c = SpeculativeConfig.from_user('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}')
     assert (c.num_speculative_tokens, c.prompt_lookup_min, c.prompt_lookup_max) == (3, 1, 2)
 

@@ -152,6 +152,9 @@ class EngineArgs:
             if getattr(self, name) != 1:
                 raise ValueError(f"speculative decoding runs on one rank for now: {name}={getattr(self, name)} "
                                  f"with speculative_config is not supported (set {name}=1 or drop speculative_config)")
+        if self.batch_invariant:  # its forward (kimiserve.rl.forward) has no verify chunks or KDA replay yet
+            raise ValueError("speculative_config with batch_invariant (and so with LoRA adapters, which need it) is "
+                             "not supported yet: drop one of them")
         return config
 
     def lora_module_paths(self) -> dict[str, str]:
