@@ -86,9 +86,10 @@ class ForwardBatch:
     verify_context_lens: torch.Tensor | None = None
     """int64 [R]: each verify row's context length (its position + 1)."""
     verify_max_context: int = 0
-    verify_inputs: dict[int, list[tuple[torch.Tensor, ...]]] | None = None
-    """Per KDA layer (cache index): per verify chunk, in `verify_chunks` order, the layer's inputs
-    (q, k, v before the short conv [1, T, H * K], g [1, T, H, K], beta [1, T, H]); filled by the forward."""
+    verify_inputs: dict[int, tuple[torch.Tensor, ...]] | None = None
+    """Per KDA layer (cache index): the layer's inputs of the verify chunks, one row per chunk in
+    `verify_chunks` order, padded to the longest (q, k, v before the short conv [B, T, H * K],
+    g [B, T, H, K], beta [B, T, H]); filled by the forward."""
 
     @classmethod
     def build(cls, pool: PagePool, chunks: list[SequenceChunk], device: torch.device | str,

@@ -200,48 +200,53 @@ class KimiDeltaAttention(nn.Module):
     def verify_mix(self, q, k, v, g, beta, batch: ForwardBatch, o: torch.Tensor) -> None:
         """Verify chunks (the pending token plus K drafts): outputs in recurrent form, token by token as
         decode runs them, from a copy of each state page; the pages stay at the committed state and the
-        inputs are kept for `replay_verified`, so a rejected draft costs no recompute of the prefix."""
+        inputs are kept for `replay_verified`, so a rejected draft costs no recompute of the prefix.
+        The chunks run as one batch [B, T_max] (a shorter chunk padded with its last row; causal, so
+        padding changes none of its rows)."""
         pool, i, ops = batch.pool, self.cache_index, batch.ops
         chunks = batch.verify_chunks
-        kept = batch.verify_inputs.setdefault(i, [])
+        lengths = [c.num_tokens for c in chunks]
+        T = max(lengths)
+        idx = torch.tensor([[c.start + min(t, c.num_tokens - 1) for t in range(T)] for c in chunks], device=q.device)
+        inputs = tuple(t[0][idx] for t in (q, k, v, g, beta))  # copies [B, T, ...]: no view of the whole step
+        batch.verify_inputs[i] = inputs
         pages = torch.stack([c.state_pages[i] for c in chunks])
-        conv_in = pool.conv[pages]
-        mixed = []
-        for j, c in enumerate(chunks):
-            rows = slice(c.start, c.end)
-            # copies: views would keep the whole step's projections (prefill chunks' too) alive per layer
-            kept.append(tuple(t[:, rows].clone() for t in (q, k, v, g, beta)))
-            mixed.append(self.short_conv(q[:, rows], k[:, rows], v[:, rows], conv_in[j : j + 1])[:3])
+        qh, kh, vh, _ = self.short_conv(*inputs[:3], pool.conv[pages])
         states = pool.recurrent[pages].clone()
-        self._recurrent_steps(mixed, [c.num_tokens for c in chunks], [(g, beta, c.start) for c in chunks], states,
-                              torch.arange(len(chunks), device=states.device), ops,
-                              lambda active, t, out: o[0].index_copy_(
-                                  0, torch.tensor([chunks[j].start + t for j in active], device=o.device), out[:, 0]))
+        starts = torch.tensor([c.start for c in chunks], device=o.device)
 
-    def replay_verified(self, pool, ops, pages: torch.Tensor, inputs: list[tuple[torch.Tensor, ...]],
+        def emit(active, t, out):
+            o[0].index_copy_(0, (starts if active is None else starts[active]) + t, out[:, 0])
+
+        self._recurrent_steps(qh, kh, vh, inputs[3], inputs[4], lengths, states,
+                              torch.arange(len(chunks), device=states.device), ops, emit)
+
+    def replay_verified(self, pool, ops, pages: torch.Tensor, inputs: tuple[torch.Tensor, ...],
                         accepted: list[int]) -> None:
         """Advance this layer's state pages `pages` [B] (one per committed verify chunk, the state at the
-        chunk's start) over the first accepted[j] tokens of inputs[j] (`ForwardBatch.verify_inputs`):
-        short conv and the recurrent form token by token, the same ops a decode step runs."""
+        chunk's start) over the first accepted[j] tokens of its row of `inputs` (`ForwardBatch.verify_inputs`
+        rows, [B, T, ...]): short conv and the recurrent form token by token, the ops of a decode step."""
+        q, k, v, g, beta = inputs
         conv_in = pool.conv[pages]
-        mixed, gates = [], []
-        for j, ((q, k, v, g, beta), m) in enumerate(zip(inputs, accepted)):
-            qh, kh, vh, conv = self.short_conv(q[:, :m], k[:, :m], v[:, :m], conv_in[j : j + 1])
-            pool.conv[pages[j : j + 1]] = conv
-            mixed.append((qh, kh, vh))
-            gates.append((g, beta, 0))
-        self._recurrent_steps(mixed, accepted, gates, pool.recurrent, pages, ops, None)
+        qh, kh, vh, _ = self.short_conv(q, k, v, conv_in)
+        # the conv window after accepted[j] tokens: the W - 1 inputs before position accepted[j]
+        B, P, W1 = q.shape[0], conv_in.shape[2], conv_in.shape[3]
+        seq = torch.cat([conv_in, torch.stack([q, k, v], dim=1).transpose(2, 3).to(conv_in.dtype)], dim=-1)
+        at = torch.tensor(accepted, device=seq.device)[:, None] + torch.arange(W1, device=seq.device)
+        pool.conv[pages] = torch.gather(seq, 3, at[:, None, None, :].expand(B, 3, P, W1))
+        self._recurrent_steps(qh, kh, vh, g, beta, accepted, pool.recurrent, pages, ops, None)
 
     @staticmethod
-    def _recurrent_steps(mixed, lengths, gates, states, ids, ops, emit) -> None:
-        """Token t of every sequence longer than t, batched, through `ops.kda_decode` on states[ids]."""
+    def _recurrent_steps(qh, kh, vh, g, beta, lengths, states, ids, ops, emit) -> None:
+        """Token t of every sequence (row of the [B, T, ...] inputs) longer than t, batched, through
+        `ops.kda_decode` on states[ids]."""
         for t in range(max(lengths)):
-            active = [j for j, n in enumerate(lengths) if n > t]
-            pick = lambda seq: torch.cat([seq[j][:, t : t + 1] for j in active])  # noqa: E731
-            qh, kh, vh = (pick([m[a] for m in mixed]) for a in range(3))
-            gt = torch.cat([gates[j][0][:, gates[j][2] + t : gates[j][2] + t + 1] for j in active])
-            bt = torch.cat([gates[j][1][:, gates[j][2] + t : gates[j][2] + t + 1] for j in active])
-            out = ops.kda_decode(qh, kh, vh, gt, bt, states, ids[active] if len(active) < len(lengths) else ids)
+            active = None if min(lengths) > t else torch.tensor([j for j, n in enumerate(lengths) if n > t],
+                                                                device=qh.device)
+            rows = slice(None) if active is None else active
+            step = lambda x: x[rows, t : t + 1]  # noqa: E731
+            out = ops.kda_decode(step(qh), step(kh), step(vh), step(g), step(beta), states,
+                                 ids if active is None else ids[active])
             if emit is not None:
                 emit(active, t, out)
 

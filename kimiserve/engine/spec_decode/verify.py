@@ -57,10 +57,11 @@ def replay_verified(model, batch, order: list[int], accepted: dict[int, int]) ->
         return
     chunks = batch.verify_chunks
     lengths = [accepted[j] for _, j in picked]
+    rows = torch.tensor([n for n, _ in picked], device=batch.verify_rows.device)
     for layer in model.modules():
         if not isinstance(layer, KimiDeltaAttention):
             continue
         i = layer.cache_index
-        inputs = batch.verify_inputs[i]
         pages = torch.stack([chunks[n].state_pages[i] for n, _ in picked])
-        layer.replay_verified(batch.pool, batch.ops, pages, [inputs[n] for n, _ in picked], lengths)
+        inputs = tuple(t[rows] for t in batch.verify_inputs[i])
+        layer.replay_verified(batch.pool, batch.ops, pages, inputs, lengths)
