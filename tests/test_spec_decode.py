@@ -215,3 +215,43 @@ def test_llm_api_and_cli_flag():
         max_tokens=12, allowed_token_ids=FEW, **GREEDY), use_tqdm=False)
     assert out[0].outputs[0].token_ids == ref[0].outputs[0].token_ids
     assert llm.engine.stats()["spec_decode_num_drafts"] > 0
+
+
+def test_thinking_budget_inside_drafts():
+    """A thinking budget forces </think> at the same position with speculation as without, also when
+    the drafts run past the budget (each verify row sees the budget's state after the drafts before it)."""
+    outs = []
+    for spec in (None, ngram(4)):
+        engine = make_engine(speculative_config=spec)
+        start, end = (engine.tokenizer.token_to_id(t) for t in ("<think>", "</think>"))
+        prompt = random_prompts([20], seed=5)[0] + [start]
+        params = [SamplingParams(max_tokens=30, thinking_token_budget=b, allowed_token_ids=FEW, **GREEDY)
+                  for b in (3, 9)]
+        outs.append(tokens(run(engine, [prompt, prompt], params)))
+        engine.check_idle()
+    assert outs[1] == outs[0]
+    assert outs[0]["r0"][0][3] == end and outs[0]["r1"][0][9] == end
+
+
+def test_structured_outputs_under_speculation():
+    """Guided requests: every verify row is masked by the grammar as it is after the drafts before it
+    (drafts the grammar refuses are never kept); greedy and seeded outputs equal speculation off and
+    match the grammar."""
+    import re
+
+    pytest.importorskip("llguidance", reason="guided decoding needs llguidance (the guided / test extras)")
+    from kimiserve.structured_output import StructuredOutputsParams as Spec
+
+    params = [SamplingParams(max_tokens=60, temperature=0.0, structured_outputs=Spec(regex="(ab|ba|abc ){4,12}")),
+              SamplingParams(max_tokens=60, temperature=1.0, seed=3, structured_outputs=Spec(regex="[xy]{6,20}z")),
+              SamplingParams(max_tokens=60, temperature=0.0, structured_outputs=Spec(choice=["yes yes yes", "no no"]))]
+    prompt = "ab ba abc ab ba abc xy yx xyz yes no"
+    outs = []
+    for spec in (None, ngram(3)):
+        engine = make_engine(speculative_config=spec)
+        outs.append(run(engine, [prompt] * 3, params))
+        engine.check_idle()
+    off, on = outs
+    assert tokens(on) == tokens(off)
+    assert re.fullmatch("(ab|ba|abc ){4,12}", on["r0"].outputs[0].text) and on["r2"].outputs[0].text in ("yes yes yes", "no no")
+    assert engine.stats()["spec_decode_num_accepted_tokens"] > 0

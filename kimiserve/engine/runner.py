@@ -212,10 +212,10 @@ class ModelRunner:
                 res.prompt_logprobs += prompt_logprobs_chunk(logits[first : first + n_prompt], nxt, r.params.prompt_logprobs,
                                                              getattr(self.sampler, "log_softmax", torch.log_softmax))
             if chunk.draft_token_ids:
-                for i in range(chunk.num_tokens):
+                for i, (grammar, forced) in enumerate(_draft_states(r, chunk.draft_token_ids)):
                     sample_rows.append(first + i)
                     sample_reqs.append(SampleRequest(r.params, r.prompt_ids, r.output_ids + chunk.draft_token_ids[:i],
-                                                     r.seed, self.eos_token_id))
+                                                     r.seed, self.eos_token_id, grammar, forced))
                     owners.append(res)
             elif samples:
                 fork = r.params.n if not r.output_ids and r.sample_index == 0 and r.params.n > 1 else 1
@@ -251,3 +251,26 @@ class ModelRunner:
                         raise
                     out.append(row_exc)
             return out
+
+
+def _draft_states(request, drafts: list[int]):
+    """(grammar, forced token) of each verify row i: the request's grammar and thinking budget as they
+    are after drafts[:i] (forks; the request's own advance with the tokens kept). A draft the grammar
+    refuses can never be kept (the mask of the row before it excludes it), so the rows after it keep
+    the state before it."""
+    grammar = request.grammar.fork() if request.grammar is not None else None
+    thinking = request.thinking.copy() if request.thinking is not None else None
+    for i in range(len(drafts) + 1):
+        if i:
+            token = drafts[i - 1]
+            if thinking is not None:
+                thinking.advance(token)
+            if grammar is not None and valid:
+                try:
+                    grammar.accept(token)
+                except ValueError:
+                    valid = False
+        else:
+            valid = True
+        forced = thinking.forced_token_id if thinking is not None else None
+        yield (grammar.fork() if grammar is not None and i < len(drafts) else grammar) if forced is None else None, forced

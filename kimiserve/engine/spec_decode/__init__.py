@@ -17,14 +17,6 @@ def make_proposer(config, engine):
 
 
 def check_request(params) -> None:
-    """ValueError for a request that speculation cannot serve exactly yet: structured outputs (a grammar
-    would have to accept the drafts and roll back the rejected ones; the guided-decoding matcher's
-    rollback is the hook to wire here)."""
-    for name in ("structured_outputs", "guided_decoding"):
-        if getattr(params, name, None) is not None:
-            raise ValueError("structured outputs (guided decoding) are not supported with speculative decoding "
-                             "yet: drop the request's structured output / response_format, or serve without "
-                             "speculative_config")
-    if getattr(params, "thinking_token_budget", None) is not None:  # verify rows would not force </think>
-        raise ValueError("thinking_token_budget is not supported with speculative decoding yet: drop it, or serve "
-                         "without speculative_config")
+    """Hook for sampling features speculation cannot serve exactly (a ValueError); none at present:
+    structured outputs and the thinking budget give each verify row the state after the drafts
+    before it (`runner._draft_states`)."""
