@@ -149,6 +149,7 @@ class RoutedExperts(nn.Module):
         """Training mode: run float weights rounded through MXFP4 (straight-through gradient)."""
         self.routed_load: torch.Tensor | None = None
         """Training mode: tokens routed to each expert since the trainer last read it."""
+        self.eval()  # an inference module (the routed-expert kernels) until a trainer calls .train()
         for name in self.NAMES:
             out, inp = (h, local_inter) if name == "w2" else (local_inter, h)
             full_out, full_inp = (h, inter) if name == "w2" else (inter, h)
