@@ -66,6 +66,7 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--modes", default="full,lora")
     parser.add_argument("--lr", type=float, default=None, help="default: 1e-2 full, 5e-2 LoRA")
+    parser.add_argument("--num-prompts", type=int, default=GRPOConfig.num_prompts)
     parser.add_argument("--out", default=os.path.join(RESULTS, "rl_parity.json"))
     parser.add_argument("--plot-only", action="store_true", help="redraw the PNG from --out's JSON, run nothing")
     args = parser.parse_args(argv)
@@ -78,7 +79,7 @@ def main(argv=None) -> int:
     for mode in args.modes.split(","):
         lr = args.lr if args.lr is not None else (1e-2 if mode == "full" else 5e-2)
         t0 = time.perf_counter()
-        results[mode] = run_mode(mode, GRPOConfig(steps=args.steps, lr=lr))
+        results[mode] = run_mode(mode, GRPOConfig(steps=args.steps, lr=lr, num_prompts=args.num_prompts))
         print(f"{mode}: {args.steps} steps in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:

@@ -1,4 +1,5 @@
-"""Smoke runs of the batch-invariant benchmark and the engine-vs-trainer parity check on tiny inputs."""
+"""Smoke runs of the batch-invariant benchmark and the engine-vs-trainer parity check on tiny inputs
+(child processes with one torch thread)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,9 @@ import os
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.fixed_threads
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 
 
