@@ -38,10 +38,12 @@ from pathlib import Path
 
 import torch
 
-from kimiserve.engine.args import EngineArgs
-from kimiserve.engine.engine import LLMEngine
-from kimiserve.sampling_params import SamplingParams
-from kimiserve.utils.run_info import git_commit
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from kimiserve.engine.args import EngineArgs  # noqa: E402
+from kimiserve.engine.engine import LLMEngine  # noqa: E402
+from kimiserve.sampling_params import SamplingParams  # noqa: E402
+from kimiserve.utils.run_info import git_commit  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 VOCAB = 768
