@@ -129,6 +129,7 @@ def test_engine_serves_several_adapters_and_the_base_in_one_batch(tmp_path):
     assert e.lora_names() == ["a"]
     with pytest.raises(ValueError, match="batch-invariant"):
         EngineArgs(enable_lora=True).validate()
+    assert EngineArgs(lora_modules="a=/x,b=/y z=/w").lora_module_paths() == {"a": "/x", "b": "/y", "z": "/w"}
     with pytest.raises(ValueError, match="NAME=PATH"):
         EngineArgs(batch_invariant=True, lora_modules="oops").validate()
 

@@ -59,7 +59,7 @@ class EngineArgs:
     """Serve LoRA adapters (chosen per request by model name; several and the base model in one batch).
     Needs batch_invariant: the adapters run in the batch-invariant forward for now."""
     lora_modules: str | None = None
-    """LoRA adapters to load at start, NAME=PATH pairs separated by spaces or commas (PATH: a PEFT folder
+    """LoRA adapters to load at start, NAME=PATH pairs separated by commas (or spaces, quoted; PATH: a PEFT folder
     with adapter_config.json and adapter_model.safetensors); implies enable_lora."""
     max_loras: int = 8
     """Most LoRA adapters loaded at once."""

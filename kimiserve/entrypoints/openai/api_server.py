@@ -174,8 +174,8 @@ def build_app(engine: AsyncLLMEngine, args: ServerArgs | None = None) -> FastAPI
                 "root": engine.engine.args.model, "parent": None, "max_model_len": engine.max_model_len}
 
     def lora_card(name: str) -> dict:
-        adapter = engine.engine.lora.by_name[name]
-        return {**model_card(name), "root": adapter.path or name, "parent": names[0]}
+        adapter = engine.engine.lora.by_name.get(name) if engine.engine.lora is not None else None
+        return {**model_card(name), "root": (adapter.path if adapter is not None else None) or name, "parent": names[0]}
 
     @app.get("/v1/models")
     async def list_models():
