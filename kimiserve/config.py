@@ -17,7 +17,12 @@ SUPPORTED_ARCHITECTURES = ("KimiK3ForConditionalGeneration", "KimiLinearForCausa
 """Architectures kimiserve can load. K3 nests the text model under `language_model.`."""
 
 PRESETS_DIR = Path(__file__).parent / "presets"
-PRESET_NAMES = ("tiny", "small", "kimi-k3.1-pro")
+TRAINED_PRESETS = ("kimi-demo",)
+"""Presets shipped with trained weights: a model folder in the package (`kimi-demo`: scripts/train_demo.py)."""
+RANDOM_PRESETS = ("tiny", "small", "kimi-k3.1-pro")
+"""Presets that are configurations only: their weights are random, drawn from a seed."""
+PRESET_NAMES = TRAINED_PRESETS + RANDOM_PRESETS
+DEFAULT_MODEL = "kimi-demo"
 
 
 @dataclass
@@ -420,13 +425,33 @@ def mxfp4_quantization_config() -> dict[str, Any]:
 
 
 def load_preset(name: str) -> ModelConfig:
-    """A built-in configuration: `tiny` (CPU tests), `small` (one GPU, real attention sizes), `kimi-k3.1-pro`."""
+    """A built-in configuration: `kimi-demo` (the trained demo model), `tiny` (random, CPU tests), `small`
+    (random, one GPU, real attention sizes), `kimi-k3.1-pro` (random, the full model's shape)."""
     if name not in PRESET_NAMES:
         raise ValueError(f"unknown preset {name!r}; presets: {', '.join(PRESET_NAMES)}")
     folder = PRESETS_DIR / name
     path = folder / "config.json" if folder.is_dir() else PRESETS_DIR / f"{name}.json"
     with open(path) as f:
         return ModelConfig.from_hf_config(json.load(f))
+
+
+def model_folder(model: str | os.PathLike) -> Path | None:
+    """The checkpoint folder of `model`: a trained preset's folder in the package or `model` itself when it
+    is a folder; None for a random-weight preset (and for anything else)."""
+    if str(model) in TRAINED_PRESETS:
+        return PRESETS_DIR / str(model)
+    if str(model) in RANDOM_PRESETS or not os.path.isdir(model):
+        return None
+    return Path(model)
+
+
+def resolve_model_folder(model: str | os.PathLike) -> Path:
+    """`model_folder`, or a ValueError saying why `model` has no checkpoint folder."""
+    folder = model_folder(model)
+    if folder is None:
+        raise ValueError(f"{model!r} has no checkpoint folder: give a model folder or a trained preset "
+                         f"({', '.join(TRAINED_PRESETS)}); {', '.join(RANDOM_PRESETS)} have random weights")
+    return folder
 
 
 def resolve_model(model: str) -> ModelConfig:

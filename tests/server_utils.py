@@ -23,7 +23,7 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
-LIGHT_SERVER = ("--max-model-len", "256", "--num-pages", "3000", "--max-num-seqs", "64")
+LIGHT_SERVER = ("--model", "tiny", "--max-model-len", "256", "--num-pages", "3000", "--max-num-seqs", "64")
 
 
 def free_port() -> int:
@@ -85,7 +85,9 @@ def running_server(*args: str, env: dict[str, str] | None = None, check_exit: bo
                    launcher: tuple[str, ...] = ("-m", "kimiserve.entrypoints.cli")) -> Iterator[ServerProcess]:
     """Start `python -m kimiserve.entrypoints.cli serve --port FREE ARGS` (or `python LAUNCHER serve ...`),
     wait for /health, yield it; afterwards SIGTERM it (unless it has exited) and (check_exit) require
-    exit code 0 and a clean stderr."""
+    exit code 0 and a clean stderr. The model is the random `tiny` preset unless ARGS give --model."""
+    if "--model" not in args:
+        args = ("--model", "tiny", *args)
     port = free_port()
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
     with tempfile.TemporaryDirectory() as tmp:

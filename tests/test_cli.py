@@ -81,31 +81,31 @@ def test_generate_prints_each_completion(capsys):
     code, out, err = run_cli(capsys, "generate", "--model", "tiny", "--max-tokens", "4", "Hello")
     assert code == 0 and out.startswith("'Hello' -> ") and len(out.splitlines()) == 1 and err == ""
     prompts = ["The quick brown fox", "Hello", "x"]
-    code, out, err = run_cli(capsys, "generate", "--max-tokens", "4", *LIGHT, *prompts)
+    code, out, err = run_cli(capsys, "generate", "--model", "tiny", "--max-tokens", "4", *LIGHT, *prompts)
     got = completions(out)
     assert code == 0 and list(got) == prompts and all(got.values())
     assert "generate: 3/3 requests" in err and err.endswith("\n")  # the progress bar of a batch
-    assert got["Hello"] == completions(run_cli(capsys, "generate", "--max-tokens", "4", *LIGHT, "Hello")[1])["Hello"]
+    assert got["Hello"] == completions(run_cli(capsys, "generate", "--model", "tiny", "--max-tokens", "4", *LIGHT, "Hello")[1])["Hello"]
 
 
 def test_generate_sampling_is_seeded(capsys):
     def sample(seed):
-        code, out, _ = run_cli(capsys, "generate", "--max-tokens", "8", "--temperature", "1", "--top-p", "0.9",
+        code, out, _ = run_cli(capsys, "generate", "--model", "tiny", "--max-tokens", "8", "--temperature", "1", "--top-p", "0.9",
                                "--top-k", "50", "--seed", seed, *LIGHT, "x")
         assert code == 0
         return out
 
     assert sample("11") == sample("11")
-    code, out, _ = run_cli(capsys, "generate", "--max-tokens", "4", "--chat", "--dtype", "fp32", *LIGHT, "Hi", "Bye")
+    code, out, _ = run_cli(capsys, "generate", "--model", "tiny", "--max-tokens", "4", "--chat", "--dtype", "fp32", *LIGHT, "Hi", "Bye")
     assert code == 0 and list(completions(out)) == ["Hi", "Bye"]
 
 
 def test_generate_stream_prints_the_same_text(capsys):
-    code, out, _ = run_cli(capsys, "generate", "--max-tokens", "6", *LIGHT, "Hello, Kimi")
+    code, out, _ = run_cli(capsys, "generate", "--model", "tiny", "--max-tokens", "6", *LIGHT, "Hello, Kimi")
     text = completions(out)["Hello, Kimi"]
-    code, streamed, _ = run_cli(capsys, "generate", "--max-tokens", "6", "--stream", *LIGHT, "Hello, Kimi")
+    code, streamed, _ = run_cli(capsys, "generate", "--model", "tiny", "--max-tokens", "6", "--stream", *LIGHT, "Hello, Kimi")
     assert code == 0 and streamed == text + "\n"
-    code, _, err = run_cli(capsys, "generate", "--stream", *LIGHT, "a", "b")
+    code, _, err = run_cli(capsys, "generate", "--model", "tiny", "--stream", *LIGHT, "a", "b")
     assert code == 2 and "--stream takes one prompt" in err
 
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-import os
 from dataclasses import dataclass
 
 import torch
 
 from kimiserve.cache.formats import check_kv_cache_dtype
+from kimiserve.config import model_folder
 from kimiserve.utils.docs import field_docs
 
 CPU_DEFAULT_CACHE_GIB = 1.0
@@ -18,11 +18,12 @@ CPU_DEFAULT_CACHE_GIB = 1.0
 
 @dataclass
 class EngineArgs:
-    model: str = "tiny"
-    """A preset (tiny, small, kimi-k3.1-pro; random weights) or a checkpoint folder."""
+    model: str = "kimi-demo"
+    """A preset or a checkpoint folder: kimi-demo (the default: a small trained model that chats, reasons
+    and calls tools), or tiny, small, kimi-k3.1-pro (random weights from `seed`, for tests and sizing)."""
     tokenizer: str | None = None
-    """Tokenizer folder (default: the model folder; the tiny preset has its own). Presets other
-    than tiny have none: give token ids as prompts."""
+    """Tokenizer folder (default: the model folder; kimi-demo and tiny have their own). small and
+    kimi-k3.1-pro have none: give token ids as prompts."""
     device: str = "auto"
     """cpu or cuda[:N]; auto picks cuda when present."""
     dtype: str = "auto"
@@ -226,9 +227,10 @@ def pages_for_budget(budget_bytes: int, page_bytes: int) -> int:
 
 
 def tokenizer_source(args: EngineArgs) -> str | None:
-    """Where the tokenizer comes from, or None when there is none (presets other than tiny)."""
+    """Where the tokenizer comes from, or None when there is none (random presets other than tiny)."""
     if args.tokenizer is not None:
         return args.tokenizer
-    if args.model == "tiny" or os.path.isdir(args.model):
+    if args.model == "tiny":
         return args.model
-    return None
+    folder = model_folder(args.model)
+    return str(folder) if folder is not None else None

@@ -126,11 +126,12 @@ def _engine_args(args: argparse.Namespace):
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from kimiserve.config import DEFAULT_MODEL
     from kimiserve.entrypoints.openai.api_server import run_server
     from kimiserve.entrypoints.openai.server_args import ServerArgs
 
     if args.model_tag is not None:
-        if args.model not in ("tiny", args.model_tag):
+        if args.model not in (DEFAULT_MODEL, args.model_tag):
             raise ValueError(f"model given twice: {args.model_tag!r} and --model {args.model!r}")
         args.model = args.model_tag
     engine_args = _engine_args(args)
@@ -199,7 +200,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("inspect", help="parameter counts, cache bytes per token and KDA state size of a model")
-    p.add_argument("--model", required=True, help="a preset (tiny, small, kimi-k3.1-pro) or a model folder")
+    p.add_argument("--model", default="kimi-demo",
+                   help="a preset (kimi-demo, tiny, small, kimi-k3.1-pro) or a model folder (default kimi-demo)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=cmd_inspect)
 
@@ -212,7 +214,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("make-checkpoint", help="write a random-weight model folder in the release format")
-    p.add_argument("--preset", required=True, help="tiny, small or kimi-k3.1-pro")
+    p.add_argument("--preset", required=True, choices=("tiny", "small", "kimi-k3.1-pro"), help="a random-weight preset")
     p.add_argument("--out", required=True, help="folder to write")
     p.add_argument("--seed", type=int, default=0, help="random seed of the weights")
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES), help="dtype of the non-quantised weights")

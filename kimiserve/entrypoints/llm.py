@@ -37,7 +37,7 @@ class LLM:
     dtype, seed, ...); an unknown one is a ValueError that lists the valid ones.
     """
 
-    def __init__(self, model: str = "tiny", **engine_kwargs: Any):
+    def __init__(self, model: str = "kimi-demo", **engine_kwargs: Any):
         valid = [f.name for f in dataclasses.fields(EngineArgs)]
         unknown = sorted(set(engine_kwargs) - set(valid))
         if unknown:
@@ -51,7 +51,7 @@ class LLM:
         return self._engine
 
     def get_tokenizer(self):
-        """The model's KimiTokenizer, or None (presets other than tiny have none)."""
+        """The model's KimiTokenizer, or None (the random presets small and kimi-k3.1-pro have none)."""
         return self._engine.tokenizer
 
     # public calls ------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from kimiserve.config import ModelConfig, PRESET_NAMES, load_preset
+from kimiserve.config import RANDOM_PRESETS, ModelConfig, load_preset, model_folder
 from kimiserve.distributed.parallel_state import ParallelContext
 from kimiserve.model.model import KimiForCausalLM, build_model
 
@@ -152,11 +152,14 @@ def load_model(
     model: str | os.PathLike, dtype: torch.dtype = torch.bfloat16, seed: int = 0, device: str | torch.device = "cpu",
     parallel: ParallelContext | None = None,
 ) -> KimiForCausalLM:
-    """A preset name (random weights from `seed`) or a model folder (weights from its checkpoint);
-    with `parallel`, this rank's shard of it."""
-    if str(model) in PRESET_NAMES:
+    """A random-weight preset (weights from `seed`), a trained preset or a model folder (weights from its
+    checkpoint); with `parallel`, this rank's shard of it."""
+    if str(model) in RANDOM_PRESETS:
         return build_model(load_preset(str(model)), dtype, seed, device, parallel)
-    config = ModelConfig.from_pretrained(model)
+    folder = model_folder(model)
+    if folder is None:
+        raise ValueError(f"model {str(model)!r} is neither a preset nor a model folder")
+    config = ModelConfig.from_pretrained(folder)
     net = build_model(config, dtype, seed=None, device=device, parallel=parallel)
-    load_weights(net, model)
+    load_weights(net, folder)
     return net
