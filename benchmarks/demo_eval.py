@@ -12,8 +12,11 @@ kv-cache dtype; the output goes through the OpenAI server's reasoning and tool-c
   no_tool / decline           no tool call and the expected content
   passkey@N                   the pass key appears in the content, N tokens of filler (trained up to ~1K)
 
-    python benchmarks/demo_eval.py --model OUT/kimi-demo [--n 50] [--kv-cache-dtypes bf16,fp8,fp4]
-        [--passkey-lengths 1024,4096,16384,65536] [--passkey-n 10] [--json results.json]
+`--index-topk K` serves a copy of the model whose MLA indexer keeps K keys (K >= the prompt length:
+dense attention), which tells indexer recall apart from length generalisation when passkeys fail.
+
+    python benchmarks/demo_eval.py --model kimi-demo [--n 50] [--kv-cache-dtypes bf16,fp8,fp4]
+        [--passkey-lengths 1024,4096,16384,65536] [--passkey-n 10 | 10,10,2,1] [--index-topk K] [--json results.json]
 """
 
 from __future__ import annotations
@@ -24,12 +27,14 @@ import os
 import random
 import re
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kimiserve import LLM, SamplingParams  # noqa: E402
+from kimiserve.config import resolve_model_folder  # noqa: E402
 from kimiserve.demo import corpus  # noqa: E402
 from kimiserve.entrypoints.openai.reasoning_parser import KimiReasoningParser  # noqa: E402
 from kimiserve.entrypoints.openai.tool_parser import KimiToolParser  # noqa: E402
@@ -55,9 +60,11 @@ def heldout(seed: int, n: int, kinds=KINDS) -> list[corpus.Example]:
     return out
 
 
-def passkeys(seed: int, lengths: list[int], n: int) -> list[corpus.Example]:
+def passkeys(seed: int, lengths: list[int], n: int | list[int]) -> list[corpus.Example]:
+    """`n` examples per length (one count, or one per length)."""
+    counts = n if isinstance(n, list) else [n] * len(lengths)
     rng = random.Random(HELDOUT_SEED_OFFSET + 7 + seed)
-    return [corpus.passkey(rng, length) for length in lengths for _ in range(n)]
+    return [corpus.passkey(rng, length) for length, k in zip(lengths, counts) for _ in range(k)]
 
 
 def schema_valid(call, tools) -> bool:
@@ -98,12 +105,31 @@ def _json_object(text: str) -> bool:
         return False
 
 
-def run(llm: LLM, examples: list[corpus.Example], max_tokens: int) -> list[dict[str, bool]]:
+def run(llm: LLM, examples: list[corpus.Example], max_tokens: int, texts: list[str] | None = None) -> list[dict[str, bool]]:
+    """Scores of greedy replies (appended to `texts` when given)."""
     tokenizer = llm.get_tokenizer()
     prompts = [corpus.prompt_ids(tokenizer, ex) for ex in examples]
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, skip_special_tokens=False)
     outs = llm.generate(prompts, params, use_tqdm=False)
+    if texts is not None:
+        texts += [out.outputs[0].text for out in outs]
     return [score(ex, out.outputs[0].text) for ex, out in zip(examples, outs)]
+
+
+def with_index_topk(model: str, topk: int, folder: Path) -> str:
+    """A model folder like `model` (its files linked) whose config keeps `topk` indexer keys."""
+    src = Path(resolve_model_folder(model))
+    folder.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.name != "config.json" and not (folder / f.name).exists():
+            (folder / f.name).symlink_to(f.resolve())
+    config = json.loads((src / "config.json").read_text())
+    text = config.get("text_config", config)
+    if text.get("index_topk") is None:
+        raise ValueError(f"{model} has no indexer")
+    text["index_topk"] = topk
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    return str(folder)
 
 
 def summarise(examples, scores, key=lambda ex: ex.kind) -> dict[str, dict[str, float]]:
@@ -120,28 +146,40 @@ def main(argv=None) -> None:
     parser.add_argument("--n", type=int, default=50, help="examples per kind")
     parser.add_argument("--kv-cache-dtypes", default="bf16,fp8,fp4")
     parser.add_argument("--passkey-lengths", default="1024,4096,16384,65536", help="filler tokens")
-    parser.add_argument("--passkey-n", type=int, default=10, help="passkey examples per length")
+    parser.add_argument("--passkey-n", default="10", help="passkey examples per length (one count or one per length)")
+    parser.add_argument("--index-topk", type=int, default=None,
+                        help="serve the model with this indexer top-k (>= the prompt length: dense attention)")
     parser.add_argument("--device", default=None)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--max-tokens", type=int, default=160)
     parser.add_argument("--json", default=None, help="write the results here too")
     args = parser.parse_args(argv)
     lengths = [int(x) for x in args.passkey_lengths.split(",") if x]
-    examples = heldout(args.seed, args.n)
-    keys = passkeys(args.seed, lengths, args.passkey_n)
-    results = {"model": args.model, "seed": args.seed, "dtype": args.dtype, "by_cache": {}}
+    counts = [int(x) for x in args.passkey_n.split(",")]
+    if len(counts) not in (1, len(lengths)):
+        raise SystemExit(f"--passkey-n: one count or one per length ({len(lengths)}), got {args.passkey_n!r}")
+    examples = heldout(args.seed, args.n) if args.n > 0 else []
+    keys = passkeys(args.seed, lengths, counts if len(counts) > 1 else counts[0])
+    model = args.model
+    if args.index_topk is not None:
+        model = with_index_topk(model, args.index_topk, Path(tempfile.mkdtemp()) / "model")
+    results = {"model": args.model, "index_topk": args.index_topk, "seed": args.seed, "dtype": args.dtype,
+               "n": args.n, "passkey_n": dict(zip(map(str, lengths), counts * (len(lengths) if len(counts) == 1 else 1))),
+               "by_cache": {}}
     for kv in args.kv_cache_dtypes.split(","):
         t0 = time.time()
-        llm = LLM(args.model, kv_cache_dtype=kv, dtype=args.dtype, max_model_len=max(lengths + [2048]) + 1024,
+        llm = LLM(model, kv_cache_dtype=kv, dtype=args.dtype, max_model_len=max(lengths + [2048]) + 1024,
                   **({"device": args.device} if args.device else {}))
-        res = summarise(examples, run(llm, examples, args.max_tokens))
+        res = summarise(examples, run(llm, examples, args.max_tokens)) if examples else {}
         if keys:
-            res.update(summarise(keys, run(llm, keys, 16), key=lambda ex: f"passkey@{ex.filler_tokens}"))
+            texts: list[str] = []
+            res.update(summarise(keys, run(llm, keys, 16, texts), key=lambda ex: f"passkey@{ex.filler_tokens}"))
+            res["passkey_replies"] = [{"filler": ex.filler_tokens, "key": ex.answer, "reply": t} for ex, t in zip(keys, texts)]
         results["by_cache"][kv] = {"seconds": round(time.time() - t0, 1), **res}
         print(json.dumps({"kv_cache_dtype": kv, **results["by_cache"][kv]}), flush=True)
         del llm
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2))
+        if args.json:  # after every cache: a long run's finished parts survive
+            Path(args.json).write_text(json.dumps(results, indent=2))
 
 
 if __name__ == "__main__":
