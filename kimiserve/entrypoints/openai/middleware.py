@@ -56,10 +56,12 @@ class RequestIdMiddleware:
         request_id = given if given is not None and REQUEST_ID.fullmatch(given) else uuid.uuid4().hex.encode()
         scope.setdefault("state", {})["request_id"] = request_id.decode("ascii")
 
-        async def send_with_id(message):
+        def send_with_id(message):  # returns send's own awaitable: no coroutine of ours between a
+            # handler's send and uvicorn's (the stream send timeout cancels that await; through a wrapping
+            # coroutine the cut stream ended in uvicorn's "ASGI callable returned without completing response")
             if message["type"] == "http.response.start":
                 headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != REQUEST_ID_HEADER]
                 message = {**message, "headers": headers + [(REQUEST_ID_HEADER, request_id)]}
-            await send(message)
+            return send(message)
 
         await self.app(scope, receive, send_with_id)
