@@ -72,6 +72,17 @@ def run(engine: LLMEngine, prompts, params: SamplingParams | list[SamplingParams
 # above fp32 rounding, one run in 8 failed one single-request test).
 FP32_ROW_TOLERANCE = {"bf16": 1e-3, "fp8": 1e-2, "fp4": 1e-2}
 
+BF16_MODEL = "kimi-demo"
+"""The model of the bf16 engine tests: the trained demo model is well conditioned (its bf16 full forward is
+1-3.5% from an fp32 forward of the same weights, median row; the random tiny model's is 9-50%), so its bf16
+engine rows get bounds near bf16's own rounding (`assert_all_match_full_forward`)."""
+BF16_MEDIAN_TOLERANCE = 0.05
+"""Median relative row error allowed between the demo model's bf16 engine logits and its bf16 full forward.
+Measured (OMP_NUM_THREADS=1 and 2 gave the same values) over each test's pooled rows: 0.0000-0.0092 with the
+whole prompt or 37-64-token chunks, 0.0088-0.0248 when prefilled 1 or 7 tokens a step (the KDA state and
+the cache then take other roundings: a few rows of a request move by 0.1-0.4 as a near-tied top-k pick or
+expert flips, which is why there is no per-row bound); a broken cache gives ~1.4."""
+
 
 def fp32_row_tolerance(engine) -> float:
     return FP32_ROW_TOLERANCE[latent_format(engine.layout.kv_cache_dtype)]
@@ -121,7 +132,12 @@ def assert_all_match_full_forward(engine, prompts, tokens, seed=None):
 
     fp32 model: `assert_rows_match` with the cache format's tolerance (bf16 1e-3, fp8/fp4 1e-2;
     measured median ~2e-6 where no cache code flips).
-    bf16 model: bf16's own rounding moves this random tiny model's logits a lot (the bf16 full
+    bf16 demo model (`BF16_MODEL`, well conditioned): the median row error against the bf16 full forward
+    at most `BF16_MEDIAN_TOLERANCE`, and against the fp32 forward of the same weights the engine as
+    accurate as the bf16 full forward: median row error at most 1.5x the full forward's + 0.01 and argmax
+    agreement at most 0.08 lower (measured on the tests' rows: engine 0.003-0.030 vs full forward
+    0.018-0.027, ratio <= 1.33; agreement within 0.02 either way, 1 row of 48).
+    bf16 random model: bf16's own rounding moves a random model's logits a lot (the bf16 full
     forward vs an fp32 forward of the same weights: 9-50% median row error, argmax equal at
     25-75% of positions), since an ulp flips discrete choices (top-k tokens, routed experts,
     near-tied logits of a 1024-token vocabulary). So the engine is held to the accuracy of the
@@ -140,9 +156,19 @@ def assert_all_match_full_forward(engine, prompts, tokens, seed=None):
             agree += a
         assert_rows_match(errors, agree, fp32_row_tolerance(engine))
         return
+    if engine.args.model == BF16_MODEL:
+        errors = []
+        for prompt, toks in zip(prompts, tokens):
+            errors += compare_with_full_forward(engine, prompt, toks, seed)[0]
+        median = float(torch.tensor(errors).median())
+        print(f"bf16 {BF16_MODEL} engine vs its bf16 full forward over {len(errors)} rows: median {median:.4f}")
+        assert median <= BF16_MEDIAN_TOLERANCE, (median, errors)
+        slack = dict(scale=1.5, offset=0.01, agreement_slack=0.08)
+    else:
+        slack = dict(scale=1.5, offset=0.05, agreement_slack=0.25)
     parts = [_bf16_rows(engine, prompt, toks, compare_with_full_forward(engine, prompt, toks, seed)[2], seed)
              for prompt, toks in zip(prompts, tokens)]
-    _assert_bf16_like_full_forward(*(torch.cat(group) for group in zip(*parts)))
+    _assert_bf16_like_full_forward(*(torch.cat(group) for group in zip(*parts)), **slack)
 
 
 def assert_same_rows(engine, recorded_a, recorded_b, prompts, tokens, seed=None):
@@ -168,7 +194,7 @@ def _bf16_rows(engine, prompt, tokens, ref, seed):
     return rows.float(), ref[at].float(), exact[at]
 
 
-def _assert_bf16_like_full_forward(rows, full, exact):
+def _assert_bf16_like_full_forward(rows, full, exact, scale, offset, agreement_slack):
     def median_error(a):
         return float(((a - exact).norm(dim=-1) / exact.norm(dim=-1)).median())
 
@@ -177,5 +203,5 @@ def _assert_bf16_like_full_forward(rows, full, exact):
 
     print(f"bf16 vs fp32 twin over {len(rows)} rows: engine {median_error(rows):.3f}/{agreement(rows):.2f}, "
           f"full forward {median_error(full):.3f}/{agreement(full):.2f} (median error/argmax agreement)")
-    assert median_error(rows) <= 1.5 * median_error(full) + 0.05, (median_error(rows), median_error(full))
-    assert agreement(rows) >= agreement(full) - 0.25, (agreement(rows), agreement(full))
+    assert median_error(rows) <= scale * median_error(full) + offset, (median_error(rows), median_error(full))
+    assert agreement(rows) >= agreement(full) - agreement_slack, (agreement(rows), agreement(full))
