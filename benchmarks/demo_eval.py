@@ -41,6 +41,7 @@ from kimiserve.entrypoints.openai.tool_parser import KimiToolParser  # noqa: E40
 
 HELDOUT_SEED_OFFSET = 20_000  # training draws from seeds < 10_000 * 1000; its own held-out from 10_007 + seed
 NUMBER = re.compile(r"-?\d+")
+PASSKEY_MAX_TOKENS = 32  # "The pass key is NNNNN." is ~20 tokens (digits are one token each); 16 cut keys short
 KINDS = ("arithmetic", "word_problem", "chat", "multi_turn", "tool_call", "tool_answer", "no_tool")
 
 
@@ -173,7 +174,7 @@ def main(argv=None) -> None:
         res = summarise(examples, run(llm, examples, args.max_tokens)) if examples else {}
         if keys:
             texts: list[str] = []
-            res.update(summarise(keys, run(llm, keys, 16, texts), key=lambda ex: f"passkey@{ex.filler_tokens}"))
+            res.update(summarise(keys, run(llm, keys, PASSKEY_MAX_TOKENS, texts), key=lambda ex: f"passkey@{ex.filler_tokens}"))
             res["passkey_replies"] = [{"filler": ex.filler_tokens, "key": ex.answer, "reply": t} for ex, t in zip(keys, texts)]
         results["by_cache"][kv] = {"seconds": round(time.time() - t0, 1), **res}
         print(json.dumps({"kv_cache_dtype": kv, **results["by_cache"][kv]}), flush=True)
