@@ -73,7 +73,11 @@ def test_fused_moe_matches_reference(case, dtype, mxfp4, act, routing):
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_dequant_variants(variant):
     """bf16 MXFP4 through each dequantisation and orientation; h = 96 and I = 160 leave partial 64-wide K
-    steps and column tiles; 32-row blocks."""
+    steps and column tiles; 32-row blocks. Triton 3.6's interpreter cannot run `tl.dot_scaled` (an
+    AttributeError inside its semantic layer): those variants are checked on the GPU only
+    (tests/test_triton_moe.py, which the H200 passes)."""
+    if variant.startswith("dot_scaled"):
+        pytest.skip("Triton 3.6's interpreter does not run tl.dot_scaled; tests/test_triton_moe.py checks it on a GPU")
     cfg = variant_config(tt, block_m=32, **VARIANTS[variant])
     check_case(tt, 45, 96, 160, 7, 3, torch.bfloat16, True, "situ", "subset", "cpu", cfg)
 
