@@ -205,3 +205,25 @@ def _assert_bf16_like_full_forward(rows, full, exact, scale, offset, agreement_s
           f"full forward {median_error(full):.3f}/{agreement(full):.2f} (median error/argmax agreement)")
     assert median_error(rows) <= scale * median_error(full) + offset, (median_error(rows), median_error(full))
     assert agreement(rows) >= agreement(full) - agreement_slack, (agreement(rows), agreement(full))
+
+
+def assert_ops_match_reference_ops(ops, kv: str, prompts, max_tokens: int = 6, bound: float = 1e-4) -> None:
+    """The fp32 tiny engine with `ops` as its decode ops gives the reference-ops engine's greedy tokens
+    for `prompts`, and its logits at every step within `bound` (relative RMS)."""
+    from conftest import rel_rms
+    from kimiserve.ops.backend import REFERENCE_OPS
+
+    params = SamplingParams(max_tokens=max_tokens, **GREEDY)
+    engines, outs = [], []
+    for candidate in (REFERENCE_OPS, ops):
+        engine = make_engine("float32", kv, max_num_batched_tokens=64)
+        engine.runner.ops = candidate
+        outs.append(run(engine, prompts, params))
+        engine.check_idle()
+        engines.append(engine)
+    (ref_engine, k_engine), (ref_out, k_out) = engines, outs
+    for i, prompt in enumerate(prompts):
+        assert k_out[f"r{i}"].outputs[0].token_ids == ref_out[f"r{i}"].outputs[0].token_ids
+        for step in range(max_tokens):
+            key = (tuple(prompt), None, step)
+            assert rel_rms(k_engine.recorded[key], ref_engine.recorded[key]) < bound

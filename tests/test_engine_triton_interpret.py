@@ -20,14 +20,12 @@ import triton_interpreter_shims  # noqa: E402
 
 triton_interpreter_shims.enable()
 
-from conftest import rel_rms  # noqa: E402
-from engine_utils import GREEDY, make_engine, random_prompts, run  # noqa: E402
+from engine_utils import assert_ops_match_reference_ops, random_prompts  # noqa: E402
 from kimiserve.ops.backend import REFERENCE_OPS  # noqa: E402
 from kimiserve.ops.cache_write import triton as cache_write_tt  # noqa: E402
 from kimiserve.ops.indexer import triton as indexer_tt  # noqa: E402
 from kimiserve.ops.mla import triton as mla_tt  # noqa: E402
 from kimiserve.ops.topk import triton as topk_tt  # noqa: E402
-from kimiserve.sampling_params import SamplingParams  # noqa: E402
 
 TRITON_MLA_OPS = dataclasses.replace(
     REFERENCE_OPS, name="triton-interpreted", write_mla_tokens=cache_write_tt.write_mla_tokens,
@@ -42,17 +40,4 @@ TRITON_MLA_OPS = dataclasses.replace(
 @pytest.mark.parametrize("kv", ["bf16", "fp8", "fp4", "fp8+fp4"])
 def test_engine_with_triton_mla_ops_matches_reference_ops(kv):
     # 40 tokens: dense MLA (within tiny's top-8 window only at first); 90: sparse, across two pages
-    prompts = random_prompts([40, 90], seed=11)
-    params = SamplingParams(max_tokens=6, **GREEDY)
-    outs = {}
-    for name, ops in (("reference", REFERENCE_OPS), ("kernels", TRITON_MLA_OPS)):
-        engine = make_engine("float32", kv, max_num_batched_tokens=64)
-        engine.runner.ops = ops
-        outs[name] = (engine, run(engine, prompts, params))
-        engine.check_idle()
-    (ref_engine, ref_out), (k_engine, k_out) = outs["reference"], outs["kernels"]
-    for i, prompt in enumerate(prompts):
-        assert k_out[f"r{i}"].outputs[0].token_ids == ref_out[f"r{i}"].outputs[0].token_ids
-        for step in range(6):
-            key = (tuple(prompt), None, step)
-            assert rel_rms(k_engine.recorded[key], ref_engine.recorded[key]) < 1e-4
+    assert_ops_match_reference_ops(TRITON_MLA_OPS, kv, random_prompts([40, 90], seed=11))

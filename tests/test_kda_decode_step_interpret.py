@@ -33,25 +33,10 @@ def test_engine_with_fused_kda_decode_matches_reference_ops(kv):
     import dataclasses
     import functools
 
-    from conftest import rel_rms
-    from engine_utils import GREEDY, make_engine, random_prompts, run
+    from engine_utils import assert_ops_match_reference_ops, random_prompts
     from kimiserve.ops.backend import REFERENCE_OPS
     from kimiserve.ops.kda import paged
-    from kimiserve.sampling_params import SamplingParams
 
     fused = dataclasses.replace(REFERENCE_OPS, name="fused-kda-interpreted", kda_decode_step=functools.partial(
         triton_decode.kda_decode_step, fallback=paged.kda_decode))
-    prompts = random_prompts([40, 90, 7], seed=11)
-    params = SamplingParams(max_tokens=6, **GREEDY)
-    outs = {}
-    for name, ops in (("reference", REFERENCE_OPS), ("fused", fused)):
-        engine = make_engine("float32", kv, max_num_batched_tokens=64)
-        engine.runner.ops = ops
-        outs[name] = (engine, run(engine, prompts, params))
-        engine.check_idle()
-    (ref_engine, ref_out), (f_engine, f_out) = outs["reference"], outs["fused"]
-    for i, prompt in enumerate(prompts):
-        assert f_out[f"r{i}"].outputs[0].token_ids == ref_out[f"r{i}"].outputs[0].token_ids
-        for step in range(6):
-            key = (tuple(prompt), None, step)
-            assert rel_rms(f_engine.recorded[key], ref_engine.recorded[key]) < 1e-4
+    assert_ops_match_reference_ops(fused, kv, random_prompts([40, 90, 7], seed=11))
