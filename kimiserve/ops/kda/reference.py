@@ -74,6 +74,25 @@ def recurrent_kda(
     return o.to(out_dtype), S
 
 
+def _split_chunks(q, k, v, g, beta, dt: torch.dtype, C: int):
+    """[B, T, ...] inputs in `dt`, zero-padded to whole chunks of C steps (a padded step has k = 0 and
+    g = 0: it leaves the state untouched) and laid out per chunk: q, k, g [B, H, N, C, K], v
+    [B, H, N, C, V], beta [B, H, N, C]; with the chunk's causal and strictly-causal masks [C, C] and eye."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    pad = (-T) % C
+    q, k, v, g = (F.pad(t.to(dt), (0, 0, 0, 0, 0, pad)) for t in (q, k, v, g))
+    beta = F.pad(beta.to(dt), (0, 0, 0, pad))
+    N = (T + pad) // C
+    q, k, g = (t.view(B, N, C, H, K).permute(0, 3, 1, 2, 4) for t in (q, k, g))
+    v = v.view(B, N, C, H, V).permute(0, 3, 1, 2, 4)
+    beta = beta.view(B, N, C, H).permute(0, 3, 1, 2)
+    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+    strict = causal.clone().fill_diagonal_(False)
+    eye = torch.eye(C, dtype=dt, device=q.device)
+    return q, k, v, g, beta, causal, strict, eye
+
+
 def chunk_kda(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -97,18 +116,8 @@ def chunk_kda(
     B, T, H, K = q.shape
     V = v.shape[-1]
     C = chunk_size
-    pad = (-T) % C
-    # zero-padded steps have k = 0 and g = 0: they leave the state untouched
-    q, k, v, g = (F.pad(t.to(dt), (0, 0, 0, 0, 0, pad)) for t in (q, k, v, g))
-    beta = F.pad(beta.to(dt), (0, 0, 0, pad))
-    N = (T + pad) // C
-    q, k, g = (t.view(B, N, C, H, K).permute(0, 3, 1, 2, 4) for t in (q, k, g))  # [B, H, N, C, K]
-    v = v.view(B, N, C, H, V).permute(0, 3, 1, 2, 4)
-    beta = beta.view(B, N, C, H).permute(0, 3, 1, 2)  # [B, H, N, C]
-
-    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
-    strict = causal.clone().fill_diagonal_(False)
-    eye = torch.eye(C, dtype=dt, device=q.device)
+    q, k, v, g, beta, causal, strict, eye = _split_chunks(q, k, v, g, beta, dt, C)
+    N = q.shape[2]
     S = q.new_zeros(B, H, K, V) if initial_state is None else initial_state.to(dt).clone()
     o = torch.empty_like(v)
     for n in range(N):
@@ -148,16 +157,9 @@ def chunk_kda_batched(
     B, T, H, K = q.shape
     V = v.shape[-1]
     C = chunk_size
-    pad = (-T) % C
-    q, k, v, g = (F.pad(t.to(dt), (0, 0, 0, 0, 0, pad)) for t in (q, k, v, g))
-    beta = F.pad(beta.to(dt), (0, 0, 0, pad))
-    N = (T + pad) // C
-    q, k, g = (t.view(B, N, C, H, K).permute(0, 3, 1, 2, 4) for t in (q, k, g))  # [B, H, N, C, K]
-    v = v.view(B, N, C, H, V).permute(0, 3, 1, 2, 4)
-    beta = beta.view(B, N, C, H).permute(0, 3, 1, 2).unsqueeze(-1)  # [B, H, N, C, 1]
-    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
-    strict = causal.clone().fill_diagonal_(False)
-    eye = torch.eye(C, dtype=dt, device=q.device)
+    q, k, v, g, beta, causal, strict, eye = _split_chunks(q, k, v, g, beta, dt, C)
+    N = q.shape[2]
+    beta = beta.unsqueeze(-1)  # [B, H, N, C, 1]
     q = q * scale
     G = g.cumsum(dim=-2)
     decay = torch.exp((G.unsqueeze(-2) - G.unsqueeze(-3)).masked_fill(~causal[..., None], float("-inf")))
