@@ -170,11 +170,11 @@ class KimiDeltaAttention(nn.Module):
         return o, conv, state
 
     def paged_mix(self, q, k, v, g, beta, batch: ForwardBatch) -> torch.Tensor:
-        """`mix` for packed tokens [1, N]: one-token sequences batched in recurrent form
-        (`batch.ops.kda_decode`, updating their state pages in place), longer chunks together in
-        varlen chunked form (`batch.ops.kda_prefill`); each reads and writes its state page of this
-        layer. A chunk with snapshot pages also leaves the state before its last token there: its
-        last token runs in a second varlen pass, from the snapshot."""
+        """`mix` for the packed tokens [1, N] of the prefill and verify chunks (decode rows are left to
+        `paged_forward`, whose rows of the result are not written here): prefill chunks together in
+        varlen chunked form (`batch.ops.kda_prefill`), each reading and writing its state page of this
+        layer; a chunk with snapshot pages also leaves the state before its last token there (its last
+        token runs in a second varlen pass, from the snapshot); verify chunks through `verify_mix`."""
         if batch.pcp is not None:
             return self.paged_mix_token_sharded(q, k, v, g, beta, batch)
         pool, i, ops = batch.pool, self.cache_index, batch.ops
