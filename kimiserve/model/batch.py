@@ -87,9 +87,15 @@ class ForwardBatch:
     """int64 [R]: each verify row's context length (its position + 1)."""
     verify_max_context: int = 0
     verify_inputs: dict[int, tuple[torch.Tensor, ...]] | None = None
-    """Per KDA layer (cache index): the layer's inputs of the verify chunks, one row per chunk in
-    `verify_chunks` order, padded to the longest (q, k, v before the short conv [B, T, H * K],
-    g [B, T, H, K], beta [B, T, H]); filled by the forward."""
+    """Per KDA layer (cache index): the layer's inputs of the verify chunks, one row per chunk, padded
+    to the longest (q, k, v before the short conv, f the gate projection [B, T, H * K], b beta's
+    logits [B, T, H]); filled by the forward, read by `spec_decode.verify.replay_verified`."""
+    verify_grid: torch.Tensor | None = None
+    """int64 [B, T]: packed row of position t of verify chunk j (a shorter chunk repeats its last row)."""
+    verify_active: list[torch.Tensor | None] | None = None
+    """Per position t < T: the verify chunks (int64 indices) that have a token t, None for all of them."""
+    verify_state_pages: torch.Tensor | None = None
+    """int64 [B, num_kda_layers]: each verify chunk's state pages."""
 
     @classmethod
     def build(cls, pool: PagePool, chunks: list[SequenceChunk], device: torch.device | str,
@@ -110,8 +116,14 @@ class ForwardBatch:
             tables[i, : len(c.block_table)] = c.block_table
         states = torch.stack([c.state_pages for c in decode]) if decode else torch.zeros(0, 0, dtype=torch.int64)
         verify = [c for c in chunks if c.verify and c.num_tokens > 1]
-        verify_rows = verify_tables = verify_lens = None
+        verify_rows = verify_tables = verify_lens = grid = active = verify_states = None
         if verify:
+            lengths = [c.num_tokens for c in verify]
+            T = max(lengths)
+            grid = torch.tensor([[c.start + min(t, c.num_tokens - 1) for t in range(T)] for c in verify])
+            active = [None if min(lengths) > t else torch.tensor([j for j, n in enumerate(lengths) if n > t]).to(device)
+                      for t in range(T)]
+            verify_states = torch.stack([c.state_pages for c in verify])
             verify_rows = torch.cat([torch.arange(c.start, c.end) for c in verify])
             verify_lens = torch.cat([torch.arange(c.context_start, c.context_end) + 1 for c in verify])
             verify_tables = torch.zeros(len(verify_rows), max(len(c.block_table) for c in verify), dtype=torch.int64)
@@ -143,6 +155,9 @@ class ForwardBatch:
             verify_context_lens=None if verify_lens is None else to(verify_lens),
             verify_max_context=max((c.context_end for c in verify), default=0),
             verify_inputs={} if verify else None,
+            verify_grid=None if grid is None else to(grid),
+            verify_active=active,
+            verify_state_pages=None if verify_states is None else to(verify_states),
         )
 
     @property

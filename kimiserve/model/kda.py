@@ -131,7 +131,7 @@ class KimiDeltaAttention(nn.Module):
         their state pages, norm: one fused kernel on CUDA), the other rows through `mix_and_norm`."""
         B, T, _ = q.shape
         rows = batch.decode_rows
-        if rows.numel() < T:
+        if any(not c.verify for c in batch.prefill_chunks):
             o = self.mix_and_norm(q, k, v, f, b, gate, batch)
         else:
             o = v.new_empty(B, T, self.num_heads, self.head_dim)
@@ -140,6 +140,8 @@ class KimiDeltaAttention(nn.Module):
             o[0, rows] = batch.ops.kda_decode_step(
                 pick(q), pick(k), pick(v), pick(f), pick(b), pick(gate), self.decode_weights,
                 batch.pool.conv, batch.pool.recurrent, batch.decode_state_pages[:, self.cache_index])
+        if batch.verify_grid is not None:
+            self.verify_steps(q, k, v, f, b, gate, batch, o)
         return o
 
     @property
@@ -170,18 +172,16 @@ class KimiDeltaAttention(nn.Module):
         return o, conv, state
 
     def paged_mix(self, q, k, v, g, beta, batch: ForwardBatch) -> torch.Tensor:
-        """`mix` for the packed tokens [1, N] of the prefill and verify chunks (decode rows are left to
-        `paged_forward`, whose rows of the result are not written here): prefill chunks together in
-        varlen chunked form (`batch.ops.kda_prefill`), each reading and writing its state page of this
-        layer; a chunk with snapshot pages also leaves the state before its last token there (its last
-        token runs in a second varlen pass, from the snapshot); verify chunks through `verify_mix`."""
+        """`mix` for the packed tokens [1, N] of the prefill chunks (decode and verify rows are left to
+        `paged_forward`, whose rows of the result are not written here): together in varlen chunked
+        form (`batch.ops.kda_prefill`), each reading and writing its state page of this layer; a chunk
+        with snapshot pages also leaves the state before its last token there (its last token runs in
+        a second varlen pass, from the snapshot)."""
         if batch.pcp is not None:
             return self.paged_mix_token_sharded(q, k, v, g, beta, batch)
         pool, i, ops = batch.pool, self.cache_index, batch.ops
         o = v.new_empty(*v.shape[:2], self.num_heads, self.head_dim)
         chunks = [c for c in batch.prefill_chunks if not c.verify]
-        if batch.verify_chunks:
-            self.verify_mix(q, k, v, g, beta, batch, o)
         if chunks:
             first, last = [], []  # (start, end, state page read, state page written)
             for c in chunks:
@@ -197,58 +197,32 @@ class KimiDeltaAttention(nn.Module):
                     self.prefill_segments(q, k, v, g, beta, segments, o, pool, ops)
         return o
 
-    def verify_mix(self, q, k, v, g, beta, batch: ForwardBatch, o: torch.Tensor) -> None:
-        """Verify chunks (the pending token plus K drafts): outputs in recurrent form, token by token as
-        decode runs them, from a copy of each state page; the pages stay at the committed state and the
-        inputs are kept for `replay_verified`, so a rejected draft costs no recompute of the prefix.
-        The chunks run as one batch [B, T_max] (a shorter chunk padded with its last row; causal, so
-        padding changes none of its rows)."""
-        pool, i, ops = batch.pool, self.cache_index, batch.ops
-        chunks = batch.verify_chunks
-        lengths = [c.num_tokens for c in chunks]
-        T = max(lengths)
-        idx = torch.tensor([[c.start + min(t, c.num_tokens - 1) for t in range(T)] for c in chunks], device=q.device)
-        inputs = tuple(t[0][idx] for t in (q, k, v, g, beta))  # copies [B, T, ...]: no view of the whole step
-        batch.verify_inputs[i] = inputs
-        pages = torch.stack([c.state_pages[i] for c in chunks])
-        qh, kh, vh, _ = self.short_conv(*inputs[:3], pool.conv[pages])
-        states = pool.recurrent[pages].clone()
-        starts = torch.tensor([c.start for c in chunks], device=o.device)
+    def verify_steps(self, q, k, v, f, b, gate, batch: ForwardBatch, o: torch.Tensor) -> None:
+        """Verify chunks (the pending token plus K drafts, rows `batch.verify_grid` [B, T]): position t
+        of every chunk through `ops.kda_decode_step`, the op (and so the arithmetic) of a decode step, on
+        copies of the chunks' conv and state pages; the pages stay at the committed state and the
+        inputs are kept for `replay_verified`, so a rejected draft costs no recompute of the prefix."""
+        pool, i = batch.pool, self.cache_index
+        grid = batch.verify_grid
+        xs = tuple(t[0][grid] for t in (q, k, v, f, b, gate))  # copies [B, T, ...]: no view of the whole step
+        batch.verify_inputs[i] = xs[:5]
+        pages = batch.verify_state_pages[:, i]
+        conv, states = pool.conv[pages], pool.recurrent[pages]  # copies, addressed as pages 0..B-1
+        ids = torch.arange(grid.shape[0], device=grid.device)
+        for t, active in enumerate(batch.verify_active):
+            sel = slice(None) if active is None else active
+            o[0, grid[sel, t]] = batch.ops.kda_decode_step(*(x[sel, t] for x in xs), self.decode_weights, conv,
+                                                           states, ids[sel])
 
-        def emit(active, t, out):
-            o[0].index_copy_(0, (starts if active is None else starts[active]) + t, out[:, 0])
-
-        self._recurrent_steps(qh, kh, vh, inputs[3], inputs[4], lengths, states,
-                              torch.arange(len(chunks), device=states.device), ops, emit)
-
-    def replay_verified(self, pool, ops, pages: torch.Tensor, inputs: tuple[torch.Tensor, ...],
-                        accepted: list[int]) -> None:
-        """Advance this layer's state pages `pages` [B] (one per committed verify chunk, the state at the
-        chunk's start) over the first accepted[j] tokens of its row of `inputs` (`ForwardBatch.verify_inputs`
-        rows, [B, T, ...]): short conv and the recurrent form token by token, the ops of a decode step."""
-        q, k, v, g, beta = inputs
-        conv_in = pool.conv[pages]
-        qh, kh, vh, _ = self.short_conv(q, k, v, conv_in)
-        # the conv window after accepted[j] tokens: the W - 1 inputs before position accepted[j]
-        B, P, W1 = q.shape[0], conv_in.shape[2], conv_in.shape[3]
-        seq = torch.cat([conv_in, torch.stack([q, k, v], dim=1).transpose(2, 3).to(conv_in.dtype)], dim=-1)
-        at = torch.tensor(accepted, device=seq.device)[:, None] + torch.arange(W1, device=seq.device)
-        pool.conv[pages] = torch.gather(seq, 3, at[:, None, None, :].expand(B, 3, P, W1))
-        self._recurrent_steps(qh, kh, vh, g, beta, accepted, pool.recurrent, pages, ops, None)
-
-    @staticmethod
-    def _recurrent_steps(qh, kh, vh, g, beta, lengths, states, ids, ops, emit) -> None:
-        """Token t of every sequence (row of the [B, T, ...] inputs) longer than t, batched, through
-        `ops.kda_decode` on states[ids]."""
-        for t in range(max(lengths)):
-            active = None if min(lengths) > t else torch.tensor([j for j, n in enumerate(lengths) if n > t],
-                                                                device=qh.device)
-            rows = slice(None) if active is None else active
-            step = lambda x: x[rows, t : t + 1]  # noqa: E731
-            out = ops.kda_decode(step(qh), step(kh), step(vh), step(g), step(beta), states,
-                                 ids if active is None else ids[active])
-            if emit is not None:
-                emit(active, t, out)
+    def replay_verified(self, pool, ops, inputs: tuple[torch.Tensor, ...], steps: list[tuple]) -> None:
+        """Advance state pages over kept verify tokens: for each position t, steps[t] = (rows, pages):
+        the `inputs` rows (`ForwardBatch.verify_inputs[cache_index]`, [B, T, ...]; a slice or an index
+        tensor) whose token t is kept, and the state pages [n] they advance in place, through
+        `ops.kda_decode_step` exactly as the verify forward ran them (its output is not needed)."""
+        q, k, v, f, b = inputs
+        for t, (rows, pages) in enumerate(steps):
+            x = [y[rows, t] for y in (q, k, v, f, b)]
+            ops.kda_decode_step(*x, x[0], self.decode_weights, pool.conv, pool.recurrent, pages)
 
     def prefill_segments(self, q, k, v, g, beta, segments, o, pool, ops) -> None:
         """Packed rows [start, end) of each segment continue from the state pages `src` and leave

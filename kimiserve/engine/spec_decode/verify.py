@@ -21,15 +21,19 @@ a wrong one (resampling from the whole p after a rejection) is caught.
 Rollback. MLA: the latents and index keys written for rejected drafts sit past the sequence's
 committed length; the scheduler releases the pages past it (`Scheduler.after_verify`) and later
 tokens overwrite the slots of the last page; a prefix-cache snapshot covers committed tokens only.
-KDA (recurrent state and the short-conv window): the verify forward computes its outputs from a copy
-of each state page and leaves the page at the committed state, keeping the layer's inputs (q, k, v
-before the conv, g, beta: (K + 1) x (4 H K + H) values per layer, not K + 1 states of H K K each);
-after sampling, `replay_verified` runs the conv and the recurrent form over the accepted tokens only,
-from the committed state, with the same ops a decode step runs. A rejection therefore costs no
-recompute of the prefix and no per-position state pages in the pool (a K3.1 state page is one
-attention page of >= 64 tokens per KDA layer: K + 1 slots for 69 layers per sequence would cost more
-than the sequences' attention pages), at the price of a second, decode-sized recurrent pass over the
-accepted tokens.
+KDA (recurrent state and the short-conv window): the verify forward runs position t of every verify
+chunk through `DecodeOps.kda_decode_step`, the very op of a plain decode step (the fused Triton kernel
+on CUDA), on a copy of each chunk's conv and state pages, so its outputs have a decode step's
+arithmetic; the pages stay at the committed state and the layer's inputs are kept (q, k, v before the
+conv, the gate projection f, beta's logits b: (K + 1) x (4 H K + H) values per layer, not K + 1 states
+of H K K each). After sampling, `replay_verified` runs the same op over the accepted tokens only, from
+the committed state, in place on the pages: the state it leaves is bit for bit the one the verify
+forward computed there, and the one decoding those tokens one step at a time leaves (for the same
+inputs). A rejection therefore costs no recompute of the prefix and no per-position state pages in
+the pool (a K3.1 state page is one attention page of >= 64 tokens per KDA layer: K + 1 slots for 69
+layers per sequence would cost more than the sequences' attention pages), at the price of a second,
+decode-sized pass over the accepted tokens. Under CUDA graphs (`verify_graphs.VerifyGraphs`) both the
+verify forward and the replay are replayed graphs.
 """
 
 from __future__ import annotations
@@ -49,19 +53,21 @@ def accept_drafts(drafts: list[int], sampled: list[int]) -> int:
 @torch.inference_mode()
 def replay_verified(model, batch, order: list[int], accepted: dict[int, int]) -> None:
     """Replay each committed verify chunk's first accepted[j] tokens (j: its index in the step; `order`
-    lists the step indices of `batch.verify_chunks`) into its KDA state pages, every KDA layer."""
-    from kimiserve.model.kda import KimiDeltaAttention
-
-    picked = [(n, j) for n, j in enumerate(order) if accepted.get(j, 0) > 0]
+    lists the step indices of the batch's verify chunks, `batch.verify_grid` order) into its KDA state
+    pages, every KDA layer."""
+    picked = [(n, accepted[j]) for n, j in enumerate(order) if accepted.get(j, 0) > 0]
     if not picked or not batch.verify_inputs:
         return
-    chunks = batch.verify_chunks
-    lengths = [accepted[j] for _, j in picked]
-    rows = torch.tensor([n for n, _ in picked], device=batch.verify_rows.device)
-    for layer in model.modules():
-        if not isinstance(layer, KimiDeltaAttention):
-            continue
+    device = batch.verify_grid.device
+    rows = [torch.tensor([n for n, count in picked if count > t], device=device)
+            for t in range(max(count for _, count in picked))]
+    for layer in kda_layers(model):
         i = layer.cache_index
-        pages = torch.stack([chunks[n].state_pages[i] for n, _ in picked])
-        inputs = tuple(t[rows] for t in batch.verify_inputs[i])
-        layer.replay_verified(batch.pool, batch.ops, pages, inputs, lengths)
+        pages = batch.verify_state_pages[:, i]
+        layer.replay_verified(batch.pool, batch.ops, batch.verify_inputs[i], [(r, pages[r]) for r in rows])
+
+
+def kda_layers(model) -> list:
+    from kimiserve.model.kda import KimiDeltaAttention
+
+    return [m for m in model.modules() if isinstance(m, KimiDeltaAttention)]

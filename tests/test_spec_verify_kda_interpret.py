@@ -1,0 +1,38 @@
+"""The KDA verify path of speculative decoding with the fused Triton decode step under Triton's CPU
+interpreter: verify outputs and replayed state bit for bit those of decode steps on the same kernel.
+
+Skipped unless KIMISERVE_TRITON_INTERPRET=1; run it in its own process:
+
+    KIMISERVE_TRITON_INTERPRET=1 .venv/bin/python -m pytest tests/test_spec_verify_kda_interpret.py -q
+"""
+
+import os
+
+import pytest
+import torch
+
+if os.environ.get("KIMISERVE_TRITON_INTERPRET") != "1":
+    pytest.skip("set KIMISERVE_TRITON_INTERPRET=1 to run the Triton interpreter checks", allow_module_level=True)
+import triton_interpreter_shims  # noqa: E402
+
+triton_interpreter_shims.enable()
+
+from kimiserve.ops.backend import REFERENCE_OPS  # noqa: E402
+from kimiserve.ops.kda import paged, triton_decode  # noqa: E402
+from spec_verify_cases import check_verify_matches_decode  # noqa: E402
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_verify_matches_decode_fused_kernel(dtype):
+    import dataclasses
+
+    calls = []
+
+    def kernel(*args, **kw):
+        calls.append(args[0].shape[0])
+        return triton_decode.kda_decode_step(*args, fallback=paged.kda_decode, **kw)
+
+    fused = dataclasses.replace(REFERENCE_OPS, name="fused-kda-interpreted", kda_decode_step=kernel)
+    check_verify_matches_decode(fused, "cpu", dtype)
+    check_verify_matches_decode(fused, "cpu", dtype, lengths=(5, 5, 2), accepted=(5, 2, 1), seed=3, lower_bound=None)
+    assert len(calls) > 10 and triton_decode.supported(16, 16, 4)  # every step ran the kernel
