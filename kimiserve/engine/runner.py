@@ -80,9 +80,12 @@ class ModelRunner:
         self.eos_token_id = eos_token_id
         self.verified: tuple | None = None
         """(ForwardBatch, step chunk indices of its verify chunks) of the latest step with verify chunks,
-        until `commit_verified` replays the accepted tokens into the KDA state pages."""
+        until `commit_verified` replays the accepted tokens into the KDA state pages; (None, each step
+        chunk's verify flag) when that step ran as a verify graph."""
         self.graphs = None
         """DecodeGraphs replaying decode-only steps (CUDA), or None: every step runs eagerly."""
+        self.verify_graphs = None
+        """`spec_decode.verify_graphs.VerifyGraphs` replaying verify steps (CUDA, speculation on), or None."""
         parallel = getattr(model, "parallel", None)
         self.parallel = parallel
         self.dcp = None
@@ -137,6 +140,7 @@ class ModelRunner:
     def forward(self, step: "StepInput") -> torch.Tensor:
         """This rank's part of the step: page copies, fresh state, the model's forward through the pool
         (a CUDA graph for a decode-only step when one can run it). Returns the logits rows [M, vocab]."""
+        self.verified = None
         if step.copies:
             self.pool.copy_pages([s for s, _ in step.copies], [d for _, d in step.copies])
         if step.fresh_state_pages:
@@ -145,14 +149,19 @@ class ModelRunner:
             return self._forward_token_sharded(step)
         seq_chunks = [c.to_sequence_chunk() for c in step.chunks]
         n = len(seq_chunks)
-        if self.graphs is not None and step.logit_rows == list(range(n)) and len(step.token_ids) == n:
+        every_row = step.logit_rows == list(range(len(step.token_ids)))
+        if self.graphs is not None and every_row and len(step.token_ids) == n:
             logits = self.graphs.run(step.token_ids, seq_chunks)  # one token per sequence, each sampled
             if logits is not None:
+                return logits
+        if self.verify_graphs is not None and every_row:
+            logits = self.verify_graphs.run(step.token_ids, seq_chunks)
+            if logits is not None:
+                self.verified = (None, [c.verify for c in step.chunks])
                 return logits
         batch = ForwardBatch.build(self.pool, seq_chunks, self.device, self.ops, self.dcp)
         input_ids = torch.tensor(step.token_ids, device=self.device)
         rows = torch.tensor(step.logit_rows, device=self.device, dtype=torch.long)
-        self.verified = None
         if self.invariant is not None:
             lora = None
             if self.lora is not None:
@@ -167,13 +176,17 @@ class ModelRunner:
     def commit_verified(self, accepted: dict[int, int]) -> None:
         """After the latest step's verification: for each verify chunk (by its index in the step) whose
         sequence goes on, replay its first `accepted[j]` tokens (the pending token and the accepted
-        drafts) into its KDA state pages; the other chunks' pages stay at their committed state."""
+        drafts) into its KDA state pages; the other chunks' pages stay at their committed state. After
+        a verify graph, whose decode chunks left their pages committed too, those keep their token."""
         if self.verified is None:
             return
         from kimiserve.engine.spec_decode.verify import replay_verified
 
         batch, order = self.verified
         self.verified = None
+        if batch is None:
+            self.verify_graphs.commit([accepted.get(j, 0) if verify else 1 for j, verify in enumerate(order)])
+            return
         replay_verified(self.model, batch, order, accepted)
 
     def _token_sharded(self, step: "StepInput") -> bool:

@@ -67,6 +67,13 @@ class Worker:
             pad_states = torch.arange(num_pages + 1, num_pages + reserved, dtype=torch.int64)
             self.runner.graphs = DecodeGraphs(self.model, self.pool, self.runner.ops, self.args.max_num_seqs,
                                               max_model_len, num_pages, pad_states)
+            spec = self.args.speculative()
+            if spec is not None:
+                from kimiserve.engine.spec_decode.verify_graphs import VerifyGraphs
+
+                self.runner.verify_graphs = VerifyGraphs(self.model, self.pool, self.runner.ops, self.args.max_num_seqs,
+                                                         max_model_len, num_pages, pad_states,
+                                                         spec.num_speculative_tokens + 1)
 
 
 def pages_needed(max_model_len: int, block_size: int, num_state: int) -> int:

@@ -1,0 +1,196 @@
+"""CUDA graphs for speculative verify steps (fixed K): one graph per (padded batch size, context bucket)
+for the verify forward, and one for the KDA replay that commits the accepted tokens after sampling.
+
+A verify graph runs `size` sequences of T = K + 1 rows each, laid out as a grid: row j * T + t is
+position t of sequence j. Every sequence of the step is a chunk of at most T tokens: a verify chunk
+(the pending token plus up to K drafts) or a one-token decode chunk. Rows past a chunk's tokens, and
+the sequences past the real batch, are padding: they write one reserved attention page, read the
+reserved state pages (as `cuda_graphs.DecodeGraphs` pads), and their logits are dropped. MLA attends
+each real row as a decode row over its sequence up to its own position; KDA runs position t of every
+sequence through the decode step's op on copies of the state pages (`KimiDeltaAttention.verify_steps`),
+so padding rows after a chunk's tokens only touch the copies.
+
+Every sequence, decode chunks included, leaves its state pages at the committed state; `commit`
+fills a device buffer with each sequence's tokens to keep (a decode chunk's one token, a verify
+chunk's accepted ones) and replays the replay graph: per KDA layer and position t, the decode op on
+the real pages of the sequences keeping token t and on the reserved pages for the others, so one
+graph serves any acceptance pattern.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import torch
+
+from kimiserve.cache.pool import PagePool
+from kimiserve.engine.cuda_graphs import MIN_CONTEXT_BUCKET, capture_sizes
+from kimiserve.engine.spec_decode.verify import kda_layers
+from kimiserve.model.batch import ForwardBatch, SequenceChunk
+from kimiserve.model.moe import STATIC_MOE_TOKENS
+from kimiserve.ops.backend import DecodeOps
+
+
+class VerifyGraphs:
+    """Captures and replays verify steps of `model` on `pool`, `num_tokens` (K + 1) rows per sequence;
+    pad_page and pad_state_pages as for `DecodeGraphs` (they may be the same reserved pages)."""
+
+    def __init__(self, model, pool: PagePool, ops: DecodeOps, max_num_seqs: int, max_model_len: int,
+                 pad_page: int, pad_state_pages: torch.Tensor, num_tokens: int):
+        self.model, self.pool, self.ops = model, pool, ops
+        self.T = num_tokens
+        self.sizes = capture_sizes(max(1, min(max_num_seqs, STATIC_MOE_TOKENS // num_tokens)))
+        self.max_batch, self.max_model_len = self.sizes[-1], max_model_len
+        self.pad_page = pad_page
+        dev = pool.data.device
+        R, width = self.max_batch * num_tokens, math.ceil(max_model_len / pool.block_size)
+        long = dict(dtype=torch.int64, device=dev)
+        self.input_ids = torch.zeros(R, **long)
+        self.positions = torch.zeros(R, **long)
+        self.write_pages = torch.full((R,), pad_page, **long)
+        self.write_offsets = torch.zeros(R, **long)
+        self.block_tables = torch.full((R, width), pad_page, **long)
+        self.context_lens = torch.ones(R, **long)
+        self.rows = torch.arange(R, **long)
+        self.pad_state_pages = pad_state_pages.to(dev)
+        self.state_pages = self.pad_state_pages.expand(self.max_batch, -1).contiguous()
+        self.kept = torch.zeros(self.max_batch, **long)
+        """Tokens each sequence keeps (the replay graph's input)."""
+        self.empty = torch.zeros(0, **long)
+        self.graphs: dict[tuple[int, int], tuple] = {}
+        """(size, bucket) -> (verify graph, its logits [size * T, vocab], replay graph)."""
+        self.memory_pool = None
+        self.disabled: str | None = None
+        """Why graphs are off (a capture failed), else None."""
+        self.pending: tuple[int, int, int] | None = None
+        """(size, bucket, sequences) of the latest verify replay, until `commit`."""
+        self.replays = 0
+
+    def padded_size(self, n: int) -> int | None:
+        return next((s for s in self.sizes if s >= n), None)
+
+    def context_bucket(self, max_context: int) -> int:
+        bucket = MIN_CONTEXT_BUCKET
+        while bucket < max_context:
+            bucket *= 2
+        return min(bucket, self.max_model_len)
+
+    def fits(self, chunks: list[SequenceChunk]) -> bool:
+        """Whether a step of these chunks (each sampled at every row) can run here: verify chunks and
+        one-token chunks without prompt snapshots, at least one verify chunk, at most T tokens each."""
+        return (not self.disabled and any(c.verify for c in chunks) and self.padded_size(len(chunks)) is not None
+                and all((c.verify or c.num_tokens == 1) and c.num_tokens <= self.T and c.snapshot_state_pages is None
+                        for c in chunks))
+
+    def run(self, input_ids: list[int], chunks: list[SequenceChunk]) -> torch.Tensor | None:
+        """Logits [N, vocab] of the step's packed rows (every row), or None when no graph can run it."""
+        if not self.fits(chunks):
+            return None
+        n = len(chunks)
+        size = self.padded_size(n)
+        bucket = self.context_bucket(max(c.context_end for c in chunks))
+        if (size, bucket) not in self.graphs and not self._capture(size, bucket):
+            return None
+        self._fill(input_ids, chunks, size, bucket)
+        graph, logits, _ = self.graphs[(size, bucket)]
+        graph.replay()
+        self.replays += 1
+        self.pending = (size, bucket, n)
+        rows = torch.cat([torch.arange(c.num_tokens) + j * self.T for j, c in enumerate(chunks)])
+        return logits[rows.to(logits.device)]
+
+    def commit(self, kept: list[int]) -> None:
+        """After the latest `run`: advance each sequence's state pages over its first kept[j] tokens
+        (j: its chunk's index in the step; a one-token decode chunk keeps its token)."""
+        if self.pending is None:
+            return
+        size, bucket, n = self.pending
+        self.pending = None
+        if not any(kept):
+            return
+        self.kept[:size].copy_(torch.tensor(list(kept) + [0] * (size - n)))
+        self.graphs[(size, bucket)][2].replay()
+
+    def _fill(self, input_ids: list[int], chunks: list[SequenceChunk], size: int, bucket: int) -> None:
+        """Grid rows from the chunks, padding rows on the reserved pages; one host-to-device copy per buffer."""
+        n, T, bs = len(chunks), self.T, self.pool.block_size
+        cols = math.ceil(bucket / bs)
+        t = torch.arange(T)
+        lens = torch.tensor([c.num_tokens for c in chunks] + [0] * (size - n))
+        real = t[None, :] < lens[:, None]  # [size, T]
+        pos = torch.tensor([c.context_start for c in chunks] + [0] * (size - n))[:, None] + t
+        first = torch.tensor([c.start for c in chunks] + [0] * (size - n))[:, None] + t
+        ids = torch.tensor(list(input_ids) + [0])[torch.where(real, first, len(input_ids))]
+        tables = torch.full((size, cols), self.pad_page, dtype=torch.int64)
+        for j, c in enumerate(chunks):
+            used = min(len(c.block_table), cols)
+            tables[j, :used] = c.block_table[:used]
+        pages = torch.where(real, tables.gather(1, (pos // bs).clamp(max=cols - 1)), self.pad_page)
+        R = size * T
+        self.input_ids[:R].copy_(ids.view(-1))
+        self.positions[:R].copy_(torch.where(real, pos, 0).view(-1))
+        self.write_pages[:R].copy_(pages.view(-1))
+        self.write_offsets[:R].copy_(torch.where(real, pos % bs, 0).view(-1))
+        row_tables = torch.where(real[..., None], tables[:, None, :], self.pad_page).view(R, cols)
+        self.block_tables[:R, :cols].copy_(row_tables)
+        self.context_lens[:R].copy_(torch.where(real, pos + 1, 1).view(-1))
+        if n:
+            self.state_pages[:n].copy_(torch.stack([c.state_pages for c in chunks]))
+        self.state_pages[n:size].copy_(self.pad_state_pages.expand(size - n, -1))
+
+    def _batch(self, size: int, bucket: int) -> ForwardBatch:
+        R = size * self.T
+        return ForwardBatch(
+            pool=self.pool, positions=self.positions[:R], write_pages=self.write_pages[:R],
+            write_offsets=self.write_offsets[:R], chunks=[], decode_rows=self.empty,
+            decode_block_tables=self.block_tables[:0], decode_context_lens=self.empty,
+            decode_state_pages=self.state_pages[:0], decode_max_context=0, ops=self.ops,
+            verify_rows=self.rows[:R], verify_block_tables=self.block_tables[:R],
+            verify_context_lens=self.context_lens[:R], verify_max_context=bucket, verify_inputs={},
+            verify_grid=self.rows[:R].view(size, self.T), verify_active=[None] * self.T,
+            verify_state_pages=self.state_pages[:size],
+        )
+
+    def _replay_kept(self, size: int, inputs: dict[int, tuple]) -> None:
+        """The replay graph's body: position t of every sequence on its real state pages where it keeps
+        token t, else on the reserved ones."""
+        pages, kept = self.state_pages[:size], self.kept[:size]
+        for layer in kda_layers(self.model):
+            i = layer.cache_index
+            steps = [(slice(None), torch.where(kept > t, pages[:, i], self.pad_state_pages[i])) for t in range(self.T)]
+            layer.replay_verified(self.pool, self.ops, inputs[i], steps)
+
+    def _forwards(self, size: int, bucket: int):
+        """(the verify forward, the replay) of this shape, as functions of no arguments on the static buffers."""
+        batch = self._batch(size, bucket)
+        ids, rows = self.input_ids[: size * self.T], self.rows[: size * self.T]
+        return (lambda: self.model.forward_batch(ids, batch, rows)), (lambda: self._replay_kept(size, batch.verify_inputs))
+
+    def _capture(self, size: int, bucket: int) -> bool:
+        """Warm up and record both graphs on padding rows only (nothing keeps a token, so the replay
+        writes the reserved pages alone); False (graphs off, with a warning) on failure."""
+        self._fill([], [], size, bucket)
+        self.kept.zero_()
+        self.pool.zero_state(self.pad_state_pages)
+        forward, replay = self._forwards(size, bucket)
+        try:
+            if self.memory_pool is None:
+                self.memory_pool = torch.cuda.graph_pool_handle()
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                forward()
+                replay()
+            torch.cuda.current_stream().wait_stream(stream)
+            graph, replay_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.memory_pool):
+                logits = forward()
+            with torch.cuda.graph(replay_graph, pool=self.memory_pool):
+                replay()
+        except Exception as e:  # a capture failure must not take the engine down: run eagerly instead
+            self.disabled = f"capturing verify batch {size}, context {bucket} failed: {type(e).__name__}: {e}"
+            warnings.warn(f"CUDA graphs for verify steps disabled, they run eagerly ({self.disabled})")
+            return False
+        self.graphs[(size, bucket)] = (graph, logits, replay_graph)
+        return True

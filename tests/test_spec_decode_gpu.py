@@ -1,0 +1,47 @@
+"""Speculative decoding on CUDA (skipped without a GPU): verify steps and their KDA replay captured as
+CUDA graphs (`spec_decode.verify_graphs`) give the tokens of speculation off; the verify path's KDA
+numerics are the fused decode kernel's (see also test_spec_verify_kda.py::test_verify_matches_decode_cuda)."""
+
+import pytest
+import torch
+
+from engine_utils import GREEDY, make_engine, random_prompts, run
+from kimiserve.sampling_params import SamplingParams
+from test_spec_decode import FEW, mixed_params, ngram, spec_counts, tokens
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_verify_graphs_on_cuda_match_speculation_off(k):
+    prompts = random_prompts([20, 57, 9, 90, 33], seed=7)
+    params = mixed_params() + [SamplingParams(max_tokens=40, allowed_token_ids=FEW[:2], **GREEDY)]
+    kw = dict(device="cuda", max_num_seqs=8, num_pages=400)
+    want = tokens(run(make_engine(**kw), prompts, params))
+    on = make_engine(speculative_config=ngram(k), **kw)
+    got = tokens(run(on, prompts, params))
+    graphs = on.runner.verify_graphs
+    assert graphs.disabled is None and graphs.replays > 5, (graphs.disabled, graphs.replays)
+    assert got == want
+    drafted, accepted, _ = spec_counts(on)
+    assert 0 < accepted < drafted
+    eager = make_engine(speculative_config=ngram(k), enforce_eager=True, **kw)
+    assert tokens(run(eager, prompts, params)) == want
+    on.check_idle()
+    eager.check_idle()
+
+
+def test_verify_graphs_on_cuda_draft_model_bf16():
+    """bf16, the target drafting for itself (full K + 1 chunks, replays keeping every token)."""
+    prompts = random_prompts([30, 70], seed=3)
+    params = SamplingParams(max_tokens=24, allowed_token_ids=FEW, **GREEDY)
+    kw = dict(device="cuda", num_pages=400)
+    want = tokens(run(make_engine("bfloat16", "fp8", **kw), prompts, params))
+    on = make_engine("bfloat16", "fp8", speculative_config={"method": "draft_model", "model": "tiny",
+                                                             "num_speculative_tokens": 3}, **kw)
+    assert tokens(run(on, prompts, params)) == want
+    graphs = on.runner.verify_graphs
+    assert graphs.disabled is None and graphs.replays > 3, (graphs.disabled, graphs.replays)
+    _, accepted, per_pos = spec_counts(on)
+    assert per_pos[-1] > 0
+    on.check_idle()
