@@ -139,7 +139,8 @@ def test_verify_graphs_preemption_and_prefix_hits(eager_graphs):
 
 
 def test_verify_graphs_with_draft_model(eager_graphs):
-    """The target drafting for itself (full K + 1 chunks, every greedy draft kept) through verify graphs."""
+    """The target drafting for itself (full K + 1 chunks, every greedy draft kept) through verify graphs;
+    the draft model's own steps through its decode and verify graphs."""
     prompts = random_prompts([20, 57, 9], seed=7)
     params = [SamplingParams(max_tokens=30, **GREEDY)] * 2 + [SamplingParams(max_tokens=30, n=2, seed=5, temperature=0.9,
                                                                              top_k=4, allowed_token_ids=FEW,
@@ -149,4 +150,6 @@ def test_verify_graphs_with_draft_model(eager_graphs):
     assert tokens(run(on, prompts, params)) == want
     drafted, accepted, per_pos = spec_counts(on)
     assert per_pos[-1] > 0 and 0 < accepted <= drafted and on.runner.verify_graphs.replays > 5
+    draft = on.proposer.runner  # its drafting steps as decode graphs, its catch-up chunks as verify graphs
+    assert draft.graphs.replays > 5 and draft.verify_graphs.replays > 5
     on.check_idle()

@@ -23,6 +23,7 @@ from kimiserve.cache.layout import CacheLayout
 from kimiserve.cache.pool import PagePool
 from kimiserve.config import resolve_model
 from kimiserve.distributed.parallel_state import ParallelContext
+from kimiserve.engine import worker
 from kimiserve.engine.runner import ModelRunner, StepChunk, StepInput
 from kimiserve.engine.sampler import Sampler
 from kimiserve.model.loader import load_model
@@ -61,9 +62,20 @@ class DraftModelProposer:
         self.num_state = len(draft_config.kda_layers)
         bs = self.layout.block_size
         num_pages = config.draft_num_pages or math.ceil(engine.allocator.num_pages * engine.block_size / bs)
-        self.pool = PagePool(self.layout, num_pages, device)
+        use_graphs = worker.uses_cuda_graphs(torch.device(device), args)
+        reserved = 1 + self.num_state if use_graphs else 0  # the graphs' padding pages, past the allocator's
+        self.pool = PagePool(self.layout, num_pages + reserved, device)
         self.allocator = PageAllocator(num_pages, bs, self.num_state, enable_prefix_caching=False)
         self.runner = ModelRunner(self.model, self.pool, Sampler(args.seed), engine.eos_token_id)
+        if use_graphs:  # the drafting steps as decode graphs, the catch-up chunks as verify graphs
+            from kimiserve.engine.cuda_graphs import DecodeGraphs
+            from kimiserve.engine.spec_decode.verify_graphs import VerifyGraphs
+
+            pad_states = torch.arange(num_pages + 1, num_pages + reserved, dtype=torch.int64)
+            graph_args = (self.model, self.pool, self.runner.ops, args.max_num_seqs, engine.max_model_len, num_pages,
+                          pad_states)
+            self.runner.graphs = DecodeGraphs(*graph_args)
+            self.runner.verify_graphs = VerifyGraphs(*graph_args, self.k + 1)
         self.sequences: dict[object, DraftSequence] = {}
         self.num_forwards = 0
 
@@ -119,19 +131,26 @@ class DraftModelProposer:
                 active.append((i, r, seq, k))
         if not active:
             return drafts
-        # catch up on the tokens the draft has not seen; d_1 from each chunk's last row
-        ids, chunks, rows, fresh, row = [], [], [], [], 0
+        # catch up on the tokens the draft has not seen; d_1 from each chunk's last row. A catch-up of
+        # 2..K + 1 tokens (the last round's kept ones) runs as a verify chunk keeping all its tokens, so
+        # it takes a verify graph (every row's logits computed) and leaves a decode step's KDA state
+        ids, chunks, rows, last, fresh, row = [], [], [], [], [], 0
         for _, r, seq, _ in active:
             new = r.all_ids[seq.num_computed : r.num_tokens]
             if seq.num_computed == 0:
                 fresh += seq.state_pages
-            chunks.append(StepChunk(row, row + len(new), seq.num_computed, list(seq.block_table), list(seq.state_pages)))
+            verify = seq.num_computed > 0 and 1 < len(new) <= self.k + 1
+            chunks.append(StepChunk(row, row + len(new), seq.num_computed, list(seq.block_table), list(seq.state_pages),
+                                    verify=verify))
+            rows += range(row, row + len(new)) if verify or len(new) == 1 else [row + len(new) - 1]
             ids += new
             row += len(new)
-            rows.append(row - 1)
+            last.append(len(rows) - 1)
             seq.num_computed = r.num_tokens
         logits = self.runner.forward(StepInput(ids, chunks, rows, [], fresh))
+        self.runner.commit_verified({j: c.end - c.start for j, c in enumerate(chunks) if c.verify})
         self.num_forwards += 1
+        logits = logits[torch.tensor(last, device=logits.device)]
         for (i, *_), token in zip(active, self._pick(logits, [a[1] for a in active])):
             drafts[i].append(token)
         # the other drafts one token at a time on the work pages (a copy of the committed state)
