@@ -3,10 +3,14 @@
     python benchmarks/spec_decode.py [--model tiny] [--device cpu] [--batch-sizes 1,4,16] [--k 3]
                                      [--methods off,ngram,draft] [--draft-model MODEL] [--quick] [--out PATH]
 
-For each prompt kind, batch size B and method, `--repeats` times (methods interleaved; the median run
-is reported), a fresh engine runs B requests of the kind (greedy,
-ignore_eos, max_tokens = gen_len + 1). Prefill steps (and the step that samples each request's first
-token) are not timed; the timer runs over the remaining steps until every request is done.
+One engine per method (prefix caching off) serves every run. For each prompt kind, batch size B and
+method, `--repeats` times (methods interleaved; the median run is reported), the engine runs B
+requests of the kind (greedy, ignore_eos, max_tokens = gen_len + 1). Under CUDA graphs an untimed run
+of the same configuration first captures its graphs. Prefill steps (and the step that samples each
+request's first token) are not timed; the timer runs over the remaining steps until every request
+is done. `--budget-s` bounds the wall time: configurations not started by then are listed as skipped.
+The end prints a table (also in the JSON, with every run's seconds and the CUDA-graph replays of the
+target's decode and verify graphs and the draft model's).
 tokens/s per user = generated tokens in the timed steps / B / time; speedup = that / the same figure
 with speculation off. Acceptance length = 1 + accepted drafts / verify rounds (vLLM's mean acceptance
 length); `steps` counts engine steps in the timed phase.
@@ -20,8 +24,11 @@ With random weights (the presets) the model's greedy continuation does not copy 
 drafts are rarely right; a draft model with other random weights almost never; a draft that IS the
 target (the default --draft-model: the target's preset and seed) accepts every greedy draft, which
 bounds what the verify path can give at this K. Trained models (the demo model) are needed for
-representative acceptance. Under CUDA, verify steps run eagerly (the decode CUDA graphs cover
-one-token-per-sequence steps only).
+representative acceptance. Under CUDA, verify steps replay CUDA graphs (`spec_decode.verify_graphs`)
+as decode steps do, and so do the draft model's steps.
+
+    PYTHONPATH=. python benchmarks/spec_decode.py --model small --device cuda --methods off,ngram --budget-s 150
+    PYTHONPATH=. python benchmarks/spec_decode.py --model kimi-demo --device cuda --draft-model kimi-demo
 """
 
 from __future__ import annotations
@@ -64,7 +71,7 @@ def prompts_of(kind: str, batch: int, seed: int) -> list[list[int]]:
     return out
 
 
-def run_one(args, kind: str, batch: int, method: str) -> dict:
+def make_engine(args, method: str) -> LLMEngine:
     spec = None
     if method == "ngram":
         spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": args.lookup_max}
@@ -72,9 +79,24 @@ def run_one(args, kind: str, batch: int, method: str) -> dict:
         spec = {"method": "draft_model", "model": args.draft_model or args.model, "num_speculative_tokens": args.k}
         if args.draft_seed is not None:
             spec["draft_seed"] = args.draft_seed
-    engine = LLMEngine(EngineArgs(model=args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
-                                  num_pages=args.num_pages, kv_cache_memory_gib=args.kv_cache_memory_gib,
-                                  enforce_eager=args.enforce_eager, speculative_config=spec))
+    return LLMEngine(EngineArgs(model=args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
+                                num_pages=args.num_pages, kv_cache_memory_gib=args.kv_cache_memory_gib,
+                                enforce_eager=args.enforce_eager, enable_prefix_caching=False,
+                                speculative_config=spec))
+
+
+def graph_replays(engine) -> dict[str, int]:
+    """CUDA-graph replays so far: the target's decode and verify graphs, the draft model's."""
+    out = {}
+    for name, runner in (("target", engine.runner), ("draft", getattr(engine.proposer, "runner", None))):
+        for kind in ("graphs", "verify_graphs"):
+            graphs = getattr(runner, kind, None) if runner is not None else None
+            if graphs is not None:
+                out[f"{name}_{kind}"] = graphs.replays
+    return out
+
+
+def run_one(args, engine: LLMEngine, kind: str, batch: int, method: str) -> dict:
     params = SamplingParams(max_tokens=args.gen_len + 1, temperature=0.0, ignore_eos=True)
     for i, p in enumerate(prompts_of(kind, batch, args.seed)):
         engine.add_request(f"{kind}-{i}", p, params)
@@ -88,7 +110,7 @@ def run_one(args, kind: str, batch: int, method: str) -> dict:
             len(o.outputs[0].token_ids) >= 1 for o in outputs.values())):
         step()
     before = {k: len(o.outputs[0].token_ids) for k, o in outputs.items()}
-    steps0, stats0 = engine.num_steps, engine.stats()
+    steps0, stats0, replays0 = engine.num_steps, engine.stats(), graph_replays(engine)
     sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
     sync()
     t0 = time.perf_counter()
@@ -98,20 +120,34 @@ def run_one(args, kind: str, batch: int, method: str) -> dict:
     elapsed = time.perf_counter() - t0
     generated = sum(len(o.outputs[0].token_ids) - before[k] for k, o in outputs.items())
     stats = engine.stats()
-    row = {"kind": kind, "batch": batch, "method": method, "k": args.k if spec else 0, "seconds": elapsed,
+    row = {"kind": kind, "batch": batch, "method": method, "k": args.k if method != "off" else 0, "seconds": elapsed,
            "generated_tokens": generated, "steps": engine.num_steps - steps0,
            "tokens_per_s_per_user": generated / batch / elapsed, "tokens_per_s": generated / elapsed,
+           "graph_replays": {k: v - replays0.get(k, 0) for k, v in graph_replays(engine).items()},
            "tokens": {k: list(o.outputs[0].token_ids) for k, o in outputs.items()}}
-    if spec:
-        drafts = stats["spec_decode_num_drafts"] - stats0.get("spec_decode_num_drafts", 0)
-        accepted = stats["spec_decode_num_accepted_tokens"] - stats0.get("spec_decode_num_accepted_tokens", 0)
-        drafted = stats["spec_decode_num_draft_tokens"] - stats0.get("spec_decode_num_draft_tokens", 0)
+    if method != "off":
+        delta = lambda key: stats[key] - stats0.get(key, 0)  # noqa: E731
+        drafts, accepted, drafted = (delta(f"spec_decode_num_{n}") for n in ("drafts", "accepted_tokens", "draft_tokens"))
+        per_pos0 = stats0.get("spec_decode_num_accepted_tokens_per_pos") or [0] * len(stats["spec_decode_num_accepted_tokens_per_pos"])
         row.update(verify_rounds=drafts, draft_tokens=drafted, accepted_tokens=accepted,
                    acceptance_length=1 + accepted / drafts if drafts else 1.0,
                    acceptance_rate=accepted / drafted if drafted else 0.0,
-                   accepted_per_pos=stats["spec_decode_num_accepted_tokens_per_pos"])
+                   accepted_per_pos=[a - b for a, b in zip(stats["spec_decode_num_accepted_tokens_per_pos"], per_pos0)])
     engine.check_idle()
     return row
+
+
+def table(rows: list[dict]) -> str:
+    lines = [f"{'prompts':10s} {'B':>3s} {'method':6s} {'tok/s/user':>10s} {'speedup':>7s} {'accept len':>10s} "
+             f"{'accepted':>8s} {'steps':>5s} {'same':>5s}  graph replays"]
+    for r in rows:
+        spec = "acceptance_length" in r
+        lines.append(f"{r['kind']:10s} {r['batch']:3d} {r['method']:6s} {r['tokens_per_s_per_user']:10.1f} "
+                     f"{r['speedup'] if 'speedup' in r else 1.0:6.2f}x "
+                     f"{r['acceptance_length'] if spec else 1.0:10.2f} {r['acceptance_rate'] if spec else 0.0:8.0%} "
+                     f"{r['steps']:5d} {str(r.get('same_tokens_as_off', '-')):>5s}  "
+                     + " ".join(f"{k}={v}" for k, v in r["graph_replays"].items()))
+    return "\n".join(lines)
 
 
 def main(argv=None) -> int:
@@ -129,10 +165,12 @@ def main(argv=None) -> int:
     ap.add_argument("--gen-len", type=int, default=64)
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--num-pages", type=int, default=None)
-    ap.add_argument("--kv-cache-memory-gib", type=float, default=None)
+    ap.add_argument("--kv-cache-memory-gib", type=float, default=None, help="default on CUDA: 4 (per engine)")
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--repeats", type=int, default=3, help="runs per configuration (fresh engines); the median is kept")
+    ap.add_argument("--repeats", type=int, default=3, help="timed runs per configuration; the median is kept")
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="start no new (prompts, batch) configuration after this many seconds (the JSON says which ran)")
     ap.add_argument("--quick", action="store_true", help="batch 1 and 2, 8 tokens: a smoke test")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -140,27 +178,35 @@ def main(argv=None) -> int:
         args.gen_len, args.repeats = 8, 1
     args.batch_sizes = args.batch_sizes or ("1,2" if args.quick else "1,4,16")
     if args.device.startswith("cuda") and args.kv_cache_memory_gib is None and args.num_pages is None:
-        args.kv_cache_memory_gib = 16.0  # the target's pool; the draft model's pool holds as many tokens
+        args.kv_cache_memory_gib = 4.0  # the target's pool; the draft model's pool holds as many tokens
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print("--device cuda asked for, but CUDA is not available", file=sys.stderr)
         return 2
     batches = [int(b) for b in args.batch_sizes.split(",")]
     methods = args.methods.split(",")
     load_before = os.getloadavg()[0]
-    run_one(args, "repetitive", 1, "off")  # warm-up
-    rows = []
+    started = time.perf_counter()
+    engines = {m: make_engine(args, m) for m in methods}  # one per method, reused by every run
+    build_s = time.perf_counter() - started
+    rows, skipped = [], []
     for kind in args.kinds.split(","):
         for batch in batches:
-            base = None
+            if args.budget_s is not None and time.perf_counter() - started > args.budget_s:
+                skipped.append((kind, batch))
+                continue
             runs = {m: [] for m in methods}
+            for m in methods:
+                if engines[m].runner.graphs is not None:  # capture this configuration's graphs untimed
+                    run_one(args, engines[m], kind, batch, m)
             for _ in range(args.repeats):  # methods interleaved, so a change of the machine's load hits all alike
-                for method in methods:
-                    runs[method].append(run_one(args, kind, batch, method))
-            for method in methods:
-                ordered = sorted(runs[method], key=lambda r: r["seconds"])
+                for m in methods:
+                    runs[m].append(run_one(args, engines[m], kind, batch, m))
+            base = None
+            for m in methods:
+                ordered = sorted(runs[m], key=lambda r: r["seconds"])
                 row = ordered[len(ordered) // 2]  # the median run
-                row["seconds_all"] = [r["seconds"] for r in runs[method]]
-                if method == "off":
+                row["seconds_all"] = [r["seconds"] for r in runs[m]]
+                if m == "off":
                     base = row
                 elif base is not None:
                     row["speedup"] = row["tokens_per_s_per_user"] / base["tokens_per_s_per_user"]
@@ -169,19 +215,25 @@ def main(argv=None) -> int:
                 extra = (f" accept len {row['acceptance_length']:.2f} ({row['acceptance_rate']:.0%}) "
                          f"speedup {row.get('speedup', float('nan')):.2f}x same={row.get('same_tokens_as_off')}"
                          if "acceptance_length" in row else "")
-                print(f"{kind:10s} B={batch:3d} {method:6s} {row['tokens_per_s_per_user']:8.1f} tok/s/user "
+                print(f"{kind:10s} B={batch:3d} {m:6s} {row['tokens_per_s_per_user']:8.1f} tok/s/user "
                       f"{row['steps']:4d} steps{extra}", flush=True)
     for row in rows:
         row.pop("tokens")
     result = {"benchmark": "spec_decode", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
               "commit": git_commit(), "command": shlex.join([sys.executable, *sys.argv]),
               "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor()
-              or platform.machine(), "threads": torch.get_num_threads(), "load_average_1min": [load_before, os.getloadavg()[0]],
-              "args": vars(args), "rows": rows}
+              or platform.machine(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+              "load_average_1min": [load_before, os.getloadavg()[0]], "engine_build_s": build_s,
+              "wall_s": time.perf_counter() - started, "skipped_over_budget": skipped, "args": vars(args), "rows": rows}
     out = Path(args.out) if args.out else REPO / "benchmarks" / "results" / f"spec_decode_{args.model}_{args.device.split(':')[0]}.json"
     if str(out) != "/dev/null":
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"\n{result['device']}, {args.model}, K={args.k}, {args.gen_len} timed tokens per request, median of "
+          f"{args.repeats}; engines built in {build_s:.0f} s, {result['wall_s']:.0f} s in all"
+          + (f"; over budget, not run: {skipped}" if skipped else ""))
+    print(table(rows))
+    if str(out) != "/dev/null":
         print(f"wrote {out}")
     return 0
 

@@ -153,3 +153,22 @@ def test_verify_graphs_with_draft_model(eager_graphs):
     draft = on.proposer.runner  # its drafting steps as decode graphs, its catch-up chunks as verify graphs
     assert draft.graphs.replays > 5 and draft.verify_graphs.replays > 5
     on.check_idle()
+
+
+def test_benchmark_with_graphs(eager_graphs, tmp_path):
+    """benchmarks/spec_decode.py as the H200 runs it (graphs on): the untimed capture run, then timed runs
+    that replay the target's verify graphs and the draft model's graphs; the table and the JSON."""
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import spec_decode
+
+    out = tmp_path / "spec.json"
+    assert spec_decode.main(["--quick", "--batch-sizes", "2", "--kinds", "repetitive", "--out", str(out)]) == 0
+    rows = {r["method"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows["ngram"]["same_tokens_as_off"] and rows["draft"]["same_tokens_as_off"]
+    assert rows["off"]["graph_replays"]["target_graphs"] == rows["off"]["steps"]
+    assert rows["draft"]["graph_replays"]["target_verify_graphs"] == rows["draft"]["steps"] > 0
+    assert rows["draft"]["graph_replays"]["draft_graphs"] > 0 and rows["draft"]["graph_replays"]["draft_verify_graphs"] > 0
