@@ -2,26 +2,38 @@
 runner, sampler and detokenizer, CUDA graphs as the engine uses them, against the bytes and FLOPs
 the step must move, with the copy bandwidth and the bf16 matmul rate measured in the same run.
 
-Decode rows: `batch` requests of `context` prompt tokens are prefilled first; then each engine step
-(one token per request) is timed on its own by the host clock around `engine.step()` (the step
-ends with the sampled tokens on the host, so the clock covers the GPU work). Bytes per step: every
-weight the step reads (all parameters but the routed experts and the embedding table, plus one
-embedding row per token) + the distinct routed experts the batch hit in each MoE layer (counted
-by a hook on the routers, bytes as stored: MXFP4 codes and scales) + per sequence and MLA layer
-the index keys of the whole context and the latents of the min(context, top-k) selected tokens +
-per sequence and KDA layer its state page read and written. Roofline = bytes / copy bandwidth.
+Decode rows (`batch` x `context`): the contexts are seeded, not prefilled (`kimiserve.bench.contexts`):
+one source prompt of min(context, --source-tokens) tokens is prefilled for real, and every request
+gets its own copies of the source's cache pages (tiled to the context's length, index keys redrawn
+when tiled) as a prefix-cache snapshot of all but its last prompt token; the engine restores each
+request from it like any prefix-cache hit and prefills the last token. The step's cost depends on the
+context length (the index scan over every key, the top-k latents, the KDA state pages), not on the
+cached values; `setup_s` says what the seeding took. Then each engine step (one token per request)
+is timed on its own by the host clock around `engine.step()` (the step ends with the sampled tokens
+on the host, so the clock covers the GPU work), after one untimed decode step (CUDA-graph capture).
 
-Prefill rows: one prompt of `prompt_tokens`, TTFT = time to its first token (chunked as the
-engine's `max_num_batched_tokens` says); FLOPs = 2 x active parameters x tokens + the attention's
-2 x 2 x heads x (latent 576 + 512) x min(position, top-k) per token and MLA layer;
+Bytes per decode step: every weight the step reads (all parameters but the routed experts and the
+embedding table, plus one embedding row per token) + the distinct routed experts the batch hit in each
+MoE layer (counted by a hook on the routers in eager steps, bytes as stored: MXFP4 codes and scales;
+under expert parallelism the rank's own experts, expert 0 included when another rank's pair was
+masked onto it) + per sequence and MLA layer the index keys of the whole context and the latents of
+the min(context, top-k) selected tokens + per sequence and KDA layer its state page read and
+written. Roofline = bytes / copy bandwidth.
+
+Prefill rows: one prompt of `prompt_tokens` prefilled for real, TTFT = time to its first token
+(chunked as --max-num-batched-tokens says); FLOPs = 2 x active parameters x tokens + the
+attention's 2 x 2 x heads x (latent 576 + 512) x min(position, top-k) per token and MLA layer;
 matmul_fraction = FLOPs / TTFT / measured matmul rate.
 
-`--moe torch` runs the plain-PyTorch routed experts (today's path before the fused kernel) for the
-baseline beside it. Writes `{"device", "date", "commit", "copy_gbps", "matmul_tflops", "rows"}`.
+One engine serves every row (max_model_len fits the longest). `--moe torch` runs the plain-PyTorch
+routed experts (the path before the fused kernel) for the baseline beside it. Writes `{"device",
+"date", "commit", "copy_gbps", "matmul_tflops", "rows"}`; decode rows carry kind, batch, context,
+step_ms, roofline_ms (and tokens/s, bytes, experts hit, setup_s); prefill rows kind, prompt_tokens,
+ttft_s, matmul_fraction.
 
-    python benchmarks/e2e_step.py [--preset small] [--batches 1,8,64] [--contexts 4096] [--prefill 32768]
-                                  [--steps 16] [--moe triton|torch] [--out PATH]
-    python benchmarks/e2e_step.py --dry-run        # tiny preset on the CPU: the plumbing only
+    python benchmarks/e2e_step.py            # issue 15's rows: batch 1,8,64,256 x 4K,128K; 1M at batch 1; prefill 32K, 128K
+    python benchmarks/e2e_step.py --quick    # the same rows, 8 timed steps each
+    python benchmarks/e2e_step.py --dry-run  # tiny preset on the CPU: the plumbing only
 """
 
 from __future__ import annotations
@@ -38,6 +50,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from kimiserve.bench.contexts import check_seeded, seed_contexts  # noqa: E402
 from kimiserve.engine.args import EngineArgs  # noqa: E402
 from kimiserve.engine.engine import LLMEngine  # noqa: E402
 from kimiserve.model.inspect import count_params, index_key_bytes, kda_state_bytes_per_layer, latent_bytes  # noqa: E402
@@ -68,18 +81,26 @@ def matmul_tflops(device) -> float:
 
 
 class ExpertsHit:
-    """Counts the distinct routed experts each MoE layer's router picks, per engine step."""
+    """Counts the distinct routed experts each MoE layer reads, per engine step: those the router picked
+    (under expert parallelism: the rank's own, plus its expert 0 when a pair of another rank's expert
+    was masked onto it)."""
 
     def __init__(self, model):
         self.per_step: list[int] = []
         self._current = 0
-        self.handles = [m.register_forward_hook(self._hook) for n, m in model.named_modules()
-                        if n.endswith("block_sparse_moe.gate")]
+        self.handles = [m.gate.register_forward_hook(self._hook(m.experts)) for n, m in model.named_modules()
+                        if n.endswith("block_sparse_moe")]
 
-    def _hook(self, module, inputs, output):
-        ids = output[0]
-        if not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
-            self._current += int(torch.unique(ids).numel())
+    def _hook(self, experts):
+        def hook(module, inputs, output):
+            ids = output[0]
+            if getattr(experts, "expert_parallel", False):
+                local = experts.local_index[ids]
+                mine = torch.unique(local[local >= 0])
+                self._current += int(mine.numel()) + int(bool((local < 0).any()) and not bool((mine == 0).any()))
+            else:
+                self._current += int(torch.unique(ids).numel())
+        return hook
 
     def end_step(self) -> None:
         self.per_step.append(self._current)
@@ -102,50 +123,58 @@ def weight_bytes(model) -> tuple[int, int, int]:
     return other, expert // max(1, num_moe), row
 
 
-def make_engine(args, batch: int, max_len: int) -> LLMEngine:
-    device = "cpu" if args.dry_run else "cuda"
-    engine_args = EngineArgs(model=args.preset, dtype="bfloat16" if not args.dry_run else "float32",
-                             kv_cache_dtype=args.kv_cache_dtype, device=device, max_model_len=max_len,
-                             max_num_seqs=max(batch, 1), enable_prefix_caching=False,
-                             max_num_batched_tokens=args.max_num_batched_tokens, seed=0,
-                             **({"num_pages": 600} if args.dry_run else {"kv_cache_memory_gib": args.cache_gib}))
-    return LLMEngine(engine_args)
+def synchronize(engine) -> None:
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize()
 
 
-def decode_row(args, engine: LLMEngine, batch: int, context: int, copy: float) -> dict:
+def decode_row(engine: LLMEngine, batch: int, context: int, copy: float, steps: int, source_tokens: int,
+               count_steps: int = 2) -> dict:
     cfg, layout = engine.config, engine.layout
     gen = torch.Generator().manual_seed(batch * 7919 + context)
-    for i in range(batch):
-        prompt = torch.randint(0, cfg.vocab_size, (context,), generator=gen).tolist()
-        engine.add_request(f"d{i}", prompt, SamplingParams(max_tokens=args.steps + 5, temperature=0, ignore_eos=True))
-    while any(not g.samples[0].output_ids for g in engine.groups.values()):  # prefill
+    body = torch.randint(0, cfg.vocab_size, (context - 1,), generator=gen).tolist()
+    prompts = [[i % cfg.vocab_size] + body for i in range(batch)]  # distinct first tokens: one snapshot each
+    source = torch.randint(0, cfg.vocab_size, (min(context, max(source_tokens, engine.block_size + 2)),),
+                           generator=gen).tolist()
+    start = time.perf_counter()
+    seed_contexts(engine, source, prompts)
+    ids = [f"d{batch}x{context}-{i}" for i in range(batch)]
+    for rid, prompt in zip(ids, prompts):
+        engine.add_request(rid, prompt, SamplingParams(max_tokens=steps + count_steps + 4, temperature=0,
+                                                       ignore_eos=True))
+    engine.step()
+    check_seeded(engine, ids)
+    while any(not engine.groups[rid].samples[0].output_ids for rid in ids):  # the last prompt tokens
         engine.step()
+    synchronize(engine)
+    setup_s = time.perf_counter() - start
     engine.step()  # the first decode step (captures the CUDA graph of this shape)
     times = []
-    for _ in range(args.steps):
-        if engine.device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
+    for _ in range(steps):
+        synchronize(engine)
+        t0 = time.perf_counter()
         engine.step()
-        times.append((time.perf_counter() - start) * 1e3)
-    # a replayed graph runs no Python: count the experts the batch hits in two eager steps
+        times.append((time.perf_counter() - t0) * 1e3)
+    # a replayed graph runs no Python: count the experts the batch hits in eager steps
     graphs, engine.runner.graphs = engine.runner.graphs, None
     hits = ExpertsHit(engine.model)
-    for _ in range(2):
+    for _ in range(count_steps):
         engine.step()
         hits.end_step()
     for h in hits.handles:
         h.remove()
     engine.runner.graphs = graphs
-    while engine.has_unfinished_requests():
-        engine.step()
+    for rid in ids:
+        engine.abort_request(rid)
+    engine.reset_prefix_cache()
+    engine.allocator.check_idle()  # every page of the row is back
     other, expert, row = weight_bytes(engine.model)
     mla, kda = len(cfg.full_attn_layers), len(cfg.kda_layers)
-    ctx = context + 2 + args.steps // 2
+    ctx = context + 1 + steps // 2
     latent_format, key_format = layout.kv_cache_dtype.split("+")[0], layout.kv_cache_dtype.split("+")[-1]
     per_seq = mla * (ctx * index_key_bytes(cfg, key_format) +
                      min(ctx, cfg.index_topk or ctx) * latent_bytes(cfg, latent_format)) \
-        + 2 * kda * kda_state_bytes_per_layer(cfg)
+        + 2 * kda * kda_state_bytes_per_layer(engine.model.cache_config)  # the rank's heads under run_one_rank
     experts_hit = statistics.mean(hits.per_step)
     step_bytes = other + batch * row + experts_hit * expert + batch * per_seq
     step_ms = statistics.median(times)
@@ -153,19 +182,22 @@ def decode_row(args, engine: LLMEngine, batch: int, context: int, copy: float) -
     return {"kind": "decode", "batch": batch, "context": context, "step_ms": step_ms,
             "tokens_per_s": batch / step_ms * 1e3, "tokens_per_s_per_user": 1e3 / step_ms,
             "experts_hit_per_step": experts_hit, "bytes": step_bytes, "roofline_ms": roofline_ms,
-            "roofline_fraction": roofline_ms / step_ms, "step_ms_all": times, "moe": args.moe}
+            "roofline_fraction": roofline_ms / step_ms, "step_ms_all": times, "setup_s": setup_s,
+            "source_tokens": len(source), "moe": os.environ.get("KIMISERVE_MOE", "default")}
 
 
-def prefill_row(args, engine: LLMEngine, tokens: int, matmul: float) -> dict:
+def prefill_row(engine: LLMEngine, tokens: int, matmul: float) -> dict:
     cfg = engine.config
     prompt = torch.randint(0, cfg.vocab_size, (tokens,), generator=torch.Generator().manual_seed(tokens)).tolist()
-    if engine.device.type == "cuda":
-        torch.cuda.synchronize()
+    synchronize(engine)
     start = time.perf_counter()
     engine.add_request("p", prompt, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+    while not any(out.outputs[0].token_ids for out in engine.step()):
+        pass
+    ttft = time.perf_counter() - start
     while engine.has_unfinished_requests():
         engine.step()
-    ttft = time.perf_counter() - start
+    engine.reset_prefix_cache()
     active = count_params(cfg)["active_params"]
     k = cfg.index_topk or tokens
     attended = sum(min(p + 1, k) for p in range(tokens))
@@ -173,62 +205,84 @@ def prefill_row(args, engine: LLMEngine, tokens: int, matmul: float) -> dict:
     flops = 2 * active * tokens + len(cfg.full_attn_layers) * 4 * heads * (576 + 512) * attended
     return {"kind": "prefill", "prompt_tokens": tokens, "ttft_s": ttft, "tokens_per_s": tokens / ttft,
             "flops": flops, "matmul_fraction": flops / ttft / (matmul * 1e12) if matmul == matmul else None,
-            "moe": args.moe}
+            "moe": os.environ.get("KIMISERVE_MOE", "default")}
+
+
+def print_decode(row: dict, label: str = "") -> None:
+    print(f"{label}decode batch {row['batch']:4d} context {row['context']:8d}: step {row['step_ms']:8.3f} ms "
+          f"({row['tokens_per_s']:8.1f} tok/s, {row['tokens_per_s_per_user']:6.1f} per user), "
+          f"{row['experts_hit_per_step']:.0f} experts hit, roofline {row['roofline_ms']:.3f} ms = "
+          f"{100 * row['roofline_fraction']:.1f}% (setup {row['setup_s']:.1f} s)", flush=True)
+
+
+def result_header(device, copy: float, matmul: float, **extra) -> dict:
+    return {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+            "date": datetime.date.today().isoformat(), "commit": git_commit(), "copy_gbps": copy,
+            "matmul_tflops": matmul, "command": " ".join(sys.argv), **extra, "rows": []}
+
+
+def saver(result: dict, path: str):
+    def save():
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
+    return save
+
+
+def ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="small")
-    p.add_argument("--batches", default="1,8,64")
-    p.add_argument("--contexts", default="4096")
-    p.add_argument("--prefill", default="32768", help="prompt lengths to prefill ('' for none)")
+    p.add_argument("--batches", default="1,8,64,256")
+    p.add_argument("--contexts", default="4096,131072", help="contexts run at every batch")
+    p.add_argument("--single-contexts", default="1000000", help="contexts run at batch 1 only")
+    p.add_argument("--prefill", default="32768,131072", help="prompt lengths to prefill ('' for none)")
     p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--source-tokens", type=int, default=16384,
+                   help="longest real prefill the seeded contexts are copied from")
     p.add_argument("--kv-cache-dtype", default="fp8")
-    p.add_argument("--cache-gib", type=float, default=40.0)
+    p.add_argument("--cache-gib", type=float, default=90.0)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--moe", choices=("triton", "torch"), default="triton")
+    p.add_argument("--quick", action="store_true", help="the same rows, 8 timed steps and 1 expert-count step each")
     p.add_argument("--dry-run", action="store_true", help="tiny preset on the CPU, small sizes")
     p.add_argument("--out", default="benchmarks/results/e2e_step.json")
     args = p.parse_args()
     if args.moe == "torch":
         os.environ["KIMISERVE_MOE"] = "torch"
+    count_steps = 2
+    if args.quick:
+        args.steps, count_steps = 8, 1
     if args.dry_run:
-        args.preset, args.batches, args.contexts, args.prefill, args.steps = "tiny", "1,3", "40", "100", 3
-        args.kv_cache_dtype = "bf16"
+        args.preset, args.batches, args.contexts, args.single_contexts = "tiny", "1,3", "40,300", "700"
+        args.prefill, args.steps, args.source_tokens, args.kv_cache_dtype = "100", 3, 130, "bf16"
     device = torch.device("cpu" if args.dry_run else "cuda")
     copy, matmul = copy_gbps(device), matmul_tflops(device)
-    result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-              "date": datetime.date.today().isoformat(), "commit": git_commit(), "copy_gbps": copy,
-              "matmul_tflops": matmul, "preset": args.preset, "kv_cache_dtype": args.kv_cache_dtype, "rows": []}
-
-    def save():
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
-
-    contexts = [int(c) for c in args.contexts.split(",") if c]
-    batches = [int(b) for b in args.batches.split(",") if b]
-    for context in contexts:
-        engine = make_engine(args, max(batches), context + args.steps + 8)
-        for batch in batches:
-            row = decode_row(args, engine, batch, context, copy)
-            result["rows"].append(row)
-            save()
-            print(f"decode batch {batch:4d} context {context:7d}: step {row['step_ms']:8.3f} ms "
-                  f"({row['tokens_per_s']:8.1f} tok/s), {row['experts_hit_per_step']:.0f} experts hit, "
-                  f"roofline {row['roofline_ms']:.3f} ms = {100 * row['roofline_fraction']:.1f}%", flush=True)
-        del engine
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    for tokens in [int(t) for t in args.prefill.split(",") if t]:
-        engine = make_engine(args, 1, tokens + 8)
-        row = prefill_row(args, engine, tokens, matmul)
+    result = result_header(device, copy, matmul, preset=args.preset, kv_cache_dtype=args.kv_cache_dtype, moe=args.moe)
+    save = saver(result, args.out)
+    batches, contexts, singles, prefills = ints(args.batches), ints(args.contexts), ints(args.single_contexts), ints(args.prefill)
+    longest = max(contexts + singles + prefills)
+    engine = LLMEngine(EngineArgs(
+        model=args.preset, dtype="float32" if args.dry_run else "bfloat16", kv_cache_dtype=args.kv_cache_dtype,
+        device=device.type, max_model_len=longest + args.steps + count_steps + 16, max_num_seqs=max(batches),
+        enable_prefix_caching=True, max_num_batched_tokens=args.max_num_batched_tokens, seed=0,
+        **({"num_pages": 3000} if args.dry_run else {"kv_cache_memory_gib": args.cache_gib})))
+    plan = [(b, c) for c in contexts for b in batches] + [(1, c) for c in singles]
+    for batch, context in plan:
+        row = decode_row(engine, batch, context, copy, args.steps, args.source_tokens, count_steps)
+        result["rows"].append(row)
+        save()
+        print_decode(row)
+    for tokens in prefills:
+        row = prefill_row(engine, tokens, matmul)
         result["rows"].append(row)
         save()
         frac = row["matmul_fraction"]
         print(f"prefill {tokens:7d} tokens: TTFT {row['ttft_s']:.3f} s ({row['tokens_per_s']:.0f} tok/s), "
               f"{'n/a' if frac is None else f'{100 * frac:.1f}%'} of the matmul rate", flush=True)
-        del engine
     print(f"\n{result['device']}, commit {result['commit']}: copy {copy:.0f} GB/s, bf16 matmul {matmul:.1f} TFLOP/s, "
           f"MoE {args.moe}")
     save()

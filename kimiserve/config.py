@@ -435,6 +435,24 @@ def load_preset(name: str) -> ModelConfig:
         return ModelConfig.from_hf_config(json.load(f))
 
 
+def apply_overrides(config: ModelConfig, overrides: dict[str, Any] | None) -> ModelConfig:
+    """`config` with the given fields changed (ModelConfig field names, 0-based layer indices; vLLM's
+    `hf_overrides` in kimiserve's terms); ValueError naming an unknown field or an invalid result. The
+    original config.json (`extra`) no longer describes the result, so it is dropped."""
+    if not overrides:
+        return config
+    if not isinstance(overrides, dict):
+        raise ValueError(f"model overrides must be a dict of ModelConfig fields, got {type(overrides).__name__}")
+    known = {f.name for f in fields(ModelConfig)} - {"extra"}
+    unknown = sorted(set(overrides) - known)
+    if unknown:
+        raise ValueError(f"model overrides name unknown ModelConfig fields {unknown}; known: {', '.join(sorted(known))}")
+    try:
+        return config.replace(**overrides, extra={})
+    except TypeError as e:  # e.g. a list where a number belongs
+        raise ValueError(f"model overrides {overrides} do not make a ModelConfig: {e}") from None
+
+
 def model_folder(model: str | os.PathLike) -> Path | None:
     """The checkpoint folder of `model`: a trained preset's folder in the package or `model` itself when it
     is a folder; None for a random-weight preset (and for anything else)."""

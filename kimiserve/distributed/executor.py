@@ -26,7 +26,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from kimiserve.distributed.parallel_state import ParallelConfig, ParallelContext
+from kimiserve.distributed.parallel_state import LoneRankContext, ParallelConfig, ParallelContext
 from kimiserve.engine.args import EngineArgs
 from kimiserve.engine.errors import EngineFatalError
 from kimiserve.engine.worker import Worker
@@ -37,9 +37,9 @@ logger = logging.getLogger("kimiserve.executor")
 class UniProcExecutor:
     """World size 1: the engine's one worker, in-process."""
 
-    def __init__(self, args: EngineArgs, eos_token_id: int | None, config=None):
+    def __init__(self, args: EngineArgs, eos_token_id: int | None, config=None, parallel: ParallelContext | None = None):
         device = args.resolved_device()
-        self.driver = Worker(args, ParallelContext.single(device), eos_token_id, config)
+        self.driver = Worker(args, parallel or ParallelContext.single(device), eos_token_id, config)
         self.world_size = 1
 
     def agree_num_pages(self, pages: int) -> int:
@@ -205,6 +205,9 @@ class MultiprocExecutor:
 
 
 def make_executor(args: EngineArgs, eos_token_id: int | None, config=None):
+    if args.run_one_rank:  # benchmarks: rank 0's shard alone, no communication
+        lone = LoneRankContext.of(args.parallel_config(), args.resolved_device())
+        return UniProcExecutor(args, eos_token_id, config, lone)
     if args.parallel_config().world_size == 1:
         return UniProcExecutor(args, eos_token_id, config)
     return MultiprocExecutor(args, eos_token_id, config)

@@ -205,3 +205,24 @@ class ParallelContext:
         parts = [torch.empty_like(t) for _ in range(self.tp_size)]
         dist.all_gather(parts, t.contiguous(), group=self.tp_group)
         return torch.cat(parts, dim=dim)
+
+
+class LoneRankContext(ParallelContext):
+    """Rank 0 of a tensor(/expert)-parallel layout run alone in one process (`EngineArgs.run_one_rank`,
+    for benchmarks): the model is the rank's shard, every collective a local op of its output's shape
+    (all-reduce: the rank's own partial sum; all-gather: its block repeated tp times), so a step costs
+    one rank's compute and memory traffic without the communication. Its outputs are not the model's."""
+
+    @classmethod
+    def of(cls, config: ParallelConfig, device: torch.device | str) -> "LoneRankContext":
+        config.validate()
+        if config.dcp != 1 or config.pcp != 1:
+            raise ValueError("a lone rank simulates tensor and expert parallelism only: leave decode and prefill "
+                             "context parallelism at 1")
+        return cls(config, 0, torch.device(device))
+
+    def tp_all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    def tp_all_gather(self, t: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        return torch.cat([t] * self.tp_size, dim=dim)

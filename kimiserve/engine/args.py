@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 from dataclasses import dataclass
 
@@ -21,6 +22,10 @@ class EngineArgs:
     model: str = "kimi-demo"
     """A preset or a checkpoint folder: kimi-demo (the default: a small trained model that chats, reasons
     and calls tools), or tiny, small, kimi-k3.1-pro (random weights from `seed`, for tests and sizing)."""
+    model_overrides: dict | str | None = None
+    """ModelConfig fields to change after the model's configuration is read, as a JSON object (vLLM's
+    hf_overrides in kimiserve's field names, 0-based layer indices), e.g. {"num_hidden_layers": 4,
+    "full_attn_layers": [3]}: a layer subset of a random-weight preset; a checkpoint must still match."""
     tokenizer: str | None = None
     """Tokenizer folder (default: the model folder; kimi-demo and tiny have their own). small and
     kimi-k3.1-pro have none: give token ids as prompts."""
@@ -79,6 +84,11 @@ class EngineArgs:
     prefill_context_parallel_size: int = 1
     """Copies of the tensor-parallel group that split long prompts into contiguous chunks (token-sharded
     prefill); the world size is tensor_parallel_size x this."""
+    run_one_rank: bool = False
+    """Benchmarks only: build rank 0 of the tensor/expert-parallel layout and run it alone on this process's
+    device, each collective replaced by a local op of its output's shape (all-reduce: the rank's own
+    partial sum; all-gather: its block repeated): one rank's compute and memory traffic without the
+    communication. The outputs are not the model's."""
     nnodes: int = 1
     """Hosts the ranks are spread over (each runs `kimiserve serve ... --node-rank R`)."""
     node_rank: int = 0
@@ -135,7 +145,14 @@ class EngineArgs:
         if not self.distributed_timeout > 0:
             raise ValueError(f"distributed_timeout must be > 0, got {self.distributed_timeout}")
         self.speculative()
-        if world.world_size > 1 and self.resolved_device().type == "cuda":
+        if self.parsed_model_overrides():
+            self.model_config()  # unknown fields, values that make no model
+        if self.run_one_rank and (self.tensor_parallel_size == 1 or world.world_size != self.tensor_parallel_size
+                                  or self.decode_context_parallel_size != 1 or self.nnodes != 1):
+            raise ValueError("run_one_rank runs rank 0 of a tensor(/expert)-parallel layout alone: give "
+                             "tensor_parallel_size > 1 and leave decode_context_parallel_size, "
+                             "prefill_context_parallel_size and nnodes at 1")
+        if world.world_size > 1 and not self.run_one_rank and self.resolved_device().type == "cuda":
             per_node, have = world.world_size // self.nnodes, torch.cuda.device_count()
             if per_node > have:
                 raise ValueError(f"{per_node} ranks per node need {per_node} GPUs, this host has {have}: lower "
@@ -169,6 +186,26 @@ class EngineArgs:
                 raise ValueError(f"lora_modules names {name!r} twice")
             out[name] = path
         return out
+
+    def parsed_model_overrides(self) -> dict:
+        """model_overrides as a dict (ValueError for JSON that is not an object)."""
+        if self.model_overrides is None:
+            return {}
+        value = self.model_overrides
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"model_overrides is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"model_overrides must be a JSON object of ModelConfig fields, got {value!r}")
+        return value
+
+    def model_config(self):
+        """The model's `ModelConfig`: the preset's or folder's, with model_overrides applied."""
+        from kimiserve.config import apply_overrides, resolve_model
+
+        return apply_overrides(resolve_model(self.model), self.parsed_model_overrides())
 
     def parallel_config(self):
         """The ranks' layout (`kimiserve.distributed.parallel_state.ParallelConfig`)."""

@@ -10,7 +10,6 @@ import time
 from dataclasses import dataclass, field
 
 from kimiserve.cache.allocator import PageAllocator
-from kimiserve.config import resolve_model
 from kimiserve.distributed.executor import make_executor
 from kimiserve.engine.args import EngineArgs, tokenizer_source
 from kimiserve.engine.detokenizer import IncrementalDetokenizer
@@ -67,7 +66,7 @@ class LLMEngine:
         self.args = args
         self.device = args.resolved_device()
         self.dtype = args.resolved_dtype(self.device)
-        self.config = resolve_model(args.model)
+        self.config = args.model_config()
         source = tokenizer_source(args)
         if source is not None:
             from kimiserve.tokenizer import load_tokenizer

@@ -13,7 +13,7 @@ import torch
 
 from kimiserve.cache.layout import CacheLayout
 from kimiserve.cache.pool import PagePool
-from kimiserve.config import ModelConfig, resolve_model
+from kimiserve.config import ModelConfig
 from kimiserve.distributed.parallel_state import ParallelContext
 from kimiserve.engine.args import EngineArgs, pages_for_budget
 from kimiserve.engine.runner import ModelRunner
@@ -34,9 +34,9 @@ class Worker:
         self.args, self.parallel = args, parallel
         self.device = parallel.device
         self.dtype = args.resolved_dtype(self.device)
-        self.config = config or resolve_model(args.model)
+        self.config = config or args.model_config()
         kv_dtype = args.resolved_kv_cache_dtype(self.device)
-        self.model = load_model(args.model, self.dtype, args.seed, self.device, parallel)
+        self.model = load_model(args.model, self.dtype, args.seed, self.device, parallel, self.config)
         self.layout = CacheLayout.from_config(self.model.cache_config, kv_dtype, self.dtype, args.block_size,
                                               args.index_key_rotation)
         self.eos_token_id = eos_token_id

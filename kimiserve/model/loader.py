@@ -150,16 +150,17 @@ def load_weights(model: KimiForCausalLM, folder: str | os.PathLike) -> None:
 
 def load_model(
     model: str | os.PathLike, dtype: torch.dtype = torch.bfloat16, seed: int = 0, device: str | torch.device = "cpu",
-    parallel: ParallelContext | None = None,
+    parallel: ParallelContext | None = None, config: ModelConfig | None = None,
 ) -> KimiForCausalLM:
     """A random-weight preset (weights from `seed`), a trained preset or a model folder (weights from its
-    checkpoint); with `parallel`, this rank's shard of it."""
+    checkpoint); with `parallel`, this rank's shard of it. `config`: the configuration to build when it is
+    not the preset's or folder's own (`EngineArgs.model_overrides`; a checkpoint must still match it)."""
     if str(model) in RANDOM_PRESETS:
-        return build_model(load_preset(str(model)), dtype, seed, device, parallel)
+        return build_model(config or load_preset(str(model)), dtype, seed, device, parallel)
     folder = model_folder(model)
     if folder is None:
         raise ValueError(f"model {str(model)!r} is neither a preset nor a model folder")
-    config = ModelConfig.from_pretrained(folder)
+    config = config or ModelConfig.from_pretrained(folder)
     net = build_model(config, dtype, seed=None, device=device, parallel=parallel)
     load_weights(net, folder)
     return net

@@ -1,0 +1,134 @@
+"""kimiserve.bench.contexts: decode contexts seeded from one real prefill (the long-context rows of
+benchmarks/e2e_step.py and k31_rank_step.py); and the engine arguments those benchmarks build their
+models with (model_overrides, run_one_rank)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine_utils import GREEDY, assert_all_match_full_forward, make_engine, random_prompts
+from kimiserve.bench.contexts import check_seeded, seed_contexts
+from kimiserve.engine.args import EngineArgs
+from kimiserve.engine.engine import LLMEngine
+from kimiserve.sampling_params import SamplingParams
+
+
+def _decode(engine, prompts, max_tokens):
+    ids = [f"t{i}" for i in range(len(prompts))]
+    for rid, prompt in zip(ids, prompts):
+        engine.add_request(rid, prompt, SamplingParams(max_tokens=max_tokens, **GREEDY))
+    engine.step()  # admits them from their snapshots: one token each
+    check_seeded(engine, ids)
+    tokens = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                tokens[out.request_id] = out.outputs[0].token_ids
+    return [tokens[rid] for rid in ids]
+
+
+def test_seeded_context_equal_to_the_source_gives_the_full_forward():
+    """A target equal to the source holds what a prefill of it leaves: the engine's logits at every
+    decode step match the full forward of the same tokens (fp32, bf16 cache: FP32_ROW_TOLERANCE), and
+    the source's pages are all returned."""
+    engine = make_engine(enable_prefix_caching=True)
+    bs = engine.block_size
+    prompts = random_prompts([bs + 37, 2 * bs + 5], seed=3)
+    tokens = []
+    for prompt in prompts:  # one source each (its own contexts are the prompt itself)
+        seed_contexts(engine, prompt, [prompt])
+        tokens += _decode(engine, [prompt], 12)
+    assert_all_match_full_forward(engine, prompts, tokens)
+    engine.reset_prefix_cache()
+    engine.allocator.check_idle()
+    assert engine.allocator.num_free == engine.allocator.num_pages
+
+
+def test_seeded_long_contexts_own_their_pages_and_free_them():
+    """Targets longer than the source (tiled pages, redrawn index keys) and shorter ones (copied
+    prefix): each request restores all but one prompt token, holds pages no other request holds,
+    decodes, and every page is back once they are aborted and the prefix cache dropped."""
+    engine = make_engine(enable_prefix_caching=True, max_model_len=1200, num_pages=400)
+    bs = engine.block_size
+    source = random_prompts([2 * bs + 9], seed=4)[0]
+    lengths = [5 * bs + 3, 3 * bs, bs + 1, 40]
+    prompts = [[i + 1] + random_prompts([n - 1], seed=10 + i)[0] for i, n in enumerate(lengths)]
+    seed_contexts(engine, source, prompts)
+    ids = [f"t{i}" for i in range(len(prompts))]
+    for rid, prompt in zip(ids, prompts):
+        engine.add_request(rid, prompt, SamplingParams(max_tokens=20, **GREEDY))
+    engine.step()
+    check_seeded(engine, ids)
+    for _ in range(4):
+        engine.step()
+    running = [engine.groups[rid].samples[0] for rid in ids]
+    assert all(len(r.output_ids) == 5 and all(0 <= t < engine.config.vocab_size for t in r.output_ids)
+               for r in running)
+    held = [p for r in running for p in r.pages]
+    assert len(held) == len(set(held)), "two seeded requests share a page"
+    for r, n in zip(running, lengths):
+        assert len(r.block_table) == -(-(n + 4) // bs)
+    for rid in ids:
+        engine.abort_request(rid)
+    engine.reset_prefix_cache()
+    engine.allocator.check_idle()
+    assert engine.allocator.num_free == engine.allocator.num_pages
+
+
+def test_seed_contexts_refuses_what_it_cannot_seed():
+    engine = make_engine(enable_prefix_caching=True, num_pages=40)
+    bs = engine.block_size
+    source = random_prompts([bs + 9], seed=4)[0]
+    with pytest.raises(ValueError, match="differ"):
+        seed_contexts(engine, source, [source, list(source)])
+    with pytest.raises(ValueError, match="free"):
+        seed_contexts(engine, source, [[i] + source for i in range(30)])
+    engine.reset_prefix_cache()
+    engine.allocator.check_idle()
+    with pytest.raises(ValueError, match="more than"):
+        seed_contexts(engine, source[: bs // 2], [source])
+    with pytest.raises(ValueError, match="enable_prefix_caching"):
+        seed_contexts(make_engine(enable_prefix_caching=False), source, [source])
+
+
+def test_model_overrides_make_a_layer_subset():
+    args = EngineArgs(model="tiny", device="cpu", num_pages=64, max_model_len=256,
+                      model_overrides='{"num_hidden_layers": 3, "full_attn_layers": [2]}')
+    engine = LLMEngine(args)
+    assert engine.config.num_hidden_layers == 3 and engine.config.full_attn_layers == (2,)
+    assert len(engine.model.model.layers) == 3
+    for bad, match in (('{"num_layers": 3}', "unknown"), ("[3]", "JSON object"), ("{3", "JSON")):
+        with pytest.raises(ValueError, match=match):
+            EngineArgs(model="tiny", model_overrides=bad).validate()
+
+
+def test_run_one_rank_builds_rank_zero_of_the_layout_and_decodes():
+    """tp 4 with expert parallelism, run alone: the model holds rank 0's shard (1/4 of the KDA and MLA
+    heads, 1/4 of the experts, 1/4 of the vocabulary rows, whole replicated parts) and the engine
+    prefills and decodes on it."""
+    from kimiserve.config import tiny_parallel_config
+    from kimiserve.model.model import build_model
+
+    overrides = {k: v for k, v in tiny_parallel_config().to_dict().items() if k != "architecture"}
+    args = EngineArgs(model="tiny", device="cpu", num_pages=64, max_model_len=256, model_overrides=overrides,
+                      tensor_parallel_size=4, enable_expert_parallel=True, run_one_rank=True)
+    engine = LLMEngine(args)
+    full = build_model(engine.config, torch.float32, seed=0)
+    rank = dict(engine.model.named_parameters())
+    for name, p in full.named_parameters():
+        local = rank[name]
+        if ".experts." in name or name.endswith(("embed_tokens.weight", "lm_head.weight")):
+            assert local.shape[0] * 4 == p.shape[0], name
+        elif name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight")):
+            assert local.numel() * 4 == p.numel(), name
+        elif ".indexer." in name or name.endswith("norm.weight") or ".gate." in name:
+            assert local.shape == p.shape, name
+    assert engine.layout.recurrent.shape[0] == engine.config.kda_num_heads // 4
+    prompt = random_prompts([30], seed=2, vocab=engine.config.vocab_size)[0]
+    engine.add_request("r", prompt, SamplingParams(max_tokens=4, **GREEDY))
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+    assert len(outs[0].outputs[0].token_ids) == 4
+    with pytest.raises(ValueError, match="run_one_rank"):
+        EngineArgs(model="tiny", run_one_rank=True).validate()
