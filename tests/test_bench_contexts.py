@@ -132,3 +132,58 @@ def test_run_one_rank_builds_rank_zero_of_the_layout_and_decodes():
     assert len(outs[0].outputs[0].token_ids) == 4
     with pytest.raises(ValueError, match="run_one_rank"):
         EngineArgs(model="tiny", run_one_rank=True).validate()
+
+
+def test_request_token_slice_is_all_ids_slice():
+    """The runner feeds `token_slice` (no prompt + output concatenation per step at long contexts)."""
+    from kimiserve.engine.request import Request
+
+    r = Request("a", [1, 2, 3, 4], SamplingParams(), 0)
+    for outputs in ([], [5, 6]):
+        r.output_ids = list(outputs)
+        for start in range(8):
+            for stop in range(8):
+                assert r.token_slice(start, stop) == r.all_ids[start:stop], (outputs, start, stop)
+
+
+def _dry_run(tmp_path, script, *extra):
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parent.parent
+    out = tmp_path / "out.json"
+    proc = subprocess.run([sys.executable, str(repo / "benchmarks" / script), "--dry-run", "--out", str(out), *extra],
+                          cwd=repo, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert {"device", "date", "commit", "copy_gbps", "matmul_tflops", "rows"} <= data.keys()
+    return data
+
+
+def test_e2e_step_dry_run_writes_the_issue_rows(tmp_path):
+    """benchmarks/e2e_step.py on the CPU (tiny): decode rows at every batch x context plus the
+    batch-1-only context, seeded contexts longer than the source, a prefill row; the keys issue 15 names."""
+    data = _dry_run(tmp_path, "e2e_step.py")
+    decode = [r for r in data["rows"] if r["kind"] == "decode"]
+    assert [(r["batch"], r["context"]) for r in decode] == [(1, 40), (3, 40), (1, 300), (3, 300), (1, 700)]
+    for r in decode:
+        assert r["step_ms"] > 0 and r["experts_hit_per_step"] > 0 and r["bytes"] > 0 and "roofline_ms" in r
+    assert any(r["context"] > r["source_tokens"] for r in decode)  # tiled
+    (prefill,) = [r for r in data["rows"] if r["kind"] == "prefill"]
+    assert prefill["prompt_tokens"] == 100 and prefill["ttft_s"] > 0 and "matmul_fraction" in prefill
+
+
+def test_k31_rank_step_dry_run_scales_two_subsets(tmp_path):
+    """benchmarks/k31_rank_step.py on the CPU (tiny widths, tp 4): both layer subsets run as one
+    expert-parallel rank and the scaled rows are the line through them at 93 layers."""
+    data = _dry_run(tmp_path, "k31_rank_step.py", "--layers", "2,5")
+    rows = {(r["kind"], r["layers"], r["batch"]): r for r in data["rows"]}
+    for batch in (1, 32):
+        a, b, scaled = rows["decode", 2, batch], rows["decode", 5, batch], rows["decode_scaled", 93, batch]
+        slope = (b["step_ms"] - a["step_ms"]) / 3
+        assert abs(scaled["step_ms"] - (a["step_ms"] + 91 * slope)) < 1e-9 * max(1.0, abs(scaled["step_ms"]))
+        assert (a["kda_layers"], a["mla_layers"], b["kda_layers"], b["mla_layers"]) == (1, 1, 3, 2)

@@ -87,6 +87,15 @@ class Request:
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
+    def token_slice(self, start: int, stop: int) -> list[int]:
+        """all_ids[start:stop] without building all_ids (a decode step feeds one token of a long context)."""
+        p = len(self.prompt_ids)
+        if start >= p:
+            return self.output_ids[start - p : max(0, stop - p)]
+        if stop <= p:
+            return self.prompt_ids[start:stop]
+        return self.prompt_ids[start:] + self.output_ids[: stop - p]
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)

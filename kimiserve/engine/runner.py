@@ -111,7 +111,7 @@ class ModelRunner:
             r, n = chunk.request, chunk.num_tokens
             start = r.num_computed
             drafts = chunk.draft_token_ids
-            ids.extend(r.all_ids[start : start + n - len(drafts)] + drafts)
+            ids.extend(r.token_slice(start, start + n - len(drafts)) + drafts)
             snapshot = list(chunk.snapshot_state_pages) if n > 1 and chunk.snapshot_state_pages else None
             chunks.append(StepChunk(row, row + n, start, list(r.block_table), list(r.state_pages), snapshot,
                                     bool(drafts), r.lora_id))
