@@ -63,10 +63,13 @@ def copy_gbps(device) -> float:
         return float("nan")
     from kimiserve.utils.cuda_timing import cuda_time
 
-    src = torch.empty(2 << 30, dtype=torch.uint8, device=device)
+    src_bytes = 2 << 30
+    src = torch.empty(src_bytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     ms = cuda_time(lambda: dst.copy_(src), repeats=10)
-    return 2 * src.numel() / ms / 1e6
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * src_bytes / ms / 1e6
 
 
 def matmul_tflops(device) -> float:
@@ -77,6 +80,8 @@ def matmul_tflops(device) -> float:
     a = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
     b = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
     ms = cuda_time(lambda: a @ b, repeats=10)
+    del a, b
+    torch.cuda.empty_cache()
     return 2 * 8192**3 / ms / 1e9
 
 

@@ -122,14 +122,17 @@ def _redraw_index_keys(pool, pages: list[int], src: list[int], gen: torch.Genera
     device = pool.data.device
     src_pages = torch.tensor(sorted(set(src)), device=device)
     for keys in pool.index_key:
-        std = keys[src_pages].float().std() if keys.dtype.is_floating_point else None
+        dtype = keys.dtype
+        raw = keys.view(torch.uint8) if dtype.itemsize == 1 else keys  # fp8 moved as bytes (no fp8 indexing needed)
+        std = raw[src_pages].view(dtype).float().std() if dtype.is_floating_point else None
         for i in range(0, len(pages), PAGES_PER_COPY):
             dst = torch.tensor(pages[i:i + PAGES_PER_COPY], device=device)
             shape = (len(dst), *keys.shape[1:])
-            if std is not None:
-                codes = torch.randn(shape, generator=gen, device=device) * std
-                if keys.dtype.itemsize == 1:  # e4m3: keep within its range (no NaN code)
-                    codes = codes.clamp(-448, 448)
-                keys[dst] = codes.to(keys.dtype)
-            else:  # packed e2m1 pairs: every byte is a valid pair of codes
-                keys[dst] = torch.randint(0, 256, shape, generator=gen, device=device, dtype=torch.int32).to(keys.dtype)
+            if std is None:  # packed e2m1 pairs: every byte is a valid pair of codes
+                raw[dst] = torch.randint(0, 256, shape, generator=gen, device=device, dtype=torch.int32).to(torch.uint8)
+                continue
+            codes = torch.randn(shape, generator=gen, device=device) * std
+            if dtype.itemsize == 1:  # e4m3: within its range (no NaN code)
+                codes = codes.clamp(-448, 448)
+            codes = codes.to(dtype)
+            raw[dst] = codes.view(torch.uint8) if dtype.itemsize == 1 else codes
