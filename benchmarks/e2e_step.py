@@ -8,9 +8,10 @@ gets its own copies of the source's cache pages (tiled to the context's length, 
 when tiled) as a prefix-cache snapshot of all but its last prompt token; the engine restores each
 request from it like any prefix-cache hit and prefills the last token. The step's cost depends on the
 context length (the index scan over every key, the top-k latents, the KDA state pages), not on the
-cached values; `setup_s` says what the seeding took. Then each engine step (one token per request)
-is timed on its own by the host clock around `engine.step()` (the step ends with the sampled tokens
-on the host, so the clock covers the GPU work), after one untimed decode step (CUDA-graph capture).
+cached values; `setup_s` says what the seeding took. Then each decode step is timed on its own: the
+host-clock time between one request's consecutive tokens as `engine.step()` returns them (the
+sampled tokens are on the host by then, so the clock covers the GPU work; an engine that overlaps
+steps is timed in its steady state), after one untimed decode step (CUDA-graph capture).
 
 Bytes per decode step: every weight the step reads (all parameters but the routed experts and the
 embedding table, plus one embedding row per token) + the distinct routed experts the batch hit in each
@@ -154,12 +155,16 @@ def decode_row(engine: LLMEngine, batch: int, context: int, copy: float, steps: 
     synchronize(engine)
     setup_s = time.perf_counter() - start
     engine.step()  # the first decode step (captures the CUDA graph of this shape)
-    times = []
-    for _ in range(steps):
-        synchronize(engine)
-        t0 = time.perf_counter()
+    first = engine.groups[ids[0]].samples[0]
+    times, done = [], len(first.output_ids)
+    synchronize(engine)
+    last = time.perf_counter()
+    while len(times) < steps:  # the time between a request's tokens (an engine with overlapped steps included)
         engine.step()
-        times.append((time.perf_counter() - t0) * 1e3)
+        if len(first.output_ids) > done:
+            now = time.perf_counter()
+            times.append((now - last) * 1e3 / (len(first.output_ids) - done))
+            last, done = now, len(first.output_ids)
     # a replayed graph runs no Python: count the experts the batch hits in eager steps
     graphs, engine.runner.graphs = engine.runner.graphs, None
     hits = ExpertsHit(engine.model)
@@ -169,8 +174,8 @@ def decode_row(engine: LLMEngine, batch: int, context: int, copy: float, steps: 
     for h in hits.handles:
         h.remove()
     engine.runner.graphs = graphs
-    for rid in ids:
-        engine.abort_request(rid)
+    while engine.has_unfinished_requests():
+        engine.step()
     engine.reset_prefix_cache()
     engine.allocator.check_idle()  # every page of the row is back
     other, expert, row = weight_bytes(engine.model)
