@@ -1,0 +1,228 @@
+"""The engine's host cost per decode step, phase by phase (issue 15 item 2), on a model whose compute
+is negligible (`tiny`), so that the step is what the host does around it.
+
+Two measurements per batch size, each after `batch` requests were prefilled and one decode step
+ran (capturing the CUDA graph of that shape):
+
+- **step**: `engine.step()` timed by the host clock, nothing patched (on CUDA the step ends when
+  the sampled tokens reach the host, so this is the real step the engine runs; with overlapped
+  (async) scheduling it is the time between two steps' outputs).
+- **phases**: the same steps with the engine's functions wrapped by host timers (exclusive times: a
+  phase's own time without the wrapped phases it calls): schedule, prepare (StepInput), batch build
+  (SequenceChunk / ForwardBatch / the graph's static inputs), forward (the model, or the graph
+  replay; on CUDA followed by a synchronize, so the device's time lands here and not in the phase
+  that happens to wait for it), sample, postprocess, output, and "other" (step's own code).
+  host = step - forward. With async scheduling the phases are not additive (the host runs while the
+  device works), so the phase run forces the synchronous step (`async_scheduling=False`).
+
+    python benchmarks/host_overhead.py [--batches 1,64] [--steps 50] [--device cuda|cpu] [--out PATH]
+                                       [--no-async] [--profile N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import datetime
+import io
+import json
+import os
+import pstats
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from kimiserve.engine.args import EngineArgs  # noqa: E402
+from kimiserve.engine.engine import LLMEngine  # noqa: E402
+from kimiserve.sampling_params import SamplingParams  # noqa: E402
+from kimiserve.utils.run_info import git_commit  # noqa: E402
+
+
+class PhaseTimer:
+    """Exclusive host time per phase name, over wrapped callables (nested wraps subtract)."""
+
+    def __init__(self, sync=None):
+        self.totals: dict[str, float] = {}
+        self.stack: list[list[float]] = []  # per open phase: [start, child time]
+        self.sync = sync
+        self.undo: list = []
+
+    def wrap(self, owner, attr: str, name: str, sync_after: bool = False) -> None:
+        if not hasattr(owner, attr):
+            return
+        original = getattr(owner, attr)
+        timer = self
+        is_static = isinstance(owner, type) and isinstance(owner.__dict__.get(attr), (classmethod, staticmethod))
+        raw = owner.__dict__.get(attr) if isinstance(owner, type) else None
+
+        def timed(*a, **k):
+            timer.stack.append([time.perf_counter(), 0.0])
+            try:
+                out = original(*a, **k)
+                if sync_after and timer.sync is not None:
+                    timer.sync()
+                return out
+            finally:
+                start, child = timer.stack.pop()
+                total = time.perf_counter() - start
+                timer.totals[name] = timer.totals.get(name, 0.0) + total - child
+                if timer.stack:
+                    timer.stack[-1][1] += total
+
+        if is_static:
+            setattr(owner, attr, staticmethod(timed))
+        else:
+            setattr(owner, attr, timed)
+        self.undo.append((owner, attr, raw, original))
+
+    def restore(self) -> None:
+        for owner, attr, raw, original in reversed(self.undo):
+            if isinstance(owner, type):
+                setattr(owner, attr, raw)
+            else:  # the wrapper shadowed the class's method on the instance
+                delattr(owner, attr)
+        self.undo.clear()
+
+
+def instrument(engine: LLMEngine, timer: PhaseTimer) -> None:
+    from kimiserve.engine import runner as runner_mod
+    from kimiserve.model.batch import ForwardBatch
+
+    runner = engine.runner
+    timer.wrap(engine, "step", "other")
+    timer.wrap(engine.scheduler, "schedule", "schedule")
+    timer.wrap(runner, "prepare", "prepare")
+    timer.wrap(engine, "_postprocess", "postprocess")
+    timer.wrap(engine, "_propose", "postprocess")
+    timer.wrap(engine, "_output", "output")
+    timer.wrap(runner, "sample", "sample")
+    timer.wrap(runner_mod.StepChunk, "to_sequence_chunk", "batch build")
+    timer.wrap(ForwardBatch, "build", "batch build")
+    timer.wrap(runner.model, "forward_batch", "forward", sync_after=True)
+    if runner.graphs is not None:
+        graphs = runner.graphs
+        for attr in ("_fill", "fill"):
+            timer.wrap(graphs, attr, "batch build")
+        # the replay itself: wrap the graph objects' replay through the dict of captured graphs
+        for key, entry in list(graphs.graphs.items()):
+            timer.wrap(entry[0], "replay", "forward", sync_after=True)
+
+
+def make_engine(device: str, batch: int, steps: int, async_scheduling: bool | None) -> LLMEngine:
+    kwargs = {}
+    if async_scheduling is not None and "async_scheduling" in EngineArgs.__dataclass_fields__:
+        kwargs["async_scheduling"] = async_scheduling
+    args = EngineArgs(model="tiny", dtype="bfloat16" if device == "cuda" else "float32", device=device,
+                      max_model_len=1024, max_num_seqs=max(batch, 1), enable_prefix_caching=False, seed=0,
+                      num_pages=max(64, batch * 8), **kwargs)
+    return LLMEngine(args)
+
+
+def start_batch(engine: LLMEngine, batch: int, tokens: int, tag: str) -> None:
+    gen = torch.Generator().manual_seed(batch)
+    for i in range(batch):
+        prompt = torch.randint(0, 768, (16,), generator=gen).tolist()
+        engine.add_request(f"{tag}{i}", prompt, SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True))
+    while any(not g.samples[0].output_ids for g in engine.groups.values()):  # prefill
+        engine.step()
+    for _ in range(3):  # decode steps of this shape (a graph is captured on the first)
+        engine.step()
+
+
+def finish(engine: LLMEngine) -> None:
+    for rid in list(engine.groups):
+        engine.abort_request(rid)
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def time_steps(engine: LLMEngine, steps: int, sync) -> list[float]:
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        engine.step()
+        times.append((time.perf_counter() - start) * 1e3)
+    if sync is not None:
+        sync()
+    return times
+
+
+def measure(device: str, batch: int, steps: int, async_scheduling: bool | None, profile: int) -> dict:
+    sync = torch.cuda.synchronize if device == "cuda" else None
+    engine = make_engine(device, batch, steps, async_scheduling)
+    start_batch(engine, batch, 2 * steps + 20, "s")
+    if sync:
+        sync()
+    step = time_steps(engine, steps, sync)
+    finish(engine)
+    # the phases: the synchronous step (phases of an overlapped step are not additive)
+    engine = make_engine(device, batch, steps, False if async_scheduling is not None else None)
+    start_batch(engine, batch, 2 * steps + 20, "p")
+    timer = PhaseTimer(sync)
+    instrument(engine, timer)
+    phase_steps = time_steps(engine, steps, sync)
+    timer.restore()
+    phases = {k: v * 1e3 / steps for k, v in sorted(timer.totals.items())}
+    prof_text = None
+    if profile:
+        prof = cProfile.Profile()
+        prof.enable()
+        time_steps(engine, profile, sync)
+        prof.disable()
+        s = io.StringIO()
+        pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(25)
+        prof_text = s.getvalue()
+    finish(engine)
+    engine.check_idle()
+    forward = phases.get("forward", 0.0)
+    phase_step = statistics.mean(phase_steps)
+    row = {"batch": batch, "step_ms_median": statistics.median(step), "step_ms_mean": statistics.mean(step),
+           "step_ms_min": min(step), "phase_run_step_ms_mean": phase_step,
+           "phase_run_host_ms": phase_step - forward, "phases_ms": phases,
+           "async_scheduling": getattr(engine.args, "async_scheduling", None) if async_scheduling is None
+           else async_scheduling,
+           "graph_replays": engine.runner.graphs.replays if engine.runner.graphs is not None else 0}
+    if prof_text:
+        row["profile"] = prof_text
+    return row
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batches", default="1,64")
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--no-async", action="store_true", help="async_scheduling=False for the step timing too")
+    p.add_argument("--profile", type=int, default=0, help="cProfile this many extra steps (print the top 25)")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    torch.manual_seed(0)
+    has_async = "async_scheduling" in EngineArgs.__dataclass_fields__
+    async_flag = (False if args.no_async else None) if has_async else None
+    rows = []
+    for b in (int(x) for x in args.batches.split(",")):
+        row = measure(args.device, b, args.steps, async_flag, args.profile)
+        rows.append(row)
+        ph = "  ".join(f"{k} {v:.3f}" for k, v in row["phases_ms"].items())
+        print(f"batch {b:3d}: step {row['step_ms_median']:.3f} ms median ({row['step_ms_min']:.3f} min, "
+              f"async={row['async_scheduling']}); synchronous phase run: step {row['phase_run_step_ms_mean']:.3f}, "
+              f"host {row['phase_run_host_ms']:.3f} ms = {ph}", flush=True)
+        if row.get("profile"):
+            print(row["profile"])
+    device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    result = {"device": device, "torch": torch.__version__, "date": datetime.datetime.now(datetime.timezone.utc)
+              .isoformat(timespec="seconds"), "commit": git_commit(), "model": "tiny", "steps": args.steps,
+              "rows": [{k: v for k, v in r.items() if k != "profile"} for r in rows]}
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
