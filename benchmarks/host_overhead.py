@@ -16,7 +16,7 @@ ran (capturing the CUDA graph of that shape):
   device works), so the phase run forces the synchronous step (`async_scheduling=False`).
 
     python benchmarks/host_overhead.py [--batches 1,64] [--steps 50] [--device cuda|cpu] [--out PATH]
-                                       [--no-async] [--profile N]
+                                       [--async-scheduling auto|on|off] [--profile N]
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ def instrument(engine: LLMEngine, timer: PhaseTimer) -> None:
 
 def make_engine(device: str, batch: int, steps: int, async_scheduling: bool | None) -> LLMEngine:
     kwargs = {}
-    if async_scheduling is not None and "async_scheduling" in EngineArgs.__dataclass_fields__:
+    if "async_scheduling" in EngineArgs.__dataclass_fields__:  # (absent in trees before it)
         kwargs["async_scheduling"] = async_scheduling
     args = EngineArgs(model="tiny", dtype="bfloat16" if device == "cuda" else "float32", device=device,
                       max_model_len=1024, max_num_seqs=max(batch, 1), enable_prefix_caching=False, seed=0,
@@ -158,9 +158,11 @@ def measure(device: str, batch: int, steps: int, async_scheduling: bool | None, 
     if sync:
         sync()
     step = time_steps(engine, steps, sync)
+    async_used = getattr(engine, "async_scheduling", False)
+    overlapped = engine.stats().get("overlapped_steps", 0)
     finish(engine)
     # the phases: the synchronous step (phases of an overlapped step are not additive)
-    engine = make_engine(device, batch, steps, False if async_scheduling is not None else None)
+    engine = make_engine(device, batch, steps, False)
     start_batch(engine, batch, 2 * steps + 20, "p")
     timer = PhaseTimer(sync)
     instrument(engine, timer)
@@ -183,8 +185,7 @@ def measure(device: str, batch: int, steps: int, async_scheduling: bool | None, 
     row = {"batch": batch, "step_ms_median": statistics.median(step), "step_ms_mean": statistics.mean(step),
            "step_ms_min": min(step), "phase_run_step_ms_mean": phase_step,
            "phase_run_host_ms": phase_step - forward, "phases_ms": phases,
-           "async_scheduling": getattr(engine.args, "async_scheduling", None) if async_scheduling is None
-           else async_scheduling,
+           "async_scheduling": async_used, "overlapped_steps": overlapped,
            "graph_replays": engine.runner.graphs.replays if engine.runner.graphs is not None else 0}
     if prof_text:
         row["profile"] = prof_text
@@ -196,13 +197,13 @@ def main() -> int:
     p.add_argument("--batches", default="1,64")
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--no-async", action="store_true", help="async_scheduling=False for the step timing too")
+    p.add_argument("--async-scheduling", choices=("auto", "on", "off"), default="auto",
+                   help="EngineArgs.async_scheduling of the step timing (auto: the engine's default)")
     p.add_argument("--profile", type=int, default=0, help="cProfile this many extra steps (print the top 25)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     torch.manual_seed(0)
-    has_async = "async_scheduling" in EngineArgs.__dataclass_fields__
-    async_flag = (False if args.no_async else None) if has_async else None
+    async_flag = {"auto": None, "on": True, "off": False}[args.async_scheduling]
     rows = []
     for b in (int(x) for x in args.batches.split(",")):
         row = measure(args.device, b, args.steps, async_flag, args.profile)

@@ -74,6 +74,11 @@ class EngineArgs:
     enforce_eager: bool = False
     """Run decode steps eagerly instead of replaying CUDA graphs (CUDA only; a graph is captured the first
     time a padded batch size and context bucket occur)."""
+    async_scheduling: bool | None = None
+    """Schedule and launch each decode step while the device still runs the previous one, its tokens
+    fed from the device (vLLM's async scheduling; the same tokens, the host's work hidden behind the
+    device's). Steps of plain decodes only (no grammar, drafts, logprobs, penalties, bans or thinking
+    budget); others run as before. Default: on with CUDA on one rank, off on the CPU."""
     tensor_parallel_size: int = 1
     """Ranks (GPUs, or CPU processes) that split the heads, dense MLPs and vocabulary, one process each."""
     enable_expert_parallel: bool = False
@@ -152,6 +157,9 @@ class EngineArgs:
             raise ValueError("run_one_rank runs rank 0 of a tensor(/expert)-parallel layout alone: give "
                              "tensor_parallel_size > 1 and leave decode_context_parallel_size, "
                              "prefill_context_parallel_size and nnodes at 1")
+        if self.async_scheduling and world.world_size > 1 and not self.run_one_rank:
+            raise ValueError("async_scheduling runs on one rank for now: leave it unset (or off) with "
+                             "tensor_parallel_size or prefill_context_parallel_size > 1")
         if world.world_size > 1 and not self.run_one_rank and self.resolved_device().type == "cuda":
             per_node, have = world.world_size // self.nnodes, torch.cuda.device_count()
             if per_node > have:
@@ -221,6 +229,11 @@ class EngineArgs:
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device {self.device!r} asked for, but CUDA is not available: use --device cpu")
         return device
+
+    def resolved_async_scheduling(self, device: torch.device) -> bool:
+        if self.async_scheduling is not None:
+            return self.async_scheduling
+        return device.type == "cuda" and (self.parallel_config().world_size == 1 or self.run_one_rank)
 
     def resolved_dtype(self, device: torch.device) -> torch.dtype:
         if self.dtype == "auto":

@@ -1,8 +1,9 @@
 """CUDA graphs for decode steps: one graph per (padded batch size, context bucket), captured the
 first time a step of that shape runs, then replayed.
 
-A graph's inputs live in static device buffers that each step refills: token ids, positions, the
-cache slot each token writes, block tables, context lengths and KDA state pages. Rows past the
+A graph's inputs live in static device buffers that each step refills with one host-to-device copy
+(from a pinned mirror, so the host does not wait for the device): token ids, positions, the cache
+slot each token writes, block tables, context lengths and KDA state pages. Rows past the
 real batch are padding: they read and write one reserved attention page and one reserved set of
 state pages that no sequence owns, so their garbage never touches a request. The context bucket
 (a power of two >= 2048, capped at max_model_len) is the width of the index scan's score rows and
@@ -18,6 +19,7 @@ from __future__ import annotations
 import math
 import warnings
 
+import numpy as np
 import torch
 
 from kimiserve.cache.pool import PagePool
@@ -50,15 +52,23 @@ class DecodeGraphs:
         self.pad_page = pad_page
         dev = pool.data.device
         B, width = self.max_batch, math.ceil(max_model_len / pool.block_size)
+        num_state = pad_state_pages.numel()
         long = dict(dtype=torch.int64, device=dev)
-        self.input_ids = torch.zeros(B, **long)
-        self.positions = torch.zeros(B, **long)
-        self.write_pages = torch.full((B,), pad_page, **long)
-        self.write_offsets = torch.zeros(B, **long)
-        self.block_tables = torch.full((B, width), pad_page, **long)
-        self.context_lens = torch.ones(B, **long)
+        # every input lives in one device buffer, filled by one host-to-device copy per step from a
+        # pinned host mirror: the per-row fields at a stride of B rows, then the block tables of the
+        # graph about to run, packed [size, its context bucket's pages] (each graph reads its own view)
+        self._head = (5 + num_state) * B
+        self.inputs = torch.zeros(self._head + B * width, **long)
+        fields = self.inputs[: 5 * B].view(5, B)
+        self.input_ids, self.positions, self.write_pages, self.write_offsets, self.context_lens = fields
+        self.state_pages = self.inputs[5 * B : self._head].view(B, num_state)
         self.pad_state_pages = pad_state_pages.to(dev)
-        self.state_pages = self.pad_state_pages.expand(B, -1).contiguous()
+        self._pad_states_host = pad_state_pages.cpu().numpy()
+        pin = dev.type == "cuda"
+        self._mirrors = [torch.zeros(self.inputs.shape, dtype=torch.int64, pin_memory=pin) for _ in range(2 if pin else 1)]
+        self._mirror_events: list = [None] * len(self._mirrors)
+        """Two mirrors on CUDA, used in turn: one can still be copying while the next step fills the other."""
+        self._turn = 0
         self.rows = torch.arange(B, **long)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.memory_pool = None  # one private pool shared by every graph (never replayed concurrently)
@@ -75,14 +85,16 @@ class DecodeGraphs:
             bucket *= 2
         return min(bucket, self.max_model_len)
 
-    def run(self, input_ids: list[int], chunks: list[SequenceChunk]) -> torch.Tensor | None:
+    def run(self, input_ids, chunks) -> torch.Tensor | None:
         """Logits [n, vocab] of a decode-only step (one token per chunk), or None when no graph can
-        run it (too large a batch, or graphs disabled): the caller runs it eagerly."""
+        run it (too large a batch, or graphs disabled): the caller runs it eagerly. input_ids: a host
+        list, or an int64 device tensor [n] (tokens the device sampled and the host has not seen).
+        chunks: the sequences' `StepChunk`s (or anything with context_start, block_table, state_pages)."""
         n = len(chunks)
         size = self.padded_size(n)
         if self.disabled or size is None or n == 0:
             return None
-        bucket = self.context_bucket(max(c.context_end for c in chunks))
+        bucket = self.context_bucket(max(c.context_start for c in chunks) + 1)
         key = (size, bucket)
         if key not in self.graphs and not self._capture(size, bucket):
             return None
@@ -92,32 +104,60 @@ class DecodeGraphs:
         self.replays += 1
         return logits[:n]
 
-    def _fill(self, input_ids: list[int], chunks: list[SequenceChunk], size: int, bucket: int) -> None:
-        """Real rows from the chunks, padding rows on the reserved pages; one host-to-device copy per buffer."""
-        n, bs = len(chunks), self.pool.block_size
-        cols = math.ceil(bucket / bs)
-        positions = torch.tensor([c.context_start for c in chunks], dtype=torch.int64)
-        tables = torch.full((size, cols), self.pad_page, dtype=torch.int64)
+    def _cols(self, bucket: int) -> int:
+        return math.ceil(bucket / self.pool.block_size)
+
+    def _tables(self, size: int, bucket: int) -> torch.Tensor:
+        cols = self._cols(bucket)
+        return self.inputs[self._head : self._head + size * cols].view(size, cols)
+
+    def _fill(self, input_ids, chunks, size: int, bucket: int) -> None:
+        """Real rows from the chunks, padding rows on the reserved pages; one host-to-device copy."""
+        n, bs, B = len(chunks), self.pool.block_size, self.max_batch
+        cols = self._cols(bucket)
+        turn = self._turn
+        self._turn = (turn + 1) % len(self._mirrors)
+        if self._mirror_events[turn] is not None:
+            self._mirror_events[turn].synchronize()  # its previous copy is done (at once, in practice)
+        host = self._mirrors[turn].numpy()
+        fields = host[: 5 * B].reshape(5, B)
+        ids, positions, write_pages, write_offsets, context_lens = fields[:, :size]
+        states = host[5 * B : self._head].reshape(B, -1)
+        tables = host[self._head : self._head + size * cols].reshape(size, cols)
+        tables.fill(self.pad_page)
+        pos = np.fromiter((c.context_start for c in chunks), dtype=np.int64, count=n)
         for i, c in enumerate(chunks):
-            used = min(len(c.block_table), cols)
-            tables[i, :used] = c.block_table[:used]
-        pad = size - n
-        self.input_ids[:size].copy_(torch.tensor(list(input_ids) + [0] * pad))
-        self.positions[:size].copy_(torch.cat([positions, torch.zeros(pad, dtype=torch.int64)]))
-        self.write_pages[:size].copy_(torch.cat([tables[torch.arange(n), positions // bs],
-                                                 torch.full((pad,), self.pad_page, dtype=torch.int64)]))
-        self.write_offsets[:size].copy_(torch.cat([positions % bs, torch.zeros(pad, dtype=torch.int64)]))
-        self.block_tables[:size, :cols].copy_(tables)
-        self.context_lens[:size].copy_(torch.cat([positions + 1, torch.ones(pad, dtype=torch.int64)]))
+            row = np.asarray(c.block_table[:cols], dtype=np.int64)
+            tables[i, : len(row)] = row
+        positions[:n] = pos
+        positions[n:] = 0
+        write_pages[:n] = tables[np.arange(n), pos // bs]
+        write_pages[n:] = self.pad_page
+        write_offsets[:n] = pos % bs
+        write_offsets[n:] = 0
+        context_lens[:n] = pos + 1
+        context_lens[n:] = 1
         if n:
-            self.state_pages[:n].copy_(torch.stack([c.state_pages for c in chunks]))
-        self.state_pages[n:size].copy_(self.pad_state_pages.expand(pad, -1))
+            states[:n] = np.asarray([np.asarray(c.state_pages, dtype=np.int64) for c in chunks])
+        states[n:size] = self._pad_states_host
+        on_device = isinstance(input_ids, torch.Tensor)
+        if not on_device:
+            ids[:n] = np.asarray(input_ids, dtype=np.int64).reshape(n)
+        ids[n:] = 0
+        end = self._head + size * cols
+        self.inputs[:end].copy_(self._mirrors[turn][:end], non_blocking=True)
+        if self.inputs.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+            self._mirror_events[turn] = event
+        if on_device and n:
+            self.input_ids[:n].copy_(input_ids)
 
     def _batch(self, size: int, bucket: int) -> ForwardBatch:
         return ForwardBatch(
             pool=self.pool, positions=self.positions[:size], write_pages=self.write_pages[:size],
             write_offsets=self.write_offsets[:size], chunks=[], decode_rows=self.rows[:size],
-            decode_block_tables=self.block_tables[:size], decode_context_lens=self.context_lens[:size],
+            decode_block_tables=self._tables(size, bucket), decode_context_lens=self.context_lens[:size],
             decode_state_pages=self.state_pages[:size], decode_max_context=bucket, ops=self.ops,
         )
 

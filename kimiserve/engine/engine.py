@@ -9,6 +9,8 @@ import math
 import time
 from dataclasses import dataclass, field
 
+import torch
+
 from kimiserve.cache.allocator import PageAllocator
 from kimiserve.distributed.executor import make_executor
 from kimiserve.engine.args import EngineArgs, tokenizer_source
@@ -16,7 +18,8 @@ from kimiserve.engine.detokenizer import IncrementalDetokenizer
 from kimiserve.engine.errors import REQUEST_FAILED_MESSAGE, EngineFatalError, is_fatal_error
 from kimiserve.engine.outputs import CompletionOutput, RequestOutput, RequestOutputKind, RequestTimes
 from kimiserve.engine.request import Request
-from kimiserve.engine.scheduler import Scheduler
+from kimiserve.engine.runner import LaunchedStep
+from kimiserve.engine.scheduler import Scheduler, SchedulerOutput
 from kimiserve.engine.spec_decode import check_request, make_proposer
 from kimiserve.engine.spec_decode.metrics import SpecDecodeStats
 from kimiserve.engine.spec_decode.verify import accept_drafts
@@ -58,6 +61,24 @@ class Suspect:
     request: Request
     target: int
     """The `num_computed` the failed step would have brought it to."""
+
+
+@dataclass
+class InFlightStep:
+    """A launched decode-only step (async scheduling) whose tokens the host has not read yet."""
+
+    sched: SchedulerOutput
+    launched: LaunchedStep
+    failed: list[str]
+    """Requests failed before it was launched (their outputs go out with its results)."""
+
+
+class _LaunchFailed(Exception):
+    """Launching the step after an in-flight one raised (the cause); `sched` is the step's."""
+
+    def __init__(self, sched):
+        super().__init__("launching the following step failed")
+        self.sched = sched
 
 
 class LLMEngine:
@@ -130,6 +151,12 @@ class LLMEngine:
         `compile` may be called from other threads, e.g. the server's, to check a spec)."""
         self._compiling: list[Request] = []
         """Requests whose grammar is compiling (they wait in the scheduler until it is resolved)."""
+        self.async_scheduling = args.resolved_async_scheduling(self.device) and self.executor.world_size == 1
+        """Launch each plain decode step while the one before runs (`EngineArgs.async_scheduling`)."""
+        self._in_flight: InFlightStep | None = None
+        """The launched step whose tokens the next `step()` reads (async scheduling)."""
+        self.num_overlapped_steps = 0
+        """Steps launched while the step before them ran (async scheduling)."""
 
     # requests ----------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
@@ -291,6 +318,8 @@ class LLMEngine:
         error comes from fails alone and the others go on (their tokens unchanged: seeded sampling
         is batch-independent, and greedy decoding deterministic).
         """
+        if self._in_flight is not None:
+            return self._finish_launched()
         failed = self._resolve_grammars() if self._compiling else []
         suspect = self._current_suspect()
         sched = self.scheduler.schedule(only=suspect.request if suspect else None)
@@ -306,6 +335,11 @@ class LLMEngine:
                 group.times.first_scheduled = scheduled_at
         self.num_steps += 1
         try:
+            rows = self._launchable(sched) if suspect is None else None
+            if rows is not None:
+                step, _ = self.runner.prepare(sched)
+                self._in_flight = InFlightStep(sched, self.runner.launch(step, rows), failed)
+                return self._finish_launched()
             results = self.executor.execute(sched)
         except Exception as exc:  # noqa: BLE001 - blamed on a request below, or fatal
             if is_fatal_error(exc):
@@ -319,6 +353,89 @@ class LLMEngine:
         if suspect is not None and (suspect.request.finished or suspect.request.num_computed >= suspect.target):
             self._suspects.remove(suspect)
         return [out for out in map(self._output, touched) if out is not None]
+
+    # async scheduling -------------------------------------------------------------------------
+    def _launchable(self, sched) -> list | None:
+        """The sampler rows of a step that may run launched (async scheduling: plain decodes only), else None."""
+        if not self.async_scheduling or self.proposer is not None:
+            return None
+        if any(c.num_tokens != 1 or c.draft_token_ids or not c.request.is_decode for c in sched.chunks):
+            return None
+        return self.runner.plain_sample_requests([c.request for c in sched.chunks], 0)
+
+    def _finish_launched(self) -> list[RequestOutput]:
+        """The step of a launched step N: launch N + 1 (the same decodes, fed N's tokens from the device)
+        when it may run, then wait for N's tokens and postprocess them while N + 1 runs. A request that
+        ends at N has its row of N + 1 discarded (its pages, the one reserved for N + 1 included, are
+        freed now; the device's writes to them come before any later step's)."""
+        done, self._in_flight = self._in_flight, None
+        for chunk in done.sched.chunks:
+            chunk.request.fed_ahead = False
+        following, failed_launch = None, None
+        try:
+            following = self._launch_following(done)
+        except _LaunchFailed as exc:  # its requests are undone after this step's postprocess
+            failed_launch = exc
+        later = following.sched if following is not None else failed_launch.sched if failed_launch else None
+        try:
+            results = done.launched.results()
+        except Exception as exc:  # noqa: BLE001 - as a failed forward of the synchronous step
+            if is_fatal_error(exc):
+                raise
+            for chunk in later.chunks if later is not None else []:
+                chunk.request.fed_ahead = False
+            return [out for out in map(self._output, done.failed + self._after_failed_forward(done.sched, exc))
+                    if out is not None]
+        self._isolated_failures = 0
+        touched = dict.fromkeys(done.failed)
+        touched.update(self._postprocess(done.sched, results))
+        alive = [c for c in later.chunks if not c.request.finished] if later is not None else []
+        if failed_launch is not None:
+            for chunk in later.chunks:
+                chunk.request.fed_ahead = False
+            if alive:
+                touched.update(dict.fromkeys(self._after_failed_forward(SchedulerOutput(alive),
+                                                                        failed_launch.__cause__)))
+        elif alive:
+            self._in_flight = following  # its rows of requests that ended now are skipped by its postprocess
+        return [out for out in map(self._output, touched) if out is not None]
+
+    def _launch_following(self, done: "InFlightStep") -> "InFlightStep | None":
+        """Launch the step after `done` (still running) when it would be the same plain decodes: every
+        running request, less those `done` brings to max_tokens or max_model_len, none waiting that the
+        synchronous scheduler would admit now, pages for all without preempting."""
+        if self._compiling or self._suspects or len(self.scheduler.running) != len(done.sched.chunks):
+            return None
+        requests = [c.request for c in done.sched.chunks]
+        keep = [i for i, r in enumerate(requests) if len(r.output_ids) + 1 < r.params.max_tokens
+                and r.num_tokens + 1 < self.max_model_len and r.thinking is None and r.grammar is None]
+        if not keep or len(keep) > self.args.max_num_batched_tokens:
+            return None
+        ready = next((r for r in self.scheduler.waiting if r.ready), None)
+        if ready is not None:
+            need = ready.params.n if not ready.output_ids and ready.sample_index == 0 else 1
+            if len(self.scheduler.running) + need <= self.args.max_num_seqs:
+                return None  # the synchronous step admits it now
+        survivors = [requests[i] for i in keep]
+        rows = self.runner.plain_sample_requests(survivors, 1)
+        if rows is None:
+            return None
+        sched = self.scheduler.reserve_ahead(survivors)
+        if sched is None:
+            return None
+        tokens = done.launched.tokens
+        if len(keep) < len(requests):
+            tokens = tokens[torch.tensor(keep, device=tokens.device)]
+        for r in survivors:
+            r.fed_ahead = True
+        self.num_steps += 1
+        self.num_overlapped_steps += 1
+        try:
+            return InFlightStep(sched, self.runner.launch(self.runner.prepare_ahead(sched, tokens), rows), [])
+        except Exception as exc:
+            if is_fatal_error(exc):
+                raise
+            raise _LaunchFailed(sched) from exc
 
     def _current_suspect(self) -> Suspect | None:
         self._suspects = [s for s in self._suspects if not s.request.finished]
@@ -562,6 +679,7 @@ class LLMEngine:
             "preemptions": self.scheduler.num_preemptions,
             "computed_tokens": self.num_computed_tokens,
             "steps": self.num_steps,
+            "overlapped_steps": self.num_overlapped_steps,
             "failed_requests": self.num_failed_requests,
             **self.spec_stats.as_dict(),
         }

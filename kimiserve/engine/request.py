@@ -72,6 +72,10 @@ class Request:
     """The grammar still compiling; the scheduler keeps the request waiting until it is resolved."""
     thinking: "ThinkingBudget | None" = None
     """The thinking-token budget's state (params.thinking_token_budget set), advanced by the engine."""
+    fed_ahead: bool = False
+    """Async scheduling: a step feeding this sample's next token was launched before its last token
+    reached the host, so its KDA state pages are already past `num_computed` (no prefix-cache
+    snapshot is kept from them if the sample ends now; the extra row is discarded)."""
 
     @property
     def ready(self) -> bool:

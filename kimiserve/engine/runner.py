@@ -56,11 +56,29 @@ class StepInput:
     """Everything a rank needs to run one step's forward: the packed token ids, each sequence's chunk
     and pages, the logits rows wanted, the page copies and fresh state pages to apply first."""
 
-    token_ids: list[int]
+    token_ids: list[int] | torch.Tensor
+    """Host ids, or (async scheduling, one rank) an int64 device tensor: the tokens the step before
+    sampled, not yet seen by the host."""
     chunks: list[StepChunk]
     logit_rows: list[int]
     copies: list[tuple[int, int]] = field(default_factory=list)
     fresh_state_pages: list[int] = field(default_factory=list)
+
+
+@dataclass
+class LaunchedStep:
+    """A decode-only step whose forward and sampling are queued on the device (async scheduling):
+    `tokens` [n] on the device, one per chunk, and their copy to the host, in flight."""
+
+    tokens: torch.Tensor
+    host: torch.Tensor
+    copied: "torch.cuda.Event | None" = None
+
+    def results(self) -> list[ChunkResult]:
+        """Wait for the tokens (this step's work only, not the steps queued after it)."""
+        if self.copied is not None:
+            self.copied.synchronize()
+        return [ChunkResult(samples=[(t, None)]) for t in self.host.tolist()]
 
 
 class ModelRunner:
@@ -136,6 +154,46 @@ class ModelRunner:
                          [p for c in sched.chunks for p in c.fresh_state_pages])
         return step, plans
 
+    def plain_sample_requests(self, requests: list, pending: int) -> list[SampleRequest] | None:
+        """The sampler's rows of a decode-only step of `requests` (one sample each, `pending` tokens not
+        yet appended to their outputs), if every row is plain (`SampleRequest.is_plain`) and the sampler
+        can sample them on the device (`Sampler.sample_plain`); else None."""
+        if not hasattr(self.sampler, "sample_plain"):
+            return None
+        rows = []
+        for r in requests:
+            row = SampleRequest(r.params, r.prompt_ids, r.output_ids, r.seed, self.eos_token_id, r.grammar,
+                                r.forced_token_id, pending)
+            if not row.is_plain or (r.params.prompt_logprobs is not None and not r.prompt_logprobs):
+                return None
+            rows.append(row)
+        return rows
+
+    def prepare_ahead(self, sched: SchedulerOutput, tokens: torch.Tensor) -> "StepInput":
+        """The StepInput of a decode-only step scheduled while the step before it runs (`Scheduler.reserve_ahead`):
+        each chunk's request feeds the token that step samples for it, `tokens[i]` on the device, at
+        position num_computed + 1."""
+        chunks = [StepChunk(i, i + 1, c.request.num_computed + 1, list(c.request.block_table),
+                            list(c.request.state_pages), None, False, c.request.lora_id)
+                  for i, c in enumerate(sched.chunks)]
+        return StepInput(tokens, chunks, list(range(len(chunks))), [pair for c in sched.chunks for pair in c.copies],
+                         [p for c in sched.chunks for p in c.fresh_state_pages])
+
+    @torch.inference_mode()
+    def launch(self, step: "StepInput", rows: list[SampleRequest]) -> LaunchedStep:
+        """Queue a decode-only step's forward and sampling (rows from `plain_sample_requests`) on the device
+        and the copy of its tokens to the host; returns without waiting for any of them."""
+        tokens = self.sampler.sample_plain(self.forward(step), rows)
+        if tokens is None:
+            raise RuntimeError("launch() needs plain rows (plain_sample_requests)")
+        if tokens.device.type != "cuda":
+            return LaunchedStep(tokens, tokens)
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        return LaunchedStep(tokens, host, copied)
+
     @torch.inference_mode()
     def forward(self, step: "StepInput") -> torch.Tensor:
         """This rank's part of the step: page copies, fresh state, the model's forward through the pool
@@ -147,21 +205,21 @@ class ModelRunner:
             self.pool.zero_state(torch.tensor(step.fresh_state_pages, device=self.device))
         if self._token_sharded(step):
             return self._forward_token_sharded(step)
-        seq_chunks = [c.to_sequence_chunk() for c in step.chunks]
-        n = len(seq_chunks)
+        n = len(step.chunks)
         every_row = step.logit_rows == list(range(len(step.token_ids)))
         if self.graphs is not None and every_row and len(step.token_ids) == n:
-            logits = self.graphs.run(step.token_ids, seq_chunks)  # one token per sequence, each sampled
+            logits = self.graphs.run(step.token_ids, step.chunks)  # one token per sequence, each sampled
             if logits is not None:
                 return logits
+        seq_chunks = [c.to_sequence_chunk() for c in step.chunks]
         if self.verify_graphs is not None and every_row:
             logits = self.verify_graphs.run(step.token_ids, seq_chunks)
             if logits is not None:
                 self.verified = (None, [c.verify for c in step.chunks])
                 return logits
         batch = ForwardBatch.build(self.pool, seq_chunks, self.device, self.ops, self.dcp)
-        input_ids = torch.tensor(step.token_ids, device=self.device)
-        rows = torch.tensor(step.logit_rows, device=self.device, dtype=torch.long)
+        input_ids = _to_device(step.token_ids, self.device)
+        rows = _to_device(step.logit_rows, self.device)
         if self.invariant is not None:
             lora = None
             if self.lora is not None:
@@ -251,7 +309,8 @@ class ModelRunner:
         """One (token, logprobs) per row, batched; if the batch raises, row by row, so a row that
         cannot be sampled gets its exception in place of a token and the others still sample."""
         try:
-            return self.sampler(logits[torch.tensor(rows, device=logits.device)], requests)
+            picked = logits if rows == list(range(logits.shape[0])) else logits[_to_device(rows, logits.device)]
+            return self.sampler(picked, requests)
         except Exception as exc:  # noqa: BLE001 - attributed row by row below
             if is_fatal_error(exc):
                 raise
@@ -264,6 +323,15 @@ class ModelRunner:
                         raise
                     out.append(row_exc)
             return out
+
+
+def _to_device(values, device: torch.device) -> torch.Tensor:
+    """int64 device tensor of a host list (through pinned memory on CUDA: the host does not wait), or a
+    device tensor as it is."""
+    if isinstance(values, torch.Tensor):
+        return values.to(device)
+    t = torch.tensor(values, dtype=torch.int64)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
 
 def _draft_states(request, drafts: list[int]):

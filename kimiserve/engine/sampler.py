@@ -62,6 +62,25 @@ class SampleRequest:
     """The sample's `RequestGrammar` (guided decoding), or None."""
     forced_token_id: int | None = None
     """A token this row must produce (the thinking budget's `</think>`), or None."""
+    pending_tokens: int = 0
+    """Tokens this sample drew before this row that `output_ids` does not hold yet (a step scheduled
+    while the previous one ran: async scheduling); only plain rows (`is_plain`) may have any."""
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_ids) + self.pending_tokens
+
+    @property
+    def is_plain(self) -> bool:
+        """Sampled from the raw logits alone (temperature, top-k, top-p, min-p, seed): no grammar,
+        forced token, allowed_token_ids, bad words, min_tokens ban, logit_bias, penalties or logprobs.
+        Such rows need nothing from the host (`Sampler.sample_plain`)."""
+        p = self.params
+        return (self.grammar is None and self.forced_token_id is None and not p.allowed_token_ids
+                and not p._bad_words_token_ids and not p.logit_bias and p.logprobs is None
+                and p.presence_penalty == 0 and p.frequency_penalty == 0 and p.repetition_penalty == 1
+                and (self.num_output_tokens >= p.min_tokens
+                     or (not p.stop_token_ids and (self.eos_token_id is None or p.ignore_eos))))
 
 
 @dataclass
@@ -121,6 +140,15 @@ def prompt_logprobs(logits: torch.Tensor, prompt_ids: list[int], n: int) -> list
     return [None, *prompt_logprobs_chunk(logits, list(prompt_ids[1:]), n)] if prompt_ids else []
 
 
+def _device_list(values: list, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A small host list as a device tensor without blocking the host (through pinned memory on CUDA)."""
+    t = torch.tensor(values, dtype=dtype if dtype is not None else torch.int64 if isinstance(values[0], int)
+                     else torch.float32)
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def _scatter_ones(target: torch.Tensor, ids_per_row: list[list[int]], accumulate: bool) -> torch.Tensor:
     """Add (accumulate) or set 1 at target[r, t] for every t in ids_per_row[r]; returns target."""
     rows = [r for r, ids in enumerate(ids_per_row) for _ in ids]
@@ -162,7 +190,7 @@ class Sampler:
     def _generator(self, req: SampleRequest, device: torch.device) -> torch.Generator:
         if req.seed is None:
             return self._shared_generator(device)
-        return torch.Generator(device=device).manual_seed(mix_seed(req.seed, len(req.output_ids)))
+        return torch.Generator(device=device).manual_seed(mix_seed(req.seed, req.num_output_tokens))
 
     @staticmethod
     def _penalise(logits: torch.Tensor, requests: list[SampleRequest]) -> torch.Tensor:
@@ -187,7 +215,7 @@ class Sampler:
         (unless ignore_eos) and stop_token_ids while len(output_ids) < min_tokens."""
         p = req.params
         out = banned_tokens(p._bad_words_token_ids, req.output_ids, V) if p._bad_words_token_ids else []
-        if len(req.output_ids) < p.min_tokens:
+        if req.num_output_tokens < p.min_tokens:
             out += [t for t in p.stop_token_ids if t < V]
             if req.eos_token_id is not None and not p.ignore_eos and 0 <= req.eos_token_id < V:
                 out.append(req.eos_token_id)
@@ -288,36 +316,61 @@ class Sampler:
                 return int(torch.argmax(scores)) if bool(scores.max() > ops.NEG_INF) else int(torch.argmax(ok.to(torch.int8)))
         return int(torch.argmax(row))
 
-    def __call__(self, logits: torch.Tensor, requests: list[SampleRequest]) -> list[tuple[int, TokenLogprobs | None]]:
-        """Sample one token per row. logits: fp32 [R, V], row r for requests[r]."""
-        if logits.dim() != 2 or logits.shape[0] != len(requests):
-            raise ValueError(f"logits must be [R, V] with R = {len(requests)} requests, got {tuple(logits.shape)}")
-        raw = logits.float()
-        dev = raw.device
-        V = raw.shape[1]
-        x = ops.saturate(raw)  # a fresh tensor: the masks write into it
-        grammar_keep = self._grammar_masks(x, requests)
-        self._hard_masks(x, requests)
-        self._logit_bias(x, requests)
-        x = self._penalise(x, requests)
+    def _draw(self, x: torch.Tensor, requests: list[SampleRequest]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(token ids [R], valid [R]) on the device from the masked, penalised logits x: the argmax for
+        greedy rows, one draw for the others; valid is False for a row without a finite logit."""
+        dev, V = x.device, x.shape[1]
         best = x.max(dim=-1, keepdim=True).values
         valid = best.squeeze(-1) > ops.NEG_INF
         token_ids = torch.argmax(x, dim=-1)
         rows = [i for i, r in enumerate(requests) if not r.params.greedy]
         if rows:
             sub = [requests[i].params for i in rows]
-            idx = torch.tensor(rows, dtype=torch.int64, device=dev)
+            every = len(rows) == len(requests)
+            idx = None if every else _device_list(rows, dev)
+            pick = (lambda t: t) if every else (lambda t: t[idx])
             # minus the row max: <= 0 everywhere, 0 at the best token, so no temperature overflows it
-            # up; rows without a finite logit (nan here) are replaced by their fallback below
-            y = torch.where(valid[idx, None], x[idx] - best[idx], 0.0)
-            y = ops.apply_temperature(y, torch.tensor([p.temperature for p in sub], device=dev))
+            # up; rows without a finite logit (nan here) are replaced by their fallback
+            y = torch.where(pick(valid)[:, None], pick(x) - pick(best), 0.0)
+            y = ops.apply_temperature(y, _device_list([p.temperature for p in sub], dev, x.dtype))
             top_k = [p.top_k if p.top_k < V else 0 for p in sub]  # k >= V keeps all: 0 (and no int64 overflow)
             if any(k > 0 for k in top_k) or any(p.top_p < 1 or p.min_p > 0 for p in sub):
-                y = ops.apply_top_k_top_p_min_p(y, torch.tensor(top_k, dtype=torch.int64, device=dev),
-                                                torch.tensor([p.top_p for p in sub], device=dev),
-                                                torch.tensor([p.min_p for p in sub], device=dev))
+                y = ops.apply_top_k_top_p_min_p(y, _device_list(top_k, dev),
+                                                _device_list([p.top_p for p in sub], dev, x.dtype),
+                                                _device_list([p.min_p for p in sub], dev, x.dtype))
             gens = [self._generator(requests[i], dev) for i in rows]
-            token_ids[idx] = ops.sample(self.softmax(y, dim=-1), gens)
+            drawn = ops.sample(self.softmax(y, dim=-1), gens)
+            if every:
+                token_ids = drawn
+            else:
+                token_ids[idx] = drawn
+        return token_ids, valid
+
+    def sample_plain(self, logits: torch.Tensor, requests: list[SampleRequest]) -> torch.Tensor | None:
+        """int64 [R] token ids on the logits' device, no host transfer, when every row `is_plain`;
+        else None (use `__call__`). The same tokens `__call__` gives (a row without a finite logit
+        takes the first token, as its fallback does for a row with nothing masked)."""
+        if logits.dim() != 2 or logits.shape[0] != len(requests):
+            raise ValueError(f"logits must be [R, V] with R = {len(requests)} requests, got {tuple(logits.shape)}")
+        if not all(r.is_plain for r in requests):
+            return None
+        x = ops.saturate(logits.float())
+        token_ids, valid = self._draw(x, requests)
+        return torch.where(valid, token_ids, 0)
+
+    def __call__(self, logits: torch.Tensor, requests: list[SampleRequest]) -> list[tuple[int, TokenLogprobs | None]]:
+        """Sample one token per row. logits: fp32 [R, V], row r for requests[r]."""
+        plain = self.sample_plain(logits, requests)
+        if plain is not None:
+            return [(t, None) for t in plain.tolist()]  # one host transfer
+        raw = logits.float()
+        dev = raw.device
+        x = ops.saturate(raw)  # a fresh tensor: the masks write into it
+        grammar_keep = self._grammar_masks(x, requests)
+        self._hard_masks(x, requests)
+        self._logit_bias(x, requests)
+        x = self._penalise(x, requests)
+        token_ids, valid = self._draw(x, requests)
         ids = torch.where(valid, token_ids, -1).tolist()  # one host transfer; -1: no finite logit
         for i, t in enumerate(ids):
             if t < 0:

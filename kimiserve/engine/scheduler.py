@@ -164,12 +164,26 @@ class Scheduler:
         if first:
             request.num_cached_tokens = min(hit.num_tokens, len(request.prompt_ids))
 
-    def _reserve(self, request: Request, n: int) -> ScheduledChunk | None:
-        """Pages for `n` more tokens of `request`, copying shared pages it writes into; None if the pool is short."""
+    def reserve_ahead(self, requests: list[Request]) -> SchedulerOutput | None:
+        """Async scheduling: a decode chunk for each running request's token after the one the step in
+        flight feeds (that step's tokens are not known yet: they come from the device). None when the
+        pool is short (no preemption here; the engine then waits for the step and schedules as usual:
+        pages reserved so far are the ones that step would reserve, or are freed when the request ends)."""
+        out = SchedulerOutput()
+        for request in requests:
+            chunk = self._reserve(request, 1, ahead=1)
+            if chunk is None:
+                return None
+            out.chunks.append(chunk)
+        return out
+
+    def _reserve(self, request: Request, n: int, ahead: int = 0) -> ScheduledChunk | None:
+        """Pages for `n` more tokens of `request` (after `ahead` tokens a launched step feeds), copying shared
+        pages it writes into; None if the pool is short."""
         alloc, bs = self.allocator, self.allocator.block_size
-        end = request.num_computed + n
+        end = request.num_computed + ahead + n
         new_blocks = -(-end // bs) - len(request.block_table)
-        writes_last = request.num_computed % bs != 0
+        writes_last = (request.num_computed + ahead) % bs != 0
         cow_last = writes_last and alloc.refcount(request.block_table[-1]) > 1
         shared_states = [i for i, p in enumerate(request.state_pages) if alloc.refcount(p) > 1]
         fresh_states = 0 if request.state_pages else self.num_state_pages
@@ -241,7 +255,8 @@ class Scheduler:
         """End a sample: keep a snapshot of its cached tokens for later prompts, free its pages."""
         if request.status is Status.RUNNING:
             self.running.remove(request)
-            if self.enable_prefix_caching and reason not in ("abort", "error") and request.num_computed:
+            if (self.enable_prefix_caching and reason not in ("abort", "error") and request.num_computed
+                    and not request.fed_ahead):
                 self.allocator.snapshot(request.all_ids[: request.num_computed], request.block_table, request.state_pages,
                                         request.lora_id)
         elif request.status is Status.WAITING:
