@@ -66,6 +66,40 @@ def test_grouped_linear_matches_per_row_reference_and_its_gradients():
     assert torch.equal(bi.linear(x[4:9], w[4:9]), y[4:9])
 
 
+def test_linear_grouped_by_weight_equals_per_row_weights_bit_for_bit():
+    """grouped_linear (one linear per group present, negative groups zero) gives each row the bits of
+    the per-row-weight linear, whatever the other rows' groups; gradients reach the weights."""
+    g = torch.Generator().manual_seed(3)
+    stack = torch.randn(4, 7, 23, generator=g, requires_grad=True)
+    x = torch.randn(29, 23, generator=g)
+    groups = torch.randint(-1, 4, (29,), generator=g)
+    y = bi.grouped_linear(x, groups, lambda e: stack[e], 7)
+    per_row = bi.linear(x, stack[groups.clamp(min=0)])
+    assert torch.equal(y, torch.where((groups >= 0).unsqueeze(1), per_row, 0.0))
+    assert torch.equal(bi.grouped_linear(x[5:6], groups[5:6], lambda e: stack[e], 7), y[5:6])
+    (gw,) = torch.autograd.grad(y.square().sum(), stack)
+    (rw,) = torch.autograd.grad(torch.where((groups >= 0).unsqueeze(1), per_row, 0.0).square().sum(), stack)
+    torch.testing.assert_close(gw, rw)
+    assert bi.grouped_linear(x[:0], groups[:0], lambda e: stack[e], 7).shape == (0, 7)
+    with pytest.raises(ValueError, match="groups must be"):
+        bi.grouped_linear(x, groups[:3], lambda e: stack[e], 7)
+
+
+def test_head_linear_is_the_per_head_tree_sum_and_row_invariant():
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(11, 3, 37, generator=g, requires_grad=True)
+    w = torch.randn(3, 9, 37, generator=g, requires_grad=True)
+    y = bi.head_linear(x, w)
+    assert y.dtype == torch.float32
+    assert torch.equal(y, bi.tree_sum(x.unsqueeze(-2) * w, -1))
+    assert torch.equal(bi.head_linear(x[6:7], w), y[6:7])
+    torch.testing.assert_close(y, torch.einsum("nhk,hok->nho", x, w), rtol=1e-5, atol=1e-5)
+    gx, gw = torch.autograd.grad(y.sum(), (x, w))
+    rx, rw = torch.autograd.grad(torch.einsum("nhk,hok->nho", x, w).sum(), (x, w))
+    torch.testing.assert_close(gx, rx)
+    torch.testing.assert_close(gw, rw)
+
+
 def test_softmax_norms_and_sigmoid_are_row_invariant_and_close_to_torch():
     x = torch.randn(9, 1000) * 4
     torch.testing.assert_close(bi.log_softmax(x), torch.log_softmax(x, -1), rtol=1e-5, atol=1e-5)

@@ -1,16 +1,22 @@
 """Make Triton 3.6's CPU interpreter behave like the GPU where the Triton kernels need it.
 
 `enable()` sets TRITON_INTERPRET=1 (call it before any module defining kernels is imported) and
-patches three interpreter gaps, so an interpreter run checks what the GPU computes:
+patches the interpreter's gaps, so an interpreter run checks what the GPU computes:
 - a scalar used as a loop bound (e.g. from program_id) is a 1-element array, which int() refuses
   since numpy 2.4;
 - tl.dot multiplies bf16 operands as their raw uint16 bits;
+- (inside `ordered_dots()` only) tl.dot is numpy's BLAS matmul, whose bits for an output row depend
+  on the row's place in the tile (OpenBLAS's microkernels); there it becomes d + sum_k a[:, k] b[k, :]
+  in increasing k, one fp32 product and add per k for every element alike: the per-element
+  property of the GPU's MMA that a batch-invariant kernel relies on (checked on the GPU itself by
+  the same tests without the interpreter);
 - float casts truncate fp32 -> bf16 (the GPU rounds to nearest even) and turn e4m3 NaN into 480:
   casts between float types go through torch instead.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import numpy as np
@@ -54,7 +60,13 @@ def enable() -> None:
         return interp.TensorHandle(from_torch(to_torch(x.data, tl.bfloat16).float(), np.float32), tl.float32)
 
     def dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        return create_dot(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
+        a, b = widen(a), widen(b)
+        if not getattr(interp, "_kimiserve_ordered_dot", False):
+            return create_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+        acc = d.data.copy()
+        for k in range(a.data.shape[-1]):  # one fp32 product and one add per k, in increasing k
+            acc = acc + (a.data[..., :, k : k + 1] * b.data[..., k : k + 1, :]).astype(acc.dtype)
+        return interp.TensorHandle(acc, d.dtype.scalar)
 
     def float_cast(src, dst_type):
         s, d = src.dtype.scalar, dst_type.scalar
@@ -74,3 +86,15 @@ def enable() -> None:
     builder.create_dot = dot
     builder.cast_impl = cast
     builder.create_fp_to_fp = fp_cast
+
+
+@contextlib.contextmanager
+def ordered_dots():
+    """tl.dot as a fixed per-element order of fp32 products and adds while inside (see the module doc)."""
+    from triton.runtime import interpreter as interp
+
+    interp._kimiserve_ordered_dot = True
+    try:
+        yield
+    finally:
+        interp._kimiserve_ordered_dot = False

@@ -2,9 +2,9 @@
 
 Each row of a batch has an adapter slot (-1: the base model). For a projection y = W x, the adapters'
 A and B of that projection are stacked once per batch (zeros for the base and for adapters that do not
-cover it; ranks zero-padded to the largest), each row gathers its own pair, and the whole batch runs one
-per-row-weight product for A and one for B (`ops.batch_invariant.reference.linear` with [N, out, in]
-weights): no batch per adapter, and a row's result depends only on its own adapter. `lora_reference` is
+cover it; ranks zero-padded to the largest) and the rows run grouped by adapter (by adapter and expert
+for the experts): one invariant matmul per group present for A and one for B
+(`ops.batch_invariant.reference.grouped_linear`), so a row's result depends only on its own adapter. `lora_reference` is
 the oracle: one F.linear per adapter on its rows.
 """
 
@@ -48,10 +48,15 @@ class LoRABatch:
             return None, None
         A, B = _stack(pairs, self.rank)
         index = slots + 1
-        a_rows = A[index] if experts is None else A[index, experts]
-        b_rows = B[index] if experts is None else B[index, experts]
-        d = bi.linear(bi.linear(x, a_rows), b_rows)
         covered = torch.tensor([False] + [p is not None for p in pairs], device=x.device)[index]
+        if experts is None:
+            groups, pick = torch.where(covered, slots, -1), lambda t, g: t[g + 1]
+        else:  # one group per (adapter, expert)
+            E = A.shape[1]
+            groups = torch.where(covered, slots * E + experts, -1)
+            pick = lambda t, g: t[g // E + 1, g % E]  # noqa: E731
+        h = bi.grouped_linear(x, groups, lambda g: pick(A, g), self.rank)
+        d = bi.grouped_linear(h, groups, lambda g: pick(B, g), B.shape[-2])
         return d.float() * self.scales[index].unsqueeze(1), covered
 
     def apply(self, name: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

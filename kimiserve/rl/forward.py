@@ -17,7 +17,8 @@ Both reduce to the same per-token computation:
 - KDA runs the recurrent form one token at a time in both prefill and decode (the chunked form gives
   other bits), the short conv as a 4-tap tree sum from the conv state; a prompt snapshot is the state
   before the last token, as the default path keeps it;
-- routed experts run per (token, slot) pair and are combined over the token's slots in slot order.
+- routed experts run per (token, slot) pair (grouped by expert) and are combined over the token's slots
+  in slot order.
 
 `lora` (a `kimiserve.lora.LoRABatch`, or None) adds each row's adapter to the projections it covers.
 """
@@ -310,7 +311,7 @@ class InvariantForward:
             iw = self.proj(indexer.weights_proj, x).float() * (indexer.num_heads ** -0.5 * indexer.head_dim ** -0.5)
         ctx.store_mla(a.cache_index, latent_rows, keys)
         w_kc, w_vc = split_kv_b(a.kv_b_proj.weight, H, a.nope)  # [H, dn, L], [H, dv, L]
-        q_abs = bi.tree_sum(q_nope.float().unsqueeze(-1) * w_kc.float(), -2)  # [N, H, L]
+        q_abs = bi.head_linear(q_nope, w_kc.transpose(1, 2))  # [N, H, L] fp32
         longest = int(ctx.positions.max()) + 1
         width = max(latent_rows.shape[-1] * H, indexer.num_heads * indexer.head_dim if indexer is not None else 0)
         budget = ATTENTION_CHUNK_ELEMENTS.get(x.device.type, ATTENTION_CHUNK_ELEMENTS["cpu"])
@@ -327,7 +328,7 @@ class InvariantForward:
                 listed = torch.where(listed < lens.unsqueeze(1), listed, S)
             parts.append(bi.sparse_latent_attention(q_abs[rows], q_pe[rows], latents, listed, a.scale))
         out_latent = torch.cat(parts)  # [N, H, L]
-        o = bi.tree_sum(out_latent.unsqueeze(2) * w_vc.float(), -1).to(x.dtype).reshape(N, -1)  # [N, H * dv]
+        o = bi.head_linear(out_latent, w_vc).to(x.dtype).reshape(N, -1)  # [N, H * dv]
         if hasattr(a, "g_proj"):
             o = o * bi.sigmoid(self.proj(a.g_proj, x))
         return self.proj(a.o_proj, o)
@@ -409,20 +410,24 @@ class InvariantForward:
         return y.to(x.dtype)
 
     def experts(self, experts, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """Each (token, slot) pair through its expert (per-row weights), combined over the slots in slot order."""
+        """Each (token, slot) pair through its expert (rows grouped by expert), combined over the slots
+        in slot order."""
         N, k = ids.shape
-        every = torch.arange(experts.num_experts, device=h.device)
         flat = ids.reshape(-1)
         xs = h.repeat_interleave(k, dim=0)
-        w1, w2, w3 = (experts.stacked_weight(n, every).to(h.dtype)[flat] for n in experts.NAMES)
-        gate, up = bi.linear(xs, w1), bi.linear(xs, w3)
+
+        def weight(name):
+            return lambda e: experts.expert_weight(name, e).to(h.dtype)
+
+        inter = self.config.moe_intermediate_size
+        gate, up = bi.grouped_linear(xs, flat, weight("w1"), inter), bi.grouped_linear(xs, flat, weight("w3"), inter)
         lora = self.lora
         if lora is not None:
             base, slots = self.names[id(experts)], lora.row_slot.repeat_interleave(k)
             gate = lora.apply_experts(f"{base}.w1", xs, flat, slots, gate)
             up = lora.apply_experts(f"{base}.w3", xs, flat, slots, up)
         act = self.act(gate, up)
-        y = bi.linear(act, w2)
+        y = bi.grouped_linear(act, flat, weight("w2"), h.shape[-1])
         if lora is not None:
             y = lora.apply_experts(f"{base}.w2", act, flat, slots, y)
         return bi.tree_sum(y.float().view(N, k, -1) * weights.float().unsqueeze(-1), 1).to(h.dtype)

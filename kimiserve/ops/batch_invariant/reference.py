@@ -82,7 +82,7 @@ class _InvariantLinear(torch.autograd.Function):
         K, O = w.shape[-1], w.shape[-2]
         fast = _cuda_matmul() if x.is_cuda and w.dim() == 2 else None
         if fast is not None:  # one fixed tiling: batch-invariant too, other bits than the tree
-            return fast(x.reshape(-1, K), w).view(*x.shape[:-1], O).to(x.dtype)
+            return fast(x.reshape(-1, K), w, out_dtype=x.dtype).view(*x.shape[:-1], O)
         y = _linear_rows(x.reshape(-1, K).float(), w.reshape(-1, O, K).float() if w.dim() == 3 else w.float())
         return y.view(*x.shape[:-1], O).to(x.dtype)
 
@@ -113,6 +113,59 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if weight.dim() == 3 and (x.dim() != 2 or weight.shape[0] != x.shape[0]):
         raise ValueError(f"per-row weights {tuple(weight.shape)} need x [N, K] with the same N, got {tuple(x.shape)}")
     return _InvariantLinear.apply(x, weight)
+
+
+def grouped_linear(x: torch.Tensor, groups: torch.Tensor, weight_of, out_features: int) -> torch.Tensor:
+    """Row i of x [N, K] times group groups[i]'s weight `weight_of(g)` [out_features, K] -> [N, out]
+    in x's dtype; rows of a negative group get zeros. One `linear` per group present (experts, LoRA
+    adapters): a row's bits are those of `linear` on that row alone (the CPU's tree sum gives the same
+    bits for a shared as for a per-row weight), with no [N, out, K] gathered weights. Syncs with the
+    host (the groups present)."""
+    if groups.shape != x.shape[:1]:
+        raise ValueError(f"groups must be [N] for x {tuple(x.shape)}, got {tuple(groups.shape)}")
+    order = torch.argsort(groups, stable=True)
+    present, counts = torch.unique_consecutive(groups[order], return_counts=True)
+    parts, start = [], 0
+    for g, n in zip(present.tolist(), counts.tolist()):
+        rows = order[start : start + n]
+        start += n
+        parts.append(x.new_zeros(n, out_features) if g < 0 else linear(x[rows], weight_of(g)))
+    if not parts:
+        return x.new_zeros(0, out_features)
+    return torch.cat(parts)[torch.argsort(order)]
+
+
+class _HeadLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, w)
+        fast = _cuda_matmul() if x.is_cuda else None
+        if fast is not None:
+            return fast(x.transpose(0, 1), w).transpose(0, 1)
+        N, H, K = x.shape
+        budget = LINEAR_CHUNK_ELEMENTS.get(x.device.type, LINEAR_CHUNK_ELEMENTS["cpu"])
+        rows = max(1, budget // max(1, H * w.shape[1] * K))
+        wf = w.float()
+        parts = [tree_sum(x[i : i + rows].float().unsqueeze(-2) * wf, -1) for i in range(0, N, rows)]
+        return torch.cat(parts) if parts else x.new_zeros(0, H, w.shape[1], dtype=torch.float32)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, w = ctx.saved_tensors
+        g = grad.float()
+        gx = torch.einsum("nho,hok->nhk", g, w.float()).to(x.dtype) if ctx.needs_input_grad[0] else None
+        gw = torch.einsum("nho,nhk->hok", g, x.float()).to(w.dtype) if ctx.needs_input_grad[1] else None
+        return gx, gw
+
+
+def head_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Per-head products in fp32: x [N, H, K] and weight [H, O, K] -> [N, H, O], out[n, h, o] =
+    sum_k x[n, h, k] weight[h, o, k] (the absorbed MLA's key and value matrices): the tree sum, on CUDA
+    the fixed-tiling matmul batched over heads."""
+    if x.dim() != 3 or weight.dim() != 3 or x.shape[1] != weight.shape[0] or x.shape[2] != weight.shape[2]:
+        raise ValueError(f"head_linear needs x [N, H, K] and weight [H, O, K], got {tuple(x.shape)} and "
+                         f"{tuple(weight.shape)}")
+    return _HeadLinear.apply(x, weight)
 
 
 class _Sigmoid(torch.autograd.Function):

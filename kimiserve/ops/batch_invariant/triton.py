@@ -1,15 +1,17 @@
 """Triton batch-invariant matmul (the GPU form of `reference.linear` for one weight matrix).
 
-y[m, n] = sum_k x[m, k] w[n, k] in fp32, tiled with ONE fixed configuration whatever M is (no split-K,
-no autotuning, no M-dependent tile choice): every output element is accumulated over K in BLOCK_K
-chunks in increasing k, each chunk as a fixed-shape [BM, BK, BN] product summed over its k axis
-(`tl.sum`: one reduction tree per output element, the same for every row of the tile) in fp32, so a
-row's result does not depend on how many rows there are or where it sits in its tile (rows past M
-are loaded as zeros). The thinking-machines recipe for batch-invariant matmuls, with the k-chunk sum
-written out rather than a `tl.dot`, whose per-row order the Triton interpreter (numpy's BLAS) does not
-keep: measured, a row's bits there depended on its place in the tile. FMA units, not tensor cores:
-a correctness-first kernel (its speed against cuBLAS is the H200 run's to measure). It gives other bits than the CPU's tree sum, so an engine and a trainer must both run it (both
-call `reference.linear`, which dispatches here on CUDA).
+y[m, n] = sum_k x[m, k] w[n, k], tiled with ONE fixed configuration whatever M is (no split-K, no
+autotuning, no M-dependent tile choice, M not specialised on): every output element is accumulated
+over K in BLOCK_K chunks in increasing k, each chunk one `tl.dot` of fixed-shape [BM, BK] x [BK, BN]
+tiles into the fp32 accumulator, so a row's result does not depend on how many rows there are or where
+it sits in its tile (rows past M load as zeros). bf16 / fp16 operands of one dtype go through the
+tensor cores (fp32 accumulate); anything else is computed in fp32 with IEEE products (no TF32). The
+recipe of thinking-machines' batch_invariant_ops and vLLM's batch-invariant mode (one tile config per
+dtype, a sequential K loop), as a plain grid rather than a persistent kernel.
+
+It gives other bits than the CPU's tree sum, so an engine and a trainer must both run it (both call
+`reference.linear`, which dispatches here on CUDA). `CONFIG` is the one tile shape; changing it changes
+the bits (never the invariance) and is measured by benchmarks/batch_invariant_matmul.py.
 """
 
 from __future__ import annotations
@@ -18,35 +20,58 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK_M, BLOCK_N, BLOCK_K = 16, 32, 16
+CONFIG = {"BM": 64, "BN": 128, "BK": 64, "num_warps": 4, "num_stages": 4}
+"""The one tile configuration (every M, every N, every K)."""
+
+_TENSOR_CORE_DTYPES = (torch.bfloat16, torch.float16)
 
 
-@triton.jit
-def _matmul_kernel(x_ptr, w_ptr, y_ptr, M, N, K, sxm, sxk, swn, swk, sym, syn,
-                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+@triton.jit(do_not_specialize=["M"])
+def _matmul_kernel(x_ptr, w_ptr, y_ptr, M, N, K, sxb, sxm, sxk, swb, swn, swk, syb, sym, syn,
+                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    pid_b = tl.program_id(2).to(tl.int64)
+    x_ptr += pid_b * sxb
+    w_ptr += pid_b * swb
+    y_ptr += pid_b * syb
     rm = pid_m * BM + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    rm64, rn64 = rm.to(tl.int64), rn.to(tl.int64)  # offsets past 2^31 elements (a vocab-sized weight)
+    x_ptrs = x_ptr + rm64[:, None] * sxm + rk[None, :] * sxk
+    w_ptrs = w_ptr + rn64[None, :] * swn + rk[:, None] * swk
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(0, K, BK):
-        rk = k0 + tl.arange(0, BK)
-        a = tl.load(x_ptr + rm[:, None] * sxm + rk[None, :] * sxk, mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)
-        b = tl.load(w_ptr + rn[None, :] * swn + rk[:, None] * swk, mask=(rn[None, :] < N) & (rk[:, None] < K), other=0.0)
-        acc += tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
-    tl.store(y_ptr + rm[:, None] * sym + rn[None, :] * syn, acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
+        a = tl.load(x_ptrs, mask=(rm[:, None] < M) & (k0 + rk[None, :] < K), other=0.0)
+        b = tl.load(w_ptrs, mask=(rn[None, :] < N) & (k0 + rk[:, None] < K), other=0.0)
+        if IEEE:
+            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+        x_ptrs += BK * sxk
+        w_ptrs += BK * swk
+    tl.store(y_ptr + rm64[:, None] * sym + rn64[None, :] * syn, acc.to(y_ptr.dtype.element_ty),
+             mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
-def matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [M, K] @ w [N, K]^T -> fp32 [M, N], batch-invariant (see the module doc)."""
-    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
-        raise ValueError(f"matmul needs x [M, K] and w [N, K], got {tuple(x.shape)} and {tuple(w.shape)}")
-    M, K = x.shape
-    N = w.shape[0]
-    y = torch.empty(M, N, dtype=torch.float32, device=x.device)
-    if M == 0 or N == 0:
-        return y
-    grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(N, BLOCK_N))
-    _matmul_kernel[grid](x, w, y, M, N, K, x.stride(0), x.stride(1), w.stride(0), w.stride(1), y.stride(0), y.stride(1),
-                         BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K)
-    return y
+def matmul(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """x [M, K] @ w [N, K]^T -> [M, N] in `out_dtype` (the fp32 sum rounded once), batch-invariant
+    (see the module doc). Also batched: x [B, M, K] and w [B, N, K] -> [B, M, N], each b on its own
+    (the same tiles as B separate calls)."""
+    batched = x.dim() == 3
+    if x.dim() not in (2, 3) or w.dim() != x.dim() or x.shape[-1] != w.shape[-1] or (batched and x.shape[0] != w.shape[0]):
+        raise ValueError(f"matmul needs x [M, K] and w [N, K] (or [B, M, K] and [B, N, K]), got {tuple(x.shape)} "
+                         f"and {tuple(w.shape)}")
+    x3, w3 = (x, w) if batched else (x.unsqueeze(0), w.unsqueeze(0))
+    B, M, K = x3.shape
+    N = w3.shape[1]
+    y = torch.empty(B, M, N, dtype=out_dtype, device=x.device)
+    if B and M and N:
+        ieee = not (x.dtype == w.dtype and x.dtype in _TENSOR_CORE_DTYPES)
+        c = CONFIG
+        grid = (triton.cdiv(M, c["BM"]), triton.cdiv(N, c["BN"]), B)
+        _matmul_kernel[grid](x3, w3, y, M, N, K, *x3.stride(), *w3.stride(), *y.stride(),
+                             BM=c["BM"], BN=c["BN"], BK=c["BK"], IEEE=ieee, num_warps=c["num_warps"],
+                             num_stages=c["num_stages"])
+    return y if batched else y[0]
