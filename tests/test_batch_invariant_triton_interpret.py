@@ -86,3 +86,187 @@ def test_batched_matmul_is_each_batch_alone():
     assert torch.equal(bi_triton.matmul(x[30:31].transpose(0, 1), w), y[:, 30:31])
     with pytest.raises(ValueError, match="matmul needs"):
         bi_triton.matmul(x.transpose(0, 1), w[:2])
+
+
+def _kda_inputs(N, H, K, V, g):
+    from kimiserve.ops.batch_invariant import reference as bi
+
+    q = bi.l2_normalize(torch.randn(N, H, K, generator=g))
+    k = bi.l2_normalize(torch.randn(N, H, K, generator=g))
+    v = torch.randn(N, H, V, generator=g)
+    gate = -torch.rand(N, H, K, generator=g) * 0.5
+    beta = torch.rand(N, H, generator=g)
+    return [t.to(DEVICE) for t in (q, k, v, gate, beta)]
+
+
+def test_kda_recurrence_matches_the_steps_and_a_segment_alone_or_chunked():
+    from kimiserve.ops.batch_invariant import reference as bi
+    from kimiserve.ops.batch_invariant import triton_kda
+
+    g = torch.Generator().manual_seed(2)
+    H, K, V = 2, 24, 40  # V spans two column blocks, K is padded to 32
+    lengths = torch.tensor([9, 1, 14])
+    starts = torch.tensor([0, 9, 10])
+    N = int(lengths.sum())
+    q, k, v, gate, beta = _kda_inputs(N, H, K, V, g)
+    state = torch.randn(3, H, K, V, generator=g).to(DEVICE) * 0.1
+    snap_t = torch.tensor([8, -1, 5])
+    dev = lambda *ts: [t.to(DEVICE) for t in ts]  # noqa: E731
+    o, final, snaps = triton_kda.recurrence(q, k, v, gate, beta, state, *dev(starts, lengths, snap_t), K ** -0.5)
+    ro, rfinal, rsnaps = bi._kda_recurrence_steps(q, k, v, gate, beta, state, *dev(starts, lengths, snap_t), K ** -0.5)
+    torch.testing.assert_close(o, ro, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(final, rfinal, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(snaps, rsnaps, rtol=1e-5, atol=1e-5)
+    assert torch.equal(snaps[1], torch.zeros_like(snaps[1]))
+    # segment 2 alone, then in two chunks (5 + 9 tokens) with the fp32 state carried: the same bits
+    rows = slice(10, 24)
+    one = lambda *a: [t.to(DEVICE) for t in (torch.tensor([0]), torch.tensor([a[0]]), torch.tensor([a[1]]))]  # noqa: E731
+    alone_o, alone_final, _ = triton_kda.recurrence(q[rows], k[rows], v[rows], gate[rows], beta[rows], state[2:3],
+                                                    *one(14, -1), K ** -0.5)
+    assert torch.equal(alone_o, o[rows]) and torch.equal(alone_final, final[2:3])
+    first = slice(10, 15)
+    o1, s1, _ = triton_kda.recurrence(q[first], k[first], v[first], gate[first], beta[first], state[2:3],
+                                      *one(5, -1), K ** -0.5)
+    assert torch.equal(s1, snaps[2:3])  # the state before token 5 is the state after 5 tokens
+    second = slice(15, 24)
+    o2, s2, _ = triton_kda.recurrence(q[second], k[second], v[second], gate[second], beta[second], s1,
+                                      *one(9, -1), K ** -0.5)
+    assert torch.equal(torch.cat([o1, o2]), o[rows]) and torch.equal(s2, final[2:3])
+    for t in range(14):  # token by token, as decode steps
+        ot, st, _ = triton_kda.recurrence(q[10 + t : 11 + t], k[10 + t : 11 + t], v[10 + t : 11 + t],
+                                          gate[10 + t : 11 + t], beta[10 + t : 11 + t], state[2:3] if t == 0 else st,
+                                          *one(1, -1), K ** -0.5)
+        assert torch.equal(ot, o[10 + t : 11 + t])
+
+
+def test_kda_recurrence_backward_is_the_steps_gradient():
+    from kimiserve.ops.batch_invariant import reference as bi
+
+    g = torch.Generator().manual_seed(5)
+    H, K, V = 1, 8, 8
+    inputs = [t.requires_grad_(True) for t in _kda_inputs(7, H, K, V, g)]
+    state = (torch.randn(2, H, K, V, generator=g).to(DEVICE) * 0.1).requires_grad_(True)
+    seg = [torch.tensor(x).to(DEVICE) for x in ([0, 4], [4, 3], [2, -1])]
+    o, final, _ = bi._KDARecurrence.apply(*inputs, state, *seg, K ** -0.5)
+    ro, rfinal, _ = bi._kda_recurrence_steps(*inputs, state, *seg, K ** -0.5)
+    w1, w2 = torch.randn_like(o), torch.randn_like(final)
+    got = torch.autograd.grad((o * w1).sum() + (final * w2).sum(), [*inputs, state])
+    want = torch.autograd.grad((ro * w1).sum() + (rfinal * w2).sum(), [*inputs, state])
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def _flat_contexts(g, lengths, width):
+    """Flat buffer of sequences' contexts and, per query row (every position of every sequence), its base and length."""
+    flat = torch.randn(sum(lengths), width, generator=g)
+    starts = torch.tensor([0] + lengths[:-1]).cumsum(0)
+    base = torch.cat([torch.full((n,), int(s)) for s, n in zip(starts, lengths)])
+    lens = torch.cat([torch.arange(1, n + 1) for n in lengths])
+    return flat, base, lens
+
+
+def test_latent_attention_kernel_matches_torch_and_rows_do_not_depend_on_the_batch():
+    from kimiserve.ops.batch_invariant import attention, triton_attention
+
+    g = torch.Generator().manual_seed(6)
+    H, L, R = 20, 56, 16  # two head blocks, L padded to 64, the width 72 in two column chunks
+    flat, base, lens = _flat_contexts(g, [70, 9, 40], L + R)
+    flat = flat.to(torch.bfloat16).float()
+    G = len(base)
+    q = torch.randn(G, H, L + R, generator=g)
+    listed = torch.stack([torch.randperm(80, generator=g)[:50] for _ in range(G)]) % lens.unsqueeze(1)
+    listed = torch.sort(listed, -1).values
+    count = torch.clamp(lens, max=50)
+    listed = torch.where(torch.arange(50) < count.unsqueeze(1), listed, 10_000)  # sentinels past the count
+    q, flat, base, lens, listed, count = (t.to(DEVICE) for t in (q, flat, base, lens, listed, count))
+    out = triton_attention.sparse_latent_attention(q, flat, base, listed, count, 0.1, L)
+    ref = attention._attention_torch(q.to(torch.bfloat16).float(), flat, base, listed, count, 0.1, L)
+    torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)  # probabilities are bf16 operands
+    for rows in (slice(5, 6), slice(69, 75), slice(0, G)):
+        assert torch.equal(triton_attention.sparse_latent_attention(q[rows], flat, base[rows], listed[rows], count[rows],
+                                                                   0.1, L), out[rows])
+    # the row in another flat buffer (other sequences before it) with a wider padded list
+    shift = 13
+    flat2 = torch.cat([torch.randn(shift, L + R, generator=g).to(DEVICE), flat])
+    wide = torch.cat([listed, torch.full((G, 40), 7, device=DEVICE)], 1)
+    assert torch.equal(triton_attention.sparse_latent_attention(q, flat2, base + shift, wide, count, 0.1, L), out)
+
+
+def test_indexer_kernel_matches_torch_and_topk_lists_do_not_depend_on_the_batch():
+    from kimiserve.ops.batch_invariant import attention, triton_attention
+
+    g = torch.Generator().manual_seed(7)
+    Hi, D = 5, 24
+    keys, base, lens = _flat_contexts(g, [90, 3, 33], D)
+    keys = keys.to(torch.bfloat16).float()
+    G = len(base)
+    iq = torch.randn(G, Hi, D, generator=g).to(torch.bfloat16)
+    iw = torch.randn(G, Hi, generator=g)
+    iq, iw, keys, base, lens = (t.to(DEVICE) for t in (iq, iw, keys, base, lens))
+    S = int(lens.max())
+    scores = triton_attention.indexer_scores(iq, iw, keys, base, lens, S)
+    ctx = torch.minimum(torch.arange(S, device=DEVICE).unsqueeze(0), (lens - 1).unsqueeze(1))
+    picked = keys[base.unsqueeze(1) + ctx]  # [G, S, D]
+    want = (torch.einsum("ghd,gsd->gsh", iq.float(), picked).relu() * iw.unsqueeze(1)).sum(-1)
+    want = want.masked_fill(torch.arange(S, device=DEVICE) >= lens.unsqueeze(1), float("-inf"))
+    torch.testing.assert_close(scores, want, rtol=1e-4, atol=1e-4)
+    listed, count = attention._listed_cuda(triton_attention, iq, iw, keys, base, lens, 16, S)
+    assert torch.equal(count, torch.clamp(lens, max=16))
+    for r in (0, 40, 89, 92, 125):
+        top = torch.sort(torch.topk(scores[r, : lens[r]], int(count[r])).indices).values
+        assert torch.equal(listed[r, : count[r]], top)
+    for rows in (slice(89, 90), slice(93, 126)):  # alone or with others: the same scores and lists
+        Sr = int(lens[rows].max())
+        assert torch.equal(triton_attention.indexer_scores(iq[rows], iw[rows], keys, base[rows], lens[rows], Sr),
+                           scores[rows, :Sr])
+        sub, sub_count = attention._listed_cuda(triton_attention, iq[rows], iw[rows], keys, base[rows], lens[rows], 16, Sr)
+        assert torch.equal(sub_count, count[rows])
+        for j in range(sub.shape[0]):
+            n = int(sub_count[j])
+            assert torch.equal(sub[j, :n], listed[rows][j, :n])
+
+
+def test_latent_attention_backward_is_the_torch_gradient():
+    from kimiserve.ops.batch_invariant import attention
+
+    g = torch.Generator().manual_seed(8)
+    H, L, R = 3, 16, 16
+    flat, base, lens = _flat_contexts(g, [6, 4], L + R)
+    G = len(base)
+    q = torch.randn(G, H, L + R, generator=g).to(DEVICE).requires_grad_(True)
+    flat = flat.to(DEVICE).requires_grad_(True)
+    listed = torch.arange(6).expand(G, 6).contiguous().to(DEVICE)
+    base, lens = base.to(DEVICE), lens.to(DEVICE)
+    out = attention._LatentAttention.apply(q, flat, base, listed, lens, 0.3, L)
+    ref = attention._attention_torch(q, flat, base, listed, lens, 0.3, L)
+    w = torch.randn_like(out)
+    for a, b in zip(torch.autograd.grad((out * w).sum(), (q, flat)), torch.autograd.grad((ref * w).sum(), (q, flat))):
+        torch.testing.assert_close(a, b)
+
+
+def test_invariant_engine_on_the_kernels_is_batch_invariant_and_equals_the_trainer(monkeypatch):
+    """The tiny model (bf16 weights) in batch-invariant mode with every op on its Triton form: a
+    sequence alone == in a chunked batch of others, and the trainer's logprobs == the engine's."""
+    from engine_utils import random_prompts, run
+    from kimiserve.engine.args import EngineArgs
+    from kimiserve.engine.engine import LLMEngine
+    from kimiserve.ops.batch_invariant import reference as bi
+    from kimiserve.rl.trainer import PolicyTrainer
+    from kimiserve.sampling_params import SamplingParams
+
+    if INTERPRET:
+        monkeypatch.setattr(bi, "on_triton", lambda x: True)
+    make = lambda **k: LLMEngine(EngineArgs(model="tiny", dtype="bfloat16", device=DEVICE, max_model_len=256,  # noqa: E731
+                                            num_pages=64, batch_invariant=True, **k))
+    prompts = random_prompts([21, 4, 13], seed=2)  # 21 > the tiny index_topk (8): the sparse path
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=3, logprobs=0, ignore_eos=True) for s in range(3)]
+    e = make(max_num_batched_tokens=8)
+    outs = run(e, prompts, params)
+    alone = run(make(), [prompts[0]], params[0])["r0"]
+    lp = lambda o: torch.tensor([x.logprob for x in o.outputs[0].logprobs])  # noqa: E731
+    assert alone.outputs[0].token_ids == outs["r0"].outputs[0].token_ids
+    assert torch.equal(lp(alone), lp(outs["r0"]))
+    with torch.no_grad():
+        lps = PolicyTrainer.from_engine(e).logprobs(prompts, [outs[f"r{i}"].outputs[0].token_ids for i in range(3)])
+    for i, got in enumerate(lps):
+        assert torch.equal(got.cpu(), lp(outs[f"r{i}"]))

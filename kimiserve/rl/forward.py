@@ -15,7 +15,8 @@ Both reduce to the same per-token computation:
   scores them (tree sums), keeps the top-k (ties to the earlier token, the list in position order) and
   the absorbed attention runs over that list (`sparse_latent_attention`), whatever the chunk;
 - KDA runs the recurrent form one token at a time in both prefill and decode (the chunked form gives
-  other bits), the short conv as a 4-tap tree sum from the conv state; a prompt snapshot is the state
+  a token other bits, tied to its chunk's composition; on CUDA one Triton pass per segment), the short
+  conv as a 4-tap tree sum from the conv state for every row at once; a prompt snapshot is the state
   before the last token, as the default path keeps it;
 - routed experts run per (token, slot) pair (grouped by expert) and are combined over the token's slots
   in slot order.
@@ -35,13 +36,9 @@ from kimiserve.model.batch import ForwardBatch
 from kimiserve.model.mla import INDEX_KEY_NORM_EPS, MLAAttention
 from kimiserve.model.model import KimiForCausalLM
 from kimiserve.ops.batch_invariant import reference as bi
+from kimiserve.ops.batch_invariant.attention import mla_attention
 from kimiserve.ops.mla.reference import split_kv_b
 from kimiserve.ops.quant.reference import hadamard
-
-ATTENTION_CHUNK_ELEMENTS = {"cpu": 1 << 22, "cuda": 1 << 28}
-"""MLA query rows are attended in groups whose [rows, heads, context, width] products stay about this
-size (per device type; others use the CPU's)."""
-
 
 @dataclass
 class Segment:
@@ -96,13 +93,10 @@ class SequenceContext:
         back = formats.load_index_key(codes, scales, fmt, torch.float32, keys.shape[-1])
         return rotate(back, h).to(keys.dtype)
 
-    def read_mla(self, layer: int, rows: torch.Tensor):
-        pos = self.positions[rows]
-        S = int(pos.max()) + 1
-        ctx = torch.minimum(torch.arange(S, device=self.device).unsqueeze(0), pos.unsqueeze(1))
-        idx = self.row_start[rows].unsqueeze(1) + ctx
-        keys = self._keys[layer]
-        return self._latents[layer][idx], (keys[idx] if keys is not None else None), pos + 1
+    def read_mla_flat(self, layer: int):
+        """(latents [T, L + R], index keys [T, Di] or None, base [N]): row g's context position p is
+        row base[g] + p of both."""
+        return self._latents[layer], self._keys[layer], self.row_start
 
     def kda_initial(self, layer: int, num_heads: int, head_dim: int, conv_width: int, dtype):
         B = len(self.segments)
@@ -165,22 +159,27 @@ class PagedContext:
             pool.index_scale[layer] if pool.index_scale else None, self.batch.write_pages, self.batch.write_offsets,
             latent_rows, keys, pool.kv_cache_dtype, pool.latent_scales[layer])
 
-    def read_mla(self, layer: int, rows: torch.Tensor):
+    def read_mla_flat(self, layer: int):
+        """Each chunk's context 0 .. its last position read back from the pool once, the chunks one
+        after the other (see `SequenceContext.read_mla_flat`)."""
         pool, bs = self.pool, self.pool.block_size
-        pos = self.positions[rows]
-        S = int(pos.max()) + 1
-        ctx = torch.minimum(torch.arange(S, device=self.device).unsqueeze(0), pos.unsqueeze(1))
-        tables = self.tables[self.row_segment[rows]]
-        pages, offsets = torch.gather(tables, 1, ctx // bs), ctx % bs
-        latents = pool.read_latents(layer, pages, offsets, torch.float32)
+        ends = [c.context_start + (c.end - c.start) for c in self.batch.chunks]
+        offsets = [0]
+        for n in ends:
+            offsets.append(offsets[-1] + n)
+        ctx = torch.cat([torch.arange(n) for n in ends]).to(self.device)
+        seg = torch.cat([torch.full((n,), j, dtype=torch.int64) for j, n in enumerate(ends)]).to(self.device)
+        pages, offs = torch.gather(self.tables[seg], 1, (ctx // bs).unsqueeze(1))[:, 0], ctx % bs
+        latents = pool.read_latents(layer, pages, offs, torch.float32)
         keys = None
         if pool.index_key:
-            scales = pool.index_scale[layer][pages, offsets] if pool.index_scale else None
-            keys = formats.load_index_key(pool.index_key[layer][pages, offsets], scales, pool.kv_cache_dtype,
+            scales = pool.index_scale[layer][pages, offs] if pool.index_scale else None
+            keys = formats.load_index_key(pool.index_key[layer][pages, offs], scales, pool.kv_cache_dtype,
                                           torch.float32, pool.layout.index_dim)
             if pool.layout.index_key_rotation:
                 keys = rotate(keys, pool.index_rotation)
-        return latents, keys, pos + 1
+        base = torch.tensor(offsets[:-1], dtype=torch.int64, device=self.device)[self.row_segment]
+        return latents, keys, base
 
     def kda_initial(self, layer: int, num_heads: int, head_dim: int, conv_width: int, dtype):
         pages = torch.stack([c.state_pages[layer] for c in self.batch.chunks])
@@ -312,22 +311,9 @@ class InvariantForward:
         ctx.store_mla(a.cache_index, latent_rows, keys)
         w_kc, w_vc = split_kv_b(a.kv_b_proj.weight, H, a.nope)  # [H, dn, L], [H, dv, L]
         q_abs = bi.head_linear(q_nope, w_kc.transpose(1, 2))  # [N, H, L] fp32
-        longest = int(ctx.positions.max()) + 1
-        width = max(latent_rows.shape[-1] * H, indexer.num_heads * indexer.head_dim if indexer is not None else 0)
-        budget = ATTENTION_CHUNK_ELEMENTS.get(x.device.type, ATTENTION_CHUNK_ELEMENTS["cpu"])
-        group = max(1, budget // (longest * width))
-        parts = []
-        for lo in range(0, N, group):
-            rows = torch.arange(lo, min(N, lo + group), device=x.device)
-            latents, ctx_keys, lens = ctx.read_mla(a.cache_index, rows)
-            S = latents.shape[1]
-            if indexer is not None:
-                listed = bi.indexer_topk(iq[rows], iw[rows], ctx_keys, lens, indexer.topk)
-            else:
-                listed = torch.arange(S, device=x.device).expand(len(rows), S)
-                listed = torch.where(listed < lens.unsqueeze(1), listed, S)
-            parts.append(bi.sparse_latent_attention(q_abs[rows], q_pe[rows], latents, listed, a.scale))
-        out_latent = torch.cat(parts)  # [N, H, L]
+        latents, ctx_keys, base = ctx.read_mla_flat(a.cache_index)
+        out_latent = mla_attention(q_abs, q_pe, latents, ctx_keys, base, ctx.positions + 1, iq, iw,
+                                   indexer.topk if indexer is not None else 0, a.scale)  # [N, H, L]
         o = bi.head_linear(out_latent, w_vc).to(x.dtype).reshape(N, -1)  # [N, H * dv]
         if hasattr(a, "g_proj"):
             o = o * bi.sigmoid(self.proj(a.g_proj, x))
@@ -350,40 +336,38 @@ class InvariantForward:
         return self.proj(a.o_proj, o.reshape(N, H * K))
 
     def kda_recurrence(self, a, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, ctx) -> torch.Tensor:
-        """Token by token over every segment at once: short conv from the conv state, L2 norm, one
-        delta-rule step. qkv [N, 3, P] fp32 (before the conv), g [N, H, K], beta [N, H] -> o [N, H, V]."""
+        """Short conv from the conv state and L2 norm for every row at once, then the delta rule token
+        by token per segment (`bi.kda_recurrence`). qkv [N, 3, P] fp32 (before the conv), g [N, H, K],
+        beta [N, H] -> o [N, H, V]."""
         H, K, layer = a.num_heads, a.head_dim, a.cache_index
         conv_weight = torch.stack([a.q_conv1d.weight, a.k_conv1d.weight, a.v_conv1d.weight]).float()  # [3, P, W]
         conv, state = ctx.kda_initial(layer, H, K, conv_weight.shape[-1], qkv.dtype)
-        segs = ctx.segments
+        segs, device = ctx.segments, qkv.device
+        W1 = conv_weight.shape[-1] - 1
+        # each segment's inputs after its conv state: ext[base[j] + W1 + t] is its token t's input
+        ext = torch.cat([p for j, s in enumerate(segs) for p in (conv[j].permute(2, 0, 1), qkv[s.start : s.end])])
+        base = [0]
+        for s in segs:
+            base.append(base[-1] + W1 + s.length)
+        tap0 = torch.empty(qkv.shape[0], dtype=torch.int64)
+        for j, s in enumerate(segs):
+            tap0[s.start : s.end] = torch.arange(base[j], base[j] + s.length)
+        window = ext[tap0.to(device).unsqueeze(1) + torch.arange(W1 + 1, device=device)]  # [N, W, 3, P]
+        y = bi.causal_conv_step(window.permute(0, 2, 3, 1), conv_weight)  # [N, 3, P]
+        N = y.shape[0]
+        qh, kh = bi.l2_normalize(y[:, 0].view(N, H, K)), bi.l2_normalize(y[:, 1].view(N, H, K))
         snap_at = [ctx.kda_snapshot_row(j) for j in range(len(segs))]
-        starts = torch.tensor([s.start for s in segs], device=qkv.device)
-        lengths = torch.tensor([s.length for s in segs], device=qkv.device)
-        row_order, outs = [], []
-        for t in range(int(lengths.max())):
-            active = torch.nonzero(lengths > t)[:, 0]
-            every = len(active) == len(segs)
-            for j in range(len(segs)):
-                if snap_at[j] == t:
-                    ctx.kda_snapshot(layer, j, conv[j], state[j])
-            rows = starts[active] + t
-            conv_a = conv if every else conv[active]
-            window = torch.cat([conv_a, qkv[rows].unsqueeze(-1)], dim=-1)
-            y = bi.causal_conv_step(window, conv_weight)  # [A, 3, P]
-            A = len(active)
-            qh, kh = bi.l2_normalize(y[:, 0].view(A, H, K)), bi.l2_normalize(y[:, 1].view(A, H, K))
-            o_t, new_state = bi.kda_step(qh, kh, y[:, 2].view(A, H, K), g[rows], beta[rows],
-                                         state if every else state[active], K ** -0.5)
-            new_conv = window[..., 1:]
-            if every:
-                conv, state = new_conv, new_state
-            else:  # out of place: autograd keeps every step's state
-                conv, state = conv.index_copy(0, active, new_conv), state.index_copy(0, active, new_state)
-            row_order.append(rows)
-            outs.append(o_t)
-        ctx.kda_final(layer, conv, state)
-        order = torch.argsort(torch.cat(row_order))
-        return torch.cat(outs)[order]
+        starts = torch.tensor([s.start for s in segs], device=device)
+        lengths = torch.tensor([s.length for s in segs], device=device)
+        snap_t = torch.tensor([-1 if t is None else t for t in snap_at], device=device)
+        o, state, snaps = bi.kda_recurrence(qh, kh, y[:, 2].view(N, H, K), g, beta, state, starts, lengths, snap_t,
+                                            K ** -0.5)
+        for j, t in enumerate(snap_at):
+            if t is not None:
+                ctx.kda_snapshot(layer, j, ext[base[j] + t : base[j] + t + W1].permute(1, 2, 0), snaps[j])
+        finals = torch.stack([ext[base[j + 1] - W1 : base[j + 1]].permute(1, 2, 0) for j in range(len(segs))])
+        ctx.kda_final(layer, finals, state)
+        return o
 
     def ffn(self, layer, x: torch.Tensor) -> torch.Tensor:
         if hasattr(layer, "block_sparse_moe"):

@@ -66,6 +66,12 @@ def _linear_rows(x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts) if parts else x2.new_zeros(0, O)
 
 
+def on_triton(x: torch.Tensor) -> bool:
+    """Whether the ops take their Triton forms for x: CUDA tensors (the interpreter tests also route
+    CPU tensors there)."""
+    return x.is_cuda
+
+
 def _cuda_matmul():
     """`ops.batch_invariant.triton.matmul` when Triton imports (CUDA), else None (the tree form runs)."""
     try:
@@ -80,7 +86,7 @@ class _InvariantLinear(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(x, w)
         K, O = w.shape[-1], w.shape[-2]
-        fast = _cuda_matmul() if x.is_cuda and w.dim() == 2 else None
+        fast = _cuda_matmul() if on_triton(x) and w.dim() == 2 else None
         if fast is not None:  # one fixed tiling: batch-invariant too, other bits than the tree
             return fast(x.reshape(-1, K), w, out_dtype=x.dtype).view(*x.shape[:-1], O)
         y = _linear_rows(x.reshape(-1, K).float(), w.reshape(-1, O, K).float() if w.dim() == 3 else w.float())
@@ -139,7 +145,7 @@ class _HeadLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(x, w)
-        fast = _cuda_matmul() if x.is_cuda else None
+        fast = _cuda_matmul() if on_triton(x) else None
         if fast is not None:
             return fast(x.transpose(0, 1), w).transpose(0, 1)
         N, H, K = x.shape
@@ -271,6 +277,68 @@ def kda_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
     S = S + (beta.float()[..., None, None] * kf.unsqueeze(-1)) * residual.unsqueeze(-2)
     o = tree_sum(S * (q.float() * scale).unsqueeze(-1), -2)
     return o, S
+
+
+def _kda_recurrence_steps(q, k, v, g, beta, state, starts, lengths, snap_t, scale):
+    """`kda_recurrence` in torch: every segment's token t at once, t = 0, 1, ... (autograd-friendly)."""
+    B = state.shape[0]
+    snaps = torch.zeros_like(state)
+    rows_seen, outs = [], []
+    for t in range(int(lengths.max()) if B else 0):
+        snap_now = torch.nonzero(snap_t == t)[:, 0]
+        if len(snap_now):
+            snaps = snaps.index_copy(0, snap_now, state[snap_now])
+        active = torch.nonzero(lengths > t)[:, 0]
+        rows = starts[active] + t
+        every = len(active) == B
+        o_t, new_state = kda_step(q[rows], k[rows], v[rows], g[rows], beta[rows], state if every else state[active], scale)
+        state = new_state if every else state.index_copy(0, active, new_state)  # out of place: autograd
+        rows_seen.append(rows)
+        outs.append(o_t)
+    if not outs:
+        return q.new_zeros(0, *v.shape[1:], dtype=torch.float32), state, snaps
+    return torch.cat(outs)[torch.argsort(torch.cat(rows_seen))], state, snaps
+
+
+def _cuda_kda():
+    try:
+        from kimiserve.ops.batch_invariant.triton_kda import recurrence
+    except ImportError:
+        return None
+    return recurrence
+
+
+class _KDARecurrence(torch.autograd.Function):
+    """Forward: the Triton kernel; backward: autograd through the torch steps (other bits, same math)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, state, starts, lengths, snap_t, scale):
+        ctx.save_for_backward(q, k, v, g, beta, state, starts, lengths, snap_t)
+        ctx.scale = scale
+        return _cuda_kda()(q, k, v, g, beta, state, starts, lengths, snap_t, scale)
+
+    @staticmethod
+    def backward(ctx, go, gfinal, gsnaps):
+        *inputs, starts, lengths, snap_t = ctx.saved_tensors
+        with torch.enable_grad():
+            leaves = [t.detach().requires_grad_(True) for t in inputs]
+            outs = _kda_recurrence_steps(*leaves, starts, lengths, snap_t, ctx.scale)
+            pairs = [(o, gr) for o, gr in zip(outs, (go, gfinal, gsnaps)) if gr is not None]
+            grads = torch.autograd.grad([o for o, _ in pairs], leaves, [gr for _, gr in pairs], allow_unused=True)
+        return (*grads, None, None, None, None)
+
+
+def kda_recurrence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                   state: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor, snap_t: torch.Tensor,
+                   scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The KDA delta rule over packed segments, token by token (`kda_step`): q, k, g [N, H, K],
+    v [N, H, V], beta [N, H], segment b's rows starts[b] .. starts[b] + lengths[b] - 1 from state[b]
+    ([B, H, K, V] fp32). Returns (o [N, H, V] fp32, final states, snapshots: segment b's state before
+    its token snap_t[b], zeros where snap_t[b] is -1). On CUDA the Triton kernel
+    (`ops.batch_invariant.triton_kda`: one pass per segment, other bits), backward through the steps."""
+    if on_triton(q) and _cuda_kda() is not None:
+        return _KDARecurrence.apply(q, k, v, g, beta, state, starts, lengths, snap_t, scale)
+    return _kda_recurrence_steps(q, k, v, g, beta, state, starts, lengths, snap_t, scale)
 
 
 def indexer_topk(iq: torch.Tensor, iw: torch.Tensor, keys: torch.Tensor, lens: torch.Tensor, topk: int) -> torch.Tensor:

@@ -1,0 +1,76 @@
+"""Triton batch-invariant KDA recurrence (the GPU form of `reference.kda_recurrence`).
+
+One program per (segment, head, block of V columns) holds its [K, BV] fp32 state tile and runs the
+segment's tokens in order, each token the delta-rule step of `reference.kda_step` (decay, residual
+against the state, rank-1 update, output read) with fixed-shape reductions over K. Every token's
+arithmetic is the same instructions on its own segment's values whatever the other segments, the
+segment's length (a prefill chunk of any size, one decode token, a whole training sequence) or the
+program's place in the grid; the state between chunks is the fp32 state itself. So prefill, decode,
+chunked prefill and the trainer give a token the same bits (the recurrent form: the chunked form's
+intra-chunk solve would tie a token's bits to its chunk's composition). Other bits than the CPU's
+tree sums: the engine and the trainer both run it on CUDA.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_V = 32
+"""V columns per program (fixed: the reduction over K does not depend on it, the tile shape does)."""
+
+
+@triton.jit
+def _recurrence_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, state_ptr, final_ptr, snap_ptr,
+                       starts_ptr, lengths_ptr, snap_t_ptr, scale, H,
+                       K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    vb = tl.program_id(2)
+    start = tl.load(starts_ptr + b).to(tl.int64)
+    length = tl.load(lengths_ptr + b)
+    snap_t = tl.load(snap_t_ptr + b)
+    kk = tl.arange(0, BK)
+    vv = vb * BV + tl.arange(0, BV)
+    mk = kk < K
+    mv = vv < V
+    tile = (b.to(tl.int64) * H + h) * K * V + kk[:, None] * V + vv[None, :]
+    m_tile = mk[:, None] & mv[None, :]
+    S = tl.load(state_ptr + tile, mask=m_tile, other=0.0)
+    for t in range(0, length):
+        if t == snap_t:
+            tl.store(snap_ptr + tile, S, mask=m_tile)
+        row = (start + t) * H + h
+        q = tl.load(q_ptr + row * K + kk, mask=mk, other=0.0)
+        k = tl.load(k_ptr + row * K + kk, mask=mk, other=0.0)
+        g = tl.load(g_ptr + row * K + kk, mask=mk, other=0.0)
+        v = tl.load(v_ptr + row * V + vv, mask=mv, other=0.0)
+        beta = tl.load(beta_ptr + row)
+        S = S * tl.exp(g)[:, None]
+        residual = v - tl.sum(S * k[:, None], axis=0)
+        S = S + (beta * k)[:, None] * residual[None, :]
+        o = tl.sum(S * (q * scale)[:, None], axis=0)
+        tl.store(o_ptr + row * V + vv, o, mask=mv)
+    tl.store(final_ptr + tile, S, mask=m_tile)
+
+
+def recurrence(q, k, v, g, beta, state, starts, lengths, snap_t, scale: float):
+    """q, k, g [N, H, K], v [N, H, V], beta [N, H] (fp32, rows of segment b at starts[b] ..
+    starts[b] + lengths[b] - 1), state [B, H, K, V] fp32, snap_t [B] int (-1: none) ->
+    (o [N, H, V], final states [B, H, K, V], the states before token snap_t [B, H, K, V])."""
+    N, H, K = q.shape
+    V = v.shape[-1]
+    B = state.shape[0]
+    q, k, g, v, beta = (t.float().contiguous() for t in (q, k, g, v, beta))
+    state = state.float().contiguous()
+    o = torch.zeros(N, H, V, dtype=torch.float32, device=q.device)
+    final = torch.empty_like(state)
+    snaps = torch.zeros_like(state)
+    if B:
+        grid = (B, H, triton.cdiv(V, BLOCK_V))
+        _recurrence_kernel[grid](q, k, v, g, beta, o, state, final, snaps,
+                                 starts.to(torch.int64).contiguous(), lengths.to(torch.int32).contiguous(),
+                                 snap_t.to(torch.int32).contiguous(), scale, H,
+                                 K=K, V=V, BK=triton.next_power_of_2(K), BV=BLOCK_V, num_warps=4)
+    return o, final, snaps
