@@ -270,3 +270,43 @@ def test_invariant_engine_on_the_kernels_is_batch_invariant_and_equals_the_train
         lps = PolicyTrainer.from_engine(e).logprobs(prompts, [outs[f"r{i}"].outputs[0].token_ids for i in range(3)])
     for i, got in enumerate(lps):
         assert torch.equal(got.cpu(), lp(outs[f"r{i}"]))
+
+
+@pytest.mark.parametrize("dtype,wdtype", [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32),
+                                          (torch.float32, torch.float32)])
+def test_rms_norm_kernels_match_the_torch_forms_and_rows_do_not_depend_on_the_batch(dtype, wdtype):
+    from kimiserve.ops.batch_invariant import reference as bi
+    from kimiserve.ops.batch_invariant import triton_norm
+
+    g = torch.Generator().manual_seed(9)
+    x = (torch.randn(37, 300, generator=g) * 3).to(dtype).to(DEVICE)
+    w = torch.randn(300, generator=g).to(wdtype).to(DEVICE)
+    gate = torch.randn(37, 300, generator=g).to(dtype).to(DEVICE)
+    for got, want, fn in ((triton_norm.rms_norm(x, w, 1e-5), bi._rms_norm_torch(x, w, 1e-5),
+                           lambda r: triton_norm.rms_norm(x[r], w, 1e-5)),
+                          (triton_norm.rms_norm(x, w, 1e-5, gate), bi._gated_rms_norm_torch(x, gate, w, 1e-5),
+                           lambda r: triton_norm.rms_norm(x[r], w, 1e-5, gate[r]))):
+        assert got.dtype == dtype
+        tol = 1e-5 if dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+        for rows in (slice(0, 1), slice(20, 21), slice(3, 30)):
+            assert torch.equal(fn(rows), got[rows])
+    xs = torch.stack([x, x], 1)[:, 1]  # strided rows, and [N, H, K] shapes as the KDA output norm
+    assert torch.equal(triton_norm.rms_norm(xs, w, 1e-5), triton_norm.rms_norm(x, w, 1e-5))
+    x3 = x.view(37, 3, 100)
+    assert torch.equal(triton_norm.rms_norm(x3, w[:100], 1e-5).view(37, 300)[5:6],
+                       triton_norm.rms_norm(x3[5:6], w[:100], 1e-5).view(1, 300))
+
+
+def test_rms_norm_backward_is_the_torch_gradient():
+    from kimiserve.ops.batch_invariant import reference as bi
+
+    g = torch.Generator().manual_seed(10)
+    x = torch.randn(5, 40, generator=g).to(DEVICE).requires_grad_(True)
+    w = torch.randn(40, generator=g).to(DEVICE).requires_grad_(True)
+    gate = torch.randn(5, 40, generator=g).to(DEVICE).requires_grad_(True)
+    for out, ref, leaves in ((bi._Norm.apply(x, w, None, 1e-5), bi._rms_norm_torch(x, w, 1e-5), (x, w)),
+                             (bi._Norm.apply(x, w, gate, 1e-5), bi._gated_rms_norm_torch(x, gate, w, 1e-5), (x, w, gate))):
+        c = torch.randn_like(out)
+        for a, b in zip(torch.autograd.grad((out * c).sum(), leaves), torch.autograd.grad((ref * c).sum(), leaves)):
+            torch.testing.assert_close(a, b)

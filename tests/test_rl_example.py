@@ -24,8 +24,10 @@ def test_grpo_has_zero_mismatch_and_learns(tmp_path):
                         "--num-prompts", "2", "--lr", "3e-2", "--modes", "full", "--out", str(out)],
                        env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
+    # LoRA at lr 1e-1 rose by 0.057 here (0.007 over the bar), so a change in the gradient's rounding
+    # alone could fail it; at 2e-1 it rises by 0.11
     r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "rl_example.py"), "--steps", "12",
-                        "--num-prompts", "2", "--lr", "1e-1", "--modes", "lora", "--out", str(tmp_path / "lora.json")],
+                        "--num-prompts", "2", "--lr", "2e-1", "--modes", "lora", "--out", str(tmp_path / "lora.json")],
                        env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     results = {**json.loads(out.read_text()), **json.loads((tmp_path / "lora.json").read_text())}

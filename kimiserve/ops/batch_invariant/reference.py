@@ -226,17 +226,59 @@ def log_softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     return shifted - torch.log(tree_sum(torch.exp(shifted), dim, keepdim=True))
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """`ops.norm.reference.rms_norm` (normalise in fp32, cast, then scale) with a tree mean."""
+def _rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     normed = xf * torch.rsqrt(tree_mean(xf * xf, -1, keepdim=True) + eps)
     return weight * normed.to(x.dtype) if weight.dtype == x.dtype else (weight.float() * normed).to(x.dtype)
 
 
-def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def _gated_rms_norm_torch(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     normed = xf * torch.rsqrt(tree_mean(xf * xf, -1, keepdim=True) + eps)
     return (normed * weight.float() * sigmoid(gate.float())).to(x.dtype)
+
+
+def _cuda_norm():
+    try:
+        from kimiserve.ops.batch_invariant.triton_norm import rms_norm as fast
+    except ImportError:
+        return None
+    return fast
+
+
+class _Norm(torch.autograd.Function):
+    """Forward: the Triton row kernel; backward: autograd through the torch form (same math)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, gate, eps):
+        ctx.save_for_backward(x, weight, gate)
+        ctx.eps = eps
+        return _cuda_norm()(x, weight, eps, gate)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, gate = ctx.saved_tensors
+        with torch.enable_grad():
+            leaves = [t.detach().requires_grad_(t.is_floating_point()) if t is not None else None for t in (x, weight, gate)]
+            xl, wl, gl = leaves
+            out = _rms_norm_torch(xl, wl, ctx.eps) if gl is None else _gated_rms_norm_torch(xl, gl, wl, ctx.eps)
+            live = [t for t in leaves if t is not None]
+            grads = iter(torch.autograd.grad(out, live, grad, allow_unused=True))
+        return (*(next(grads) if t is not None else None for t in leaves), None)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`ops.norm.reference.rms_norm` (normalise in fp32, cast, then scale) with a tree mean (on CUDA the
+    row kernel of `ops.batch_invariant.triton_norm`)."""
+    if on_triton(x) and _cuda_norm() is not None:
+        return _Norm.apply(x, weight, None, eps)
+    return _rms_norm_torch(x, weight, eps)
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if on_triton(x) and _cuda_norm() is not None:
+        return _Norm.apply(x, weight, gate, eps)
+    return _gated_rms_norm_torch(x, gate, weight, eps)
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:

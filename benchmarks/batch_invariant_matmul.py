@@ -1,0 +1,67 @@
+"""The batch-invariant Triton matmul (`ops.batch_invariant.triton`) against torch's matmul (cuBLAS) on
+the `small` preset's projection shapes, at decode and prefill row counts, for candidate tile configs
+(the kernel runs ONE config for every M; this picks it). Prints and writes a JSON record.
+
+    PYTHONPATH=. python benchmarks/batch_invariant_matmul.py --out benchmarks/results/batch_invariant_matmul_h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+
+from kimiserve.ops.batch_invariant import triton as bi_triton
+
+SHAPES = {"kda_qkv": (12288, 7168), "kda_o": (7168, 12288), "mla_q_b": (18432, 1536), "dense_up": (33792, 7168),
+          "shared_down": (7168, 6144), "lm_head": (163840, 7168)}
+CANDIDATES = [
+    {"BM": 64, "BN": 128, "BK": 64, "num_warps": 4, "num_stages": 4},
+    {"BM": 64, "BN": 64, "BK": 64, "num_warps": 4, "num_stages": 4},
+    {"BM": 128, "BN": 128, "BK": 64, "num_warps": 8, "num_stages": 3},
+    {"BM": 128, "BN": 64, "BK": 64, "num_warps": 4, "num_stages": 4},
+]
+
+
+def timed(fn, reps: int = 10) -> float:
+    fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) / reps
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", default="4,64,2048")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    rows = [int(r) for r in args.rows.split(",")]
+    default = dict(bi_triton.CONFIG)
+    record = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d %H:%M"), "current": default,
+              "command": " ".join(["python", *sys.argv]), "results": []}
+    for name, (N, K) in SHAPES.items():
+        w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16)
+        for M in rows:
+            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+            row = {"shape": name, "M": M, "N": N, "K": K, "torch_ms": 1e3 * timed(lambda: x @ w.T)}
+            for i, cfg in enumerate(CANDIDATES):
+                bi_triton.CONFIG = cfg
+                row[f"config{i}_ms"] = 1e3 * timed(lambda: bi_triton.matmul(x, w, out_dtype=torch.bfloat16))
+            bi_triton.CONFIG = default
+            print(json.dumps(row), flush=True)
+            record["results"].append(row)
+    record["candidates"] = CANDIDATES
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(record, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
