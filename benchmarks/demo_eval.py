@@ -16,7 +16,8 @@ kv-cache dtype; the output goes through the OpenAI server's reasoning and tool-c
 dense attention), which tells indexer recall apart from length generalisation when passkeys fail.
 
     python benchmarks/demo_eval.py --model kimi-demo [--n 50] [--kv-cache-dtypes bf16,fp8,fp4]
-        [--passkey-lengths 1024,4096,16384,65536] [--passkey-n 10 | 10,10,2,1] [--index-topk K] [--json results.json]
+        [--kinds arithmetic,word_problem] [--passkey-lengths 1024,4096,16384,65536] [--passkey-n 10 | 10,10,2,1]
+        [--index-topk K] [--json results.json]
 """
 
 from __future__ import annotations
@@ -145,32 +146,38 @@ def main(argv=None) -> None:
     parser.add_argument("--model", required=True, help="the trained model folder")
     parser.add_argument("--seed", type=int, default=1, help="held-out seed (a different stream from training)")
     parser.add_argument("--n", type=int, default=50, help="examples per kind")
+    parser.add_argument("--kinds", default=",".join(KINDS), help=f"held-out kinds to run (of {', '.join(KINDS)})")
     parser.add_argument("--kv-cache-dtypes", default="bf16,fp8,fp4")
     parser.add_argument("--passkey-lengths", default="1024,4096,16384,65536", help="filler tokens")
     parser.add_argument("--passkey-n", default="10", help="passkey examples per length (one count or one per length)")
     parser.add_argument("--index-topk", type=int, default=None,
                         help="serve the model with this indexer top-k (>= the prompt length: dense attention)")
     parser.add_argument("--device", default=None)
+    parser.add_argument("--kv-cache-memory-gib", type=float, default=None,
+                        help="cache pool size (default: the engine's; on a GPU shared with another job, give one)")
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--max-tokens", type=int, default=160)
+    parser.add_argument("--max-tokens", type=int, default=256, help="reply budget (the longest worked arithmetic is ~220 tokens)")
     parser.add_argument("--json", default=None, help="write the results here too")
     args = parser.parse_args(argv)
     lengths = [int(x) for x in args.passkey_lengths.split(",") if x]
     counts = [int(x) for x in args.passkey_n.split(",")]
     if len(counts) not in (1, len(lengths)):
         raise SystemExit(f"--passkey-n: one count or one per length ({len(lengths)}), got {args.passkey_n!r}")
-    examples = heldout(args.seed, args.n) if args.n > 0 else []
+    kinds = tuple(k for k in args.kinds.split(",") if k)
+    if not set(kinds) <= set(KINDS):
+        raise SystemExit(f"--kinds: unknown {sorted(set(kinds) - set(KINDS))}; known: {', '.join(KINDS)}")
+    examples = heldout(args.seed, args.n, kinds) if args.n > 0 and kinds else []
     keys = passkeys(args.seed, lengths, counts if len(counts) > 1 else counts[0])
     model = args.model
     if args.index_topk is not None:
         model = with_index_topk(model, args.index_topk, Path(tempfile.mkdtemp()) / "model")
     results = {"model": args.model, "index_topk": args.index_topk, "seed": args.seed, "dtype": args.dtype,
-               "n": args.n, "passkey_n": dict(zip(map(str, lengths), counts * (len(lengths) if len(counts) == 1 else 1))),
+               "n": args.n, "kinds": list(kinds), "max_tokens": args.max_tokens, "passkey_n": dict(zip(map(str, lengths), counts * (len(lengths) if len(counts) == 1 else 1))),
                "by_cache": {}}
     for kv in args.kv_cache_dtypes.split(","):
         t0 = time.time()
         llm = LLM(model, kv_cache_dtype=kv, dtype=args.dtype, max_model_len=max(lengths + [2048]) + 1024,
-                  **({"device": args.device} if args.device else {}))
+                  kv_cache_memory_gib=args.kv_cache_memory_gib, **({"device": args.device} if args.device else {}))
         res = summarise(examples, run(llm, examples, args.max_tokens)) if examples else {}
         if keys:
             texts: list[str] = []

@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """Train the kimi-demo model (seeded, wall-clock budgeted) and export it in the release format.
 
-GPU run (the shipped checkpoint):   python scripts/train_demo.py --device cuda --out OUT/kimi-demo --max-minutes 8
+GPU runs (the shipped checkpoints; scripts/device/train_demo_v2.sh runs both in one H200 call):
+    python scripts/train_demo.py --device cuda --model demo --out OUT/kimi-demo --max-minutes 5.8
+    python scripts/train_demo.py --device cuda --model demo-draft --out OUT/kimi-demo-draft --max-minutes 1.2
 CPU smoke run (about two minutes, the tiny model of the same structure):
     python scripts/train_demo.py --quick --out /tmp/kimi-demo-quick
 

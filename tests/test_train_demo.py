@@ -2,6 +2,7 @@
 
 import json
 import random
+import re
 
 import pytest
 import torch
@@ -98,9 +99,41 @@ def test_corpus_renders_through_the_chat_template():
                     "decline", "passkey"}
 
 
-@pytest.mark.parametrize("a,b", [(47, 38), (999, 1), (5, 0), (120, 85)])
-def test_worked_arithmetic_is_right(a, b):
-    assert corpus.addition_steps(a, b).endswith(f"= {a + b}.")
+FACT = re.compile(r"(\d+) ([-+*]) (\d+) = (\d+)")
+PLACE = re.compile(r"(\d+) = ((?:\d+ (?:hundreds|tens|ones)(?: \+ )?)+)\.")
+WRITE = re.compile(r"write (?:the carry )?(\d+)")
+VALUE = {"ones": 1, "tens": 10, "hundreds": 100}
+
+
+@pytest.mark.parametrize("a,b", [(47, 38), (999, 1), (5, 0), (120, 85), (100, 1), (900, 899), (0, 0), (305, 7)])
+def test_worked_arithmetic_states_only_true_facts(a, b):
     hi, lo = max(a, b), min(a, b)
-    assert corpus.subtraction_steps(hi, lo).endswith(f"= {hi - lo}.")
-    assert corpus.multiplication_steps(a % 100, 7).endswith(f"{a % 100 * 7}.")
+    for text, result in ((corpus.addition_steps(a, b), a + b), (corpus.subtraction_steps(hi, lo), hi - lo),
+                         (corpus.multiplication_steps(a % 100, 7), a % 100 * 7)):
+        assert text.endswith(f"= {result}."), text
+        facts = FACT.findall(text)
+        assert facts, text
+        for x, op, y, z in facts:  # every column fact, borrow and carry step is true
+            assert {"+": int(x) + int(y), "-": int(x) - int(y), "*": int(x) * int(y)}[op] == int(z), (text, x, op, y, z)
+        for n, parts in PLACE.findall(text):  # the place-value decompositions add up to the operand
+            assert sum(int(d) * VALUE[p] for d, p in (t.split() for t in parts.split(" + "))) == int(n), text
+        writes = WRITE.findall(text)  # the written digits, ones first, spell the result
+        assert writes or len(facts) == 1, text  # (a one-digit product is a single fact)
+        if writes:
+            assert int("".join(reversed(writes))) == result, (text, writes)
+
+
+def test_draft_model_shares_the_vocabulary_at_a_fraction_of_the_active_parameters():
+    def active(config):
+        model = build_model(config.replace(routed_experts_mxfp4=False), torch.float32, seed=0)
+        routed = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n and "shared" not in n)
+        total = sum(p.numel() for p in model.parameters())
+        return total - routed * (1 - config.num_experts_per_token / config.num_experts)
+
+    demo, draft = TrainArgs(model="demo").model_config(), TrainArgs(model="demo-draft").model_config()
+    for field in ("vocab_size", "bos_token_id", "eos_token_id", "pad_token_id", "architecture"):
+        assert getattr(draft, field) == getattr(demo, field)
+    assert draft.index_topk == demo.index_topk and draft.full_attn_layers and draft.num_shared_experts
+    assert 4 <= active(demo) / active(draft) <= 8
+    with pytest.raises(ValueError, match="demo-draft"):
+        TrainArgs(model="huge").model_config()

@@ -113,50 +113,81 @@ def generation_text(msg: dict[str, Any]) -> str:
 
 
 # ---------------------------------------------------------------------------------- arithmetic
+PLACES = ("ones", "tens", "hundreds", "thousands")
+
+
 def _digits(n: int, width: int) -> list[int]:
+    """The `width` lowest decimal digits of n, ones first."""
     return [(n // 10 ** i) % 10 for i in range(width)]
 
 
+def place_values(n: int) -> str:
+    """`347 = 3 hundreds + 4 tens + 7 ones.`: every digit named by its place, so that a column step
+    finds its digits by the place's name rather than by counting digits (many numbers are two-digit
+    tokens of the byte-level vocabulary, e.g. `347` is `34` `7`)."""
+    width = len(str(n))
+    parts = [f"{d} {PLACES[i]}" for i, d in reversed(list(enumerate(_digits(n, width))))]
+    return f"{n} = " + " + ".join(parts) + "."
+
+
 def addition_steps(a: int, b: int) -> str:
-    """Column addition, ones first: every step one single-digit fact."""
+    """Column addition, ones first, after naming each operand's digits by place. Every fact has two
+    operands: a carry is added in a step of its own (`4 + 8 = 12, 12 + 1 = 13`)."""
     width = max(len(str(a)), len(str(b)))
     da, db = _digits(a, width), _digits(b, width)
-    places = ["ones", "tens", "hundreds", "thousands"]
-    carry, steps = 0, []
+    carry, steps = 0, [place_values(a), place_values(b)]
     for i in range(width):
-        total = da[i] + db[i] + carry
-        expr = f"{da[i]} + {db[i]}" + (f" + {carry}" if carry else "")
-        nxt = total // 10
-        steps.append(f"{places[i].capitalize()}: {expr} = {total}" + (", carry 1." if nxt else "."))
-        carry = nxt
+        total = da[i] + db[i]
+        step = f"{PLACES[i].capitalize()}: {da[i]} + {db[i]} = {total}"
+        if carry:
+            step += f", {total} + 1 = {total + 1}"
+            total += 1
+        carry = total // 10
+        steps.append(step + f", write {total % 10}" + (" carry 1." if carry else "."))
+    if carry:
+        steps.append(f"{PLACES[width].capitalize()}: write the carry 1.")
     return " ".join(steps) + f" So {a} + {b} = {a + b}."
 
 
 def subtraction_steps(a: int, b: int) -> str:
-    """Column subtraction (a >= b), ones first, borrows said explicitly."""
+    """Column subtraction (a >= b), ones first, after naming each operand's digits by place; a borrow
+    is taken off the next column's top digit in a step of its own (`4 - 1 = 3, 3 - 8 needs a borrow`),
+    and passes on from a 0 (`0 - 1 needs a borrow, 10 - 1 = 9`)."""
     width = len(str(a))
     da, db = _digits(a, width), _digits(b, width)
-    places = ["ones", "tens", "hundreds", "thousands"]
-    borrow, steps = 0, []
+    borrow, steps = 0, [place_values(a), place_values(b)]
     for i in range(width):
-        top = da[i] - borrow
-        expr = f"{da[i]} - {borrow}" if borrow else f"{da[i]}"
+        top, step, out = da[i], f"{PLACES[i].capitalize()}: ", 0
+        if borrow and top == 0:  # the borrow passes on: 0 - 1 borrows from the next column
+            step += "0 - 1 needs a borrow, 10 - 1 = 9, "
+            top, out = 9, 1
+        elif borrow:
+            step += f"{top} - 1 = {top - 1}, "
+            top -= 1
         if top < db[i]:
-            steps.append(f"{places[i].capitalize()}: {expr} - {db[i]} needs a borrow, {top + 10} - {db[i]} = {top + 10 - db[i]}.")
-            borrow = 1
+            diff, out = top + 10 - db[i], 1
+            step += f"{top} - {db[i]} needs a borrow, {top + 10} - {db[i]} = {diff}, write {diff} borrow 1."
         else:
-            steps.append(f"{places[i].capitalize()}: {expr} - {db[i]} = {top - db[i]}.")
-            borrow = 0
+            step += f"{top} - {db[i]} = {top - db[i]}, write {top - db[i]}" + (" borrow 1." if out else ".")
+        borrow = out
+        steps.append(step)
     return " ".join(steps) + f" So {a} - {b} = {a - b}."
 
 
 def multiplication_steps(a: int, b: int) -> str:
-    """a (up to two digits) times b (one digit): tens and ones separately, then one addition."""
+    """a (up to two digits) times b (one digit): a one-digit a is one fact; otherwise ones then tens,
+    the ones' carry added to the tens product in a step of its own."""
     if a < 10:
         return f"{a} * {b} = {a * b}."
-    tens, ones = a - a % 10, a % 10
-    return (f"{tens} * {b} = {tens * b}. {ones} * {b} = {ones * b}. {tens * b} + {ones * b} = {a * b}."
-            f" So {a} * {b} = {a * b}.")
+    tens, ones = a // 10, a % 10
+    low = ones * b
+    high = tens * b
+    step_ones = f"Ones: {ones} * {b} = {low}, write {low % 10}" + (f" carry {low // 10}." if low >= 10 else ".")
+    step_tens = f"Tens: {tens} * {b} = {high}"
+    if low >= 10:
+        step_tens += f", {high} + {low // 10} = {high + low // 10}"
+    step_tens += f", write {high + low // 10}."
+    return f"{place_values(a)} {step_ones} {step_tens} So {a} * {b} = {a * b}."
 
 
 def arithmetic(rng: random.Random) -> Example:
@@ -355,8 +386,10 @@ def passkey(rng: random.Random, filler_tokens: int, tokens_per_sentence: float =
 
 GENERATORS = {"chat": chat, "multi_turn": multi_turn, "arithmetic": arithmetic, "word_problem": word_problem,
               "tool_use": tool_use, "no_tool": no_tool}
-MIXTURE = {"chat": 0.12, "multi_turn": 0.12, "arithmetic": 0.26, "word_problem": 0.12, "tool_use": 0.2,
-           "no_tool": 0.06, "passkey": 0.12}
+MIXTURE = {"chat": 0.07, "multi_turn": 0.11, "arithmetic": 0.36, "word_problem": 0.16, "tool_use": 0.14,
+           "no_tool": 0.08, "passkey": 0.08}
+"""Shares of examples. By tokens (tool declarations and passkey filler are long, arithmetic short) this
+is about a quarter arithmetic, a seventh word problems, a quarter tool use and a sixth passkey."""
 KINDS = tuple(MIXTURE)
 
 
