@@ -1,4 +1,4 @@
-"""Block attention-residual read sites: one (norm, proj) weight pair per site."""
+"""Block attention-residual read sites (one (norm, proj) weight pair per site) and the sealed snapshots."""
 
 from __future__ import annotations
 
@@ -6,7 +6,6 @@ import torch
 from torch import nn
 
 from kimiserve.model.layers import Weights
-from kimiserve.ops.attn_res.reference import attn_res_read
 
 
 def read_site_modules(hidden: int, dtype: torch.dtype) -> tuple[nn.Module, nn.Module]:
@@ -14,5 +13,19 @@ def read_site_modules(hidden: int, dtype: torch.dtype) -> tuple[nn.Module, nn.Mo
     return Weights(hidden, dtype=dtype), Weights(1, hidden, dtype=dtype)
 
 
-def read(running: torch.Tensor, blocks: list[torch.Tensor], norm: nn.Module, proj: nn.Module, eps: float) -> torch.Tensor:
-    return attn_res_read(running, blocks, norm.weight, proj.weight, eps)
+
+
+def block_store(running: torch.Tensor, config) -> torch.Tensor:
+    """A buffer for every snapshot a forward seals ([ceil(layers / block_size), *running.shape]): blocks
+    sealed into it are equally spaced views, which the fused read kernel addresses without stacking them."""
+    seals = -(-config.num_hidden_layers // config.attn_res_block_size)
+    return running.new_empty(seals, *running.shape)
+
+
+def seal(blocks: list[torch.Tensor], running: torch.Tensor, store: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """blocks + [running]: the snapshot itself, or (with a `block_store`) its copy in the next slot."""
+    if store is None:
+        return [*blocks, running]
+    slot = store[len(blocks)]
+    slot.copy_(running)
+    return [*blocks, slot]

@@ -96,5 +96,6 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = make_param(size, dtype=dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+    def forward(self, x: torch.Tensor, norm: Callable = rms_norm) -> torch.Tensor:
+        """norm: `ops.norm.reference.rms_norm` or an op of its contract (`DecodeOps.rms_norm`)."""
+        return norm(x, self.weight, self.eps)

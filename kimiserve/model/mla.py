@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import nn
 
@@ -15,7 +17,7 @@ from kimiserve.model.parallel_layers import ColumnParallelLinear, RowParallelLin
 from kimiserve.ops.dtypes import compute_dtype
 from kimiserve.ops.indexer.reference import indexer_scores
 from kimiserve.ops.mla.reference import mla_absorbed, split_kv_b
-from kimiserve.ops.norm.reference import layer_norm
+from kimiserve.ops.norm.reference import layer_norm, rms_norm
 from kimiserve.ops.topk.reference import causal_topk, selection_mask
 
 # HF builds q_a_layernorm / kv_a_layernorm with KimiRMSNorm's default eps, not rms_norm_eps
@@ -94,22 +96,23 @@ class MLAAttention(nn.Module):
         if config.has_indexer:
             self.indexer = Indexer(config, dtype)
 
-    def query(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(q_nope [B, T, H, dn], q_pe [B, T, H, dr], q-LoRA latent or x for the indexer)."""
+    def query(self, x: torch.Tensor, norm: Callable = rms_norm) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(q_nope [B, T, H, dn], q_pe [B, T, H, dr], q-LoRA latent or x for the indexer); norm: the
+        q-LoRA RMSNorm's op (`DecodeOps.rms_norm` on the serving path)."""
         B, T, _ = x.shape
         if hasattr(self, "q_a_proj"):
-            latent = self.q_a_layernorm(self.q_a_proj(x))
+            latent = self.q_a_layernorm(self.q_a_proj(x), norm)
             q = self.q_b_proj(latent)
         else:
             latent, q = x, self.q_proj(x)
         q = q.view(B, T, self.num_heads, self.nope + self.rope)
         return q[..., : self.nope], q[..., self.nope :], latent
 
-    def latent(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def latent(self, x: torch.Tensor, norm: Callable = rms_norm) -> tuple[torch.Tensor, torch.Tensor]:
         """What the cache holds per token: (normed latent c [B, T, L], k_pe [B, T, dr])."""
         kv = self.kv_a_proj_with_mqa(x)
         c, k_pe = kv[..., : self.kv_lora_rank], kv[..., self.kv_lora_rank :]
-        return self.kv_a_layernorm(c), k_pe
+        return self.kv_a_layernorm(c, norm), k_pe
 
     def forward(self, x: torch.Tensor, ctx: ForwardBatch | CacheRoundTrip | None = None) -> torch.Tensor:
         """x [B, T, d] -> [B, T, d]. Full sequence from scratch, or (ctx a ForwardBatch) packed serving tokens.
@@ -155,8 +158,8 @@ class MLAAttention(nn.Module):
             return self.forward_token_sharded(x, batch)
         layer, pool, ops = self.cache_index, batch.pool, batch.ops
         N, L = x.shape[1], self.kv_lora_rank
-        q_nope, q_pe, q_latent = self.query(x)
-        c, k_pe = self.latent(x)
+        q_nope, q_pe, q_latent = self.query(x, ops.rms_norm)
+        c, k_pe = self.latent(x, ops.rms_norm)
         keys = self.indexer.keys(x)[0] if hasattr(self, "indexer") else None
         latent_rows = torch.cat([c, k_pe], dim=-1)[0]
         if batch.write_rows is not None:  # DCP: this rank stores only the tokens it owns

@@ -18,6 +18,7 @@ from kimiserve.model.layers import RMSNorm
 from kimiserve.model.mla import MLAAttention
 from kimiserve.model.moe import MLP, SparseMoE
 from kimiserve.model.parallel_layers import ParallelLMHead, VocabParallelEmbedding, context, vocab_parallel_logits
+from kimiserve.ops.backend import REFERENCE_OPS, DecodeOps
 from kimiserve.ops.quant.reference import quantize_mxfp4
 
 AttentionContext = ForwardBatch | CacheRoundTrip | None
@@ -43,32 +44,47 @@ class DecoderLayer(nn.Module):
             self.self_attention_res_norm, self.self_attention_res_proj = attn_res.read_site_modules(d, dtype)
             self.mlp_res_norm, self.mlp_res_proj = attn_res.read_site_modules(d, dtype)
 
-    def ffn(self, x: torch.Tensor) -> torch.Tensor:
-        return self.block_sparse_moe(x) if hasattr(self, "block_sparse_moe") else self.mlp(x)
+    def ffn(self, x: torch.Tensor, ops: DecodeOps = REFERENCE_OPS) -> torch.Tensor:
+        return self.block_sparse_moe(x, ops) if hasattr(self, "block_sparse_moe") else self.mlp(x, ops)
 
     def forward(self, x: torch.Tensor, ctx: AttentionContext = None) -> torch.Tensor:
         """Plain pre-norm residual layer (no attention residuals)."""
-        x = x + self.self_attn(self.input_layernorm(x), ctx)
-        return x + self.ffn(self.post_attention_layernorm(x))
+        ops = glue_ops(ctx)
+        h, _ = ops.add_read_norm(x, None, [], None, None, self.input_layernorm.weight, self.eps)
+        h, x = ops.add_read_norm(x, self.self_attn(h, ctx), [], None, None, self.post_attention_layernorm.weight,
+                                 self.eps)
+        return x + self.ffn(h, ops)
 
     def forward_attn_res(
-        self, running: torch.Tensor, blocks: list[torch.Tensor], ctx: AttentionContext = None
+        self, running: torch.Tensor, blocks: list[torch.Tensor], ctx: AttentionContext = None,
+        store: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """One layer with block attention-residuals.
 
         `running` is the live sum of sublayer outputs since the last seal, `blocks` the sealed
         snapshots (the first is the embedding). Each sublayer input is a read (softmax mix) of the
         snapshots and the live sum; a snapshot is sealed before the attention of every
-        block_size-th layer; sublayer outputs are added to the live sum only.
+        block_size-th layer (into `store` when given, `attn_res.seal`); sublayer outputs are added to
+        the live sum only. The residual add, the read and the norm before a sublayer are one op
+        (`DecodeOps.add_read_norm`: one kernel on the serving path on CUDA).
         """
-        x = attn_res.read(running, blocks, self.self_attention_res_norm, self.self_attention_res_proj, self.eps) if blocks else running
+        ops = glue_ops(ctx)
+        x, _ = ops.add_read_norm(running, None, blocks, self.self_attention_res_norm.weight,
+                                 self.self_attention_res_proj.weight, self.input_layernorm.weight, self.eps)
         live: torch.Tensor | None = running
         if self.layer % self.block_size == 0:
-            blocks, live = [*blocks, running], None
-        a = self.self_attn(self.input_layernorm(x), ctx)
-        live = a if live is None else live + a
-        x = attn_res.read(live, blocks, self.mlp_res_norm, self.mlp_res_proj, self.eps)
-        return live + self.ffn(self.post_attention_layernorm(x)), blocks
+            blocks, live = attn_res.seal(blocks, running, store), None
+        a = self.self_attn(x, ctx)
+        x, live = ops.add_read_norm(a if live is None else live, None if live is None else a, blocks,
+                                    self.mlp_res_norm.weight, self.mlp_res_proj.weight,
+                                    self.post_attention_layernorm.weight, self.eps)
+        return live + self.ffn(x, ops), blocks
+
+
+def glue_ops(ctx: AttentionContext) -> DecodeOps:
+    """The ops of the norms, residual reads, router and activations: a serving batch's (`ForwardBatch.ops`,
+    the Triton kernels on CUDA), the references for the full-sequence forward and training."""
+    return ctx.ops if isinstance(ctx, ForwardBatch) else REFERENCE_OPS
 
 
 class KimiModel(nn.Module):
@@ -89,15 +105,18 @@ class KimiModel(nn.Module):
         cache as a lossy cache dtype would), or a ForwardBatch (packed serving tokens, B = 1).
         """
         h = self.embed_tokens(input_ids)
+        ops = glue_ops(ctx)
         if self.config.attn_res_block_size is None:
             for layer in self.layers:
                 h = layer(h, ctx)
-        else:
-            blocks: list[torch.Tensor] = []
-            for layer in self.layers:
-                h, blocks = layer.forward_attn_res(h, blocks, ctx)
-            h = attn_res.read(h, blocks, self.output_attn_res_norm, self.output_attn_res_proj, self.config.rms_norm_eps)
-        return self.norm(h)
+            return ops.rms_norm(h, self.norm.weight, self.norm.eps)
+        blocks: list[torch.Tensor] = []
+        store = attn_res.block_store(h, self.config) if isinstance(ctx, ForwardBatch) else None
+        for layer in self.layers:
+            h, blocks = layer.forward_attn_res(h, blocks, ctx, store)
+        out, _ = ops.add_read_norm(h, None, blocks, self.output_attn_res_norm.weight, self.output_attn_res_proj.weight,
+                                   self.norm.weight, self.config.rms_norm_eps)
+        return out
 
 
 class KimiForCausalLM(nn.Module):

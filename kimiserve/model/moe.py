@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import nn
 
@@ -11,7 +13,8 @@ from kimiserve.distributed.parallel_state import ParallelContext
 from kimiserve.model.layers import RMSNorm, Source, check_shape, make_param, read
 from kimiserve.model.training import routed_experts_train_forward
 from kimiserve.model.parallel_layers import ColumnParallelLinear, RowParallelLinear, context, divide
-from kimiserve.ops.activation.reference import silu_and_mul, situ_and_mul
+from kimiserve.ops.activation.reference import silu_and_mul
+from kimiserve.ops.backend import REFERENCE_OPS, DecodeOps
 from kimiserve.ops.moe.dispatch import fused_moe_for
 from kimiserve.ops.moe.reference import experts_forward, route
 from kimiserve.ops.quant.reference import MXFP4_GROUP, dequantize_mxfp4
@@ -20,10 +23,11 @@ from kimiserve.ops.quant.reference import MXFP4_GROUP, dequantize_mxfp4
 STATIC_MOE_TOKENS = 256
 
 
-def gated_activation(config: ModelConfig):
+def gated_activation(config: ModelConfig, ops: DecodeOps = REFERENCE_OPS):
+    """act(gate, up) of the config (SiTU through `ops.situ_and_mul`, or SiLU)."""
     if config.hidden_act == "situ":
         beta, linear_beta = config.activation_situ_beta, config.activation_situ_linear_beta
-        return lambda gate, up: situ_and_mul(gate, up, beta, linear_beta)
+        return lambda gate, up: ops.situ_and_mul(gate, up, beta, linear_beta)
     return silu_and_mul
 
 
@@ -39,10 +43,12 @@ class MLP(nn.Module):
         self.gate_proj = ColumnParallelLinear(hidden, intermediate, dtype, p, what)
         self.up_proj = ColumnParallelLinear(hidden, intermediate, dtype, p, what)
         self.down_proj = RowParallelLinear(intermediate, hidden, dtype, p, reduce, what)
+        self.config = config
         self.act = gated_activation(config)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))
+    def forward(self, x: torch.Tensor, ops: DecodeOps = REFERENCE_OPS) -> torch.Tensor:
+        act = self.act if ops is REFERENCE_OPS else gated_activation(self.config, ops)
+        return self.down_proj(act(self.gate_proj(x), self.up_proj(x)))
 
 
 class Router(nn.Module):
@@ -55,7 +61,8 @@ class Router(nn.Module):
         self.weight = make_param(config.num_experts, config.hidden_size, dtype=torch.float32)
         self.e_score_correction_bias = make_param(config.num_experts, dtype=torch.float32)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, route: Callable = route) -> tuple[torch.Tensor, torch.Tensor]:
+        """route: `ops.moe.reference.route` or an op of its contract (`DecodeOps.route`)."""
         c = self.config
         logits = torch.nn.functional.linear(x.float(), self.weight)
         return route(
@@ -268,11 +275,12 @@ class SparseMoE(nn.Module):
             if config.latent_moe_use_norm:
                 self.routed_expert_norm = RMSNorm(config.routed_expert_hidden_size, config.rms_norm_eps, dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ops: DecodeOps = REFERENCE_OPS) -> torch.Tensor:
+        """ops: the router's selection, the latent norm and the shared experts' activation (`DecodeOps`)."""
         p = self.parallel
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        ids, weights = self.gate(x)
+        ids, weights = self.gate(x, ops.route)
         latent = hasattr(self, "routed_expert_down_proj")
         h = p.tp_all_gather(self.routed_expert_down_proj(x), dim=-1) if latent else x
         # a partial over the TP group stays fp32 until the sum (a bf16 partial moved bf16 EP-2 results by 2e-3)
@@ -280,10 +288,10 @@ class SparseMoE(nn.Module):
         if latent:
             y = combine_expert_outputs(y, p).to(x.dtype)
             if hasattr(self, "routed_expert_norm"):
-                y = self.routed_expert_norm(y)
+                y = self.routed_expert_norm(y, ops.rms_norm)
             if p.tp_size > 1:
                 y = y[:, self.latent_slice]
             y = self.routed_expert_up_proj(y)
         if hasattr(self, "shared_experts"):
-            y = y + self.shared_experts(x)
+            y = y + self.shared_experts(x, ops)
         return p.tp_all_reduce(y).to(x.dtype).view(shape)

@@ -3,6 +3,7 @@ the pure-torch references elsewhere (and on CUDA when Triton is missing)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import warnings
 from dataclasses import dataclass
@@ -10,10 +11,14 @@ from typing import Callable
 
 import torch
 
+from kimiserve.ops.activation import reference as activation_ref
+from kimiserve.ops.attn_res import reference as attn_res_ref
 from kimiserve.ops.cache_write import reference as cache_write_ref
 from kimiserve.ops.indexer import reference as indexer_ref
 from kimiserve.ops.kda import paged as kda_ref
 from kimiserve.ops.mla import reference as mla_ref
+from kimiserve.ops.moe import reference as moe_ref
+from kimiserve.ops.norm import reference as norm_ref
 from kimiserve.ops.topk.reference import topk_reference
 
 
@@ -44,6 +49,15 @@ class DecodeOps:
     """(q, k, v, f, b, gate, KDADecodeWeights, conv [P, 3, HK, W-1], states [P, H, K, V], page_ids [Bd])
     -> o [Bd, H, V]: a KDA layer's whole decode step after the projections (`kda.paged.kda_decode_step`);
     None: that composition around `kda_decode`"""
+    rms_norm: Callable = norm_ref.rms_norm
+    """(x, weight, eps) -> RMSNorm of x in x's dtype (the MLA latent norms, the latent MoE's norm, the final norm)"""
+    add_read_norm: Callable = attn_res_ref.add_read_norm
+    """(running, addend | None, blocks, read_norm_weight, read_proj_weight, norm_weight, eps) -> (the sublayer's
+    normed input, the live sum): the residual add, the attention-residual read and the RMSNorm before a sublayer"""
+    route: Callable = moe_ref.route
+    """(fp32 router logits [N, E], correction bias, top_k, **routing options) -> (ids, weights) [N, k]"""
+    situ_and_mul: Callable = activation_ref.situ_and_mul
+    """(gate, up, beta, linear_beta) -> the SiTU gated activation (shared experts, dense MLPs)"""
 
     def __post_init__(self):
         if self.kda_decode_step is None:
@@ -67,6 +81,19 @@ def _kda_ops() -> tuple[Callable, Callable]:
     return kda_fla.kda_prefill, kda_fla.kda_decode
 
 
+def fused_glue_ops(ops: DecodeOps) -> DecodeOps:
+    """`ops` with the Triton kernels of the decode step's glue (RMSNorm, the residual add + attention-residual
+    read + RMSNorm, the router's selection, SiTU): what the serving path runs on CUDA (and what the interpreter
+    tests run on the CPU). Raises ImportError without Triton."""
+    from kimiserve.ops.activation import triton as activation_tt
+    from kimiserve.ops.attn_res import triton as attn_res_tt
+    from kimiserve.ops.moe import route_triton
+    from kimiserve.ops.norm import triton as norm_tt
+
+    return dataclasses.replace(ops, rms_norm=norm_tt.rms_norm, add_read_norm=attn_res_tt.add_read_norm,
+                               route=route_triton.route, situ_and_mul=activation_tt.situ_and_mul)
+
+
 def select_decode_ops(device: torch.device) -> DecodeOps:
     if device.type != "cuda":
         return REFERENCE_OPS
@@ -76,11 +103,12 @@ def select_decode_ops(device: torch.device) -> DecodeOps:
         from kimiserve.ops.kda import triton_decode as kda_decode_step_tt
         from kimiserve.ops.mla import triton as mla_tt
         from kimiserve.ops.topk import triton as topk_tt
+        fused_glue_ops(REFERENCE_OPS)  # imports the glue kernels' modules
     except ImportError as e:
         warnings.warn(f"Triton kernels unavailable ({e}); the GPU runs the pure-torch reference ops")
         return REFERENCE_OPS
     kda_prefill, kda_decode = _kda_ops()
-    return DecodeOps("triton", cache_write_tt.write_mla_tokens, indexer_tt.paged_indexer_scores,
+    return fused_glue_ops(DecodeOps("triton", cache_write_tt.write_mla_tokens, indexer_tt.paged_indexer_scores,
                      topk_tt.topk_indices, mla_tt.paged_sparse_mla_decode, mla_tt.paged_dense_mla_decode,
                      kda_prefill, kda_decode, prefill_in_place=True,
-                     kda_decode_step=functools.partial(kda_decode_step_tt.kda_decode_step, fallback=kda_decode))
+                     kda_decode_step=functools.partial(kda_decode_step_tt.kda_decode_step, fallback=kda_decode)))

@@ -1,0 +1,51 @@
+"""The SiTU gated activation as one Triton kernel (issue 15: the decode step's glue, the shared experts'
+and dense MLPs' activation): `situ_and_mul`, the contract of `reference.situ_and_mul` (all in fp32,
+rounded once to gate's dtype). tanh is computed from exp (sign(x) (1 - 2 / (exp(2|x|) + 1)), as the
+fused MoE kernel does): a few fp32 ulps from torch's tanh. The reference runs for fp64.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kimiserve.ops.activation import reference
+from kimiserve.ops.norm.triton import TL_DTYPES
+
+BLOCK = 1024
+
+
+@triton.jit
+def _tanh(x):
+    t = 1.0 - 2.0 / (tl.exp(2.0 * tl.abs(x)) + 1.0)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def _situ_kernel(g_ptr, u_ptr, out_ptr, n_cols, g_stride, u_stride, beta, linear_beta,
+                 LINEAR_TANH: tl.constexpr, DTYPE: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < n_cols
+    g = tl.load(g_ptr + row * g_stride + cols, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + row * u_stride + cols, mask=ok, other=0.0).to(tl.float32)
+    if LINEAR_TANH:
+        u = linear_beta * _tanh(u / linear_beta)
+    act = beta * _tanh(g / beta) * tl.sigmoid(g)
+    tl.store(out_ptr + row * n_cols + cols, (act * u).to(DTYPE), mask=ok)
+
+
+def situ_and_mul(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float | None) -> torch.Tensor:
+    """`reference.situ_and_mul` in one kernel: gate, up [..., I] (one shape) -> [..., I] in gate's dtype."""
+    if gate.dtype not in TL_DTYPES or up.dtype not in TL_DTYPES or gate.shape != up.shape or gate.numel() == 0:
+        return reference.situ_and_mul(gate, up, beta, linear_beta)
+    n = gate.shape[-1]
+    g2, u2 = (t.reshape(-1, n) if t.reshape(-1, n).stride(-1) == 1 else t.reshape(-1, n).contiguous()
+              for t in (gate, up))
+    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    grid = (g2.shape[0], triton.cdiv(n, BLOCK))
+    _situ_kernel[grid](g2, u2, out, n, g2.stride(0), u2.stride(0), float(beta),
+                       float(linear_beta) if linear_beta is not None else 1.0, LINEAR_TANH=linear_beta is not None,
+                       DTYPE=TL_DTYPES[gate.dtype], BLOCK=BLOCK, num_warps=4)
+    return out

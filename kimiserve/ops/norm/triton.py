@@ -1,0 +1,68 @@
+"""RMSNorm as one Triton kernel (issue 15: the decode step's glue): `rms_norm`, the contract and cast
+points of `reference.rms_norm` (normalise in fp32, round to x's dtype, then scale by the weight in
+x's dtype; an fp32 product rounded once when the weight's dtype differs).
+
+One program per row holds the whole row in registers (hidden sizes up to `MAX_HIDDEN`), so x is read
+once; only the summation order of the mean of squares differs from the reference. The reference runs
+instead for fp64 and for wider rows.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kimiserve.ops.norm import reference
+
+MAX_HIDDEN = 32768
+TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+def num_warps_for(block: int) -> int:
+    return max(1, min(16, block // 512))
+
+
+def rows_of(x: torch.Tensor) -> torch.Tensor:
+    """x as [rows, d] with unit column stride (a view when it can be one, else a contiguous copy)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+@triton.jit
+def rms_scale(x, w, cols_ok, D, eps, W_SAME: tl.constexpr, DTYPE: tl.constexpr):
+    """RMSNorm of the fp32 row x (padding lanes zero) times w, in DTYPE, at the reference's cast points."""
+    normed = x * tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
+    if W_SAME:
+        y = w.to(tl.float32) * normed.to(DTYPE).to(tl.float32)
+    else:
+        y = w.to(tl.float32) * normed
+    return tl.where(cols_ok, y, 0.0).to(DTYPE)
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, x_stride, out_stride, eps,
+                     W_SAME: tl.constexpr, DTYPE: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < D
+    x = tl.load(x_ptr + row * x_stride + cols, mask=ok, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=ok, other=0.0)
+    tl.store(out_ptr + row * out_stride + cols, rms_scale(x, w, ok, D, eps, W_SAME, DTYPE), mask=ok)
+
+
+def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return x.dtype in TL_DTYPES and weight.dtype in TL_DTYPES and x.shape[-1] <= MAX_HIDDEN and x.numel() > 0
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`reference.rms_norm` in one kernel: x [..., d], weight [d] -> [..., d] in x's dtype (contiguous)."""
+    if not supported(x, weight):
+        return reference.rms_norm(x, weight, eps)
+    d = x.shape[-1]
+    x2 = rows_of(x)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    block = triton.next_power_of_2(d)
+    _rms_norm_kernel[(x2.shape[0],)](x2, weight, out, d, x2.stride(0), d, eps, W_SAME=weight.dtype == x.dtype,
+                                     DTYPE=TL_DTYPES[x.dtype], BLOCK=block, num_warps=num_warps_for(block))
+    return out
