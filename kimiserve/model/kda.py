@@ -131,6 +131,9 @@ class KimiDeltaAttention(nn.Module):
         their state pages, norm: one fused kernel on CUDA), the other rows through `mix_and_norm`."""
         B, T, _ = q.shape
         rows = batch.decode_rows
+        if batch.decode_only:  # the rows themselves, no gather or scatter
+            return batch.ops.kda_decode_step(q[0], k[0], v[0], f[0], b[0], gate[0], self.decode_weights, batch.pool.conv,
+                                             batch.pool.recurrent, batch.decode_state_pages[:, self.cache_index])[None]
         if any(not c.verify for c in batch.prefill_chunks):
             o = self.mix_and_norm(q, k, v, f, b, gate, batch)
         else:

@@ -167,6 +167,10 @@ class MLAAttention(nn.Module):
             keys = keys[batch.write_rows] if keys is not None else None
         pool.write_mla(layer, batch.write_pages, batch.write_offsets, latent_rows, keys, ops.write_mla_tokens)
         w_kc, w_vc = split_kv_b(self.kv_b_proj.weight, self.num_heads, self.nope)
+        if batch.decode_only:  # the rows themselves, no gather or scatter
+            o = self.attend_pages(x[0], q_nope[0], q_pe[0], q_latent[0], w_kc, w_vc, batch.decode_block_tables,
+                                  batch.decode_context_lens, batch.decode_max_context, batch)
+            return self.output(x, o.to(x.dtype).reshape(1, N, -1))
         o = x.new_empty(1, N, self.num_heads, self.v_dim)
         rows = batch.decode_rows
         if rows.numel():

@@ -1,0 +1,64 @@
+"""The decode step's glue kernels (RMSNorm, residual add + attention-residual read + RMSNorm, the router's
+selection, SiTU) under Triton's CPU interpreter (no GPU needed), and the tiny engine running them.
+
+Skipped unless KIMISERVE_TRITON_INTERPRET=1; run it in its own process:
+
+    KIMISERVE_TRITON_INTERPRET=1 .venv/bin/python -m pytest tests/test_glue_ops_interpret.py -q
+"""
+
+import os
+
+import pytest
+import torch
+
+if os.environ.get("KIMISERVE_TRITON_INTERPRET") != "1":
+    pytest.skip("set KIMISERVE_TRITON_INTERPRET=1 to run the Triton interpreter checks", allow_module_level=True)
+import triton_interpreter_shims  # noqa: E402
+
+triton_interpreter_shims.enable()
+
+import glue_ops_cases as cases  # noqa: E402
+from kimiserve.ops.activation import triton as activation_tt  # noqa: E402
+from kimiserve.ops.attn_res import triton as attn_res_tt  # noqa: E402
+from kimiserve.ops.moe import route_triton  # noqa: E402
+from kimiserve.ops.norm import triton as norm_tt  # noqa: E402
+
+
+@pytest.mark.parametrize("dtype", cases.DTYPES)
+@pytest.mark.parametrize("rows, hidden", cases.RMS_CASES)
+def test_rms_norm(rows, hidden, dtype):
+    cases.check_rms_norm(norm_tt.rms_norm, "cpu", dtype, rows, hidden, seed=rows + hidden)
+
+
+def test_rms_norm_fp32_weight_on_bf16():
+    cases.check_rms_norm(norm_tt.rms_norm, "cpu", torch.bfloat16, 3, 200, weight_dtype=torch.float32)
+
+
+@pytest.mark.parametrize("dtype", cases.DTYPES)
+@pytest.mark.parametrize("rows, hidden, blocks, add, one_buffer", cases.ARN_CASES)
+def test_add_read_norm(rows, hidden, blocks, add, one_buffer, dtype):
+    cases.check_add_read_norm(attn_res_tt.add_read_norm, "cpu", dtype, rows, hidden, blocks, add, one_buffer,
+                              seed=rows * 7 + blocks)
+
+
+@pytest.mark.parametrize("case", cases.ROUTE_CASES)
+def test_route(case):
+    cases.check_route(route_triton.route, "cpu", *case, seed=case[0] + case[1])
+
+
+@pytest.mark.parametrize("dtype", cases.DTYPES)
+@pytest.mark.parametrize("rows, width, linear_beta", cases.SITU_CASES)
+def test_situ_and_mul(rows, width, linear_beta, dtype):
+    cases.check_situ(activation_tt.situ_and_mul, "cpu", dtype, rows, width, linear_beta, seed=rows)
+
+
+def test_engine_with_glue_kernels_matches_reference_ops():
+    """The tiny engine (attention residuals, latent MoE, MLA and KDA layers) with the glue kernels: the
+    reference-ops engine's greedy tokens, and its logits at every step within fp32 rounding."""
+    import dataclasses
+
+    from engine_utils import assert_ops_match_reference_ops, random_prompts
+    from kimiserve.ops.backend import REFERENCE_OPS, fused_glue_ops
+
+    ops = dataclasses.replace(fused_glue_ops(REFERENCE_OPS), name="glue-kernels-interpreted")
+    assert_ops_match_reference_ops(ops, "bf16", random_prompts([40, 90, 7], seed=5))
