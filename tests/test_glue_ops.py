@@ -86,3 +86,20 @@ def test_block_store_seals_equally_spaced_views():
     base, stride, row_stride = block_layout(blocks, h)
     assert base.data_ptr() == store.data_ptr() and stride == 32 and row_stride == 8
     assert seal([], h) == [h]
+
+
+def test_decode_glue_ops_counts_a_decode_step():
+    """benchmarks/decode_glue_ops.py runs on the CPU and counts the step's kernels by group."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parent.parent
+    proc = subprocess.run([sys.executable, str(repo / "benchmarks" / "decode_glue_ops.py"), "--dtype", "float32"],
+                          cwd=repo, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "one decode step of forward_batch" in proc.stdout
+    for group in ("RMSNorm", "attn-res read", "router (route)", "ops.kda_decode_step"):
+        assert group in proc.stdout, group
