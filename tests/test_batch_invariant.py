@@ -85,6 +85,18 @@ def test_linear_grouped_by_weight_equals_per_row_weights_bit_for_bit():
         bi.grouped_linear(x, groups[:3], lambda e: stack[e], 7)
 
 
+def test_mxfp4_weight_linear_is_the_linear_of_the_dequantised_weight():
+    from kimiserve.ops.quant.reference import dequantize_mxfp4, quantize_mxfp4
+
+    packed, scales = quantize_mxfp4(torch.randn(9, 64))
+    x = torch.randn(6, 64, requires_grad=True)
+    w = dequantize_mxfp4(packed, scales, torch.float32)
+    y = bi.linear(x, bi.MXFP4Weight(packed, scales, torch.float32))
+    assert torch.equal(y, bi.linear(x, w))
+    (gx,) = torch.autograd.grad(y.sum(), x)
+    torch.testing.assert_close(gx, w.sum(0).expand(6, 64))
+
+
 def test_head_linear_is_the_per_head_tree_sum_and_row_invariant():
     g = torch.Generator().manual_seed(4)
     x = torch.randn(11, 3, 37, generator=g, requires_grad=True)

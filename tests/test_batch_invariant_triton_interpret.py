@@ -310,3 +310,63 @@ def test_rms_norm_backward_is_the_torch_gradient():
         c = torch.randn_like(out)
         for a, b in zip(torch.autograd.grad((out * c).sum(), leaves), torch.autograd.grad((ref * c).sum(), leaves)):
             torch.testing.assert_close(a, b)
+
+
+def test_mxfp4_matmul_is_the_matmul_of_the_dequantised_weight(monkeypatch):
+    from kimiserve.ops.batch_invariant import reference as bi
+    from kimiserve.ops.quant.reference import dequantize_mxfp4, quantize_mxfp4
+
+    g = torch.Generator().manual_seed(11)
+    N, K = 70, 160  # K: two full 64-column steps and a half one (scale groups of 32)
+    packed, scales = quantize_mxfp4(torch.randn(N, K, generator=g))
+    scales[0, 0], scales[1, 1] = 0, 3  # the subnormal 2^-127 and a tiny power of two
+    packed, scales = packed.to(DEVICE), scales.to(DEVICE)
+    x = torch.randn(67, K, generator=g).to(torch.bfloat16).to(DEVICE)
+    w = dequantize_mxfp4(packed, scales, torch.bfloat16)
+    y = bi_triton.matmul_mxfp4(x, packed, scales)
+    if INTERPRET:  # the same bf16 tiles in the same order
+        assert torch.equal(y, bi_triton.matmul(x, w))
+    torch.testing.assert_close(y, bi_triton.matmul(x, w), rtol=1e-5, atol=1e-5)
+    for rows in (slice(0, 1), slice(64, 67), slice(9, 40)):
+        assert torch.equal(bi_triton.matmul_mxfp4(x[rows], packed, scales), y[rows])
+    with pytest.raises(ValueError, match="matmul_mxfp4 needs"):
+        bi_triton.matmul_mxfp4(x[:, :64], packed, scales)
+    # through the invariant linear (the experts' path): the kernel forward, x's gradient
+    if INTERPRET:
+        monkeypatch.setattr(bi, "on_triton", lambda t: True)
+    xg = x[:5].clone().requires_grad_(True)
+    out = bi.linear(xg, bi.MXFP4Weight(packed, scales, torch.bfloat16))
+    assert torch.equal(out, y[:5].to(torch.bfloat16))
+    (gx,) = torch.autograd.grad(out.float().sum(), xg)
+    torch.testing.assert_close(gx.float(), w.float().sum(0).expand(5, K).to(torch.bfloat16).float())
+
+
+@pytest.mark.parametrize("D", [4, 37, 2048, 5000])
+def test_row_sum_matches_fp64_and_rows_do_not_depend_on_the_batch(D):
+    from kimiserve.ops.batch_invariant import triton_norm
+
+    g = torch.Generator().manual_seed(D)
+    R = max(3, 20000 // D)  # several row tiles
+    x = torch.randn(R, D, generator=g).to(DEVICE)
+    s = triton_norm.row_sum(x)
+    torch.testing.assert_close(s, x.double().sum(-1).float(), rtol=1e-5, atol=1e-4)
+    for rows in (slice(0, 1), slice(R - 1, R), slice(1, R - 1)):
+        assert torch.equal(triton_norm.row_sum(x[rows]), s[rows])
+    assert torch.equal(triton_norm.row_sum(x.T.contiguous().T), s)  # strided input
+    assert triton_norm.row_sum(x.to(torch.bfloat16)).dtype == torch.bfloat16
+
+
+def test_tree_sum_on_the_triton_form_and_its_backward(monkeypatch):
+    from kimiserve.ops.batch_invariant import reference as bi
+
+    if INTERPRET:
+        monkeypatch.setattr(bi, "on_triton", lambda t: True)
+    g = torch.Generator().manual_seed(12)
+    x = torch.randn(6, 5, 7, generator=g).to(DEVICE).requires_grad_(True)
+    for dim, keepdim in ((-1, False), (1, True), (0, False)):
+        s = bi.tree_sum(x, dim, keepdim)
+        torch.testing.assert_close(s, x.sum(dim, keepdim=keepdim), rtol=1e-5, atol=1e-5)
+        w = torch.randn_like(s)
+        (got,) = torch.autograd.grad((s * w).sum(), x)
+        (want,) = torch.autograd.grad((x.sum(dim, keepdim=keepdim) * w).sum(), x)
+        torch.testing.assert_close(got, want)

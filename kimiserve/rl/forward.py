@@ -401,6 +401,9 @@ class InvariantForward:
         xs = h.repeat_interleave(k, dim=0)
 
         def weight(name):
+            if experts.mxfp4:  # dequantised inside the matmul on CUDA
+                packed, scales = getattr(experts, f"{name}_packed"), getattr(experts, f"{name}_scale")
+                return lambda e: bi.MXFP4Weight(packed[e], scales[e], experts.dtype)
             return lambda e: experts.expert_weight(name, e).to(h.dtype)
 
         inter = self.config.moe_intermediate_size

@@ -24,19 +24,42 @@ come back in the input's dtype.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+from kimiserve.ops.quant.reference import dequantize_mxfp4
 
 LINEAR_CHUNK_ELEMENTS = {"cpu": 1 << 22, "cuda": 1 << 28}
 """Rows of a linear run in chunks whose [rows, out, in] products tensor has at most this many elements
 (per device type; others use the CPU's)."""
 
 
+class _RowSum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, keepdim):
+        from kimiserve.ops.batch_invariant.triton_norm import row_sum
+
+        ctx.shape, ctx.dim, ctx.keepdim = x.shape, dim, keepdim
+        out = row_sum(x.movedim(dim, -1))
+        return out.unsqueeze(dim) if keepdim else out
+
+    @staticmethod
+    def backward(ctx, grad):
+        g = grad if ctx.keepdim else grad.unsqueeze(ctx.dim)
+        return g.expand(ctx.shape), None, None
+
+
 def tree_sum(x: torch.Tensor, dim: int = -1, keepdim: bool = False) -> torch.Tensor:
-    """Sum over `dim` in the fixed pairwise order described in the module doc."""
+    """Sum over `dim` in the fixed pairwise order described in the module doc (on CUDA with Triton:
+    `triton_norm.row_sum`, a fixed chunked order per row in fp32, one launch instead of log2(n); there
+    the bits depend on n, which the GPU path only reduces over where n does not depend on the batch)."""
     dim = dim % x.dim()
     n = x.shape[dim]
     if n == 0:
         return x.sum(dim, keepdim=keepdim)
+    if on_triton(x) and _cuda_norm() is not None:
+        return _RowSum.apply(x, dim, keepdim)
     width = 1 << (n - 1).bit_length()
     if width != n:
         pad = list(x.shape)
@@ -112,10 +135,48 @@ class _InvariantLinear(torch.autograd.Function):
         return gx, gw
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+@dataclass(frozen=True)
+class MXFP4Weight:
+    """An MXFP4 weight [O, K] as stored (packed codes [O, K/2], ue8m0 scales [O, K/32]) and the dtype it
+    dequantises to (`ops.quant.reference.dequantize_mxfp4`)."""
+
+    packed: torch.Tensor
+    scales: torch.Tensor
+    dtype: torch.dtype
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return dequantize_mxfp4(self.packed, self.scales, self.dtype).to(dtype or self.dtype)
+
+
+class _MXFP4Linear(torch.autograd.Function):
+    """Forward: `triton.matmul_mxfp4` (dequantised in the kernel); backward: x's gradient only (the
+    codes do not train)."""
+
+    @staticmethod
+    def forward(ctx, x, packed, scales, dtype):
+        ctx.save_for_backward(packed, scales)
+        ctx.dtype, ctx.x_dtype = dtype, x.dtype
+        from kimiserve.ops.batch_invariant.triton import matmul_mxfp4
+
+        K = x.shape[-1]
+        return matmul_mxfp4(x.reshape(-1, K), packed, scales, out_dtype=x.dtype).view(*x.shape[:-1], packed.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad):
+        packed, scales = ctx.saved_tensors
+        w = dequantize_mxfp4(packed, scales, torch.float32)
+        return (grad.float() @ w).to(ctx.x_dtype), None, None, None
+
+
+def linear(x: torch.Tensor, weight) -> torch.Tensor:
     """x [..., K] @ weight [O, K]^T -> [..., O] in x's dtype, products and a `tree_sum` in fp32 (on CUDA
     with Triton, one weight matrix: the fixed-tiling kernel `ops.batch_invariant.triton.matmul`).
-    weight may also be one matrix per row, [N, O, K] for x [N, K] (experts, LoRA: grouped matmuls)."""
+    weight may also be one matrix per row, [N, O, K] for x [N, K] (experts, LoRA: grouped matmuls), or
+    an `MXFP4Weight` (on CUDA dequantised inside the kernel, elsewhere first, to x's dtype)."""
+    if isinstance(weight, MXFP4Weight):
+        if on_triton(x) and x.dtype in (torch.bfloat16, torch.float16) and _cuda_matmul() is not None:
+            return _MXFP4Linear.apply(x, weight.packed, weight.scales, weight.dtype)
+        return _InvariantLinear.apply(x, weight.dequantize(x.dtype))
     if weight.dim() == 3 and (x.dim() != 2 or weight.shape[0] != x.shape[0]):
         raise ValueError(f"per-row weights {tuple(weight.shape)} need x [N, K] with the same N, got {tuple(x.shape)}")
     return _InvariantLinear.apply(x, weight)

@@ -55,6 +55,64 @@ def _matmul_kernel(x_ptr, w_ptr, y_ptr, M, N, K, sxb, sxm, sxk, swb, swn, swk, s
              mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
+@triton.jit
+def _e2m1_times_pow2(code, biased):
+    """fp32 (e2m1 value of the low 4 bits of `code`) * 2^(biased - 127), built from the bits (exact)."""
+    e = (code >> 1) & 3
+    m = code & 1
+    mag_bits = tl.where(e == 0, tl.where(m == 1, 0x3F000000, 0), ((e + 126) << 23) | (m << 22))
+    value = (mag_bits | ((code & 8) << 28)).to(tl.float32, bitcast=True)
+    scale = tl.where(biased > 0, biased << 23, 0x400000).to(tl.float32, bitcast=True)
+    return value * scale
+
+
+@triton.jit(do_not_specialize=["M"])
+def _matmul_mxfp4_kernel(x_ptr, p_ptr, s_ptr, y_ptr, M, N, K, sxm, sxk, spn, ssn, sym, syn,
+                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rm = pid_m * BM + tl.arange(0, BM)
+    rn = pid_n * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    rm64, rn64 = rm.to(tl.int64), rn.to(tl.int64)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        kk = k0 + rk
+        a = tl.load(x_ptr + rm64[:, None] * sxm + kk[None, :] * sxk, mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
+        mw = (rn[None, :] < N) & (kk[:, None] < K)
+        byte = tl.load(p_ptr + rn64[None, :] * spn + (kk[:, None] // 2), mask=mw, other=0).to(tl.int32)
+        code = (byte >> ((kk[:, None] % 2) * 4)) & 0xF
+        biased = tl.load(s_ptr + rn64[None, :] * ssn + (kk[:, None] // 32), mask=mw, other=0).to(tl.int32)
+        b = tl.where(mw, _e2m1_times_pow2(code, biased), 0.0).to(a.dtype)
+        acc = tl.dot(a, b, acc)
+    tl.store(y_ptr + rm64[:, None] * sym + rn64[None, :] * syn, acc.to(y_ptr.dtype.element_ty),
+             mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+def matmul_mxfp4(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
+                 out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """x [M, K] (bf16 / fp16) @ W^T for the MXFP4 weight W [N, K] given as packed codes [N, K/2] and
+    ue8m0 scales [N, K/32], dequantised tile by tile in the kernel to x's dtype exactly as
+    `ops.quant.reference.dequantize_mxfp4` does (e2m1 values times powers of two are exact), then the
+    tiles, order and accumulation of `matmul`: batch-invariant, and the bits of
+    `matmul(x, dequantize_mxfp4(packed, scales, x.dtype))` without the [N, K] weight in memory."""
+    if x.dim() != 2 or packed.dim() != 2 or x.shape[1] != 2 * packed.shape[1] or scales.shape != (packed.shape[0], x.shape[1] // 32):
+        raise ValueError(f"matmul_mxfp4 needs x [M, K], packed [N, K/2], scales [N, K/32], got {tuple(x.shape)}, "
+                         f"{tuple(packed.shape)}, {tuple(scales.shape)}")
+    if x.dtype not in _TENSOR_CORE_DTYPES:
+        raise ValueError(f"matmul_mxfp4 runs bf16 / fp16 activations, got {x.dtype}")
+    M, K = x.shape
+    N = packed.shape[0]
+    y = torch.empty(M, N, dtype=out_dtype, device=x.device)
+    if M and N:
+        c = CONFIG
+        grid = (triton.cdiv(M, c["BM"]), triton.cdiv(N, c["BN"]))
+        _matmul_mxfp4_kernel[grid](x, packed, scales, y, M, N, K, x.stride(0), x.stride(1), packed.stride(0),
+                                   scales.stride(0), y.stride(0), y.stride(1), BM=c["BM"], BN=c["BN"], BK=c["BK"],
+                                   num_warps=c["num_warps"], num_stages=c["num_stages"])
+    return y
+
+
 def matmul(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """x [M, K] @ w [N, K]^T -> [M, N] in `out_dtype` (the fp32 sum rounded once), batch-invariant
     (see the module doc). Also batched: x [B, M, K] and w [B, N, K] -> [B, M, N], each b on its own

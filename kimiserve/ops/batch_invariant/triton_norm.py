@@ -49,3 +49,31 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gate: torch.Tens
                                          BD=triton.next_power_of_2(D), SAME_DTYPE=weight.dtype == x.dtype,
                                          GATED=gate is not None, num_warps=4 if D <= 2048 else 8)
     return out.view(x.shape)
+
+
+@triton.jit
+def _row_sum_kernel(x_ptr, out_ptr, R, D, BR: tl.constexpr, BD: tl.constexpr):
+    rr = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
+    dd = tl.arange(0, BD)
+    acc = tl.zeros((BR,), tl.float32)
+    for d0 in range(0, D, BD):
+        m = (rr[:, None] < R) & (d0 + dd[None, :] < D)
+        acc += tl.sum(tl.load(x_ptr + rr[:, None] * D + d0 + dd[None, :], mask=m, other=0.0).to(tl.float32), axis=1)
+    tl.store(out_ptr + rr, (acc + 0.0).to(out_ptr.dtype.element_ty), mask=rr < R)
+
+
+def row_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sum over the last dim of x [..., D] -> [...] in x's dtype, accumulated in fp32: rows in tiles of
+    `BR` rows, each row summed chunk by chunk of `BD` columns in increasing order by one fixed-shape
+    `tl.sum`, the same for every row of every tile (so whatever the number of rows or a row's place).
+    The tiles follow D, so unlike the CPU's tree a row padded to another length may get other bits: the
+    GPU path reduces only over lengths that do not depend on the batch (widths, vocab, k, blocks)."""
+    D = x.shape[-1]
+    x2 = x.reshape(-1, D).contiguous()
+    R = x2.shape[0]
+    out = torch.empty(R, dtype=x.dtype, device=x.device)
+    if R:
+        BD = min(triton.next_power_of_2(D), 2048)
+        BR = max(1, 4096 // BD)
+        _row_sum_kernel[(triton.cdiv(R, BR),)](x2, out, R, D, BR=BR, BD=BD, num_warps=4)
+    return out.view(x.shape[:-1])
