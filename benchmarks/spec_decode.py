@@ -93,6 +93,9 @@ def graph_replays(engine) -> dict[str, int]:
             graphs = getattr(runner, kind, None) if runner is not None else None
             if graphs is not None:
                 out[f"{name}_{kind}"] = graphs.replays
+    loop = getattr(engine.proposer, "loop_graphs", None)
+    if loop is not None:
+        out["draft_loop_graphs"] = loop.replays
     return out
 
 

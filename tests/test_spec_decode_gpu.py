@@ -32,21 +32,19 @@ def test_verify_graphs_on_cuda_match_speculation_off(k):
 
 
 def test_verify_graphs_on_cuda_draft_model():
-    """The target drafting for itself (full K + 1 chunks, replays keeping every token), the draft model's
-    own steps on its decode and verify graphs. fp32: in bf16 the verify step's other GEMM shapes move
-    logits by a bf16 ulp, enough to flip near-tied greedy picks now and then (bf16 KDA numerics are
-    checked bit for bit by test_spec_verify_kda.py::test_verify_matches_decode_cuda)."""
+    """The target drafting for itself (full K + 1 chunks, replays keeping every token); the draft model's
+    catch-up chunks on its verify graphs and its drafting loop as one graph. fp32: in bf16 the verify
+    step's other GEMM shapes move logits by a bf16 ulp, enough to flip near-tied greedy picks now and
+    then (bf16 KDA numerics are checked bit for bit by test_spec_verify_kda.py)."""
     prompts = random_prompts([30, 70], seed=3)
-    params = SamplingParams(max_tokens=24, allowed_token_ids=FEW, **GREEDY)
+    params = SamplingParams(max_tokens=40, **GREEDY)
     kw = dict(device="cuda", num_pages=400)
     want = tokens(run(make_engine(**kw), prompts, params))
     on = make_engine(speculative_config={"method": "draft_model", "model": "tiny", "num_speculative_tokens": 3}, **kw)
     assert tokens(run(on, prompts, params)) == want
-    graphs = on.runner.verify_graphs
-    assert graphs.disabled is None and graphs.replays > 3, (graphs.disabled, graphs.replays)
-    _, accepted, per_pos = spec_counts(on)
-    assert per_pos[-1] > 0
-    draft = on.proposer.runner
-    assert draft.graphs.disabled is None and draft.verify_graphs.disabled is None
-    assert draft.graphs.replays > 3 and draft.verify_graphs.replays > 3
+    graphs, draft, loop = on.runner.verify_graphs, on.proposer.runner.verify_graphs, on.proposer.loop_graphs
+    for g in (graphs, draft, loop):
+        assert g.disabled is None and g.replays > 3, (type(g).__name__, g.disabled, g.replays)
+    drafted, accepted, _ = spec_counts(on)
+    assert accepted >= 0.9 * drafted, (accepted, drafted)  # the loop's drafts are (nearly all) the target's picks
     on.check_idle()

@@ -8,7 +8,7 @@ import torch
 
 from engine_utils import GREEDY, make_engine, random_prompts, run
 from kimiserve.engine import cuda_graphs, worker as engine_module
-from kimiserve.engine.spec_decode import verify_graphs
+from kimiserve.engine.spec_decode import draft_graphs, verify_graphs
 from kimiserve.sampling_params import SamplingParams
 from test_cuda_graphs import EagerReplay
 from test_spec_decode import FEW, mixed_params, ngram, spec_counts, tokens
@@ -48,9 +48,18 @@ def eager_graphs(monkeypatch):
         captured.append((size, bucket))
         return True
 
+    def capture_loop(self, size, bucket):
+        self._fill([], [], [], size, bucket)
+        self.pool.zero_state(self.pad_state_pages)
+        body = lambda: self._loop(size, bucket)  # noqa: E731
+        drafts = body()
+        self.graphs[(size, bucket)] = (EagerFn(body, drafts), drafts)
+        return True
+
     monkeypatch.setattr(engine_module, "uses_cuda_graphs", lambda device, args: not args.enforce_eager)
     monkeypatch.setattr(cuda_graphs.DecodeGraphs, "_capture", capture_decode)
     monkeypatch.setattr(verify_graphs.VerifyGraphs, "_capture", capture_verify)
+    monkeypatch.setattr(draft_graphs.DraftLoopGraphs, "_capture", capture_loop)
     return captured
 
 
@@ -140,18 +149,23 @@ def test_verify_graphs_preemption_and_prefix_hits(eager_graphs):
 
 def test_verify_graphs_with_draft_model(eager_graphs):
     """The target drafting for itself (full K + 1 chunks, every greedy draft kept) through verify graphs;
-    the draft model's own steps through its decode and verify graphs."""
+    the draft model's catch-up chunks through its verify graphs and its drafting loop as one graph
+    (while the request with allowed_token_ids runs: step by step on its decode graphs)."""
     prompts = random_prompts([20, 57, 9], seed=7)
-    params = [SamplingParams(max_tokens=30, **GREEDY)] * 2 + [SamplingParams(max_tokens=30, n=2, seed=5, temperature=0.9,
+    params = [SamplingParams(max_tokens=48, **GREEDY)] * 2 + [SamplingParams(max_tokens=10, n=2, seed=5, temperature=0.9,
                                                                              top_k=4, allowed_token_ids=FEW,
                                                                              ignore_eos=True)]
     want = tokens(run(make_engine(), prompts, params))
     on = make_engine(speculative_config={"method": "draft_model", "model": "tiny", "num_speculative_tokens": 3})
+    counts = {}
+    release = on.scheduler.on_finish
+    on.scheduler.on_finish = lambda r: (counts.__setitem__(r.request_id, (r.num_draft_tokens, r.num_accepted_tokens)),
+                                        release(r))
     assert tokens(run(on, prompts, params)) == want
-    drafted, accepted, per_pos = spec_counts(on)
-    assert per_pos[-1] > 0 and 0 < accepted <= drafted and on.runner.verify_graphs.replays > 5
-    draft = on.proposer.runner  # its drafting steps as decode graphs, its catch-up chunks as verify graphs
-    assert draft.graphs.replays > 5 and draft.verify_graphs.replays > 5
+    assert all(counts[r][1] == counts[r][0] > 0 for r in ("r0", "r1")), counts  # the loop's drafts are the target's
+    draft = on.proposer.runner
+    assert on.runner.verify_graphs.replays > 5 and draft.verify_graphs.replays > 5
+    assert on.proposer.loop_graphs.replays > 3 and draft.graphs.replays > 0
     on.check_idle()
 
 
@@ -171,4 +185,4 @@ def test_benchmark_with_graphs(eager_graphs, tmp_path):
     assert rows["ngram"]["same_tokens_as_off"] and rows["draft"]["same_tokens_as_off"]
     assert rows["off"]["graph_replays"]["target_graphs"] == rows["off"]["steps"]
     assert rows["draft"]["graph_replays"]["target_verify_graphs"] == rows["draft"]["steps"] > 0
-    assert rows["draft"]["graph_replays"]["draft_graphs"] > 0 and rows["draft"]["graph_replays"]["draft_verify_graphs"] > 0
+    assert rows["draft"]["graph_replays"]["draft_loop_graphs"] > 0 and rows["draft"]["graph_replays"]["draft_verify_graphs"] > 0

@@ -67,6 +67,8 @@ class DraftModelProposer:
         self.pool = PagePool(self.layout, num_pages + reserved, device)
         self.allocator = PageAllocator(num_pages, bs, self.num_state, enable_prefix_caching=False)
         self.runner = ModelRunner(self.model, self.pool, Sampler(args.seed), engine.eos_token_id)
+        self.loop_graphs = None
+        """`draft_graphs.DraftLoopGraphs` (CUDA graphs, K > 1): drafts d_2..d_K in one graph, or None."""
         if use_graphs:  # the drafting steps as decode graphs, the catch-up chunks as verify graphs
             from kimiserve.engine.cuda_graphs import DecodeGraphs
             from kimiserve.engine.spec_decode.verify_graphs import VerifyGraphs
@@ -76,6 +78,10 @@ class DraftModelProposer:
                           pad_states)
             self.runner.graphs = DecodeGraphs(*graph_args)
             self.runner.verify_graphs = VerifyGraphs(*graph_args, self.k + 1)
+            if self.k > 1:
+                from kimiserve.engine.spec_decode.draft_graphs import DraftLoopGraphs
+
+                self.loop_graphs = DraftLoopGraphs(*graph_args, self.k - 1)
         self.sequences: dict[object, DraftSequence] = {}
         self.num_forwards = 0
 
@@ -108,7 +114,12 @@ class DraftModelProposer:
         return seq
 
     def _pick(self, logits: torch.Tensor, requests: list) -> list[int]:
-        """Greedy drafts: the argmax within each request's allowed_token_ids."""
+        """Greedy drafts: the argmax within each request's allowed_token_ids (one host transfer)."""
+        return self._argmax(logits, requests).tolist()
+
+    @staticmethod
+    def _argmax(logits: torch.Tensor, requests: list) -> torch.Tensor:
+        """Greedy drafts on the device: the argmax within each request's allowed_token_ids."""
         masked = [i for i, r in enumerate(requests) if r.params.allowed_token_ids]
         if masked:
             logits = logits.clone()
@@ -116,7 +127,7 @@ class DraftModelProposer:
                 keep = torch.zeros(logits.shape[1], dtype=torch.bool, device=logits.device)
                 keep[torch.tensor(requests[i].params.allowed_token_ids, device=logits.device)] = True
                 logits[i].masked_fill_(~keep, float("-inf"))
-        return torch.argmax(logits, dim=-1).tolist()  # one host transfer
+        return torch.argmax(logits, dim=-1)
 
     @torch.inference_mode()
     def propose(self, requests: list, limits: list[int]) -> list[list[int]]:
@@ -150,12 +161,27 @@ class DraftModelProposer:
         logits = self.runner.forward(StepInput(ids, chunks, rows, [], fresh))
         self.runner.commit_verified({j: c.end - c.start for j, c in enumerate(chunks) if c.verify})
         self.num_forwards += 1
-        logits = logits[torch.tensor(last, device=logits.device)]
-        for (i, *_), token in zip(active, self._pick(logits, [a[1] for a in active])):
-            drafts[i].append(token)
-        # the other drafts one token at a time on the work pages (a copy of the committed state)
+        first = self._argmax(logits[torch.tensor(last, device=logits.device)], [a[1] for a in active])
+        # the other drafts on the work pages (a copy of the committed state): in one graph when every
+        # sequence drafts K tokens without token masks, else one step at a time
         copies = [(s, w) for _, _, seq, k in active if k > 1 for s, w in zip(seq.state_pages, seq.work_pages)]
-        for step in range(1, max(k for *_, k in active)):
+        rest = None
+        if self.loop_graphs is not None and all(k == self.k for *_, k in active) and not any(
+                r.params.allowed_token_ids for _, r, _, _ in active):
+            if copies:
+                self.pool.copy_pages([s for s, _ in copies], [d for _, d in copies])
+                copies = []
+            rest = self.loop_graphs.run(first, [seq.num_computed for _, _, seq, _ in active],
+                                        [seq.block_table for _, _, seq, _ in active],
+                                        [seq.work_pages for _, _, seq, _ in active])
+        if rest is not None:
+            self.num_forwards += self.k - 1
+            for (i, *_), tokens in zip(active, torch.cat([first[:, None], rest], dim=1).tolist()):
+                drafts[i] += tokens
+        else:
+            for (i, *_), token in zip(active, first.tolist()):
+                drafts[i].append(token)
+        for step in range(1, max(k for *_, k in active) if rest is None else 1):
             going = [a for a in active if a[3] > step]
             chunks = [StepChunk(j, j + 1, seq.num_computed + step - 1, list(seq.block_table), list(seq.work_pages))
                       for j, (_, _, seq, _) in enumerate(going)]

@@ -1,0 +1,126 @@
+"""One CUDA graph for a draft model's whole drafting loop: after the catch-up forward gives d_1, the
+K - 1 one-token steps that feed d_1..d_{K-1} and take each next draft as the argmax of the step's
+logits, on the device, with no host round trip between the steps (one graph per padded batch size
+and context bucket, as `cuda_graphs.DecodeGraphs`).
+
+The host fills, once per round: each sequence's first draft (a device-to-device copy), the position
+of d_1, its block table and its work state pages. Inside the graph, step s writes position p + s,
+attends up to it and advances the work pages in place; padding rows run on the reserved pages.
+Greedy drafts only, without per-request token masks (rounds with allowed_token_ids run step by step).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import torch
+
+from kimiserve.cache.pool import PagePool
+from kimiserve.engine.cuda_graphs import MIN_CONTEXT_BUCKET, capture_sizes
+from kimiserve.model.batch import ForwardBatch
+from kimiserve.model.moe import STATIC_MOE_TOKENS
+from kimiserve.ops.backend import DecodeOps
+
+
+class DraftLoopGraphs:
+    """`steps` (K - 1) greedy one-token steps of `model` on `pool` per replay; pad pages as `DecodeGraphs`'."""
+
+    def __init__(self, model, pool: PagePool, ops: DecodeOps, max_num_seqs: int, max_model_len: int,
+                 pad_page: int, pad_state_pages: torch.Tensor, steps: int):
+        self.model, self.pool, self.ops, self.steps = model, pool, ops, steps
+        self.sizes = capture_sizes(max(1, min(max_num_seqs, STATIC_MOE_TOKENS)))
+        self.max_batch, self.max_model_len = self.sizes[-1], max_model_len
+        self.pad_page = pad_page
+        dev = pool.data.device
+        B, width = self.max_batch, math.ceil(max_model_len / pool.block_size)
+        long = dict(dtype=torch.int64, device=dev)
+        self.first_tokens = torch.zeros(B, **long)
+        self.start_positions = torch.zeros(B, **long)
+        self.block_tables = torch.full((B, width), pad_page, **long)
+        self.pad_state_pages = pad_state_pages.to(dev)
+        self.state_pages = self.pad_state_pages.expand(B, -1).contiguous()
+        self.rows = torch.arange(B, **long)
+        self.graphs: dict[tuple[int, int], tuple] = {}
+        """(size, bucket) -> (graph, its drafts [size, steps])."""
+        self.memory_pool = None
+        self.disabled: str | None = None
+        self.replays = 0
+
+    def padded_size(self, n: int) -> int | None:
+        return next((s for s in self.sizes if s >= n), None)
+
+    def context_bucket(self, max_context: int) -> int:
+        bucket = MIN_CONTEXT_BUCKET
+        while bucket < max_context:
+            bucket *= 2
+        return min(bucket, self.max_model_len)
+
+    def run(self, first_tokens: torch.Tensor, starts: list[int], block_tables: list[list[int]],
+            state_pages: list[list[int]]) -> torch.Tensor | None:
+        """Drafts d_2..d_K [n, steps] on the device after first_tokens (d_1, [n] on the device) at
+        positions starts[j], or None when no graph can run them (the caller steps eagerly)."""
+        n = len(starts)
+        size = self.padded_size(n)
+        if self.disabled or size is None or n == 0:
+            return None
+        bucket = self.context_bucket(max(starts) + self.steps)
+        if (size, bucket) not in self.graphs and not self._capture(size, bucket):
+            return None
+        self._fill(starts, block_tables, state_pages, size, bucket)
+        self.first_tokens[:n].copy_(first_tokens)
+        graph, drafts = self.graphs[(size, bucket)]
+        graph.replay()
+        self.replays += 1
+        return drafts[:n]
+
+    def _fill(self, starts, block_tables, state_pages, size: int, bucket: int) -> None:
+        n, cols = len(starts), math.ceil(bucket / self.pool.block_size)
+        tables = torch.full((size, cols), self.pad_page, dtype=torch.int64)
+        for j, table in enumerate(block_tables):
+            used = min(len(table), cols)
+            tables[j, :used] = torch.tensor(table[:used])
+        self.block_tables[:size, :cols].copy_(tables)
+        self.start_positions[:size].copy_(torch.tensor(list(starts) + [0] * (size - n)))
+        self.first_tokens[n:size].zero_()
+        if n:
+            self.state_pages[:n].copy_(torch.tensor(state_pages))
+        self.state_pages[n:size].copy_(self.pad_state_pages.expand(size - n, -1))
+
+    def _loop(self, size: int, bucket: int) -> torch.Tensor:
+        """The graph's body: the steps, each next token the argmax of the last (smallest id among ties)."""
+        bs, cols = self.pool.block_size, math.ceil(bucket / self.pool.block_size)
+        tables, rows = self.block_tables[:size], self.rows[:size]
+        token, drafts = self.first_tokens[:size], []
+        for s in range(self.steps):
+            pos = self.start_positions[:size] + s
+            pages = tables.gather(1, (pos // bs).clamp(max=cols - 1)[:, None])[:, 0]
+            batch = ForwardBatch(pool=self.pool, positions=pos, write_pages=pages, write_offsets=pos % bs, chunks=[],
+                                 decode_rows=rows, decode_block_tables=tables, decode_context_lens=pos + 1,
+                                 decode_state_pages=self.state_pages[:size], decode_max_context=bucket, ops=self.ops)
+            token = torch.argmax(self.model.forward_batch(token, batch, rows), dim=-1)
+            drafts.append(token)
+        return torch.stack(drafts, dim=1)
+
+    def _capture(self, size: int, bucket: int) -> bool:
+        """Warm up and record the loop on padding rows only; False (graphs off, with a warning) on failure."""
+        self._fill([], [], [], size, bucket)
+        self.pool.zero_state(self.pad_state_pages)
+        try:
+            if self.memory_pool is None:
+                self.memory_pool = torch.cuda.graph_pool_handle()
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                self._loop(size, bucket)
+            torch.cuda.current_stream().wait_stream(stream)
+            self.first_tokens.zero_()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.memory_pool):
+                drafts = self._loop(size, bucket)
+        except Exception as e:  # a capture failure must not take the engine down: step eagerly instead
+            self.disabled = f"capturing the draft loop, batch {size}, context {bucket} failed: {type(e).__name__}: {e}"
+            warnings.warn(f"CUDA graph of the draft loop disabled, drafts run step by step ({self.disabled})")
+            return False
+        self.graphs[(size, bucket)] = (graph, drafts)
+        return True
