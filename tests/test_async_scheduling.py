@@ -111,6 +111,24 @@ def test_a_stop_while_the_next_row_runs_keeps_no_stale_snapshot():
     assert results[0] == results[1]
 
 
+def test_aborting_everything_while_a_step_runs():
+    """Every request aborted while a step is in flight: the next step() schedules what came after."""
+    e = engine(True)
+    prompts = random_prompts([8, 9], seed=2)
+    for i, prompt in enumerate(prompts):
+        e.add_request(f"a{i}", prompt, SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))
+    for _ in range(6):
+        e.step()
+    assert e._in_flight is not None
+    for i in range(2):
+        e.abort_request(f"a{i}")
+    assert not e.has_unfinished_requests()
+    before = e.num_steps
+    expected = drive(engine(False), [prompts[0]], [SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)])
+    outs = drive(e, [prompts[0]], [SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)])
+    assert outs == expected and e.num_steps > before
+
+
 def test_a_failing_overlapped_step_fails_its_request_alone():
     prompts = random_prompts([5, 40, 33], seed=11)
     params = [SamplingParams(max_tokens=25, temperature=0, ignore_eos=True),

@@ -117,6 +117,11 @@ class PageAllocator:
         self._check_range(page)
         return self._ref[page]
 
+    def shared(self, pages: list[int]) -> list[int]:
+        """Indices into `pages` (pages this allocator handed out) of those with more than one reference."""
+        ref = self._ref
+        return [i for i, p in enumerate(pages) if ref[p] > 1]
+
     def can_allocate(self, n: int) -> bool:
         """Whether `allocate(n)` would succeed (possibly by evicting snapshots)."""
         if n < 0:

@@ -127,8 +127,8 @@ class DecodeGraphs:
         tables.fill(self.pad_page)
         pos = np.fromiter((c.context_start for c in chunks), dtype=np.int64, count=n)
         for i, c in enumerate(chunks):
-            row = np.asarray(c.block_table[:cols], dtype=np.int64)
-            tables[i, : len(row)] = row
+            table = c.block_table if len(c.block_table) <= cols else c.block_table[:cols]
+            tables[i, : len(table)] = table
         positions[:n] = pos
         positions[n:] = 0
         write_pages[:n] = tables[np.arange(n), pos // bs]
@@ -138,7 +138,7 @@ class DecodeGraphs:
         context_lens[:n] = pos + 1
         context_lens[n:] = 1
         if n:
-            states[:n] = np.asarray([np.asarray(c.state_pages, dtype=np.int64) for c in chunks])
+            states[:n] = [c.state_pages for c in chunks]
         states[n:size] = self._pad_states_host
         on_device = isinstance(input_ids, torch.Tensor)
         if not on_device:

@@ -9,8 +9,6 @@ import math
 import time
 from dataclasses import dataclass, field
 
-import torch
-
 from kimiserve.cache.allocator import PageAllocator
 from kimiserve.distributed.executor import make_executor
 from kimiserve.engine.args import EngineArgs, tokenizer_source
@@ -18,7 +16,7 @@ from kimiserve.engine.detokenizer import IncrementalDetokenizer
 from kimiserve.engine.errors import REQUEST_FAILED_MESSAGE, EngineFatalError, is_fatal_error
 from kimiserve.engine.outputs import CompletionOutput, RequestOutput, RequestOutputKind, RequestTimes
 from kimiserve.engine.request import Request
-from kimiserve.engine.runner import LaunchedStep
+from kimiserve.engine.runner import LaunchedStep, to_device
 from kimiserve.engine.scheduler import Scheduler, SchedulerOutput
 from kimiserve.engine.spec_decode import check_request, make_proposer
 from kimiserve.engine.spec_decode.metrics import SpecDecodeStats
@@ -318,9 +316,12 @@ class LLMEngine:
         error comes from fails alone and the others go on (their tokens unchanged: seeded sampling
         is batch-independent, and greedy decoding deterministic).
         """
+        failed = []
         if self._in_flight is not None:
-            return self._finish_launched()
-        failed = self._resolve_grammars() if self._compiling else []
+            if any(not c.request.finished for c in self._in_flight.sched.chunks):
+                return self._finish_launched()
+            failed, self._in_flight = self._in_flight.failed, None  # all its requests were aborted since
+        failed += self._resolve_grammars() if self._compiling else []
         suspect = self._current_suspect()
         sched = self.scheduler.schedule(only=suspect.request if suspect else None)
         if not sched.chunks:
@@ -425,7 +426,7 @@ class LLMEngine:
             return None
         tokens = done.launched.tokens
         if len(keep) < len(requests):
-            tokens = tokens[torch.tensor(keep, device=tokens.device)]
+            tokens = tokens[to_device(keep, tokens.device)]
         for r in survivors:
             r.fed_ahead = True
         self.num_steps += 1

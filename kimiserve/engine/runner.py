@@ -173,9 +173,9 @@ class ModelRunner:
         """The StepInput of a decode-only step scheduled while the step before it runs (`Scheduler.reserve_ahead`):
         each chunk's request feeds the token that step samples for it, `tokens[i]` on the device, at
         position num_computed + 1."""
-        chunks = [StepChunk(i, i + 1, c.request.num_computed + 1, list(c.request.block_table),
-                            list(c.request.state_pages), None, False, c.request.lora_id)
-                  for i, c in enumerate(sched.chunks)]
+        # the requests' own page lists (not copies): `launch` reads them before anything changes them
+        chunks = [StepChunk(i, i + 1, c.request.num_computed + 1, c.request.block_table, c.request.state_pages,
+                            None, False, c.request.lora_id) for i, c in enumerate(sched.chunks)]
         return StepInput(tokens, chunks, list(range(len(chunks))), [pair for c in sched.chunks for pair in c.copies],
                          [p for c in sched.chunks for p in c.fresh_state_pages])
 
@@ -183,7 +183,7 @@ class ModelRunner:
     def launch(self, step: "StepInput", rows: list[SampleRequest]) -> LaunchedStep:
         """Queue a decode-only step's forward and sampling (rows from `plain_sample_requests`) on the device
         and the copy of its tokens to the host; returns without waiting for any of them."""
-        tokens = self.sampler.sample_plain(self.forward(step), rows)
+        tokens = self.sampler.sample_plain(self.forward(step), rows, checked=True)
         if tokens is None:
             raise RuntimeError("launch() needs plain rows (plain_sample_requests)")
         if tokens.device.type != "cuda":
@@ -218,8 +218,8 @@ class ModelRunner:
                 self.verified = (None, [c.verify for c in step.chunks])
                 return logits
         batch = ForwardBatch.build(self.pool, seq_chunks, self.device, self.ops, self.dcp)
-        input_ids = _to_device(step.token_ids, self.device)
-        rows = _to_device(step.logit_rows, self.device)
+        input_ids = to_device(step.token_ids, self.device)
+        rows = to_device(step.logit_rows, self.device)
         if self.invariant is not None:
             lora = None
             if self.lora is not None:
@@ -309,7 +309,7 @@ class ModelRunner:
         """One (token, logprobs) per row, batched; if the batch raises, row by row, so a row that
         cannot be sampled gets its exception in place of a token and the others still sample."""
         try:
-            picked = logits if rows == list(range(logits.shape[0])) else logits[_to_device(rows, logits.device)]
+            picked = logits if rows == list(range(logits.shape[0])) else logits[to_device(rows, logits.device)]
             return self.sampler(picked, requests)
         except Exception as exc:  # noqa: BLE001 - attributed row by row below
             if is_fatal_error(exc):
@@ -325,7 +325,7 @@ class ModelRunner:
             return out
 
 
-def _to_device(values, device: torch.device) -> torch.Tensor:
+def to_device(values, device: torch.device) -> torch.Tensor:
     """int64 device tensor of a host list (through pinned memory on CUDA: the host does not wait), or a
     device tensor as it is."""
     if isinstance(values, torch.Tensor):

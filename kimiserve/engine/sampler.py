@@ -346,13 +346,15 @@ class Sampler:
                 token_ids[idx] = drawn
         return token_ids, valid
 
-    def sample_plain(self, logits: torch.Tensor, requests: list[SampleRequest]) -> torch.Tensor | None:
-        """int64 [R] token ids on the logits' device, no host transfer, when every row `is_plain`;
-        else None (use `__call__`). The same tokens `__call__` gives (a row without a finite logit
-        takes the first token, as its fallback does for a row with nothing masked)."""
+    def sample_plain(self, logits: torch.Tensor, requests: list[SampleRequest],
+                     checked: bool = False) -> torch.Tensor | None:
+        """int64 [R] token ids on the logits' device, no host transfer, when every row `is_plain`
+        (checked: the caller knows they are); else None (use `__call__`). The same tokens `__call__`
+        gives (a row without a finite logit takes the first token, as its fallback does for a row with
+        nothing masked)."""
         if logits.dim() != 2 or logits.shape[0] != len(requests):
             raise ValueError(f"logits must be [R, V] with R = {len(requests)} requests, got {tuple(logits.shape)}")
-        if not all(r.is_plain for r in requests):
+        if not checked and not all(r.is_plain for r in requests):
             return None
         x = ops.saturate(logits.float())
         token_ids, valid = self._draw(x, requests)

@@ -185,13 +185,17 @@ class Scheduler:
         new_blocks = -(-end // bs) - len(request.block_table)
         writes_last = (request.num_computed + ahead) % bs != 0
         cow_last = writes_last and alloc.refcount(request.block_table[-1]) > 1
-        shared_states = [i for i, p in enumerate(request.state_pages) if alloc.refcount(p) > 1]
+        shared_states = alloc.shared(request.state_pages)
         fresh_states = 0 if request.state_pages else self.num_state_pages
         total = new_blocks + cow_last + len(shared_states) + fresh_states
+        chunk = ScheduledChunk(request, n)
+        if total == 0:  # a decode within its own pages (the common step)
+            if not request.output_ids:
+                self._reserve_prompt_snapshot(request, chunk)
+            return chunk
         if not alloc.can_allocate(total):
             return None
         pages = alloc.allocate(total)
-        chunk = ScheduledChunk(request, n)
         if cow_last:
             chunk.copies.append((request.block_table[-1], pages[0]))
             alloc.decref([request.block_table[-1]])

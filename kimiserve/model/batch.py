@@ -11,6 +11,14 @@ from kimiserve.cache.pool import PagePool
 from kimiserve.ops.backend import REFERENCE_OPS, DecodeOps
 
 
+def _to_device_fn(device):
+    """Host tensor -> device: through pinned memory on CUDA (the host does not wait for the device)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return lambda t: t.to(device)
+    return lambda t: t.pin_memory().to(device, non_blocking=True)
+
+
 @dataclass
 class SequenceChunk:
     """The new tokens of one sequence in this step: rows [start, end) of the packed batch."""
@@ -131,7 +139,7 @@ class ForwardBatch:
             for c in verify:
                 verify_tables[row : row + c.num_tokens, : len(c.block_table)] = c.block_table
                 row += c.num_tokens
-        to = lambda t: t.to(device)
+        to = _to_device_fn(device)
         # every layer reads each chunk's page ids: move them to the device once per step
         chunks = [replace(c, block_table=to(c.block_table), state_pages=to(c.state_pages),
                           snapshot_state_pages=None if c.snapshot_state_pages is None else to(c.snapshot_state_pages))
