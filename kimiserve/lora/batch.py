@@ -41,6 +41,8 @@ class LoRABatch:
         self.adapters, self.row_slot = adapters, row_slot
         self.rank = max((a.rank for a in adapters), default=0)
         self.scales = torch.tensor([0.0] + [a.scaling for a in adapters], dtype=torch.float32, device=row_slot.device)
+        self._plans: dict[tuple, tuple[torch.Tensor, bi.RowGroups]] = {}
+        """Per (row count, which adapters cover a projection): the rows' coverage and their groups."""
 
     def _delta(self, key: str, table: str, x: torch.Tensor, slots: torch.Tensor, experts: torch.Tensor | None = None):
         pairs = [getattr(a, table).get(key) for a in self.adapters]
@@ -48,12 +50,19 @@ class LoRABatch:
             return None, None
         A, B = _stack(pairs, self.rank)
         index = slots + 1
-        covered = torch.tensor([False] + [p is not None for p in pairs], device=x.device)[index]
+        coverage = (len(slots), *(p is not None for p in pairs))
+        if experts is None and coverage in self._plans:  # the same rows as an earlier projection's
+            covered, groups = self._plans[coverage]
+        else:
+            covered = torch.tensor((False, *coverage[1:]), device=x.device)[index]
+            key = slots if experts is None else slots * A.shape[1] + experts  # experts: (adapter, expert)
+            groups = bi.RowGroups.of(torch.where(covered, key, -1))
+            if experts is None:
+                self._plans[coverage] = covered, groups
         if experts is None:
-            groups, pick = torch.where(covered, slots, -1), lambda t, g: t[g + 1]
-        else:  # one group per (adapter, expert)
+            pick = lambda t, g: t[g + 1]  # noqa: E731
+        else:
             E = A.shape[1]
-            groups = torch.where(covered, slots * E + experts, -1)
             pick = lambda t, g: t[g // E + 1, g % E]  # noqa: E731
         h = bi.grouped_linear(x, groups, lambda g: pick(A, g), self.rank)
         d = bi.grouped_linear(h, groups, lambda g: pick(B, g), B.shape[-2])

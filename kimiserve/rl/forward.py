@@ -407,14 +407,16 @@ class InvariantForward:
             return lambda e: experts.expert_weight(name, e).to(h.dtype)
 
         inter = self.config.moe_intermediate_size
-        gate, up = bi.grouped_linear(xs, flat, weight("w1"), inter), bi.grouped_linear(xs, flat, weight("w3"), inter)
+        by_expert = bi.RowGroups.of(flat)
+        gate = bi.grouped_linear(xs, by_expert, weight("w1"), inter)
+        up = bi.grouped_linear(xs, by_expert, weight("w3"), inter)
         lora = self.lora
         if lora is not None:
             base, slots = self.names[id(experts)], lora.row_slot.repeat_interleave(k)
             gate = lora.apply_experts(f"{base}.w1", xs, flat, slots, gate)
             up = lora.apply_experts(f"{base}.w3", xs, flat, slots, up)
         act = self.act(gate, up)
-        y = bi.grouped_linear(act, flat, weight("w2"), h.shape[-1])
+        y = bi.grouped_linear(act, by_expert, weight("w2"), h.shape[-1])
         if lora is not None:
             y = lora.apply_experts(f"{base}.w2", act, flat, slots, y)
         return bi.tree_sum(y.float().view(N, k, -1) * weights.float().unsqueeze(-1), 1).to(h.dtype)

@@ -182,24 +182,42 @@ def linear(x: torch.Tensor, weight) -> torch.Tensor:
     return _InvariantLinear.apply(x, weight)
 
 
-def grouped_linear(x: torch.Tensor, groups: torch.Tensor, weight_of, out_features: int) -> torch.Tensor:
+@dataclass(frozen=True)
+class RowGroups:
+    """Rows sorted by group (stable), the groups present and their row counts: computed once (one host
+    sync) and shared by the matmuls of one grouping (an expert's w1, w3 and w2; a LoRA's A and B)."""
+
+    order: torch.Tensor
+    inverse: torch.Tensor
+    present: list[int]
+    counts: list[int]
+
+    @classmethod
+    def of(cls, groups: torch.Tensor) -> "RowGroups":
+        order = torch.argsort(groups, stable=True)
+        present, counts = torch.unique_consecutive(groups[order], return_counts=True)
+        return cls(order, torch.argsort(order), present.tolist(), counts.tolist())
+
+
+def grouped_linear(x: torch.Tensor, groups, weight_of, out_features: int) -> torch.Tensor:
     """Row i of x [N, K] times group groups[i]'s weight `weight_of(g)` [out_features, K] -> [N, out]
     in x's dtype; rows of a negative group get zeros. One `linear` per group present (experts, LoRA
     adapters): a row's bits are those of `linear` on that row alone (the CPU's tree sum gives the same
-    bits for a shared as for a per-row weight), with no [N, out, K] gathered weights. Syncs with the
-    host (the groups present)."""
-    if groups.shape != x.shape[:1]:
-        raise ValueError(f"groups must be [N] for x {tuple(x.shape)}, got {tuple(groups.shape)}")
-    order = torch.argsort(groups, stable=True)
-    present, counts = torch.unique_consecutive(groups[order], return_counts=True)
+    bits for a shared as for a per-row weight), with no [N, out, K] gathered weights. `groups`: int
+    [N], or their `RowGroups` (the host sync done once for several matmuls)."""
+    plan = groups if isinstance(groups, RowGroups) else None
+    if plan is None:
+        if groups.shape != x.shape[:1]:
+            raise ValueError(f"groups must be [N] for x {tuple(x.shape)}, got {tuple(groups.shape)}")
+        plan = RowGroups.of(groups)
     parts, start = [], 0
-    for g, n in zip(present.tolist(), counts.tolist()):
-        rows = order[start : start + n]
+    for g, n in zip(plan.present, plan.counts):
+        rows = plan.order[start : start + n]
         start += n
         parts.append(x.new_zeros(n, out_features) if g < 0 else linear(x[rows], weight_of(g)))
     if not parts:
         return x.new_zeros(0, out_features)
-    return torch.cat(parts)[torch.argsort(order)]
+    return torch.cat(parts)[plan.inverse]
 
 
 class _HeadLinear(torch.autograd.Function):
