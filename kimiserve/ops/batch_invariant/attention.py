@@ -1,5 +1,6 @@
 """The batch-invariant MLA read of a packed batch: each query row's indexer top-k over its own
-context and the absorbed attention over the listed positions, from flat context buffers
+context (skipped where no row's context exceeds k: then every visible position is listed, the list
+the top-k would give) and the absorbed attention over the listed positions, from flat context buffers
 (`latents[base[g] + p]` / `keys[base[g] + p]` is row g's context position p, p < lens[g]).
 
 On the CPU: row groups gathered from the flat buffers and `reference.indexer_topk` /
@@ -62,7 +63,7 @@ class _LatentAttention(torch.autograd.Function):
 
 
 def _listed_cuda(tri, iq, iw, keys, base, lens, topk: int, S: int):
-    if iq is None:
+    if iq is None or S <= topk:  # every visible position is listed whatever the scores
         listed = torch.arange(S, device=lens.device).expand(len(lens), S)
         return listed, lens
     scores = tri.indexer_scores(iq, iw.float(), keys, base, lens, S)
@@ -94,7 +95,7 @@ def mla_attention(q_abs: torch.Tensor, q_pe: torch.Tensor, latents: torch.Tensor
         ctx = torch.minimum(torch.arange(Sg, device=lens.device).unsqueeze(0), pos.unsqueeze(1))
         idx = base[rows].unsqueeze(1) + ctx
         ctx_latents = latents[idx]
-        if iq is not None:
+        if iq is not None and Sg > topk:
             listed = bi.indexer_topk(iq[rows], iw[rows], keys[idx], lens[rows], topk)
         else:
             listed = torch.arange(Sg, device=lens.device).expand(len(pos), Sg)
