@@ -171,17 +171,15 @@ class ForwardBatch:
     @property
     def decode_only(self) -> bool:
         """Every packed row is a decode row, in order (decode_rows is 0..N-1; a captured decode graph's
-        batch, which lists no chunks, too): the layers then take the rows as views, not gathers."""
-        return self.pcp is None and all(c.num_tokens == 1 and c.start == i for i, c in enumerate(self.chunks))
+        batch, which lists no chunks, too; not a verify graph's, which lists none either): the layers
+        then take the rows as views, not gathers."""
+        return self.pcp is None and self.verify_grid is None and all(c.num_tokens == 1 and c.start == i
+                                                                     for i, c in enumerate(self.chunks))
 
     @property
     def prefill_chunks(self) -> list[SequenceChunk]:
         """Chunks of several tokens (prefill chunks and speculative verify chunks)."""
         return [c for c in self.chunks if c.num_tokens > 1]
-
-    @property
-    def verify_chunks(self) -> list[SequenceChunk]:
-        return [c for c in self.chunks if c.verify and c.num_tokens > 1]
 
 
 @dataclass(frozen=True)
