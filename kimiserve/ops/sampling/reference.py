@@ -95,8 +95,11 @@ def sample(probs: torch.Tensor, generators: list[torch.Generator | None]) -> tor
     if len(generators) != R:
         raise ValueError(f"need one generator per row: {R} rows, {len(generators)} generators")
     noise = torch.empty_like(probs)
-    for r, gen in enumerate(generators):
-        noise[r].exponential_(generator=gen)
+    if R and all(gen is generators[0] for gen in generators):  # one generator for every row: one draw
+        noise.exponential_(generator=generators[0])
+    else:
+        for r, gen in enumerate(generators):
+            noise[r].exponential_(generator=gen)
     noise.clamp_(min=torch.finfo(noise.dtype).tiny)
     return torch.argmax(probs / noise, dim=-1)
 
