@@ -111,6 +111,33 @@ def test_a_stop_while_the_next_row_runs_keeps_no_stale_snapshot():
     assert results[0] == results[1]
 
 
+def test_guided_and_stop_string_requests_among_overlapped_ones():
+    """A grammar (compiled on its thread, then sampled under its mask: never overlapped) and stop strings
+    (found by the detokenizer after the step) beside plain requests: the same tokens and texts."""
+    pytest.importorskip("llguidance", reason="guided decoding needs llguidance (the guided / test extras)")
+    from kimiserve.structured_output import StructuredOutputsParams as Spec
+
+    prompts = random_prompts([14, 9, 21, 30], seed=17)
+    params = [SamplingParams(max_tokens=24, temperature=0, structured_outputs=Spec(regex=r"[0-9]{3}-[a-z]{2,4}")),
+              SamplingParams(max_tokens=40, temperature=0, stop=["e", "a"], ignore_eos=True),
+              SamplingParams(max_tokens=40, temperature=0.8, seed=3, stop=[" t"], include_stop_str_in_output=True),
+              SamplingParams(max_tokens=35, temperature=0, ignore_eos=True)]
+    texts = []
+    for async_on in (False, True):
+        e = engine(async_on)
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            e.add_request(f"r{i}", prompt, p)
+        done = {}
+        while e.has_unfinished_requests():
+            for out in e.step():
+                if out.finished:
+                    done[out.request_id] = [(c.text, c.token_ids, c.finish_reason, c.stop_reason) for c in out.outputs]
+        e.check_idle()
+        texts.append(done)
+        assert (e.stats()["overlapped_steps"] > 0) is async_on
+    assert texts[0] == texts[1] and len(texts[0]) == 4
+
+
 def test_aborting_everything_while_a_step_runs():
     """Every request aborted while a step is in flight: the next step() schedules what came after."""
     e = engine(True)
