@@ -1,0 +1,28 @@
+"""Smoke test of benchmarks/host_overhead.py on the CPU: it runs, times every phase it names, and writes
+complete JSON (no timing is asserted: the figures depend on the machine and its load)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_host_overhead_cpu(tmp_path):
+    out = tmp_path / "host.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "host_overhead.py"), "--device", "cpu",
+                           "--batches", "1,3", "--steps", "4", "--async-scheduling", "on", "--out", str(out)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["model"] == "tiny" and data["device"] == "cpu" and [r["batch"] for r in data["rows"]] == [1, 3]
+    for row in data["rows"]:
+        assert row["async_scheduling"] is True and row["overlapped_steps"] > 0
+        assert {"schedule", "prepare", "batch build", "forward", "sample", "postprocess", "output", "other"} \
+            <= row["phases_ms"].keys(), row["phases_ms"]
+        assert all(v >= 0 for v in row["phases_ms"].values())
+        assert 0 < row["phase_run_host_ms"] < row["phase_run_step_ms_mean"]
+        assert row["step_ms_min"] <= row["step_ms_median"]
