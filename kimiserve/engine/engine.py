@@ -405,10 +405,11 @@ class LLMEngine:
         """Launch the step after `done` (still running) when it would be the same plain decodes: every
         running request, less those `done` brings to max_tokens or max_model_len, none waiting that the
         synchronous scheduler would admit now, pages for all without preempting."""
-        if self._compiling or self._suspects or len(self.scheduler.running) != len(done.sched.chunks):
+        requests = [c.request for c in done.sched.chunks]  # rows of requests that ended since its launch: skipped
+        if (self._compiling or self._suspects
+                or len(self.scheduler.running) != sum(not r.finished for r in requests)):
             return None
-        requests = [c.request for c in done.sched.chunks]
-        keep = [i for i, r in enumerate(requests) if len(r.output_ids) + 1 < r.params.max_tokens
+        keep = [i for i, r in enumerate(requests) if not r.finished and len(r.output_ids) + 1 < r.params.max_tokens
                 and r.num_tokens + 1 < self.max_model_len and r.thinking is None and r.grammar is None]
         if not keep or len(keep) > self.args.max_num_batched_tokens:
             return None
