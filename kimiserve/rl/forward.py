@@ -394,29 +394,38 @@ class InvariantForward:
         return y.to(x.dtype)
 
     def experts(self, experts, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """Each (token, slot) pair through its expert (rows grouped by expert), combined over the slots
-        in slot order."""
+        """Each (token, slot) pair through its expert, combined over the slots in slot order. On the GPU
+        the pairs run grouped by expert (one fixed-tiling matmul per expert, MXFP4 dequantised inside
+        it); on the CPU (launch-bound) as one per-row-weight product of the gathered experts: the same
+        bits as grouping there (the tree sum does not care whether a weight is shared)."""
         N, k = ids.shape
         flat = ids.reshape(-1)
         xs = h.repeat_interleave(k, dim=0)
+        if bi.on_triton(h):
+            by_expert = bi.RowGroups.of(flat)
 
-        def weight(name):
-            if experts.mxfp4:  # dequantised inside the matmul on CUDA
-                packed, scales = getattr(experts, f"{name}_packed"), getattr(experts, f"{name}_scale")
-                return lambda e: bi.MXFP4Weight(packed[e], scales[e], experts.dtype)
-            return lambda e: experts.expert_weight(name, e).to(h.dtype)
+            def linear(name, x, out_features):
+                if experts.mxfp4:
+                    packed, scales = getattr(experts, f"{name}_packed"), getattr(experts, f"{name}_scale")
+                    weight = lambda e: bi.MXFP4Weight(packed[e], scales[e], experts.dtype)  # noqa: E731
+                else:
+                    weight = lambda e: experts.expert_weight(name, e).to(x.dtype)  # noqa: E731
+                return bi.grouped_linear(x, by_expert, weight, out_features)
+        else:
+            present, index = torch.unique(flat, return_inverse=True)
+
+            def linear(name, x, out_features):
+                return bi.linear(x, experts.stacked_weight(name, present).to(x.dtype)[index])
 
         inter = self.config.moe_intermediate_size
-        by_expert = bi.RowGroups.of(flat)
-        gate = bi.grouped_linear(xs, by_expert, weight("w1"), inter)
-        up = bi.grouped_linear(xs, by_expert, weight("w3"), inter)
+        gate, up = linear("w1", xs, inter), linear("w3", xs, inter)
         lora = self.lora
         if lora is not None:
             base, slots = self.names[id(experts)], lora.row_slot.repeat_interleave(k)
             gate = lora.apply_experts(f"{base}.w1", xs, flat, slots, gate)
             up = lora.apply_experts(f"{base}.w3", xs, flat, slots, up)
         act = self.act(gate, up)
-        y = bi.grouped_linear(act, by_expert, weight("w2"), h.shape[-1])
+        y = linear("w2", act, h.shape[-1])
         if lora is not None:
             y = lora.apply_experts(f"{base}.w2", act, flat, slots, y)
         return bi.tree_sum(y.float().view(N, k, -1) * weights.float().unsqueeze(-1), 1).to(h.dtype)
