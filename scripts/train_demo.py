@@ -2,7 +2,7 @@
 """Train the kimi-demo model (seeded, wall-clock budgeted) and export it in the release format.
 
 GPU runs (the shipped checkpoints; scripts/device/train_demo_v2.sh runs both in one H200 call):
-    python scripts/train_demo.py --device cuda --model demo --out OUT/kimi-demo --max-minutes 5.8
+    python scripts/train_demo.py --device cuda --model demo --out OUT/kimi-demo --max-minutes 6.3
     python scripts/train_demo.py --device cuda --model demo-draft --out OUT/kimi-demo-draft --max-minutes 1.2
 CPU smoke run (about two minutes, the tiny model of the same structure):
     python scripts/train_demo.py --quick --out /tmp/kimi-demo-quick
