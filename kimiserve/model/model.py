@@ -57,20 +57,22 @@ class DecoderLayer(nn.Module):
 
     def forward_attn_res(
         self, running: torch.Tensor, blocks: list[torch.Tensor], ctx: AttentionContext = None,
-        store: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        store: torch.Tensor | None = None, addend: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
         """One layer with block attention-residuals.
 
-        `running` is the live sum of sublayer outputs since the last seal, `blocks` the sealed
-        snapshots (the first is the embedding). Each sublayer input is a read (softmax mix) of the
-        snapshots and the live sum; a snapshot is sealed before the attention of every
+        `running` is the live sum of sublayer outputs since the last seal (plus `addend`, the layer
+        before's MLP output, when given: the add is done in this layer's first read), `blocks` the
+        sealed snapshots (the first is the embedding). Each sublayer input is a read (softmax mix) of
+        the snapshots and the live sum; a snapshot is sealed before the attention of every
         block_size-th layer (into `store` when given, `attn_res.seal`); sublayer outputs are added to
         the live sum only. The residual add, the read and the norm before a sublayer are one op
-        (`DecodeOps.add_read_norm`: one kernel on the serving path on CUDA).
+        (`DecodeOps.add_read_norm`: one kernel on the serving path on CUDA). Returns (the live sum
+        without this layer's MLP output, that output, the blocks).
         """
         ops = glue_ops(ctx)
-        x, _ = ops.add_read_norm(running, None, blocks, self.self_attention_res_norm.weight,
-                                 self.self_attention_res_proj.weight, self.input_layernorm.weight, self.eps)
+        x, running = ops.add_read_norm(running, addend, blocks, self.self_attention_res_norm.weight,
+                                       self.self_attention_res_proj.weight, self.input_layernorm.weight, self.eps)
         live: torch.Tensor | None = running
         if self.layer % self.block_size == 0:
             blocks, live = attn_res.seal(blocks, running, store), None
@@ -78,7 +80,7 @@ class DecoderLayer(nn.Module):
         x, live = ops.add_read_norm(a if live is None else live, None if live is None else a, blocks,
                                     self.mlp_res_norm.weight, self.mlp_res_proj.weight,
                                     self.post_attention_layernorm.weight, self.eps)
-        return live + self.ffn(x, ops), blocks
+        return live, self.ffn(x, ops), blocks
 
 
 def glue_ops(ctx: AttentionContext) -> DecodeOps:
@@ -112,9 +114,10 @@ class KimiModel(nn.Module):
             return ops.rms_norm(h, self.norm.weight, self.norm.eps)
         blocks: list[torch.Tensor] = []
         store = attn_res.block_store(h, self.config) if isinstance(ctx, ForwardBatch) else None
+        mlp_out = None  # each layer's MLP output is added to the live sum by the next read
         for layer in self.layers:
-            h, blocks = layer.forward_attn_res(h, blocks, ctx, store)
-        out, _ = ops.add_read_norm(h, None, blocks, self.output_attn_res_norm.weight, self.output_attn_res_proj.weight,
+            h, mlp_out, blocks = layer.forward_attn_res(h, blocks, ctx, store, mlp_out)
+        out, _ = ops.add_read_norm(h, mlp_out, blocks, self.output_attn_res_norm.weight, self.output_attn_res_proj.weight,
                                    self.norm.weight, self.config.rms_norm_eps)
         return out
 
