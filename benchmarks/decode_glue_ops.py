@@ -37,7 +37,7 @@ GROUP_FUNCTIONS = {
     # innermost function name -> group (the first one found walking out from the op)
     "rms_norm": "RMSNorm", "attn_res_read": "attn-res read", "route": "router (route)",
     "gated_rms_norm": "gated RMSNorm", "layer_norm": "LayerNorm", "l2_normalize": "L2 norm",
-    "situ_and_mul": "SiTU act", "silu_and_mul": "SiLU act", "apply_rope": "rope",
+    "situ_and_mul": "SiTU act", "silu_and_mul": "SiLU act", "apply_rope": "rope", "head_matmul": "MLA head matmuls",
 }
 
 
@@ -157,7 +157,7 @@ def main() -> int:
     from kimiserve.ops.backend import REFERENCE_OPS
 
     # the glue fields count op by op while they are the references (the compositions this script measures)
-    glue = ("rms_norm", "add_read_norm", "route", "situ_and_mul")
+    glue = ("rms_norm", "add_read_norm", "route", "situ_and_mul", "head_matmul")
     wrapped = {k: suspending(counter, v, f"ops.{k}") for k, v in ops_fields.items()
                if callable(v) and not (k in glue and v is getattr(REFERENCE_OPS, k))}
     runner.ops = dataclasses.replace(runner.ops, **wrapped)

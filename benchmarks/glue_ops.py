@@ -2,7 +2,7 @@
 replayed from a CUDA graph (20 calls per graph, so launch gaps inside a graph count, as in the engine's
 decode graphs), at the `small` preset's widths (hidden 7168, q-LoRA 1536, latent MoE 3584, shared
 experts 6144, 16 experts top-4; the K3.1 router: 896 experts top-16; 9 attention-residual candidates
-as K3.1's last layers have). Writes benchmarks/results/glue_ops.json.
+as K3.1's last layers have; MLA's kv_b per-head matmuls at 96 heads x 128 <-> latent 512). Writes benchmarks/results/glue_ops.json.
 
     python benchmarks/glue_ops.py [--batches 1,64] [--out benchmarks/results/glue_ops.json]
 """
@@ -24,6 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kimiserve.ops.activation import reference as act_ref, triton as act_tt  # noqa: E402
 from kimiserve.ops.attn_res import reference as arn_ref, triton as arn_tt  # noqa: E402
+from kimiserve.ops.mla import head_matmul_triton, reference as mla_ref  # noqa: E402
 from kimiserve.ops.moe import reference as moe_ref, route_triton  # noqa: E402
 from kimiserve.ops.norm import reference as norm_ref, triton as norm_tt  # noqa: E402
 from kimiserve.utils.cuda_timing import graph_time  # noqa: E402
@@ -53,6 +54,13 @@ def cases(batch: int):
         logits, bias = rnd(batch, E), 0.05 * rnd(E)
         yield (f"route E={E} k={k}", (lambda f, logits=logits, bias=bias, k=k: f(logits, bias, k)),
                moe_ref.route, route_triton.route, logits.nbytes)
+    kv_b = (0.04 * rnd(96 * 256, 512)).to(bf)
+    w_kc, w_vc = mla_ref.split_kv_b(kv_b, 96, 128)
+    q, o = rnd(batch, 96, 128).to(bf), rnd(batch, 96, 512)
+    yield ("head_matmul absorb (96 x 128 -> 512)", (lambda f: f(q, w_kc)), mla_ref.head_matmul,
+           head_matmul_triton.head_matmul, w_kc.numel() * 2 + q.nbytes + o.nbytes)
+    yield ("head_matmul output (96 x 512 -> 128)", (lambda f: f(o, w_vc.transpose(1, 2))), mla_ref.head_matmul,
+           head_matmul_triton.head_matmul, w_vc.numel() * 2 + o.nbytes + q.nbytes * 2)
     for width in (6144, 33792):
         g, u = rnd(batch, width).to(bf), rnd(batch, width).to(bf)
         yield (f"situ_and_mul I={width}", (lambda f, g=g, u=u: f(g, u, 4.0, 25.0)), act_ref.situ_and_mul,

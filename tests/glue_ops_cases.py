@@ -13,6 +13,7 @@ import torch
 from conftest import rel_rms
 from kimiserve.ops.activation import reference as activation_ref
 from kimiserve.ops.attn_res import reference as attn_res_ref
+from kimiserve.ops.mla import reference as mla_ref
 from kimiserve.ops.moe import reference as moe_ref
 from kimiserve.ops.norm import reference as norm_ref
 
@@ -31,6 +32,7 @@ ROUTE_CASES = [  # (rows, experts, top_k, groups, top groups, score function, bi
     (17, 30, 3, 1, 1, "softmax", False, False, 1.0), (3, 896, 16, 1, 1, "sigmoid", True, True, 1.0),
     (9, 64, 8, 8, 3, "softmax", True, True, 1.7), (2, 24, 2, 24, 4, "sigmoid", True, True, 1.0),
 ]
+HEAD_MATMUL_CASES = [(1, 3, 24, 40), (17, 5, 16, 72), (2, 4, 128, 512)]  # (rows, heads, head dim, latent)
 SITU_CASES = [(1, 300, 25.0), (17, 300, None), (4, 3072, 25.0)]  # (rows, width, linear beta)
 
 
@@ -114,3 +116,19 @@ def check_situ(kernel, device, dtype, rows, width, linear_beta, seed=0):
     with poisoned_outputs():
         got = kernel(gate, up, 4.0, linear_beta)
     _check(got, activation_ref.situ_and_mul(gate, up, 4.0, linear_beta), dtype, "situ_and_mul")
+
+
+def check_head_matmul(kernel, device, dtype, rows, heads, head_dim, latent, seed=0):
+    """Both uses: the query's absorption (x @ w_kc) and the output's projection (x @ w_vc^T), the weights
+    views of one kv_b weight as `split_kv_b` makes them, the output's input in fp32 as the MLA ops return it."""
+    from kimiserve.ops.mla.reference import split_kv_b
+
+    rnd = _gen(seed)
+    kv_b = rnd(heads * 2 * head_dim, latent, scale=latent ** -0.5).to(dtype).to(device)
+    w_kc, w_vc = split_kv_b(kv_b, heads, head_dim)
+    q = rnd(rows, heads, head_dim).to(dtype).to(device)
+    o = rnd(rows, heads, latent).to(device)
+    for x, w, what in ((q, w_kc, "absorb"), (o, w_vc.transpose(1, 2), "output")):
+        with poisoned_outputs():
+            got = kernel(x, w)
+        _check(got, mla_ref.head_matmul(x, w), torch.float32, f"head_matmul ({what})")

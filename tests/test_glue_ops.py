@@ -46,6 +46,15 @@ def test_situ_and_mul(rows, width, linear_beta, dtype):
 
 
 @gpu
+@pytest.mark.parametrize("dtype", cases.DTYPES)
+@pytest.mark.parametrize("rows, heads, head_dim, latent", cases.HEAD_MATMUL_CASES + [(64, 96, 128, 512)])
+def test_head_matmul(rows, heads, head_dim, latent, dtype):
+    from kimiserve.ops.mla import head_matmul_triton
+
+    cases.check_head_matmul(head_matmul_triton.head_matmul, "cuda", dtype, rows, heads, head_dim, latent, seed=rows)
+
+
+@gpu
 def test_cuda_decode_ops_run_the_glue_kernels():
     from kimiserve.ops.backend import select_decode_ops
     from kimiserve.ops.norm import triton as norm_tt

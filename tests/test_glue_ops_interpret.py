@@ -20,6 +20,7 @@ triton_interpreter_shims.enable()
 import glue_ops_cases as cases  # noqa: E402
 from kimiserve.ops.activation import triton as activation_tt  # noqa: E402
 from kimiserve.ops.attn_res import triton as attn_res_tt  # noqa: E402
+from kimiserve.ops.mla import head_matmul_triton  # noqa: E402
 from kimiserve.ops.moe import route_triton  # noqa: E402
 from kimiserve.ops.norm import triton as norm_tt  # noqa: E402
 
@@ -50,6 +51,12 @@ def test_route(case):
 @pytest.mark.parametrize("rows, width, linear_beta", cases.SITU_CASES)
 def test_situ_and_mul(rows, width, linear_beta, dtype):
     cases.check_situ(activation_tt.situ_and_mul, "cpu", dtype, rows, width, linear_beta, seed=rows)
+
+
+@pytest.mark.parametrize("dtype", cases.DTYPES)
+@pytest.mark.parametrize("rows, heads, head_dim, latent", cases.HEAD_MATMUL_CASES)
+def test_head_matmul(rows, heads, head_dim, latent, dtype):
+    cases.check_head_matmul(head_matmul_triton.head_matmul, "cpu", dtype, rows, heads, head_dim, latent, seed=rows)
 
 
 def test_engine_with_glue_kernels_matches_reference_ops():

@@ -14,7 +14,6 @@ from kimiserve.distributed.parallel_state import ParallelContext
 from kimiserve.model.layers import Linear, RMSNorm, Weights
 from kimiserve.model.training import TrainContext, mla_train_forward
 from kimiserve.model.parallel_layers import ColumnParallelLinear, RowParallelLinear, context, divide
-from kimiserve.ops.dtypes import compute_dtype
 from kimiserve.ops.indexer.reference import indexer_scores
 from kimiserve.ops.mla.reference import mla_absorbed, split_kv_b
 from kimiserve.ops.norm.reference import layer_norm, rms_norm
@@ -302,8 +301,7 @@ class MLAAttention(nn.Module):
         indexer keeps (max_context <= top-k: it would select them all). Returns [n, H, v_dim] in the
         compute dtype."""
         layer, pool, ops = self.cache_index, batch.pool, batch.ops
-        dt = compute_dtype(q_nope, w_kc)
-        q_abs = torch.einsum("bhd,hdl->bhl", q_nope.to(dt), w_kc.to(dt))
+        q_abs = ops.head_matmul(q_nope, w_kc)
         if batch.dcp is not None:  # each rank holds a share of the tokens: exact top-k merge + LSE merge
             from kimiserve.distributed.dcp import dcp_sparse_decode
 
@@ -314,7 +312,7 @@ class MLAAttention(nn.Module):
             out = dcp_sparse_decode(q_abs, q_pe, iq, iw, pool, layer, tables, lens, max_context,
                                     self.indexer.topk if hasattr(self, "indexer") else None, self.scale, x.dtype,
                                     batch.dcp, pool.block_size, indexer_scores=ops.indexer_scores, topk_op=ops.topk)
-            return torch.einsum("bhl,hdl->bhd", out, w_vc.to(dt))
+            return ops.head_matmul(out, w_vc.transpose(1, 2))
         latent_scale = latent_scale_of(pool.kv_cache_dtype, pool.latent_scales[layer])
         if hasattr(self, "indexer") and max_context > self.indexer.topk:
             iq, iw = self.indexer.queries(x.unsqueeze(0), q_latent.unsqueeze(0))
@@ -327,4 +325,4 @@ class MLAAttention(nn.Module):
         else:
             out = ops.dense_mla_decode(q_abs, q_pe, pool.latent[layer], latent_scale, tables, lens, self.scale, x.dtype,
                                        max_context)
-        return torch.einsum("bhl,hdl->bhd", out, w_vc.to(dt))
+        return ops.head_matmul(out, w_vc.transpose(1, 2))

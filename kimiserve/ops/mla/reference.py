@@ -149,3 +149,11 @@ def paged_sparse_mla_decode_lse(
     lse = torch.logsumexp(logits, dim=-1)  # -inf where the row selects nothing
     probs = torch.exp(logits - lse.masked_fill(lse == float("-inf"), 0.0).unsqueeze(-1))  # exp(-inf) = 0 there
     return torch.einsum("bhk,bkl->bhl", probs, c[..., :L]), lse
+
+
+def head_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Per-head matmul in the compute dtype: x [B, H, I], w [H, I, O] -> [B, H, O] (fp32 for bf16
+    operands). The decode path's absorption of the query into latent space (w = w_kc) and the output's
+    projection back (w = w_vc transposed)."""
+    dt = compute_dtype(x, w)
+    return torch.einsum("bhi,hio->bho", x.to(dt), w.to(dt))
