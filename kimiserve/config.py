@@ -17,8 +17,9 @@ SUPPORTED_ARCHITECTURES = ("KimiK3ForConditionalGeneration", "KimiLinearForCausa
 """Architectures kimiserve can load. K3 nests the text model under `language_model.`."""
 
 PRESETS_DIR = Path(__file__).parent / "presets"
-TRAINED_PRESETS = ("kimi-demo",)
-"""Presets shipped with trained weights: a model folder in the package (`kimi-demo`: scripts/train_demo.py)."""
+TRAINED_PRESETS = ("kimi-demo", "kimi-demo-draft")
+"""Presets shipped with trained weights: a model folder in the package (scripts/train_demo.py: `kimi-demo`,
+and `kimi-demo-draft`, its small draft for speculative decoding)."""
 RANDOM_PRESETS = ("tiny", "small", "kimi-k3.1-pro")
 """Presets that are configurations only: their weights are random, drawn from a seed."""
 PRESET_NAMES = TRAINED_PRESETS + RANDOM_PRESETS

@@ -142,3 +142,31 @@ def test_reasoning_and_content_come_apart(client):
     reasoning = getattr(msg, "reasoning_content", None)
     assert reasoning and "So 47 + 38 = 85." in reasoning and "<think>" not in reasoning, reasoning
     assert msg.content == "47 + 38 = 85." and r.choices[0].finish_reason == "stop", msg
+
+
+def test_draft_preset_is_small_and_speculates_for_kimi_demo():
+    """kimi-demo-draft (scripts/train_demo.py --model demo-draft) shares kimi-demo's tokenizer; as the
+    draft of kimi-demo it leaves the greedy reply as it is and, trained on the same corpus, has most of
+    its drafts accepted on a templated answer (a random-weight draft has almost none)."""
+    from kimiserve import LLM, SamplingParams
+
+    folder = PRESETS_DIR / "kimi-demo-draft"
+    assert model_folder("kimi-demo-draft") == folder
+    assert sum(p.stat().st_size for p in folder.iterdir()) <= 4 * 2**20
+    for name in ("tiktoken.model", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        assert (folder / name).read_bytes() == (FOLDER / name).read_bytes()
+    draft, target = load_preset("kimi-demo-draft"), load_preset("kimi-demo")
+    assert draft.vocab_size == target.vocab_size and draft.num_hidden_layers < target.num_hidden_layers
+    assert draft.full_attn_layers and draft.index_topk and draft.routed_experts_mxfp4
+    messages = [{"role": "user", "content": "What is the weather in Tokyo?"}]
+    params = SamplingParams(temperature=0, max_tokens=48, skip_special_tokens=False)
+    kwargs = dict(max_model_len=1024, num_pages=48)
+    plain = LLM("kimi-demo", **kwargs)
+    prompt = plain.get_tokenizer().apply_chat_template(messages, tools=TOOLS, add_generation_prompt=True, tokenize=True)
+    want = plain.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    spec = LLM("kimi-demo", speculative_config={"method": "draft_model", "model": "kimi-demo-draft",
+                                                "num_speculative_tokens": 3}, **kwargs)
+    assert spec.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids == want
+    stats = spec.engine.stats()
+    drafted, accepted = stats["spec_decode_num_draft_tokens"], stats["spec_decode_num_accepted_tokens"]
+    assert drafted > 0 and accepted >= 0.5 * drafted, stats
