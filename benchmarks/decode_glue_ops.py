@@ -157,7 +157,7 @@ def main() -> int:
     from kimiserve.ops.backend import REFERENCE_OPS
 
     # the glue fields count op by op while they are the references (the compositions this script measures)
-    glue = ("rms_norm", "add_read_norm", "route", "situ_and_mul", "head_matmul")
+    glue = ("rms_norm", "layer_norm", "add_read_norm", "route", "situ_and_mul", "head_matmul")
     wrapped = {k: suspending(counter, v, f"ops.{k}") for k, v in ops_fields.items()
                if callable(v) and not (k in glue and v is getattr(REFERENCE_OPS, k))}
     runner.ops = dataclasses.replace(runner.ops, **wrapped)

@@ -40,6 +40,9 @@ def cases(batch: int):
     for width in (7168, 3584, 1536):
         x, w = rnd(batch, width).to(bf), (1 + 0.1 * rnd(width)).to(bf)
         yield f"rms_norm d={width}", (lambda f, x=x, w=w: f(x, w, 1e-5)), norm_ref.rms_norm, norm_tt.rms_norm, 2 * x.nbytes
+    keys, kw, kb = rnd(batch, 128).to(bf), (1 + 0.1 * rnd(128)).to(bf), (0.1 * rnd(128)).to(bf)
+    yield ("layer_norm d=128 (index keys)", (lambda f: f(keys, kw, kb, 1e-6)), norm_ref.layer_norm, norm_tt.layer_norm,
+           2 * keys.nbytes)
     store = rnd(8, batch, d).to(bf)
     running, addend = rnd(batch, d).to(bf), rnd(batch, d).to(bf)
     rn, rp, nw = (1 + 0.1 * rnd(d)).to(bf), (0.01 * rnd(1, d)).to(bf), (1 + 0.1 * rnd(d)).to(bf)

@@ -77,6 +77,15 @@ def check_rms_norm(kernel, device, dtype, rows, hidden, weight_dtype=None, seed=
     _check(got, norm_ref.rms_norm(view, w[: hidden - 1], 1e-6), dtype, "rms_norm of a view")
 
 
+def check_layer_norm(kernel, device, dtype, rows, hidden, seed=0):
+    rnd = _gen(seed)
+    x = (rnd(rows, hidden) * 3 + 0.5).to(dtype).to(device)  # a mean far from 0
+    w, b = (1 + rnd(hidden, scale=0.1)).to(dtype).to(device), rnd(hidden, scale=0.1).to(dtype).to(device)
+    with poisoned_outputs():
+        got = kernel(x, w, b, 1e-6)
+    _check(got, norm_ref.layer_norm(x, w, b, 1e-6), dtype, "layer_norm")
+
+
 def check_add_read_norm(kernel, device, dtype, rows, hidden, n_blocks, add, one_buffer, seed=0):
     rnd = _gen(seed)
     running = rnd(1, rows, hidden).to(dtype).to(device)

@@ -20,6 +20,15 @@ def test_rms_norm(rows, hidden, dtype):
 
 @gpu
 @pytest.mark.parametrize("dtype", cases.DTYPES)
+@pytest.mark.parametrize("rows, hidden", [(1, 128), (17, 200), (64, 128), (300, 7168)])
+def test_layer_norm(rows, hidden, dtype):
+    from kimiserve.ops.norm import triton as norm_tt
+
+    cases.check_layer_norm(norm_tt.layer_norm, "cuda", dtype, rows, hidden, seed=rows)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", cases.DTYPES)
 @pytest.mark.parametrize("rows, hidden, blocks, add, one_buffer", cases.ARN_CASES + [(64, 7168, 9, True, True)])
 def test_add_read_norm(rows, hidden, blocks, add, one_buffer, dtype):
     from kimiserve.ops.attn_res import triton as attn_res_tt

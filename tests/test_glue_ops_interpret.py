@@ -31,6 +31,12 @@ def test_rms_norm(rows, hidden, dtype):
     cases.check_rms_norm(norm_tt.rms_norm, "cpu", dtype, rows, hidden, seed=rows + hidden)
 
 
+@pytest.mark.parametrize("dtype", cases.DTYPES)
+@pytest.mark.parametrize("rows, hidden", [(1, 128), (17, 200)])
+def test_layer_norm(rows, hidden, dtype):
+    cases.check_layer_norm(norm_tt.layer_norm, "cpu", dtype, rows, hidden, seed=rows)
+
+
 def test_rms_norm_fp32_weight_on_bf16():
     cases.check_rms_norm(norm_tt.rms_norm, "cpu", torch.bfloat16, 3, 200, weight_dtype=torch.float32)
 

@@ -44,13 +44,14 @@ class Indexer(nn.Module):
         self.k_norm = Weights(D, dtype=dtype, bias=True)  # LayerNorm
         self.weights_proj = Linear(d, Hi, dtype)
 
-    def keys(self, x: torch.Tensor) -> torch.Tensor:
-        """One index key per token: [B, T, D]."""
-        return self.keys_from_projection(self.wk(x))
+    def keys(self, x: torch.Tensor, norm: Callable = layer_norm) -> torch.Tensor:
+        """One index key per token: [B, T, D]; norm: the key LayerNorm's op (`DecodeOps.layer_norm` on the
+        serving path)."""
+        return self.keys_from_projection(self.wk(x), norm)
 
-    def keys_from_projection(self, projected: torch.Tensor) -> torch.Tensor:
+    def keys_from_projection(self, projected: torch.Tensor, norm: Callable = layer_norm) -> torch.Tensor:
         """The index keys of wk's output (the key LayerNorm)."""
-        return layer_norm(projected, self.k_norm.weight, self.k_norm.bias, INDEX_KEY_NORM_EPS)
+        return norm(projected, self.k_norm.weight, self.k_norm.bias, INDEX_KEY_NORM_EPS)
 
     def queries(self, x: torch.Tensor, q_latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(index queries [B, T, Hi, D], head weights [B, T, Hi] with both scales folded in)."""
@@ -159,7 +160,7 @@ class MLAAttention(nn.Module):
         N, L = x.shape[1], self.kv_lora_rank
         q_nope, q_pe, q_latent = self.query(x, ops.rms_norm)
         c, k_pe = self.latent(x, ops.rms_norm)
-        keys = self.indexer.keys(x)[0] if hasattr(self, "indexer") else None
+        keys = self.indexer.keys(x, ops.layer_norm)[0] if hasattr(self, "indexer") else None
         latent_rows = torch.cat([c, k_pe], dim=-1)[0]
         if batch.write_rows is not None:  # DCP: this rank stores only the tokens it owns
             latent_rows = latent_rows[batch.write_rows]

@@ -58,6 +58,8 @@ class DecodeOps:
     """(fp32 router logits [N, E], correction bias, top_k, **routing options) -> (ids, weights) [N, k]"""
     situ_and_mul: Callable = activation_ref.situ_and_mul
     """(gate, up, beta, linear_beta) -> the SiTU gated activation (shared experts, dense MLPs)"""
+    layer_norm: Callable = norm_ref.layer_norm
+    """(x, weight, bias, eps) -> LayerNorm of x in x's dtype (the indexer's key norm)"""
     head_matmul: Callable = mla_ref.head_matmul
     """(x [B, H, I], w [H, I, O]) -> [B, H, O] in the compute dtype: MLA's query absorption (w_kc) and output
     projection (w_vc transposed) of the decode rows"""
@@ -85,7 +87,7 @@ def _kda_ops() -> tuple[Callable, Callable]:
 
 
 def fused_glue_ops(ops: DecodeOps) -> DecodeOps:
-    """`ops` with the Triton kernels of the decode step's glue (RMSNorm, the residual add + attention-residual
+    """`ops` with the Triton kernels of the decode step's glue (RMSNorm, LayerNorm, the residual add + attention-residual
     read + RMSNorm, the router's selection, SiTU, MLA's per-head matmuls): what the serving path runs on CUDA (and what the interpreter
     tests run on the CPU). Raises ImportError without Triton."""
     from kimiserve.ops.activation import triton as activation_tt
@@ -94,7 +96,7 @@ def fused_glue_ops(ops: DecodeOps) -> DecodeOps:
     from kimiserve.ops.moe import route_triton
     from kimiserve.ops.norm import triton as norm_tt
 
-    return dataclasses.replace(ops, rms_norm=norm_tt.rms_norm, add_read_norm=attn_res_tt.add_read_norm,
+    return dataclasses.replace(ops, rms_norm=norm_tt.rms_norm, layer_norm=norm_tt.layer_norm, add_read_norm=attn_res_tt.add_read_norm,
                                route=route_triton.route, situ_and_mul=activation_tt.situ_and_mul,
                                head_matmul=head_matmul_triton.head_matmul)
 

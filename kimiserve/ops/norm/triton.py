@@ -1,10 +1,11 @@
-"""RMSNorm as one Triton kernel (issue 15: the decode step's glue): `rms_norm`, the contract and cast
-points of `reference.rms_norm` (normalise in fp32, round to x's dtype, then scale by the weight in
-x's dtype; an fp32 product rounded once when the weight's dtype differs).
+"""RMSNorm and LayerNorm as one Triton kernel each (issue 15: the decode step's glue): `rms_norm`, the
+contract and cast points of `reference.rms_norm` (normalise in fp32, round to x's dtype, then scale by
+the weight in x's dtype; an fp32 product rounded once when the weight's dtype differs), and
+`layer_norm`, that of `reference.layer_norm` (all in fp32, biased variance, rounded once).
 
 One program per row holds the whole row in registers (hidden sizes up to `MAX_HIDDEN`), so x is read
-once; only the summation order of the mean of squares differs from the reference. The reference runs
-instead for fp64 and for wider rows.
+once; only summation orders differ from the references (torch's LayerNorm uses Welford's update, the
+kernel the two-pass mean and variance). The references run instead for fp64 and for wider rows.
 """
 
 from __future__ import annotations
@@ -65,4 +66,32 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     block = triton.next_power_of_2(d)
     _rms_norm_kernel[(x2.shape[0],)](x2, weight, out, d, x2.stride(0), d, eps, W_SAME=weight.dtype == x.dtype,
                                      DTYPE=TL_DTYPES[x.dtype], BLOCK=block, num_warps=num_warps_for(block))
+    return out
+
+
+@triton.jit
+def _layer_norm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, D, x_stride, out_stride, eps,
+                       DTYPE: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < D
+    x = tl.load(x_ptr + row * x_stride + cols, mask=ok, other=0.0).to(tl.float32)
+    mean = tl.sum(x, axis=0) / D
+    xc = tl.where(ok, x - mean, 0.0)
+    y = xc * tl.rsqrt(tl.sum(xc * xc, axis=0) / D + eps)
+    w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * out_stride + cols, (y * w + b).to(DTYPE), mask=ok)
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+    """`reference.layer_norm` in one kernel: x [..., d], weight and bias [d] -> [..., d] in x's dtype."""
+    if not supported(x, weight) or bias.dtype not in TL_DTYPES:
+        return reference.layer_norm(x, weight, bias, eps)
+    d = x.shape[-1]
+    x2 = rows_of(x)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    block = triton.next_power_of_2(d)
+    _layer_norm_kernel[(x2.shape[0],)](x2, weight, bias, out, d, x2.stride(0), d, eps, DTYPE=TL_DTYPES[x.dtype],
+                                       BLOCK=block, num_warps=num_warps_for(block))
     return out
