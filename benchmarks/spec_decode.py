@@ -18,7 +18,11 @@ length); `steps` counts engine steps in the timed phase.
 Prompt kinds (token ids 0..767, seeded):
 * repetitive: a 32-token span repeated 6 times (plus a 5-token head): the continuation is in the prompt;
 * agentic: a tool-use turn as token spans: system span, a 96-token "file" returned by a tool call, a
-  tool-call span, the file again with two 8-token edits, a JSON-like span repeated twice, the request.
+  tool-call span, the file again with two 8-token edits, a JSON-like span repeated twice, the request;
+* demo: held-out prompts of the demo corpus (kimiserve/demo/corpus.py, chat template, the demo models'
+  tokenizer), word problems, tool use, arithmetic and multi-turn in turn: what kimi-demo and
+  kimi-demo-draft were trained on (`--model kimi-demo --draft-model kimi-demo-draft`). Replies past
+  their end (ignore_eos) continue as the model likes.
 
 With random weights (the presets) the model's greedy continuation does not copy its prompt, so n-gram
 drafts are rarely right; a draft model with other random weights almost never; a draft that IS the
@@ -38,6 +42,7 @@ import datetime
 import json
 import os
 import platform
+import random
 import shlex
 import sys
 import time
@@ -56,7 +61,22 @@ REPO = Path(__file__).resolve().parent.parent
 VOCAB = 768
 
 
+DEMO_KINDS = ("word_problem", "tool_use", "arithmetic", "multi_turn")
+
+
+def demo_prompts(batch: int, seed: int) -> list[list[int]]:
+    from kimiserve.demo import corpus
+    from kimiserve.demo.train import TOKENIZER_DIR
+    from kimiserve.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(TOKENIZER_DIR)
+    rng = random.Random(20_000 + seed)  # demo_eval.py's held-out stream, not the training's
+    return [corpus.prompt_ids(tokenizer, corpus.GENERATORS[DEMO_KINDS[b % len(DEMO_KINDS)]](rng)) for b in range(batch)]
+
+
 def prompts_of(kind: str, batch: int, seed: int) -> list[list[int]]:
+    if kind == "demo":
+        return demo_prompts(batch, seed)
     out = []
     for b in range(batch):
         g = torch.Generator().manual_seed(seed * 1000 + b)

@@ -37,3 +37,18 @@ def test_wrong_replies_fail():
     assert not s["called"]
     arith = next(e for e in demo_eval.heldout(seed=4, n=4) if e.kind == "arithmetic")
     assert not demo_eval.score(arith, f"<think>x</think>= {int(arith.answer) + 1}.")["exact"]
+
+
+def test_spec_decode_demo_prompts_are_chat_templated_corpus_prompts():
+    spec = importlib.util.spec_from_file_location("spec_decode", Path(__file__).parent.parent / "benchmarks" / "spec_decode.py")
+    spec_decode = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(spec_decode)
+    from kimiserve.demo.train import TOKENIZER_DIR
+    from kimiserve.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(TOKENIZER_DIR)
+    prompts = spec_decode.prompts_of("demo", 4, seed=0)
+    assert prompts == spec_decode.prompts_of("demo", 4, seed=0) != spec_decode.prompts_of("demo", 4, seed=1)
+    texts = [tokenizer.decode(p) for p in prompts]
+    assert all(t.endswith("<|im_assistant|>assistant<|im_middle|>") for t in texts), texts
+    assert "How many" in texts[0] and "<|im_system|>tool_declare" in texts[1], texts
