@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
-"""Train the kimi-demo model (seeded, wall-clock budgeted) and export it in the release format.
+"""Train the kimi-demo model or its draft (seeded, wall-clock budgeted) and export it in the release format.
 
-GPU runs (the shipped checkpoints; scripts/device/train_demo_v2.sh runs both in one H200 call):
+GPU runs (scripts/device/train_demo_v2.sh runs both in one H200 call; the shipped kimi-demo-draft is the
+second's output; the shipped kimi-demo came from this script as of commit c2a0088, with the corpus and
+schedule before recipe v2, `--max-minutes 7.5`: see BENCHMARKS.md):
     python scripts/train_demo.py --device cuda --model demo --out OUT/kimi-demo --max-minutes 6.3
     python scripts/train_demo.py --device cuda --model demo-draft --out OUT/kimi-demo-draft --max-minutes 1.2
 CPU smoke run (about two minutes, the tiny model of the same structure):
