@@ -370,3 +370,51 @@ def test_tree_sum_on_the_triton_form_and_its_backward(monkeypatch):
         (got,) = torch.autograd.grad((s * w).sum(), x)
         (want,) = torch.autograd.grad((x.sum(dim, keepdim=keepdim) * w).sum(), x)
         torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("mxfp4", [False, True])
+def test_grouped_matmul_gives_each_row_the_matmul_of_its_group(mxfp4):
+    from kimiserve.ops.batch_invariant import reference as bi
+    from kimiserve.ops.quant.reference import dequantize_mxfp4, quantize_mxfp4
+
+    g = torch.Generator().manual_seed(13)
+    E, N, K, M = 4, 40, 96, 150
+    if mxfp4:
+        packed, scales = quantize_mxfp4(torch.randn(E, N, K, generator=g))
+        weights = (packed.to(DEVICE), scales.to(DEVICE))
+        dense = dequantize_mxfp4(*weights, torch.bfloat16)
+    else:
+        dense = torch.randn(E, N, K, generator=g).to(torch.bfloat16).to(DEVICE)
+        weights = dense
+    x = torch.randn(M, K, generator=g).to(torch.bfloat16).to(DEVICE)
+    groups = torch.randint(0, E, (M,), generator=g)
+    groups[:80] = 2  # one group over two row tiles
+    groups[100] = -1
+    plan = bi.RowGroups.of(groups.to(DEVICE))
+    y = bi_triton.grouped_matmul(x, weights, plan.order, plan.present, plan.counts)
+    for e in range(E):
+        rows = torch.nonzero(groups == e)[:, 0].to(DEVICE)
+        assert torch.equal(y[rows], bi_triton.matmul(x[rows], dense[e]))
+    assert torch.equal(y[100], torch.zeros(N, device=DEVICE))
+    sub = bi.RowGroups.of(groups[90:97].to(DEVICE))  # other rows, other tiles: the same bits
+    assert torch.equal(bi_triton.grouped_matmul(x[90:97], weights, sub.order, sub.present, sub.counts), y[90:97])
+
+
+def test_expert_linear_forward_is_the_grouped_matmul_and_its_backward_the_plain_gradient(monkeypatch):
+    from kimiserve.ops.batch_invariant import reference as bi
+
+    if INTERPRET:
+        monkeypatch.setattr(bi, "on_triton", lambda t: True)
+    g = torch.Generator().manual_seed(14)
+    w = torch.randn(3, 20, 48, generator=g).to(torch.bfloat16).to(DEVICE).requires_grad_(True)
+    x = torch.randn(30, 48, generator=g).to(torch.bfloat16).to(DEVICE).requires_grad_(True)
+    groups = torch.randint(0, 3, (30,), generator=g).to(DEVICE)
+    plan = bi.RowGroups.of(groups)
+    y = bi.expert_linear(x, plan, w)
+    assert torch.equal(y, bi_triton.grouped_matmul(x, w, plan.order, plan.present, plan.counts).to(torch.bfloat16))
+    c = torch.randn(30, 20, generator=g).to(DEVICE)
+    gx, gw = torch.autograd.grad((y.float() * c).sum(), (x, w))
+    ref = torch.einsum("nk,nok->no", x.float(), w.float()[groups])
+    rx, rw = torch.autograd.grad((ref * c).sum(), (x, w))
+    torch.testing.assert_close(gx.float(), rx.float(), rtol=2e-2, atol=6e-2)  # bf16 gradients
+    torch.testing.assert_close(gw.float(), rw.float(), rtol=2e-2, atol=6e-2)

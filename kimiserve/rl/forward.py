@@ -395,8 +395,8 @@ class InvariantForward:
 
     def experts(self, experts, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Each (token, slot) pair through its expert, combined over the slots in slot order. On the GPU
-        the pairs run grouped by expert (one fixed-tiling matmul per expert, MXFP4 dequantised inside
-        it); on the CPU (launch-bound) as one per-row-weight product of the gathered experts: the same
+        the pairs run grouped by expert (one launch of the fixed-tiling matmul for all experts, MXFP4
+        dequantised inside it); on the CPU (launch-bound) as one per-row-weight product of the gathered experts: the same
         bits as grouping there (the tree sum does not care whether a weight is shared)."""
         N, k = ids.shape
         flat = ids.reshape(-1)
@@ -406,11 +406,9 @@ class InvariantForward:
 
             def linear(name, x, out_features):
                 if experts.mxfp4:
-                    packed, scales = getattr(experts, f"{name}_packed"), getattr(experts, f"{name}_scale")
-                    weight = lambda e: bi.MXFP4Weight(packed[e], scales[e], experts.dtype)  # noqa: E731
-                else:
-                    weight = lambda e: experts.expert_weight(name, e).to(x.dtype)  # noqa: E731
-                return bi.grouped_linear(x, by_expert, weight, out_features)
+                    return bi.expert_linear(x, by_expert, getattr(experts, f"{name}_packed"),
+                                            getattr(experts, f"{name}_scale"), experts.dtype)
+                return bi.expert_linear(x, by_expert, getattr(experts, name))
         else:
             present, index = torch.unique(flat, return_inverse=True)
 

@@ -220,6 +220,52 @@ def grouped_linear(x: torch.Tensor, groups, weight_of, out_features: int) -> tor
     return torch.cat(parts)[plan.inverse]
 
 
+class _GroupedMatmul(torch.autograd.Function):
+    """Forward: `triton.grouped_matmul` (one launch for every group); backward: per group, plain matmuls."""
+
+    @staticmethod
+    def forward(ctx, x, weights, scales, plan, mxfp4_dtype):
+        from kimiserve.ops.batch_invariant.triton import grouped_matmul
+
+        ctx.save_for_backward(x, weights, scales)
+        ctx.plan, ctx.mxfp4 = plan, scales is not None
+        w = (weights, scales) if scales is not None else weights
+        return grouped_matmul(x, w, plan.order, plan.present, plan.counts, out_dtype=x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weights, scales = ctx.saved_tensors
+        plan = ctx.plan
+        gx = torch.zeros(x.shape, dtype=torch.float32, device=x.device) if ctx.needs_input_grad[0] else None
+        gw = torch.zeros(weights.shape, dtype=torch.float32, device=x.device) if ctx.needs_input_grad[1] else None
+        start = 0
+        for g, n in zip(plan.present, plan.counts):
+            rows = plan.order[start : start + n]
+            start += n
+            if g < 0:
+                continue
+            w = dequantize_mxfp4(weights[g], scales[g], torch.float32) if ctx.mxfp4 else weights[g].float()
+            gr = grad[rows].float()
+            if gx is not None:
+                gx[rows] = gr @ w
+            if gw is not None:
+                gw[g] = gr.T @ x[rows].float()
+        return (None if gx is None else gx.to(x.dtype), None if gw is None else gw.to(weights.dtype), None, None, None)
+
+
+def expert_linear(x: torch.Tensor, plan: RowGroups, weights: torch.Tensor, scales: torch.Tensor | None = None,
+                  dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Rows of x [N, K] grouped by expert (`plan`) through their experts' weights: [E, O, K] (cast to x's
+    dtype), or MXFP4 codes [E, O, K/2] with scales [E, O, K/32] dequantising to `dtype`. On CUDA one
+    `triton.grouped_matmul` launch (a row gets the bits of the invariant matmul with its expert's
+    weight); elsewhere `grouped_linear`."""
+    if on_triton(x) and _cuda_matmul() is not None and (scales is None or x.dtype in (torch.bfloat16, torch.float16)):
+        return _GroupedMatmul.apply(x, weights if scales is not None else weights.to(x.dtype), scales, plan, dtype)
+    if scales is not None:
+        return grouped_linear(x, plan, lambda e: MXFP4Weight(weights[e], scales[e], dtype), weights.shape[1])
+    return grouped_linear(x, plan, lambda e: weights[e].to(x.dtype), weights.shape[1])
+
+
 class _HeadLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -113,6 +113,81 @@ def matmul_mxfp4(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
     return y
 
 
+@triton.jit
+def _grouped_matmul_kernel(x_ptr, w_ptr, s_ptr, y_ptr, rows_ptr, tile_group_ptr, tile_start_ptr, tile_end_ptr,
+                           N, K, sxm, sxk, swe, swn, swk, sse, ssn, sym, syn,
+                           BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, MXFP4: tl.constexpr,
+                           IEEE: tl.constexpr):
+    tile = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(tile_group_ptr + tile).to(tl.int64)
+    start = tl.load(tile_start_ptr + tile)
+    end = tl.load(tile_end_ptr + tile)
+    ri = start + tl.arange(0, BM)
+    mrow = ri < end
+    rows = tl.load(rows_ptr + ri, mask=mrow, other=0).to(tl.int64)
+    rn = pid_n * BN + tl.arange(0, BN)
+    rn64 = rn.to(tl.int64)
+    rk = tl.arange(0, BK)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        kk = k0 + rk
+        a = tl.load(x_ptr + rows[:, None] * sxm + kk[None, :] * sxk, mask=mrow[:, None] & (kk[None, :] < K), other=0.0)
+        mw = (rn[None, :] < N) & (kk[:, None] < K)
+        if MXFP4:
+            byte = tl.load(w_ptr + e * swe + rn64[None, :] * swn + (kk[:, None] // 2), mask=mw, other=0).to(tl.int32)
+            code = (byte >> ((kk[:, None] % 2) * 4)) & 0xF
+            biased = tl.load(s_ptr + e * sse + rn64[None, :] * ssn + (kk[:, None] // 32), mask=mw, other=0).to(tl.int32)
+            b = tl.where(mw, _e2m1_times_pow2(code, biased), 0.0).to(a.dtype)
+            acc = tl.dot(a, b, acc)
+        else:
+            b = tl.load(w_ptr + e * swe + rn64[None, :] * swn + kk[:, None] * swk, mask=mw, other=0.0)
+            if IEEE:
+                acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b, acc)
+    tl.store(y_ptr + rows[:, None] * sym + rn64[None, :] * syn, acc.to(y_ptr.dtype.element_ty),
+             mask=mrow[:, None] & (rn[None, :] < N))
+
+
+def grouped_matmul(x: torch.Tensor, weights, order: torch.Tensor, present: list[int], counts: list[int],
+                   out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Row order[j] of x [M, K] times its group's weight, for rows sorted by group (`present[i]` has the
+    next `counts[i]` entries of order; negative groups are left zero): weights [E, N, K], or an MXFP4
+    (packed [E, N, K/2], scales [E, N, K/32]) pair -> [M, N] in out_dtype. One launch: each tile of BM
+    rows belongs to one group, with the tiles, K order and accumulation of `matmul` (`matmul_mxfp4`), so
+    a row gets the bits of `matmul(x[rows], weights[g])` (those tests check it)."""
+    mxfp4 = isinstance(weights, tuple)
+    packed, scales = weights if mxfp4 else (weights, weights)
+    M, K = x.shape
+    N = packed.shape[1]
+    y = torch.zeros(M, N, dtype=out_dtype, device=x.device)
+    c = CONFIG
+    groups, starts, ends, at = [], [], [], 0
+    for g, n in zip(present, counts):
+        if g >= 0:
+            for lo in range(at, at + n, c["BM"]):
+                groups.append(g)
+                starts.append(lo)
+                ends.append(min(lo + c["BM"], at + n))
+        at += n
+    if not groups or N == 0:
+        return y
+    tiles = torch.tensor([groups, starts, ends], dtype=torch.int64).to(x.device)
+    if mxfp4:
+        strides = (packed.stride(0), packed.stride(1), 1, scales.stride(0), scales.stride(1))
+        ieee = False
+    else:
+        strides = (packed.stride(0), packed.stride(1), packed.stride(2), 0, 0)
+        ieee = not (x.dtype == packed.dtype and x.dtype in _TENSOR_CORE_DTYPES)
+    grid = (len(groups), triton.cdiv(N, c["BN"]))
+    _grouped_matmul_kernel[grid](x, packed, scales, y, order, tiles[0], tiles[1], tiles[2], N, K,
+                                 x.stride(0), x.stride(1), *strides, y.stride(0), y.stride(1),
+                                 BM=c["BM"], BN=c["BN"], BK=c["BK"], MXFP4=mxfp4, IEEE=ieee,
+                                 num_warps=c["num_warps"], num_stages=c["num_stages"])
+    return y
+
+
 def matmul(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """x [M, K] @ w [N, K]^T -> [M, N] in `out_dtype` (the fp32 sum rounded once), batch-invariant
     (see the module doc). Also batched: x [B, M, K] and w [B, N, K] -> [B, M, N], each b on its own
