@@ -37,7 +37,25 @@ def capture_sizes(max_batch: int) -> list[int]:
     return sorted(set(sizes + [max_batch]))
 
 
-class DecodeGraphs:
+class GraphShapes:
+    """The shapes a set of CUDA graphs is captured for: padded batch sizes (`sizes`, ascending) and
+    context buckets up to `max_model_len`. Shared by the decode, verify and draft-loop graphs."""
+
+    sizes: list[int]
+    max_model_len: int
+
+    def padded_size(self, n: int) -> int | None:
+        return next((s for s in self.sizes if s >= n), None)
+
+    def context_bucket(self, max_context: int) -> int:
+        """A power of two >= MIN_CONTEXT_BUCKET and >= max_context, capped at max_model_len."""
+        bucket = MIN_CONTEXT_BUCKET
+        while bucket < max_context:
+            bucket *= 2
+        return min(bucket, self.max_model_len)
+
+
+class DecodeGraphs(GraphShapes):
     """Captures and replays decode-only steps of `model` on `pool`.
 
     pad_page: an attention page no sequence owns; pad_state_pages: int64 [num_kda_layers] state
@@ -75,15 +93,6 @@ class DecodeGraphs:
         self.disabled: str | None = None
         """Why graphs are off (a capture failed), else None."""
         self.replays = 0
-
-    def padded_size(self, n: int) -> int | None:
-        return next((s for s in self.sizes if s >= n), None)
-
-    def context_bucket(self, max_context: int) -> int:
-        bucket = MIN_CONTEXT_BUCKET
-        while bucket < max_context:
-            bucket *= 2
-        return min(bucket, self.max_model_len)
 
     def run(self, input_ids, chunks) -> torch.Tensor | None:
         """Logits [n, vocab] of a decode-only step (one token per chunk), or None when no graph can

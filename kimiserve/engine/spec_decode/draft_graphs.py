@@ -17,13 +17,13 @@ import warnings
 import torch
 
 from kimiserve.cache.pool import PagePool
-from kimiserve.engine.cuda_graphs import MIN_CONTEXT_BUCKET, capture_sizes
+from kimiserve.engine.cuda_graphs import GraphShapes, capture_sizes
 from kimiserve.model.batch import ForwardBatch
 from kimiserve.model.moe import STATIC_MOE_TOKENS
 from kimiserve.ops.backend import DecodeOps
 
 
-class DraftLoopGraphs:
+class DraftLoopGraphs(GraphShapes):
     """`steps` (K - 1) greedy one-token steps of `model` on `pool` per replay; pad pages as `DecodeGraphs`'."""
 
     def __init__(self, model, pool: PagePool, ops: DecodeOps, max_num_seqs: int, max_model_len: int,
@@ -46,15 +46,6 @@ class DraftLoopGraphs:
         self.memory_pool = None
         self.disabled: str | None = None
         self.replays = 0
-
-    def padded_size(self, n: int) -> int | None:
-        return next((s for s in self.sizes if s >= n), None)
-
-    def context_bucket(self, max_context: int) -> int:
-        bucket = MIN_CONTEXT_BUCKET
-        while bucket < max_context:
-            bucket *= 2
-        return min(bucket, self.max_model_len)
 
     def run(self, first_tokens: torch.Tensor, starts: list[int], block_tables: list[list[int]],
             state_pages: list[list[int]]) -> torch.Tensor | None:

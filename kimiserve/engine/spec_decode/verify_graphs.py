@@ -25,14 +25,14 @@ import warnings
 import torch
 
 from kimiserve.cache.pool import PagePool
-from kimiserve.engine.cuda_graphs import MIN_CONTEXT_BUCKET, capture_sizes
+from kimiserve.engine.cuda_graphs import GraphShapes, capture_sizes
 from kimiserve.engine.spec_decode.verify import kda_layers
 from kimiserve.model.batch import ForwardBatch, SequenceChunk
 from kimiserve.model.moe import STATIC_MOE_TOKENS
 from kimiserve.ops.backend import DecodeOps
 
 
-class VerifyGraphs:
+class VerifyGraphs(GraphShapes):
     """Captures and replays verify steps of `model` on `pool`, `num_tokens` (K + 1) rows per sequence;
     pad_page and pad_state_pages as for `DecodeGraphs` (they may be the same reserved pages)."""
 
@@ -66,15 +66,6 @@ class VerifyGraphs:
         self.pending: tuple[int, int, int] | None = None
         """(size, bucket, sequences) of the latest verify replay, until `commit`."""
         self.replays = 0
-
-    def padded_size(self, n: int) -> int | None:
-        return next((s for s in self.sizes if s >= n), None)
-
-    def context_bucket(self, max_context: int) -> int:
-        bucket = MIN_CONTEXT_BUCKET
-        while bucket < max_context:
-            bucket *= 2
-        return min(bucket, self.max_model_len)
 
     def fits(self, chunks: list[SequenceChunk]) -> bool:
         """Whether a step of these chunks (each sampled at every row) can run here: verify chunks and
