@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 import warnings
 
+import numpy as np
 import torch
 
 from kimiserve.cache.pool import PagePool
@@ -44,18 +45,28 @@ class VerifyGraphs(GraphShapes):
         self.max_batch, self.max_model_len = self.sizes[-1], max_model_len
         self.pad_page = pad_page
         dev = pool.data.device
-        R, width = self.max_batch * num_tokens, math.ceil(max_model_len / pool.block_size)
+        B, R, width = self.max_batch, self.max_batch * num_tokens, math.ceil(max_model_len / pool.block_size)
+        num_state = pad_state_pages.numel()
         long = dict(dtype=torch.int64, device=dev)
-        self.input_ids = torch.zeros(R, **long)
-        self.positions = torch.zeros(R, **long)
-        self.write_pages = torch.full((R,), pad_page, **long)
-        self.write_offsets = torch.zeros(R, **long)
-        self.block_tables = torch.full((R, width), pad_page, **long)
-        self.context_lens = torch.ones(R, **long)
+        # every input lives in one device buffer, filled by one host-to-device copy per step from a
+        # pinned host mirror (as `DecodeGraphs`): the per-row fields at a stride of R rows, the state
+        # pages, the real rows' grid indices (which logits rows to return), then the block tables of the
+        # graph about to run, packed [size * T, its context bucket's pages] (each graph reads its own view)
+        self._head = 6 * R + B * num_state
+        self.inputs = torch.zeros(self._head + R * width, **long)
+        fields = self.inputs[: 5 * R].view(5, R)
+        self.input_ids, self.positions, self.write_pages, self.write_offsets, self.context_lens = fields
+        self.state_pages = self.inputs[5 * R : 5 * R + B * num_state].view(B, num_state)
+        self.logit_rows = self.inputs[5 * R + B * num_state : self._head]
         self.rows = torch.arange(R, **long)
         self.pad_state_pages = pad_state_pages.to(dev)
-        self.state_pages = self.pad_state_pages.expand(self.max_batch, -1).contiguous()
-        self.kept = torch.zeros(self.max_batch, **long)
+        self._pad_states_host = pad_state_pages.cpu().numpy()
+        pin = dev.type == "cuda"
+        self._mirror = torch.zeros(self.inputs.shape, dtype=torch.int64, pin_memory=pin)
+        self._kept_mirror = torch.zeros(B, dtype=torch.int64, pin_memory=pin)
+        self._copied: list = [None, None]
+        """CUDA events of the latest copies out of the two mirrors (the host waits on one before refilling it)."""
+        self.kept = torch.zeros(B, **long)
         """Tokens each sequence keeps (the replay graph's input)."""
         self.empty = torch.zeros(0, **long)
         self.graphs: dict[tuple[int, int], tuple] = {}
@@ -83,13 +94,12 @@ class VerifyGraphs(GraphShapes):
         bucket = self.context_bucket(max(c.context_end for c in chunks))
         if (size, bucket) not in self.graphs and not self._capture(size, bucket):
             return None
-        self._fill(input_ids, chunks, size, bucket)
+        rows = self._fill(input_ids, chunks, size, bucket)
         graph, logits, _ = self.graphs[(size, bucket)]
         graph.replay()
         self.replays += 1
         self.pending = (size, bucket, n)
-        rows = torch.cat([torch.arange(c.num_tokens) + j * self.T for j, c in enumerate(chunks)])
-        return logits[rows.to(logits.device)]
+        return logits[self.logit_rows[:rows]]
 
     def commit(self, kept: list[int]) -> None:
         """After the latest `run`: advance each sequence's state pages over its first kept[j] tokens
@@ -100,44 +110,75 @@ class VerifyGraphs(GraphShapes):
         self.pending = None
         if not any(kept):
             return
-        self.kept[:size].copy_(torch.tensor(list(kept) + [0] * (size - n)))
+        self._wait(1)
+        host = self._kept_mirror.numpy()
+        host[:n] = kept
+        host[n:size] = 0
+        self.kept[:size].copy_(self._kept_mirror[:size], non_blocking=True)
+        self._record(1)
         self.graphs[(size, bucket)][2].replay()
 
-    def _fill(self, input_ids: list[int], chunks: list[SequenceChunk], size: int, bucket: int) -> None:
-        """Grid rows from the chunks, padding rows on the reserved pages; one host-to-device copy per buffer."""
+    def _wait(self, i: int) -> None:
+        if self._copied[i] is not None:
+            self._copied[i].synchronize()  # its previous copy is done (at once, in practice)
+
+    def _record(self, i: int) -> None:
+        if self.inputs.device.type == "cuda":
+            self._copied[i] = torch.cuda.Event()
+            self._copied[i].record()
+
+    def _tables(self, size: int, bucket: int) -> torch.Tensor:
+        """The block tables [size * T, pages of the bucket] that graph (size, bucket) reads."""
+        cols = math.ceil(bucket / self.pool.block_size)
+        return self.inputs[self._head : self._head + size * self.T * cols].view(size * self.T, cols)
+
+    def _fill(self, input_ids: list[int], chunks: list[SequenceChunk], size: int, bucket: int) -> int:
+        """Grid rows from the chunks, padding rows on the reserved pages, one host-to-device copy;
+        returns the number of real rows (their grid indices lead `logit_rows`)."""
         n, T, bs = len(chunks), self.T, self.pool.block_size
         cols = math.ceil(bucket / bs)
-        t = torch.arange(T)
-        lens = torch.tensor([c.num_tokens for c in chunks] + [0] * (size - n))
-        real = t[None, :] < lens[:, None]  # [size, T]
-        pos = torch.tensor([c.context_start for c in chunks] + [0] * (size - n))[:, None] + t
-        first = torch.tensor([c.start for c in chunks] + [0] * (size - n))[:, None] + t
-        ids = torch.tensor(list(input_ids) + [0])[torch.where(real, first, len(input_ids))]
-        tables = torch.full((size, cols), self.pad_page, dtype=torch.int64)
+        R, RB = size * T, self.max_batch * T
+        self._wait(0)
+        host = self._mirror.numpy()
+        ids, positions, write_pages, write_offsets, context_lens = host[: 5 * RB].reshape(5, RB)[:, :R]
+        states = host[5 * RB : 5 * RB + self.max_batch * self._pad_states_host.size].reshape(self.max_batch, -1)
+        rows_out = host[5 * RB + states.size : self._head]
+        tables = host[self._head : self._head + R * cols].reshape(size, T, cols)
+        tables.fill(self.pad_page)
+        lens, starts, first = (np.zeros(size, dtype=np.int64) for _ in range(3))
         for j, c in enumerate(chunks):
-            used = min(len(c.block_table), cols)
-            tables[j, :used] = c.block_table[:used]
-        pages = torch.where(real, tables.gather(1, (pos // bs).clamp(max=cols - 1)), self.pad_page)
-        R = size * T
-        self.input_ids[:R].copy_(ids.view(-1))
-        self.positions[:R].copy_(torch.where(real, pos, 0).view(-1))
-        self.write_pages[:R].copy_(pages.view(-1))
-        self.write_offsets[:R].copy_(torch.where(real, pos % bs, 0).view(-1))
-        row_tables = torch.where(real[..., None], tables[:, None, :], self.pad_page).view(R, cols)
-        self.block_tables[:R, :cols].copy_(row_tables)
-        self.context_lens[:R].copy_(torch.where(real, pos + 1, 1).view(-1))
+            lens[j], starts[j], first[j] = c.num_tokens, c.context_start, c.start
+            table = np.asarray(c.block_table[:cols])
+            tables[j, :, : len(table)] = table
+        t = np.arange(T)
+        real = t[None, :] < lens[:, None]  # [size, T]
+        pos = starts[:, None] + t
+        src = np.append(np.asarray(input_ids, dtype=np.int64), 0)
+        ids[:] = src[np.where(real, first[:, None] + t, len(src) - 1)].reshape(-1)
+        positions[:] = np.where(real, pos, 0).reshape(-1)
+        pages = np.take_along_axis(tables[:, 0, :], np.minimum(pos // bs, cols - 1), axis=1)
+        write_pages[:] = np.where(real, pages, self.pad_page).reshape(-1)
+        write_offsets[:] = np.where(real, pos % bs, 0).reshape(-1)
+        context_lens[:] = np.where(real, pos + 1, 1).reshape(-1)
+        tables[~real] = self.pad_page
         if n:
-            self.state_pages[:n].copy_(torch.stack([c.state_pages for c in chunks]))
-        self.state_pages[n:size].copy_(self.pad_state_pages.expand(size - n, -1))
+            states[:n] = [np.asarray(c.state_pages) for c in chunks]
+        states[n:size] = self._pad_states_host
+        grid_rows = np.nonzero(real.reshape(-1))[0]  # row-major: chunk by chunk, position by position
+        rows_out[: len(grid_rows)] = grid_rows
+        end = self._head + R * cols
+        self.inputs[:end].copy_(self._mirror[:end], non_blocking=True)
+        self._record(0)
+        return len(grid_rows)
 
     def _batch(self, size: int, bucket: int) -> ForwardBatch:
         R = size * self.T
         return ForwardBatch(
             pool=self.pool, positions=self.positions[:R], write_pages=self.write_pages[:R],
             write_offsets=self.write_offsets[:R], chunks=[], decode_rows=self.empty,
-            decode_block_tables=self.block_tables[:0], decode_context_lens=self.empty,
+            decode_block_tables=self.empty.view(0, 1), decode_context_lens=self.empty,
             decode_state_pages=self.state_pages[:0], decode_max_context=0, ops=self.ops,
-            verify_rows=self.rows[:R], verify_block_tables=self.block_tables[:R],
+            verify_rows=self.rows[:R], verify_block_tables=self._tables(size, bucket),
             verify_context_lens=self.context_lens[:R], verify_max_context=bucket, verify_inputs={},
             verify_grid=self.rows[:R].view(size, self.T), verify_active=[None] * self.T,
             verify_state_pages=self.state_pages[:size],
