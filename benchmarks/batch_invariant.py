@@ -110,7 +110,9 @@ def main(argv=None) -> int:
     rate = matmul_rate(args.device)
     results = {}
     for mode, flag in (("default", False), ("batch_invariant", True)):
+        t = time.perf_counter()
         results[mode] = measure(args, flag, prompts)
+        print(mode, json.dumps(results[mode]), f"({time.perf_counter() - t:.1f} s with build and warm-up)", flush=True)
     d, b = results["default"], results["batch_invariant"]
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()

@@ -48,6 +48,7 @@ def main(argv=None) -> int:
     parser.add_argument("--kv-cache-dtype", default="auto")
     parser.add_argument("--out", default=None, help="default: benchmarks/results/rl_parity_check_<device>.json")
     args = parser.parse_args(argv)
+    start = time.perf_counter()
     engine = LLMEngine(EngineArgs(model=args.model, device=args.device, batch_invariant=True, enable_lora=True,
                                   max_lora_rank=8, kv_cache_dtype=args.kv_cache_dtype,
                                   max_model_len=args.prompt_len + args.completion_len + 8))
@@ -58,6 +59,7 @@ def main(argv=None) -> int:
     adapter = LoRAAdapter.init(engine.model, "lora", rank=8, random_b=True, seed=1)
     engine.load_lora_adapter("lora", adapter)
     trainer = PolicyTrainer.from_engine(engine, share_weights=True)
+    print(f"engine and trainer built in {time.perf_counter() - start:.1f} s", flush=True)
     record = {"model": args.model, "device": args.device, "num_seqs": args.num_seqs, "prompt_len": args.prompt_len,
               "completion_len": args.completion_len, "kv_cache_dtype": engine.layout.kv_cache_dtype,
               "command": " ".join(["python", *sys.argv])}
@@ -65,6 +67,7 @@ def main(argv=None) -> int:
         t = time.perf_counter()
         outs = generate(engine, prompts, params, lora)
         engine_s = time.perf_counter() - t
+        print(f"{name}: engine sampled {args.num_seqs} x {args.completion_len} tokens in {engine_s:.1f} s", flush=True)
         t = time.perf_counter()
         with torch.no_grad():
             lps = trainer.logprobs(prompts, [o.token_ids for o in outs],
