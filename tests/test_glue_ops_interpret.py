@@ -75,3 +75,20 @@ def test_engine_with_glue_kernels_matches_reference_ops():
 
     ops = dataclasses.replace(fused_glue_ops(REFERENCE_OPS), name="glue-kernels-interpreted")
     assert_ops_match_reference_ops(ops, "bf16", random_prompts([40, 90, 7], seed=5))
+
+
+def test_cases_outside_the_kernels_run_the_references():
+    """Shapes the kernels do not take (a broadcast weight or addend, fp64) give the references' results."""
+    from kimiserve.ops.attn_res import reference as attn_res_ref
+    from kimiserve.ops.norm import reference as norm_ref
+
+    x = torch.randn(3, 40)
+    w1 = torch.tensor([1.5])
+    assert torch.equal(norm_tt.rms_norm(x, w1, 1e-5), norm_ref.rms_norm(x, w1, 1e-5))
+    assert torch.equal(norm_tt.rms_norm(x.double(), w1.double(), 1e-5), norm_ref.rms_norm(x.double(), w1.double(), 1e-5))
+    running, addend, w = torch.randn(1, 3, 40), torch.randn(1, 1, 40), torch.randn(40)
+    blocks = [torch.randn(1, 3, 40)]
+    got = attn_res_tt.add_read_norm(running, addend, blocks, w, w[None], w, 1e-5)
+    want = attn_res_ref.add_read_norm(running, addend, blocks, w, w[None], w, 1e-5)
+    assert got[1].shape == (1, 3, 40) and torch.equal(got[1], running + addend)
+    assert torch.equal(got[0], want[0])

@@ -92,9 +92,12 @@ def add_read_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`reference.add_read_norm` in one kernel: running (and addend, each block) [..., d] -> (normed
     input, live sum), both [..., d] in running's dtype."""
-    if not supported(running, norm_weight) or (addend is not None and addend.dtype != running.dtype):
-        return reference.add_read_norm(running, addend, blocks, read_norm_weight, read_proj_weight, norm_weight, eps)
     d = running.shape[-1]
+    read_ok = not blocks or (read_norm_weight.numel() == d and read_proj_weight.numel() == d
+                             and read_norm_weight.is_contiguous() and read_proj_weight.is_contiguous())
+    if (not supported(running, norm_weight) or not read_ok
+            or (addend is not None and (addend.dtype != running.dtype or addend.shape != running.shape))):
+        return reference.add_read_norm(running, addend, blocks, read_norm_weight, read_proj_weight, norm_weight, eps)
     run2 = rows_of(running)
     n_rows = run2.shape[0]
     out = torch.empty(running.shape, dtype=running.dtype, device=running.device)

@@ -38,7 +38,8 @@ def _head_matmul_kernel(x_ptr, w_ptr, out_ptr, B, I, O, s_xb, s_xh, s_xi, s_wh, 
 
 def head_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """`reference.head_matmul` in one kernel: x [B, H, I], w [H, I, O] -> fp32 [B, H, O]."""
-    if x.dtype not in DTYPES or w.dtype not in DTYPES or x.numel() == 0:
+    if (x.dtype not in DTYPES or w.dtype not in DTYPES or x.numel() == 0 or x.dim() != 3 or w.dim() != 3
+            or w.shape[:2] != x.shape[1:]):
         return reference.head_matmul(x, w)
     B, H, I = x.shape
     O = w.shape[2]

@@ -86,14 +86,15 @@ def route(router_logits: torch.Tensor, correction_bias: torch.Tensor | None, top
     N, E = router_logits.shape
     grouped = num_expert_group > 1 and topk_group < num_expert_group
     G = num_expert_group if grouped else 1
-    if E > MAX_EXPERTS or top_k > min(E, MAX_TOP_K) or E % G or N == 0:
+    if (E > MAX_EXPERTS or top_k > min(E, MAX_TOP_K) or E % G or N == 0
+            or (correction_bias is not None and correction_bias.shape != (E,))):
         return reference.route(router_logits, correction_bias, top_k, score_func=score_func,
                                num_expert_group=num_expert_group, topk_group=topk_group, renormalize=renormalize,
                                scaling_factor=scaling_factor)
     logits = router_logits.float()
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
-    bias = correction_bias.float() if correction_bias is not None else logits
+    bias = correction_bias.float().contiguous() if correction_bias is not None else logits
     ids = torch.empty(N, top_k, dtype=torch.int64, device=logits.device)
     weights = torch.empty(N, top_k, dtype=torch.float32, device=logits.device)
     EG = E // G

@@ -53,7 +53,9 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, x_stride, out_stride, eps,
 
 
 def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return x.dtype in TL_DTYPES and weight.dtype in TL_DTYPES and x.shape[-1] <= MAX_HIDDEN and x.numel() > 0
+    """The kernels' cases (else the references run: fp64, wider rows, a weight that is not one [d] vector)."""
+    return (x.dtype in TL_DTYPES and weight.dtype in TL_DTYPES and x.shape[-1] <= MAX_HIDDEN and x.numel() > 0
+            and weight.shape == x.shape[-1:] and weight.is_contiguous())
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -86,7 +88,7 @@ def _layer_norm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, D, x_stride, out_stride, ep
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
     """`reference.layer_norm` in one kernel: x [..., d], weight and bias [d] -> [..., d] in x's dtype."""
-    if not supported(x, weight) or bias.dtype not in TL_DTYPES:
+    if not supported(x, weight) or bias.dtype not in TL_DTYPES or bias.shape != weight.shape or not bias.is_contiguous():
         return reference.layer_norm(x, weight, bias, eps)
     d = x.shape[-1]
     x2 = rows_of(x)
