@@ -11,7 +11,9 @@ context length (the index scan over every key, the top-k latents, the KDA state 
 cached values; `setup_s` says what the seeding took. Then each decode step is timed on its own: the
 host-clock time between one request's consecutive tokens as `engine.step()` returns them (the
 sampled tokens are on the host by then, so the clock covers the GPU work; an engine that overlaps
-steps is timed in its steady state), after one untimed decode step (CUDA-graph capture).
+steps is timed in its steady state), after one untimed decode step (CUDA-graph capture) and one
+untimed interval. Every request's last prompt token is its own (the seeded caches are copies of one,
+so the batch's tokens, hence its routed experts, would otherwise all be the same).
 
 Bytes per decode step: every weight the step reads (all parameters but the routed experts and the
 embedding table, plus one embedding row per token) + the distinct routed experts the batch hit in each
@@ -138,8 +140,11 @@ def decode_row(engine: LLMEngine, batch: int, context: int, copy: float, steps: 
                count_steps: int = 2) -> dict:
     cfg, layout = engine.config, engine.layout
     gen = torch.Generator().manual_seed(batch * 7919 + context)
-    body = torch.randint(0, cfg.vocab_size, (context - 1,), generator=gen).tolist()
-    prompts = [[i % cfg.vocab_size] + body for i in range(batch)]  # distinct first tokens: one snapshot each
+    body = torch.randint(0, cfg.vocab_size, (context - 2,), generator=gen).tolist()
+    last = torch.randint(0, cfg.vocab_size, (batch,), generator=gen).tolist()
+    # distinct first tokens: one snapshot each; distinct last tokens: the seeded contexts are copies of one
+    # cache, so without them every sequence would feed the same tokens and route to the same experts
+    prompts = [[i % cfg.vocab_size] + body + [last[i]] for i in range(batch)]
     source = torch.randint(0, cfg.vocab_size, (min(context, max(source_tokens, engine.block_size + 2)),),
                            generator=gen).tolist()
     start = time.perf_counter()
@@ -158,13 +163,14 @@ def decode_row(engine: LLMEngine, batch: int, context: int, copy: float, steps: 
     first = engine.groups[ids[0]].samples[0]
     times, done = [], len(first.output_ids)
     synchronize(engine)
-    last = time.perf_counter()
-    while len(times) < steps:  # the time between a request's tokens (an engine with overlapped steps included)
+    clock = time.perf_counter()
+    while len(times) < steps + 1:  # the time between a request's tokens (an engine with overlapped steps included)
         engine.step()
         if len(first.output_ids) > done:
             now = time.perf_counter()
-            times.append((now - last) * 1e3 / (len(first.output_ids) - done))
-            last, done = now, len(first.output_ids)
+            times.append((now - clock) * 1e3 / (len(first.output_ids) - done))
+            clock, done = now, len(first.output_ids)
+    times = times[1:]  # the first token may come from a step launched before the clock started (async scheduling)
     # a replayed graph runs no Python: count the experts the batch hits in eager steps
     graphs, engine.runner.graphs = engine.runner.graphs, None
     hits = ExpertsHit(engine.model)

@@ -173,6 +173,9 @@ def test_e2e_step_dry_run_writes_the_issue_rows(tmp_path):
     for r in decode:
         assert r["step_ms"] > 0 and r["experts_hit_per_step"] > 0 and r["bytes"] > 0 and "roofline_ms" in r
     assert any(r["context"] > r["source_tokens"] for r in decode)  # tiled
+    for context in (40, 300):  # the batch's sequences differ (their copied caches do not): more experts hit
+        hits = {r["batch"]: r["experts_hit_per_step"] for r in decode if r["context"] == context}
+        assert hits[3] > hits[1], (context, hits)
     (prefill,) = [r for r in data["rows"] if r["kind"] == "prefill"]
     assert prefill["prompt_tokens"] == 100 and prefill["ttft_s"] > 0 and "matmul_fraction" in prefill
 
