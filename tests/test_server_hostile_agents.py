@@ -22,7 +22,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from server_utils import metrics, running_server, wait_until
-from test_server_hostile import (
+from hostile_requests import (
     SCHEMAS, TOOL_NAMES, encode_body, hostile, hostile_settings, json_values, nonempty_texts, texts)
 
 pytestmark = pytest.mark.fixed_threads  # the server runs with one torch thread: OMP_NUM_THREADS changes nothing
