@@ -27,7 +27,7 @@ def test_chunked_form_verify_is_caught(monkeypatch):
     def chunked_verify(self, q, k, v, f, b, gate, batch, o):
         i, grid = self.cache_index, batch.verify_grid
         xs = tuple(t[0][grid] for t in (q, k, v, f, b, gate))
-        batch.verify_inputs[i] = xs[:5]
+        batch.verify_inputs[i] = tuple(x.transpose(0, 1) for x in xs[:5])  # position-major, as the layer keeps them
         pages = batch.verify_state_pages[:, i]
         B, T = grid.shape
         g = kda_gate(xs[3].view(B, T, self.num_heads, -1), self.A_log, self.dt_bias, self.lower_bound)

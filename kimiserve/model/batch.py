@@ -95,9 +95,9 @@ class ForwardBatch:
     """int64 [R]: each verify row's context length (its position + 1)."""
     verify_max_context: int = 0
     verify_inputs: dict[int, tuple[torch.Tensor, ...]] | None = None
-    """Per KDA layer (cache index): the layer's inputs of the verify chunks, one row per chunk, padded
-    to the longest (q, k, v before the short conv, f the gate projection [B, T, H * K], b beta's
-    logits [B, T, H]); filled by the forward, read by `spec_decode.verify.replay_verified`."""
+    """Per KDA layer (cache index): the layer's inputs of the verify chunks, position-major and padded
+    to the longest chunk (q, k, v before the short conv, f the gate projection [T, B, H * K], b beta's
+    logits [T, B, H]); filled by the forward, read by `spec_decode.verify.replay_verified`."""
     verify_grid: torch.Tensor | None = None
     """int64 [B, T]: packed row of position t of verify chunk j (a shorter chunk repeats its last row)."""
     verify_active: list[torch.Tensor | None] | None = None

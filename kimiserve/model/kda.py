@@ -206,25 +206,30 @@ class KimiDeltaAttention(nn.Module):
         copies of the chunks' conv and state pages; the pages stay at the committed state and the
         inputs are kept for `replay_verified`, so a rejected draft costs no recompute of the prefix."""
         pool, i = batch.pool, self.cache_index
-        grid = batch.verify_grid
-        xs = tuple(t[0][grid] for t in (q, k, v, f, b, gate))  # copies [B, T, ...]: no view of the whole step
+        grid = batch.verify_grid.t().contiguous()  # [T, B]: position-major, position t of every chunk contiguous
+        xs = tuple(t[0][grid] for t in (q, k, v, f, b, gate))  # copies [T, B, ...]: no view of the whole step
         batch.verify_inputs[i] = xs[:5]
         pages = batch.verify_state_pages[:, i]
         conv, states = pool.conv[pages], pool.recurrent[pages]  # copies, addressed as pages 0..B-1
-        ids = torch.arange(grid.shape[0], device=grid.device)
+        ids = torch.arange(grid.shape[1], dtype=torch.int32, device=grid.device)
+        every = []  # outputs of the leading positions every chunk has, written at once
         for t, active in enumerate(batch.verify_active):
-            sel = slice(None) if active is None else active
-            o[0, grid[sel, t]] = batch.ops.kda_decode_step(*(x[sel, t] for x in xs), self.decode_weights, conv,
-                                                           states, ids[sel])
+            if active is None:
+                every.append(batch.ops.kda_decode_step(*(x[t] for x in xs), self.decode_weights, conv, states, ids))
+            else:
+                o[0, grid[t, active]] = batch.ops.kda_decode_step(*(x[t][active] for x in xs), self.decode_weights,
+                                                                  conv, states, ids[active])
+        if every:
+            o[0, grid[: len(every)]] = torch.stack(every)
 
     def replay_verified(self, pool, ops, inputs: tuple[torch.Tensor, ...], steps: list[tuple]) -> None:
         """Advance state pages over kept verify tokens: for each position t, steps[t] = (rows, pages):
-        the `inputs` rows (`ForwardBatch.verify_inputs[cache_index]`, [B, T, ...]; a slice or an index
+        the chunks (rows of `ForwardBatch.verify_inputs[cache_index]`, [T, B, ...]; a slice or an index
         tensor) whose token t is kept, and the state pages [n] they advance in place, through
         `ops.kda_decode_step` exactly as the verify forward ran them (its output is not needed)."""
         q, k, v, f, b = inputs
         for t, (rows, pages) in enumerate(steps):
-            x = [y[rows, t] for y in (q, k, v, f, b)]
+            x = [y[t][rows] for y in (q, k, v, f, b)]
             ops.kda_decode_step(*x, x[0], self.decode_weights, pool.conv, pool.recurrent, pages)
 
     def prefill_segments(self, q, k, v, g, beta, segments, o, pool, ops) -> None:
