@@ -16,7 +16,7 @@ ran (capturing the CUDA graph of that shape):
   device works), so the phase run forces the synchronous step (`async_scheduling=False`).
 
     python benchmarks/host_overhead.py [--batches 1,64] [--steps 50] [--device cuda|cpu] [--out PATH]
-                                       [--async-scheduling auto|on|off] [--profile N]
+                                       [--async-scheduling auto|on|off] [--profile N] [--stub-forward]
 """
 
 from __future__ import annotations
@@ -102,6 +102,7 @@ def instrument(engine: LLMEngine, timer: PhaseTimer) -> None:
     timer.wrap(runner, "sample", "sample")
     timer.wrap(runner_mod.StepChunk, "to_sequence_chunk", "batch build")
     timer.wrap(ForwardBatch, "build", "batch build")
+    timer.wrap(runner, "_decode_batch", "batch build")
     timer.wrap(runner.model, "forward_batch", "forward", sync_after=True)
     if runner.graphs is not None:
         graphs = runner.graphs
@@ -112,13 +113,19 @@ def instrument(engine: LLMEngine, timer: PhaseTimer) -> None:
             timer.wrap(entry[0], "replay", "forward", sync_after=True)
 
 
+def stub_forward(engine: LLMEngine) -> None:
+    """The model's forward replaced by zero logits (CPU only: what is left of a step is the host's work)."""
+    vocab = engine.config.vocab_size
+    engine.runner.model.forward_batch = lambda ids, batch, rows: torch.zeros(len(rows), vocab)
+
+
 def make_engine(device: str, batch: int, steps: int, async_scheduling: bool | None) -> LLMEngine:
     kwargs = {}
     if "async_scheduling" in EngineArgs.__dataclass_fields__:  # (absent in trees before it)
         kwargs["async_scheduling"] = async_scheduling
     args = EngineArgs(model="tiny", dtype="bfloat16" if device == "cuda" else "float32", device=device,
                       max_model_len=1024, max_num_seqs=max(batch, 1), enable_prefix_caching=False, seed=0,
-                      num_pages=max(64, batch * 8), **kwargs)
+                      num_pages=max(64, batch * (12 + steps // 8)), **kwargs)  # no preemption
     return LLMEngine(args)
 
 
@@ -151,9 +158,12 @@ def time_steps(engine: LLMEngine, steps: int, sync) -> list[float]:
     return times
 
 
-def measure(device: str, batch: int, steps: int, async_scheduling: bool | None, profile: int) -> dict:
+def measure(device: str, batch: int, steps: int, async_scheduling: bool | None, profile: int,
+            stub: bool = False) -> dict:
     sync = torch.cuda.synchronize if device == "cuda" else None
     engine = make_engine(device, batch, steps, async_scheduling)
+    if stub:
+        stub_forward(engine)
     start_batch(engine, batch, 2 * steps + 20, "s")
     if sync:
         sync()
@@ -163,6 +173,8 @@ def measure(device: str, batch: int, steps: int, async_scheduling: bool | None, 
     finish(engine)
     # the phases: the synchronous step (phases of an overlapped step are not additive)
     engine = make_engine(device, batch, steps, False)
+    if stub:
+        stub_forward(engine)
     start_batch(engine, batch, 2 * steps + 20, "p")
     timer = PhaseTimer(sync)
     instrument(engine, timer)
@@ -200,13 +212,17 @@ def main() -> int:
     p.add_argument("--async-scheduling", choices=("auto", "on", "off"), default="auto",
                    help="EngineArgs.async_scheduling of the step timing (auto: the engine's default)")
     p.add_argument("--profile", type=int, default=0, help="cProfile this many extra steps (print the top 25)")
+    p.add_argument("--stub-forward", action="store_true",
+                   help="CPU only: the model's forward returns zero logits (the step is then the host's work alone)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     torch.manual_seed(0)
     async_flag = {"auto": None, "on": True, "off": False}[args.async_scheduling]
+    if args.stub_forward and args.device != "cpu":
+        p.error("--stub-forward runs on the CPU only (a captured graph would record the stub)")
     rows = []
     for b in (int(x) for x in args.batches.split(",")):
-        row = measure(args.device, b, args.steps, async_flag, args.profile)
+        row = measure(args.device, b, args.steps, async_flag, args.profile, args.stub_forward)
         rows.append(row)
         ph = "  ".join(f"{k} {v:.3f}" for k, v in row["phases_ms"].items())
         print(f"batch {b:3d}: step {row['step_ms_median']:.3f} ms median ({row['step_ms_min']:.3f} min, "
@@ -217,7 +233,7 @@ def main() -> int:
     device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     result = {"device": device, "torch": torch.__version__, "date": datetime.datetime.now(datetime.timezone.utc)
               .isoformat(timespec="seconds"), "commit": git_commit(), "model": "tiny", "steps": args.steps,
-              "rows": [{k: v for k, v in r.items() if k != "profile"} for r in rows]}
+              "stub_forward": args.stub_forward, "rows": [{k: v for k, v in r.items() if k != "profile"} for r in rows]}
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:

@@ -211,6 +211,11 @@ class ModelRunner:
             logits = self.graphs.run(step.token_ids, step.chunks)  # one token per sequence, each sampled
             if logits is not None:
                 return logits
+        if (every_row and len(step.token_ids) == n and self.invariant is None and self.dcp is None
+                and not any(c.verify for c in step.chunks)):
+            batch = self._decode_batch(step.chunks)  # one token per sequence: no per-sequence tensors
+            return self.model.forward_batch(to_device(step.token_ids, self.device), batch,
+                                            to_device(step.logit_rows, self.device))
         seq_chunks = [c.to_sequence_chunk() for c in step.chunks]
         if self.verify_graphs is not None and every_row:
             logits = self.verify_graphs.run(step.token_ids, seq_chunks)
@@ -229,6 +234,21 @@ class ModelRunner:
         if batch.verify_inputs is not None:
             self.verified = (batch, [j for j, c in enumerate(step.chunks) if c.verify])
         return logits
+
+    def _decode_batch(self, chunks: list[StepChunk]) -> ForwardBatch:
+        """A decode-only step's batch (one token per chunk) from the chunks' page lists in a few host tensors;
+        it lists no chunks: the layers read its decode_* rows only, as in a captured decode graph's batch."""
+        n, bs = len(chunks), self.pool.block_size
+        width = max(len(c.block_table) for c in chunks)
+        tables = torch.tensor([c.block_table + [0] * (width - len(c.block_table)) for c in chunks], dtype=torch.int64)
+        positions = torch.tensor([c.context_start for c in chunks], dtype=torch.int64)
+        states = torch.tensor([c.state_pages for c in chunks], dtype=torch.int64)
+        to = lambda t: to_device(t, self.device)
+        return ForwardBatch(pool=self.pool, positions=to(positions), write_pages=to(tables[torch.arange(n), positions // bs]),
+                            write_offsets=to(positions % bs), chunks=[], decode_rows=to(torch.arange(n)),
+                            decode_block_tables=to(tables), decode_context_lens=to(positions + 1),
+                            decode_state_pages=to(states), decode_max_context=max(c.context_start for c in chunks) + 1,
+                            ops=self.ops)
 
     @torch.inference_mode()
     def commit_verified(self, accepted: dict[int, int]) -> None:
@@ -326,11 +346,11 @@ class ModelRunner:
 
 
 def to_device(values, device: torch.device) -> torch.Tensor:
-    """int64 device tensor of a host list (through pinned memory on CUDA: the host does not wait), or a
-    device tensor as it is."""
-    if isinstance(values, torch.Tensor):
+    """int64 device tensor of a host list or tensor (through pinned memory on CUDA: the host does not
+    wait), or a device tensor as it is."""
+    if isinstance(values, torch.Tensor) and values.device.type != "cpu":
         return values.to(device)
-    t = torch.tensor(values, dtype=torch.int64)
+    t = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=torch.int64)
     return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
 
