@@ -89,7 +89,7 @@ def test_reference_add_read_norm_is_the_layers_composition():
 def test_block_store_seals_equally_spaced_views():
     """The serving forward's sealed blocks are views of one buffer (the fused read takes them uncopied)."""
     from kimiserve.model.attn_res import block_store, seal
-    from kimiserve.ops.attn_res.triton import block_layout  # noqa: F401 - importable without a GPU only with Triton
+    from kimiserve.ops.attn_res.blocks import block_layout
 
     class Config:
         num_hidden_layers, attn_res_block_size = 7, 3

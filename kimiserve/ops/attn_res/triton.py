@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from kimiserve.ops.attn_res import reference
+from kimiserve.ops.attn_res.blocks import block_layout
 from kimiserve.ops.norm.triton import TL_DTYPES, num_warps_for, rms_scale, rows_of
 
 MAX_HIDDEN = 16384
@@ -63,22 +64,6 @@ def _add_read_norm_kernel(
         x = (acc / s).to(DTYPE).to(tl.float32)
     w = tl.load(nw_ptr + cols, mask=ok, other=0.0)
     tl.store(out_ptr + row * out_stride + cols, rms_scale(x, w, ok, D, eps, W_SAME, DTYPE), mask=ok)
-
-
-def block_layout(blocks: list[torch.Tensor], like: torch.Tensor) -> tuple[torch.Tensor, int, int]:
-    """(base tensor, stride between blocks, row stride) addressing block i's rows as base + i * stride:
-    without a copy when the blocks are rows-views of one shape and dtype at equal spacing, else stacked."""
-    d = like.shape[-1]
-    if all(b.shape == like.shape and b.dtype == like.dtype and b.device == like.device for b in blocks):
-        rows = [b.reshape(-1, d) for b in blocks]
-        if all(r.stride() == rows[0].stride() and r.stride(-1) == 1 and r.data_ptr() == b.data_ptr()
-               for r, b in zip(rows, blocks)):
-            size = like.element_size()
-            gaps = {(b.data_ptr() - a.data_ptr()) for a, b in zip(rows, rows[1:])}
-            if len(gaps) <= 1 and all(g % size == 0 for g in gaps):
-                return rows[0], (gaps.pop() // size if gaps else 0), rows[0].stride(0)
-    stacked = torch.stack([b.to(like.dtype).reshape(-1, d) for b in blocks])
-    return stacked[0], stacked.stride(0), stacked.stride(1)
 
 
 def supported(running: torch.Tensor, norm_weight: torch.Tensor) -> bool:
