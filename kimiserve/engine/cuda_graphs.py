@@ -37,12 +37,26 @@ def capture_sizes(max_batch: int) -> list[int]:
     return sorted(set(sizes + [max_batch]))
 
 
-class GraphShapes:
-    """The shapes a set of CUDA graphs is captured for: padded batch sizes (`sizes`, ascending) and
-    context buckets up to `max_model_len`. Shared by the decode, verify and draft-loop graphs."""
+class GraphSet:
+    """What the decode, verify and draft-loop graph sets share: the shapes they capture for (padded
+    batch sizes `sizes`, ascending; context buckets up to `max_model_len`) and the warm-up before a
+    capture, on a side stream, with the one private memory pool of the set's graphs."""
 
     sizes: list[int]
     max_model_len: int
+    memory_pool: tuple | None
+
+    def warm_up(self, *runs) -> None:
+        """Run each of `runs` once eagerly on a side stream (kernels compiled, allocator settled), as a
+        capture must be preceded by; creates the set's memory pool on first use."""
+        if self.memory_pool is None:
+            self.memory_pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for run in runs:
+                run()
+        torch.cuda.current_stream().wait_stream(stream)
 
     def padded_size(self, n: int) -> int | None:
         return next((s for s in self.sizes if s >= n), None)
@@ -55,7 +69,7 @@ class GraphShapes:
         return min(bucket, self.max_model_len)
 
 
-class DecodeGraphs(GraphShapes):
+class DecodeGraphs(GraphSet):
     """Captures and replays decode-only steps of `model` on `pool`.
 
     pad_page: an attention page no sequence owns; pad_state_pages: int64 [num_kda_layers] state
@@ -177,13 +191,7 @@ class DecodeGraphs(GraphShapes):
         batch = self._batch(size, bucket)
         ids, rows = self.input_ids[:size], self.rows[:size]
         try:
-            if self.memory_pool is None:
-                self.memory_pool = torch.cuda.graph_pool_handle()
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                self.model.forward_batch(ids, batch, rows)
-            torch.cuda.current_stream().wait_stream(stream)
+            self.warm_up(lambda: self.model.forward_batch(ids, batch, rows))
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.memory_pool):
                 logits = self.model.forward_batch(ids, batch, rows)

@@ -17,13 +17,13 @@ import warnings
 import torch
 
 from kimiserve.cache.pool import PagePool
-from kimiserve.engine.cuda_graphs import GraphShapes, capture_sizes
+from kimiserve.engine.cuda_graphs import GraphSet, capture_sizes
 from kimiserve.model.batch import ForwardBatch
 from kimiserve.model.moe import STATIC_MOE_TOKENS
 from kimiserve.ops.backend import DecodeOps
 
 
-class DraftLoopGraphs(GraphShapes):
+class DraftLoopGraphs(GraphSet):
     """`steps` (K - 1) greedy one-token steps of `model` on `pool` per replay; pad pages as `DecodeGraphs`'."""
 
     def __init__(self, model, pool: PagePool, ops: DecodeOps, max_num_seqs: int, max_model_len: int,
@@ -98,13 +98,7 @@ class DraftLoopGraphs(GraphShapes):
         self._fill([], [], [], size, bucket)
         self.pool.zero_state(self.pad_state_pages)
         try:
-            if self.memory_pool is None:
-                self.memory_pool = torch.cuda.graph_pool_handle()
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                self._loop(size, bucket)
-            torch.cuda.current_stream().wait_stream(stream)
+            self.warm_up(lambda: self._loop(size, bucket))
             self.first_tokens.zero_()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.memory_pool):

@@ -26,14 +26,14 @@ import numpy as np
 import torch
 
 from kimiserve.cache.pool import PagePool
-from kimiserve.engine.cuda_graphs import GraphShapes, capture_sizes
+from kimiserve.engine.cuda_graphs import GraphSet, capture_sizes
 from kimiserve.engine.spec_decode.verify import kda_layers
 from kimiserve.model.batch import ForwardBatch, SequenceChunk
 from kimiserve.model.moe import STATIC_MOE_TOKENS
 from kimiserve.ops.backend import DecodeOps
 
 
-class VerifyGraphs(GraphShapes):
+class VerifyGraphs(GraphSet):
     """Captures and replays verify steps of `model` on `pool`, `num_tokens` (K + 1) rows per sequence;
     pad_page and pad_state_pages as for `DecodeGraphs` (they may be the same reserved pages)."""
 
@@ -207,14 +207,7 @@ class VerifyGraphs(GraphShapes):
         self.pool.zero_state(self.pad_state_pages)
         forward, replay = self._forwards(size, bucket)
         try:
-            if self.memory_pool is None:
-                self.memory_pool = torch.cuda.graph_pool_handle()
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                forward()
-                replay()
-            torch.cuda.current_stream().wait_stream(stream)
+            self.warm_up(forward, replay)
             graph, replay_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.memory_pool):
                 logits = forward()
