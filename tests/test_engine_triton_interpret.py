@@ -10,15 +10,12 @@ Skipped unless KIMISERVE_TRITON_INTERPRET=1 (see tests/test_triton_mla_interpret
 """
 
 import dataclasses
-import os
 
 import pytest
 
-if os.environ.get("KIMISERVE_TRITON_INTERPRET") != "1":
-    pytest.skip("set KIMISERVE_TRITON_INTERPRET=1 to run the Triton interpreter checks", allow_module_level=True)
-import triton_interpreter_shims  # noqa: E402
+import triton_interpreter_shims
 
-triton_interpreter_shims.enable()
+triton_interpreter_shims.enable_or_skip_module()
 
 from engine_utils import assert_ops_match_reference_ops, random_prompts  # noqa: E402
 from kimiserve.ops.backend import REFERENCE_OPS  # noqa: E402

@@ -6,16 +6,12 @@ Skipped unless KIMISERVE_TRITON_INTERPRET=1; run it in its own process:
     KIMISERVE_TRITON_INTERPRET=1 .venv/bin/python -m pytest tests/test_glue_ops_interpret.py -q
 """
 
-import os
-
 import pytest
 import torch
 
-if os.environ.get("KIMISERVE_TRITON_INTERPRET") != "1":
-    pytest.skip("set KIMISERVE_TRITON_INTERPRET=1 to run the Triton interpreter checks", allow_module_level=True)
-import triton_interpreter_shims  # noqa: E402
+import triton_interpreter_shims
 
-triton_interpreter_shims.enable()
+triton_interpreter_shims.enable_or_skip_module()
 
 import glue_ops_cases as cases  # noqa: E402
 from kimiserve.ops.activation import triton as activation_tt  # noqa: E402

@@ -5,16 +5,12 @@ Skipped unless KIMISERVE_TRITON_INTERPRET=1; run it in its own process:
     KIMISERVE_TRITON_INTERPRET=1 .venv/bin/python -m pytest tests/test_kda_decode_step_interpret.py -q
 """
 
-import os
-
 import pytest
 import torch
 
-if os.environ.get("KIMISERVE_TRITON_INTERPRET") != "1":
-    pytest.skip("set KIMISERVE_TRITON_INTERPRET=1 to run the Triton interpreter checks", allow_module_level=True)
-import triton_interpreter_shims  # noqa: E402
+import triton_interpreter_shims
 
-triton_interpreter_shims.enable()
+triton_interpreter_shims.enable_or_skip_module()
 
 from kda_decode_step_cases import CASES, check_decode_step  # noqa: E402
 from kimiserve.ops.kda import triton_decode  # noqa: E402

@@ -8,16 +8,12 @@ TRITON_INTERPRET before the kernels are defined, which a process that already im
     KIMISERVE_TRITON_INTERPRET=1 .venv/bin/python -m pytest tests/test_triton_cache_write_interpret.py -q
 """
 
-import os
-
 import pytest
 import torch
 
-if os.environ.get("KIMISERVE_TRITON_INTERPRET") != "1":
-    pytest.skip("set KIMISERVE_TRITON_INTERPRET=1 to run the Triton interpreter checks", allow_module_level=True)
-import triton_interpreter_shims  # noqa: E402
+import triton_interpreter_shims
 
-triton_interpreter_shims.enable()
+triton_interpreter_shims.enable_or_skip_module()
 
 from kimiserve.cache.pool import PagePool  # noqa: E402
 from kimiserve.ops.cache_write.reference import write_mla_tokens as reference_write  # noqa: E402

@@ -11,16 +11,12 @@ the fp32 summation order differs), checks -inf past each context and that no col
 max_context is written.
 """
 
-import os
-
 import pytest
 import torch
 
-if os.environ.get("KIMISERVE_TRITON_INTERPRET") != "1":
-    pytest.skip("set KIMISERVE_TRITON_INTERPRET=1 to run the Triton interpreter checks", allow_module_level=True)
-import triton_interpreter_shims  # noqa: E402
+import triton_interpreter_shims
 
-triton_interpreter_shims.enable()
+triton_interpreter_shims.enable_or_skip_module()
 
 from conftest import rel_rms  # noqa: E402
 from kimiserve.cache.formats import store_index_key  # noqa: E402

@@ -7,16 +7,13 @@ TRITON_INTERPRET before the kernels are defined, which a process that already im
 """
 
 import dataclasses
-import os
 
 import pytest
 import torch
 
-if os.environ.get("KIMISERVE_TRITON_INTERPRET") != "1":
-    pytest.skip("set KIMISERVE_TRITON_INTERPRET=1 to run the Triton interpreter checks", allow_module_level=True)
-import triton_interpreter_shims  # noqa: E402
+import triton_interpreter_shims
 
-triton_interpreter_shims.enable()
+triton_interpreter_shims.enable_or_skip_module()
 
 from conftest import rel_rms  # noqa: E402
 from kimiserve.ops.mla import reference as ref  # noqa: E402

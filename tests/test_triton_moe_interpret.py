@@ -10,16 +10,12 @@ intermediate 32-160, 3-9 experts. The "lut" dequantisation runs its permutes emu
 inline PTX in the interpreter); test_triton_moe.py checks the real PTX bit for bit on the GPU.
 """
 
-import os
-
 import pytest
 import torch
 
-if os.environ.get("KIMISERVE_TRITON_INTERPRET") != "1":
-    pytest.skip("set KIMISERVE_TRITON_INTERPRET=1 to run the Triton interpreter checks", allow_module_level=True)
-import triton_interpreter_shims  # noqa: E402
+import triton_interpreter_shims
 
-triton_interpreter_shims.enable()
+triton_interpreter_shims.enable_or_skip_module()
 
 from conftest import rel_rms  # noqa: E402
 from kimiserve.config import load_preset  # noqa: E402

@@ -23,6 +23,16 @@ import numpy as np
 import torch
 
 
+def enable_or_skip_module() -> None:
+    """For an interpreter test module, at its top: skip the whole module unless KIMISERVE_TRITON_INTERPRET=1
+    (nothing of Triton is imported then), else `enable()`."""
+    if os.environ.get("KIMISERVE_TRITON_INTERPRET") != "1":
+        import pytest
+
+        pytest.skip("set KIMISERVE_TRITON_INTERPRET=1 to run the Triton interpreter checks", allow_module_level=True)
+    enable()
+
+
 def enable() -> None:
     os.environ["TRITON_INTERPRET"] = "1"
     import triton.language as tl
