@@ -9,7 +9,10 @@ requests of the kind (greedy, ignore_eos, max_tokens = gen_len + 1). Under CUDA 
 of the same configuration first captures its graphs. Prefill steps (and the step that samples each
 request's first token) are not timed; the timer runs over the remaining steps until every request
 is done. `--budget-s` bounds the wall time: configurations not started by then are listed as skipped.
-The end prints a table (also in the JSON, with every run's seconds and the CUDA-graph replays of the
+Kinds run in the order given, and the first configuration also pays the engines' first kernel compiles
+and graph captures: name the kind that must fit a short budget first (e.g. `--kinds repetitive,demo`).
+`--profile` adds, per configuration and method, untimed runs that give the device time of each graph
+replay and a cProfile of the host (printed and in the JSON). The end prints a table (also in the JSON, with every run's seconds and the CUDA-graph replays of the
 target's decode and verify graphs and the draft model's).
 tokens/s per user = generated tokens in the timed steps / B / time; speedup = that / the same figure
 with speculation off. Acceptance length = 1 + accepted drafts / verify rounds (vLLM's mean acceptance
@@ -119,7 +122,8 @@ def graph_replays(engine) -> dict[str, int]:
     return out
 
 
-def run_one(args, engine: LLMEngine, kind: str, batch: int, method: str) -> dict:
+def run_one(args, engine: LLMEngine, kind: str, batch: int, method: str, profiler=None) -> dict:
+    """One run of B requests; `profiler` (a cProfile.Profile) runs over its timed steps only."""
     params = SamplingParams(max_tokens=args.gen_len + 1, temperature=0.0, ignore_eos=True)
     for i, p in enumerate(prompts_of(kind, batch, args.seed)):
         engine.add_request(f"{kind}-{i}", p, params)
@@ -137,9 +141,13 @@ def run_one(args, engine: LLMEngine, kind: str, batch: int, method: str) -> dict
     sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
     sync()
     t0 = time.perf_counter()
+    if profiler is not None:
+        profiler.enable()
     while engine.has_unfinished_requests():
         step()
     sync()
+    if profiler is not None:
+        profiler.disable()
     elapsed = time.perf_counter() - t0
     generated = sum(len(o.outputs[0].token_ids) - before[k] for k, o in outputs.items())
     stats = engine.stats()
@@ -158,6 +166,58 @@ def run_one(args, engine: LLMEngine, kind: str, batch: int, method: str) -> dict
                    accepted_per_pos=[a - b for a, b in zip(stats["spec_decode_num_accepted_tokens_per_pos"], per_pos0)])
     engine.check_idle()
     return row
+
+
+def graph_sets(engine) -> dict[str, object]:
+    """The engine's CUDA graph sets by name (target decode / verify, draft decode / verify / loop)."""
+    out = {}
+    for name, runner in (("target", engine.runner), ("draft", getattr(engine.proposer, "runner", None))):
+        for kind in ("graphs", "verify_graphs"):
+            graphs = getattr(runner, kind, None) if runner is not None else None
+            if graphs is not None:
+                out[f"{name}_{kind}"] = graphs
+    if getattr(engine.proposer, "loop_graphs", None) is not None:
+        out["draft_loop_graphs"] = engine.proposer.loop_graphs
+    return out
+
+
+def profiled_run(args, engine: LLMEngine, kind: str, batch: int, method: str, top: int = 25) -> dict:
+    """Two more runs of a configuration, not timed for the table: one with every graph replay between two
+    device synchronisations (the device's time per replay, by graph: forward and KDA replay graphs apart),
+    one under cProfile over its timed steps (the host's functions by own time; on CUDA the host's waits for the device show up
+    in the call that waits: `tolist`, `synchronize`, a pageable `copy_`)."""
+    import cProfile
+    import io
+    import pstats
+
+    timed: dict[str, list[float]] = {}
+    undo = []
+    if engine.device.type == "cuda":
+        for name, graphs in graph_sets(engine).items():
+            for key, entry in graphs.graphs.items():
+                for slot, graph in enumerate(e for e in entry if isinstance(e, torch.cuda.CUDAGraph)):
+                    label = f"{name}{'_kda_replay' if slot else ''}"
+                    original = graph.replay
+
+                    def replay(original=original, label=label):
+                        torch.cuda.synchronize()
+                        t = time.perf_counter()
+                        original()
+                        torch.cuda.synchronize()
+                        timed.setdefault(label, []).append((time.perf_counter() - t) * 1e3)
+
+                    graph.replay = replay
+                    undo.append(graph)
+    run_one(args, engine, kind, batch, method)
+    for graph in undo:
+        del graph.replay
+    prof = cProfile.Profile()
+    run_one(args, engine, kind, batch, method, prof)
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(top)
+    return {"device_ms_per_replay": {k: {"replays": len(v), "mean_ms": sum(v) / len(v), "min_ms": min(v)}
+                                     for k, v in timed.items()},
+            "cprofile_top_tottime": text.getvalue()}
 
 
 def table(rows: list[dict]) -> str:
@@ -195,6 +255,9 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-s", type=float, default=None,
                     help="start no new (prompts, batch) configuration after this many seconds (the JSON says which ran)")
     ap.add_argument("--quick", action="store_true", help="batch 1 and 2, 8 tokens: a smoke test")
+    ap.add_argument("--profile", action="store_true",
+                    help="after each configuration's timed runs, per method: the device time of each graph replay and "
+                         "a cProfile of one run (printed, and in the JSON; not in the table's figures)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if args.quick:
@@ -240,6 +303,12 @@ def main(argv=None) -> int:
                          if "acceptance_length" in row else "")
                 print(f"{kind:10s} B={batch:3d} {m:6s} {row['tokens_per_s_per_user']:8.1f} tok/s/user "
                       f"{row['steps']:4d} steps{extra}", flush=True)
+            if args.profile:
+                for m, row in zip(methods, rows[-len(methods):]):
+                    row["profile"] = profiled_run(args, engines[m], kind, batch, m)
+                    print(f"--- profile {kind} B={batch} {m}: device ms per graph replay "
+                          + json.dumps(row["profile"]["device_ms_per_replay"]), flush=True)
+                    print("\n".join(row["profile"]["cprofile_top_tottime"].splitlines()[:45]), flush=True)
     for row in rows:
         row.pop("tokens")
     result = {"benchmark": "spec_decode", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),

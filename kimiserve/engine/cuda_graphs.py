@@ -58,6 +58,14 @@ class GraphSet:
                 run()
         torch.cuda.current_stream().wait_stream(stream)
 
+    def record(self, fn):
+        """Capture fn() (no arguments, on the set's static buffers; after `warm_up`) as a CUDA graph in the
+        set's memory pool; returns (the graph, fn's outputs, static tensors every replay rewrites)."""
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.memory_pool):
+            out = fn()
+        return graph, out
+
     def padded_size(self, n: int) -> int | None:
         return next((s for s in self.sizes if s >= n), None)
 
@@ -191,10 +199,9 @@ class DecodeGraphs(GraphSet):
         batch = self._batch(size, bucket)
         ids, rows = self.input_ids[:size], self.rows[:size]
         try:
-            self.warm_up(lambda: self.model.forward_batch(ids, batch, rows))
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.memory_pool):
-                logits = self.model.forward_batch(ids, batch, rows)
+            forward = lambda: self.model.forward_batch(ids, batch, rows)  # noqa: E731
+            self.warm_up(forward)
+            graph, logits = self.record(forward)
         except Exception as e:  # a capture failure must not take the engine down: run eagerly instead
             self.disabled = f"capturing batch {size}, context {bucket} failed: {type(e).__name__}: {e}"
             warnings.warn(f"CUDA graphs disabled, decode runs eagerly ({self.disabled})")

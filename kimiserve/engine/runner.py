@@ -202,7 +202,7 @@ class ModelRunner:
         if step.copies:
             self.pool.copy_pages([s for s, _ in step.copies], [d for _, d in step.copies])
         if step.fresh_state_pages:
-            self.pool.zero_state(torch.tensor(step.fresh_state_pages, device=self.device))
+            self.pool.zero_state(to_device(step.fresh_state_pages, self.device))
         if self._token_sharded(step):
             return self._forward_token_sharded(step)
         n = len(step.chunks)

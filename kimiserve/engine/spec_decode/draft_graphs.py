@@ -35,11 +35,21 @@ class DraftLoopGraphs(GraphSet):
         dev = pool.data.device
         B, width = self.max_batch, math.ceil(max_model_len / pool.block_size)
         long = dict(dtype=torch.int64, device=dev)
+        num_state = pad_state_pages.numel()
         self.first_tokens = torch.zeros(B, **long)
-        self.start_positions = torch.zeros(B, **long)
-        self.block_tables = torch.full((B, width), pad_page, **long)
+        # the per-round inputs live in one device buffer, filled by one host-to-device copy from a pinned
+        # mirror (a pageable copy would make the host wait for the device): start positions, work state
+        # pages, then the block tables [B, width]
+        self._head = B * (1 + num_state)
+        self.inputs = torch.full((self._head + B * width,), pad_page, **long)
+        self.start_positions = self.inputs[:B]
+        self.state_pages = self.inputs[B : self._head].view(B, num_state)
+        self.block_tables = self.inputs[self._head :].view(B, width)
         self.pad_state_pages = pad_state_pages.to(dev)
-        self.state_pages = self.pad_state_pages.expand(B, -1).contiguous()
+        self._pad_states_host = pad_state_pages.cpu().numpy()
+        self._mirror = torch.zeros(self.inputs.shape, dtype=torch.int64, pin_memory=dev.type == "cuda")
+        self._copied = None
+        """CUDA event of the latest copy out of the mirror (the host waits on it before refilling)."""
         self.rows = torch.arange(B, **long)
         self.graphs: dict[tuple[int, int], tuple] = {}
         """(size, bucket) -> (graph, its drafts [size, steps])."""
@@ -66,17 +76,27 @@ class DraftLoopGraphs(GraphSet):
         return drafts[:n]
 
     def _fill(self, starts, block_tables, state_pages, size: int, bucket: int) -> None:
-        n, cols = len(starts), math.ceil(bucket / self.pool.block_size)
-        tables = torch.full((size, cols), self.pad_page, dtype=torch.int64)
+        n, cols, B = len(starts), math.ceil(bucket / self.pool.block_size), self.max_batch
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous round's copy is done (at once, in practice)
+        host = self._mirror.numpy()
+        positions, states = host[:B], host[B : self._head].reshape(B, -1)
+        tables = host[self._head :].reshape(B, -1)[:size]
+        tables.fill(self.pad_page)
         for j, table in enumerate(block_tables):
             used = min(len(table), cols)
-            tables[j, :used] = torch.tensor(table[:used])
-        self.block_tables[:size, :cols].copy_(tables)
-        self.start_positions[:size].copy_(torch.tensor(list(starts) + [0] * (size - n)))
-        self.first_tokens[n:size].zero_()
+            tables[j, :used] = table[:used]
+        positions[:n] = starts
+        positions[n:size] = 0
         if n:
-            self.state_pages[:n].copy_(torch.tensor(state_pages))
-        self.state_pages[n:size].copy_(self.pad_state_pages.expand(size - n, -1))
+            states[:n] = state_pages
+        states[n:size] = self._pad_states_host
+        end = self._head + size * tables.shape[1]
+        self.inputs[:end].copy_(self._mirror[:end], non_blocking=True)
+        if self.inputs.device.type == "cuda":
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+        self.first_tokens[n:size].zero_()
 
     def _loop(self, size: int, bucket: int) -> torch.Tensor:
         """The graph's body: the steps, each next token the argmax of the last (smallest id among ties)."""
@@ -100,9 +120,7 @@ class DraftLoopGraphs(GraphSet):
         try:
             self.warm_up(lambda: self._loop(size, bucket))
             self.first_tokens.zero_()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.memory_pool):
-                drafts = self._loop(size, bucket)
+            graph, drafts = self.record(lambda: self._loop(size, bucket))
         except Exception as e:  # a capture failure must not take the engine down: step eagerly instead
             self.disabled = f"capturing the draft loop, batch {size}, context {bucket} failed: {type(e).__name__}: {e}"
             warnings.warn(f"CUDA graph of the draft loop disabled, drafts run step by step ({self.disabled})")

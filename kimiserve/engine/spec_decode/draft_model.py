@@ -24,7 +24,7 @@ from kimiserve.cache.pool import PagePool
 from kimiserve.config import resolve_model
 from kimiserve.distributed.parallel_state import ParallelContext
 from kimiserve.engine import worker
-from kimiserve.engine.runner import ModelRunner, StepChunk, StepInput
+from kimiserve.engine.runner import ModelRunner, StepChunk, StepInput, to_device
 from kimiserve.engine.sampler import Sampler
 from kimiserve.model.loader import load_model
 
@@ -161,7 +161,7 @@ class DraftModelProposer:
         logits = self.runner.forward(StepInput(ids, chunks, rows, [], fresh))
         self.runner.commit_verified({j: c.end - c.start for j, c in enumerate(chunks) if c.verify})
         self.num_forwards += 1
-        first = self._argmax(logits[torch.tensor(last, device=logits.device)], [a[1] for a in active])
+        first = self._argmax(logits[to_device(last, logits.device)], [a[1] for a in active])
         # the other drafts on the work pages (a copy of the committed state): in one graph when every
         # sequence drafts K tokens without token masks, else one step at a time
         copies = [(s, w) for _, _, seq, k in active if k > 1 for s, w in zip(seq.state_pages, seq.work_pages)]

@@ -208,11 +208,8 @@ class VerifyGraphs(GraphSet):
         forward, replay = self._forwards(size, bucket)
         try:
             self.warm_up(forward, replay)
-            graph, replay_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.memory_pool):
-                logits = forward()
-            with torch.cuda.graph(replay_graph, pool=self.memory_pool):
-                replay()
+            graph, logits = self.record(forward)
+            replay_graph, _ = self.record(replay)
         except Exception as e:  # a capture failure must not take the engine down: run eagerly instead
             self.disabled = f"capturing verify batch {size}, context {bucket} failed: {type(e).__name__}: {e}"
             warnings.warn(f"CUDA graphs for verify steps disabled, they run eagerly ({self.disabled})")
