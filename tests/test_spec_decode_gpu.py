@@ -48,3 +48,30 @@ def test_verify_graphs_on_cuda_draft_model():
     drafted, accepted, _ = spec_counts(on)
     assert accepted >= 0.9 * drafted, (accepted, drafted)  # the loop's drafts are (nearly all) the target's picks
     on.check_idle()
+
+
+def test_device_drafts_on_cuda():
+    """Plain rows: the draft model's drafts go from its loop graph to the target's verify graph on the device
+    (`spec_decode.device_drafts`), read by the host only after the verify step; the outputs are those of
+    speculation off (an engine without the tests' recording sampler, which has no device fast path)."""
+    from kimiserve.engine.args import EngineArgs
+    from kimiserve.engine.engine import LLMEngine
+    from kimiserve.engine.spec_decode import device_drafts
+
+    prompts = random_prompts([30, 70, 12], seed=3)
+    params = [SamplingParams(max_tokens=40, **GREEDY)] * 2 + [
+        SamplingParams(max_tokens=40, seed=5, temperature=0.9, top_k=4, ignore_eos=True)]
+    args = dict(model="tiny", dtype="float32", device="cuda", num_pages=400, max_model_len=512)
+    want = tokens(run(LLMEngine(EngineArgs(**args)), prompts, params))
+    made, rounds = device_drafts.DeviceDrafts.of, []
+    device_drafts.DeviceDrafts.of = classmethod(lambda cls, t: (rounds.append(1), made(t))[1])
+    try:
+        on = LLMEngine(EngineArgs(speculative_config={"method": "draft_model", "model": "tiny",
+                                                      "num_speculative_tokens": 3}, **args))
+        assert tokens(run(on, prompts, params)) == want
+    finally:
+        device_drafts.DeviceDrafts.of = made
+    assert len(rounds) > 3 and len(rounds) == on.proposer.loop_graphs.replays
+    drafted, accepted, _ = spec_counts(on)
+    assert accepted >= 0.6 * drafted, (accepted, drafted)
+    on.check_idle()

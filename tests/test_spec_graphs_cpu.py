@@ -8,6 +8,8 @@ import pytest
 
 from engine_utils import GREEDY, make_engine, random_prompts, run
 from graph_emulation import emulate_cuda_graphs
+from kimiserve.engine.args import EngineArgs
+from kimiserve.engine.engine import LLMEngine
 from kimiserve.sampling_params import SamplingParams
 from test_spec_decode import FEW, mixed_params, ngram, spec_counts, tokens
 
@@ -47,4 +49,38 @@ def test_draft_model_on_emulated_graphs(reference, monkeypatch, k):
     # penalties accept every draft, the penalised one none)
     assert spec_counts(on) == spec_counts(eager)
     assert spec_counts(on)[1] > 0
+    on.check_idle()
+
+
+def test_drafts_left_on_the_device(monkeypatch):
+    """Plain rows (greedy and seeded sampling): the drafting loop's drafts go to the verify step without the
+    host reading them, through the verify graphs and (steps with a prefill chunk, chunked at 32 tokens) the
+    eager verify path; the outputs are those of speculation off."""
+    from kimiserve.engine import runner as runner_mod
+    from kimiserve.engine.spec_decode import device_drafts, verify_graphs
+
+    prompts = random_prompts([20, 57, 9, 70], seed=3)
+    params = [SamplingParams(max_tokens=24, **GREEDY)] * 3 + [
+        SamplingParams(max_tokens=24, seed=5, temperature=0.9, top_k=4, ignore_eos=True)]
+    want = tokens(run(make_engine(enforce_eager=True, max_num_batched_tokens=32), prompts, params))
+    emulate_cuda_graphs(monkeypatch)
+    calls = {"rounds": 0, "graph": 0, "eager": 0}
+    made = device_drafts.DeviceDrafts.of
+    monkeypatch.setattr(device_drafts.DeviceDrafts, "of",
+                        classmethod(lambda cls, t: (calls.__setitem__("rounds", calls["rounds"] + 1), made(t))[1]))
+    for module, key in ((verify_graphs, "graph"), (runner_mod, "eager")):
+        original = module.write_drafts
+        monkeypatch.setattr(module, "write_drafts", lambda *a, _o=original, _k=key: (
+            calls.__setitem__(_k, calls[_k] + 1), _o(*a))[1])
+    # not make_engine: its recording sampler has no device fast path, which device drafts need
+    spec = {"method": "draft_model", "model": "tiny", "num_speculative_tokens": 3}
+    args = dict(model="tiny", dtype="float32", kv_cache_dtype="bf16", max_model_len=512, num_pages=200,
+                max_num_batched_tokens=32, speculative_config=spec)
+    eager = LLMEngine(EngineArgs(enforce_eager=True, **args))  # no graph sets: the draft steps one at a time
+    on = LLMEngine(EngineArgs(**args))
+    assert tokens(run(on, prompts, params)) == want
+    assert calls["rounds"] > 3 and calls["graph"] > 3 and calls["eager"] > 0, calls
+    assert calls["rounds"] == on.proposer.loop_graphs.replays
+    assert tokens(run(eager, prompts, params)) == want
+    assert spec_counts(on) == spec_counts(eager)  # the same drafts, accepted alike
     on.check_idle()

@@ -19,6 +19,7 @@ from kimiserve.engine.request import Request
 from kimiserve.engine.runner import LaunchedStep, to_device
 from kimiserve.engine.scheduler import Scheduler, SchedulerOutput
 from kimiserve.engine.spec_decode import check_request, make_proposer
+from kimiserve.engine.spec_decode.device_drafts import PLACEHOLDER, DraftRow
 from kimiserve.engine.spec_decode.metrics import SpecDecodeStats
 from kimiserve.engine.spec_decode.verify import accept_drafts
 from kimiserve.engine.thinking import THINK_END, THINK_START, ThinkingBudget
@@ -485,6 +486,9 @@ class LLMEngine:
         """Advance each chunk's request, keep prompt snapshots, fork n > 1 samples, append tokens, check stops."""
         touched: dict[str, None] = {}
         committed: dict[int, int] = {}  # verify chunk (index in the step) -> tokens committed
+        for chunk in sched.chunks:
+            if chunk.draft_row is not None:  # the drafts were on the device: their values, copied since
+                chunk.draft_token_ids = chunk.draft_row.values()[: len(chunk.draft_token_ids)]
         for index, (chunk, result) in enumerate(zip(sched.chunks, results)):
             request = chunk.request
             if request.finished:  # another sample of its request failed earlier in this loop
@@ -573,13 +577,16 @@ class LLMEngine:
             return
         decodes = [r for r in self.scheduler.running if r.is_decode]
         for r in self.scheduler.running:
-            r.spec_token_ids = []
+            r.spec_token_ids, r.spec_draft_row = [], None
         if not decodes:
             return
         # room for the drafts plus the target's bonus token within max_tokens and max_model_len
         limits = [min(r.params.max_tokens - len(r.output_ids), self.max_model_len - r.num_tokens) - 1 for r in decodes]
+        # drafts may stay on the device when no verify row needs their values on the host (device_drafts.py)
+        on_device = (all(r.grammar is None and r.thinking is None for r in decodes)
+                     and self.runner.plain_sample_requests(decodes, 0) is not None)
         try:
-            drafts = self.proposer.propose(decodes, limits)
+            drafts = self.proposer.propose(decodes, limits, on_device)
         except Exception as exc:  # noqa: BLE001 - no drafts this round; the requests decode as usual
             if is_fatal_error(exc):
                 raise
@@ -587,7 +594,10 @@ class LLMEngine:
                            type(exc).__name__, exc)
             return
         for r, d in zip(decodes, drafts):
-            r.spec_token_ids = list(d)
+            if isinstance(d, DraftRow):
+                r.spec_token_ids, r.spec_draft_row = [PLACEHOLDER] * d.count, d
+            else:
+                r.spec_token_ids = list(d)
 
     def _attach_detokenizer(self, request: Request) -> None:
         if self.tokenizer is not None:

@@ -60,7 +60,10 @@ class Request:
     streamed_tokens: int = 0
     """Output tokens already reported by streaming outputs."""
     spec_token_ids: list[int] = field(default_factory=list)
-    """Speculative decoding: drafted tokens after the pending one, verified by the next step."""
+    """Speculative decoding: drafted tokens after the pending one, verified by the next step (placeholders
+    when `spec_draft_row` holds them on the device)."""
+    spec_draft_row: "DraftRow | None" = None
+    """The drafts on the device (`spec_decode.device_drafts`), or None: `spec_token_ids` are the drafts."""
     lora_id: int = 0
     """The engine's id of the LoRA adapter this sample runs with (0: the base model); salts its prefix-cache keys."""
     num_draft_tokens: int = 0

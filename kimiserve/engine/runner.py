@@ -11,6 +11,7 @@ from kimiserve.engine.errors import is_fatal_error
 from kimiserve.engine.request import sample_seed
 from kimiserve.engine.sampler import SampleRequest, Sampler, TokenLogprobs, prompt_logprobs_chunk
 from kimiserve.engine.scheduler import SchedulerOutput
+from kimiserve.engine.spec_decode.device_drafts import write_drafts
 from kimiserve.model.batch import ForwardBatch, SequenceChunk
 from kimiserve.model.model import KimiForCausalLM
 from kimiserve.ops.backend import select_decode_ops
@@ -63,6 +64,9 @@ class StepInput:
     logit_rows: list[int]
     copies: list[tuple[int, int]] = field(default_factory=list)
     fresh_state_pages: list[int] = field(default_factory=list)
+    device_drafts: tuple | None = None
+    """Drafts on the device written over the placeholders of `token_ids` (`device_drafts.write_drafts`):
+    (a round's draft tokens flattened, [(chunk index, index of its first draft, count)]), or None."""
 
 
 @dataclass
@@ -124,11 +128,17 @@ class ModelRunner:
         logits rows are prompt logprobs and samples (per chunk: first row, first prompt position,
         prompt rows, samples?)."""
         ids, chunks, logit_rows, row = [], [], [], 0
-        plans = []
-        for chunk in sched.chunks:
+        plans, on_device, source = [], [], None
+        for j, chunk in enumerate(sched.chunks):
             r, n = chunk.request, chunk.num_tokens
             start = r.num_computed
             drafts = chunk.draft_token_ids
+            if chunk.draft_row is not None:
+                if source is None or chunk.draft_row.source is source:
+                    source = chunk.draft_row.source
+                    on_device.append((j, chunk.draft_row.row * source.tokens.shape[1], len(drafts)))
+                else:  # drafts of another round (not met in practice): their values, from the host
+                    drafts = chunk.draft_row.values()[: len(drafts)]
             ids.extend(r.token_slice(start, start + n - len(drafts)) + drafts)
             snapshot = list(chunk.snapshot_state_pages) if n > 1 and chunk.snapshot_state_pages else None
             chunks.append(StepChunk(row, row + n, start, list(r.block_table), list(r.state_pages), snapshot,
@@ -151,7 +161,8 @@ class ModelRunner:
             plans.append((first, lo, n_prompt, samples))
             row += n
         step = StepInput(ids, chunks, logit_rows, [pair for c in sched.chunks for pair in c.copies],
-                         [p for c in sched.chunks for p in c.fresh_state_pages])
+                         [p for c in sched.chunks for p in c.fresh_state_pages],
+                         (source.tokens.view(-1), on_device) if on_device else None)
         return step, plans
 
     def plain_sample_requests(self, requests: list, pending: int) -> list[SampleRequest] | None:
@@ -218,12 +229,14 @@ class ModelRunner:
                                             to_device(step.logit_rows, self.device))
         seq_chunks = [c.to_sequence_chunk() for c in step.chunks]
         if self.verify_graphs is not None and every_row:
-            logits = self.verify_graphs.run(step.token_ids, seq_chunks)
+            logits = self.verify_graphs.run(step.token_ids, seq_chunks, step.device_drafts)
             if logits is not None:
                 self.verified = (None, [c.verify for c in step.chunks])
                 return logits
         batch = ForwardBatch.build(self.pool, seq_chunks, self.device, self.ops, self.dcp)
         input_ids = to_device(step.token_ids, self.device)
+        if step.device_drafts is not None:
+            write_drafts(input_ids, step.device_drafts, lambda j: step.chunks[j].start)
         rows = to_device(step.logit_rows, self.device)
         if self.invariant is not None:
             lora = None

@@ -28,6 +28,9 @@ class ScheduledChunk:
     draft_token_ids: list[int] = field(default_factory=list)
     """Speculative decoding: the drafts fed after the pending token (num_tokens = 1 + len of them); the
     chunk is verified and only its accepted tokens are committed (`spec_decode.verify`)."""
+    draft_row: object = None
+    """The drafts on the device (`spec_decode.device_drafts.DraftRow`; draft_token_ids are placeholders
+    until the engine reads them after the step), or None."""
     snapshot_state_pages: list[int] = field(default_factory=list)
     """Pages that receive the KDA state before the prompt's last token (for a prefix-cache
     snapshot that an identical or extended prompt can restore, leaving one token to compute)."""
@@ -88,6 +91,7 @@ class Scheduler:
                     break
             if chunk is not None:
                 chunk.draft_token_ids = list(drafts)
+                chunk.draft_row = request.spec_draft_row if drafts else None
                 out.chunks.append(chunk)
                 budget -= n
         compiling: list[Request] = []  # waiting for their grammar: the requests behind them go first
@@ -228,6 +232,7 @@ class Scheduler:
         request.block_table, request.state_pages = [], []
         request.num_computed = 0
         request.spec_token_ids = []
+        request.spec_draft_row = None
 
     def after_verify(self, request: Request) -> None:
         """After a verify chunk committed its accepted tokens: release the pages past the committed ones

@@ -26,6 +26,7 @@ from kimiserve.distributed.parallel_state import ParallelContext
 from kimiserve.engine import worker
 from kimiserve.engine.runner import ModelRunner, StepChunk, StepInput, to_device
 from kimiserve.engine.sampler import Sampler
+from kimiserve.engine.spec_decode.device_drafts import DeviceDrafts, DraftRow
 from kimiserve.model.loader import load_model
 
 
@@ -35,7 +36,7 @@ class DraftSequence:
     state_pages: list[int] = field(default_factory=list)
     work_pages: list[int] = field(default_factory=list)
     num_computed: int = 0
-    drafts: list[int] = field(default_factory=list)
+    drafts: "list[int] | DraftRow" = field(default_factory=list)
     """The latest round's drafts (after num_computed tokens): reused when no token came since."""
 
     @property
@@ -130,14 +131,17 @@ class DraftModelProposer:
         return torch.argmax(logits, dim=-1)
 
     @torch.inference_mode()
-    def propose(self, requests: list, limits: list[int]) -> list[list[int]]:
+    def propose(self, requests: list, limits: list[int], on_device: bool = False) -> list:
+        """Up to limits[i] drafts per request: a list of ids, or (on_device, when the drafting loop ran as one
+        graph) a `DraftRow` of drafts left on the device, their copy to the host queued."""
         drafts = [[] for _ in requests]
         active = []  # (index, request, seq, k)
         for i, (r, limit) in enumerate(zip(requests, limits)):
             k = min(self.k, limit)
             seq = self.sequences.get(r)
             if k > 0 and seq is not None and seq.num_computed == r.num_tokens:
-                drafts[i] = seq.drafts[:k]  # not verified last step (the budget): nothing new to see
+                # not verified last step (the budget): nothing new to see
+                drafts[i] = (seq.drafts.values() if isinstance(seq.drafts, DraftRow) else seq.drafts)[:k]
             elif k > 0 and (seq := self._reserve(r, k)) is not None:
                 active.append((i, r, seq, k))
         if not active:
@@ -174,7 +178,12 @@ class DraftModelProposer:
             rest = self.loop_graphs.run(first, [seq.num_computed for _, _, seq, _ in active],
                                         [seq.block_table for _, _, seq, _ in active],
                                         [seq.work_pages for _, _, seq, _ in active])
-        if rest is not None:
+        if rest is not None and on_device:
+            self.num_forwards += self.k - 1
+            source = DeviceDrafts.of(torch.cat([first[:, None], rest], dim=1))
+            for row, (i, *_) in enumerate(active):
+                drafts[i] = DraftRow(source, row, self.k)
+        elif rest is not None:
             self.num_forwards += self.k - 1
             for (i, *_), tokens in zip(active, torch.cat([first[:, None], rest], dim=1).tolist()):
                 drafts[i] += tokens
@@ -191,5 +200,5 @@ class DraftModelProposer:
             for (i, *_), token in zip(going, self._pick(logits, [a[1] for a in going])):
                 drafts[i].append(token)
         for i, _, seq, _ in active:
-            seq.drafts = list(drafts[i])
+            seq.drafts = drafts[i] if isinstance(drafts[i], DraftRow) else list(drafts[i])
         return drafts

@@ -42,8 +42,9 @@ class NgramProposer:
     def __init__(self, config):
         self.k, self.min_n, self.max_n = config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max
 
-    def propose(self, requests: list, limits: list[int]) -> list[list[int]]:
-        """Drafts per request (request.all_ids), at most limits[i] tokens each."""
+    def propose(self, requests: list, limits: list[int], on_device: bool = False) -> list[list[int]]:
+        """Drafts per request (request.all_ids), at most limits[i] tokens each (on the host: `on_device` is
+        the draft model's)."""
         return [ngram_propose(r.all_ids, min(self.k, n), self.min_n, self.max_n) if n > 0 else []
                 for r, n in zip(requests, limits)]
 

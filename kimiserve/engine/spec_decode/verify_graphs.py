@@ -27,6 +27,7 @@ import torch
 
 from kimiserve.cache.pool import PagePool
 from kimiserve.engine.cuda_graphs import GraphSet, capture_sizes
+from kimiserve.engine.spec_decode.device_drafts import write_drafts
 from kimiserve.engine.spec_decode.verify import kda_layers
 from kimiserve.model.batch import ForwardBatch, SequenceChunk
 from kimiserve.model.moe import STATIC_MOE_TOKENS
@@ -85,8 +86,9 @@ class VerifyGraphs(GraphSet):
                 and all((c.verify or c.num_tokens == 1) and c.num_tokens <= self.T and c.snapshot_state_pages is None
                         for c in chunks))
 
-    def run(self, input_ids: list[int], chunks: list[SequenceChunk]) -> torch.Tensor | None:
-        """Logits [N, vocab] of the step's packed rows (every row), or None when no graph can run it."""
+    def run(self, input_ids: list[int], chunks: list[SequenceChunk], device_drafts=None) -> torch.Tensor | None:
+        """Logits [N, vocab] of the step's packed rows (every row), or None when no graph can run it.
+        device_drafts: drafts on the device over placeholders of input_ids (`StepInput.device_drafts`)."""
         if not self.fits(chunks):
             return None
         n = len(chunks)
@@ -95,6 +97,8 @@ class VerifyGraphs(GraphSet):
         if (size, bucket) not in self.graphs and not self._capture(size, bucket):
             return None
         rows = self._fill(input_ids, chunks, size, bucket)
+        if device_drafts is not None:
+            write_drafts(self.input_ids, device_drafts, lambda j: j * self.T)
         graph, logits, _ = self.graphs[(size, bucket)]
         graph.replay()
         self.replays += 1
