@@ -24,8 +24,11 @@ the min(context, top-k) selected tokens + per sequence and KDA layer its state p
 written. Roofline = bytes / copy bandwidth.
 
 Prefill rows: one prompt of `prompt_tokens` prefilled for real, TTFT = time to its first token
-(chunked as --max-num-batched-tokens says); FLOPs = 2 x active parameters x tokens + the
-attention's 2 x 2 x heads x (latent 576 + 512) x min(position, top-k) per token and MLA layer;
+(chunked as --max-num-batched-tokens says); FLOPs (`prefill_flops`) = 2 x the active parameters but
+lm_head x tokens + 2 x lm_head once (only the last token's logits are computed) + per token and MLA
+layer the attention's 2 x heads x (576 + 512) x min(position + 1, top-k) (q.k over the latent and
+rope dims, probs @ latent) and the index scan's 2 x index heads x index dim x (position + 1) (every
+visible key); the KDA chunked form's own products (under 1% at these widths) are not counted;
 matmul_fraction = FLOPs / TTFT / measured matmul rate.
 
 One engine serves every row (max_model_len fits the longest). `--moe torch` runs the plain-PyTorch
@@ -214,14 +217,30 @@ def prefill_row(engine: LLMEngine, tokens: int, matmul: float) -> dict:
     while engine.has_unfinished_requests():
         engine.step()
     engine.reset_prefix_cache()
+    flops = prefill_flops(cfg, tokens)
+    return {"kind": "prefill", "prompt_tokens": tokens, "ttft_s": ttft, "tokens_per_s": tokens / ttft,
+            "flops": flops["total"], "flops_parts": flops,
+            "matmul_fraction": flops["total"] / ttft / (matmul * 1e12) if matmul == matmul else None,
+            "moe": os.environ.get("KIMISERVE_MOE", "default")}
+
+
+def prefill_flops(cfg, tokens: int) -> dict[str, int]:
+    """Matmul FLOPs of prefilling one prompt of `tokens` tokens (see the module doc): the linear layers
+    (active parameters; lm_head for the last token only), the MLA attention over the selected latents
+    (absorbed form: q.k over 576 dims, probs @ the 512-dim latent) and the index scan."""
     active = count_params(cfg)["active_params"]
+    head = cfg.vocab_size * cfg.hidden_size
+    mla = len(cfg.full_attn_layers)
     k = cfg.index_topk or tokens
     attended = sum(min(p + 1, k) for p in range(tokens))
-    heads = cfg.num_attention_heads
-    flops = 2 * active * tokens + len(cfg.full_attn_layers) * 4 * heads * (576 + 512) * attended
-    return {"kind": "prefill", "prompt_tokens": tokens, "ttft_s": ttft, "tokens_per_s": tokens / ttft,
-            "flops": flops, "matmul_fraction": flops / ttft / (matmul * 1e12) if matmul == matmul else None,
-            "moe": os.environ.get("KIMISERVE_MOE", "default")}
+    visible = tokens * (tokens + 1) // 2
+    latent = cfg.kv_latent_dim + cfg.kv_lora_rank  # 576 + 512
+    body = active - (0 if cfg.tie_word_embeddings else head)  # tied: count_params leaves the shared table out
+    parts = {"linear": 2 * body * tokens + 2 * head,
+             "attention": mla * 2 * cfg.num_attention_heads * latent * attended,
+             "index_scan": mla * 2 * cfg.index_n_heads * cfg.index_head_dim * visible if cfg.has_indexer else 0}
+    parts["total"] = sum(parts.values())
+    return parts
 
 
 def print_decode(row: dict, label: str = "") -> None:

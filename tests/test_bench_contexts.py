@@ -180,6 +180,29 @@ def test_e2e_step_dry_run_writes_the_issue_rows(tmp_path):
     assert prefill["prompt_tokens"] == 100 and prefill["ttft_s"] > 0 and "matmul_fraction" in prefill
 
 
+def test_e2e_prefill_flops_count_lm_head_once_and_the_selected_latents():
+    """e2e_step's prefill FLOPs: lm_head runs for the last token only; each MLA layer's attention reads
+    min(position + 1, top-k) latents per query (2 x heads x (576 + 512) FLOPs each) and its index scan
+    every visible key (2 x index heads x index dim each)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    from e2e_step import prefill_flops
+
+    from kimiserve.config import load_preset
+
+    cfg = load_preset("small")
+    head, mla, k = cfg.vocab_size * cfg.hidden_size, len(cfg.full_attn_layers), cfg.index_topk
+    one, two = prefill_flops(cfg, 1000), prefill_flops(cfg, 2000)
+    assert 2 * one["linear"] - two["linear"] == 2 * head  # the per-token part doubles, lm_head's stays
+    assert one["attention"] == mla * 2 * cfg.num_attention_heads * 1088 * (1000 * 1001 // 2)  # all visible (< top-k)
+    long = prefill_flops(cfg, k + 10)
+    assert long["attention"] == mla * 2 * cfg.num_attention_heads * 1088 * (k * (k + 1) // 2 + 10 * k)
+    assert long["index_scan"] == mla * 2 * cfg.index_n_heads * cfg.index_head_dim * ((k + 10) * (k + 11) // 2)
+    assert long["total"] == long["linear"] + long["attention"] + long["index_scan"]
+
+
 def test_k31_rank_step_dry_run_scales_two_subsets(tmp_path):
     """benchmarks/k31_rank_step.py on the CPU (tiny widths, tp 4): both layer subsets run as one
     expert-parallel rank and the scaled rows are the line through them at 93 layers."""
