@@ -76,6 +76,27 @@ def paged_indexer_scores(
     return scores.masked_fill(~visible, float("-inf"))
 
 
+def prefill_indexer_scores(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    key_cache: torch.Tensor,
+    key_scales: torch.Tensor | None,
+    block_table: torch.Tensor,
+    context_lens: torch.Tensor,
+    dtype: torch.dtype,
+    max_context: int,
+    *,
+    rotation: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The index scan of a prefill chunk: query rows q [n, Hi, D], weights [n, Hi] of ONE sequence
+    whose pages are `block_table` [M]; row i sees the keys at positions < context_lens[i] (the row's
+    position + 1). Returns fp32 [n, max_context]: `paged_indexer_scores` with that table for every row."""
+    if block_table.dim() != 1:
+        raise ValueError(f"block_table must be one sequence's page ids [M], got shape {tuple(block_table.shape)}")
+    return paged_indexer_scores(q, weights, key_cache, key_scales, block_table.expand(q.shape[0], -1), context_lens,
+                                dtype, max_context, rotation=rotation)
+
+
 def paged_indexer_topk(
     q: torch.Tensor,
     weights: torch.Tensor,

@@ -90,6 +90,25 @@ def paged_sparse_mla_decode(
     return torch.einsum("bhk,bkl->bhl", probs, c[..., :L])
 
 
+def paged_sparse_mla_prefill(
+    q_latent: torch.Tensor,
+    q_pe: torch.Tensor,
+    latent_cache: torch.Tensor,
+    latent_scale: float | None,
+    block_table: torch.Tensor,
+    indices: torch.Tensor,
+    scale: float,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """Sparse MLA of a prefill chunk's query rows [n, H, L] / [n, H, R], all of ONE sequence whose pages
+    are `block_table` [M], each over its own selected tokens indices [n, k]: `paged_sparse_mla_decode`
+    with that table for every row, the result [n, H, L] rounded to `dtype` (the model dtype)."""
+    if block_table.dim() != 1:
+        raise ValueError(f"block_table must be one sequence's page ids [M], got shape {tuple(block_table.shape)}")
+    return paged_sparse_mla_decode(q_latent, q_pe, latent_cache, latent_scale, block_table.expand(q_latent.shape[0], -1),
+                                   indices, scale, dtype).to(dtype)
+
+
 def paged_dense_mla_decode(
     q_latent: torch.Tensor,
     q_pe: torch.Tensor,

@@ -31,6 +31,7 @@ Rows whose every index is -1 (or context_len 0) give NaN, like the reference.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -397,16 +398,19 @@ def _decode(q_latent, q_pe, latent_cache, latent_scale, block_tables, sel, spars
     cfg = cfg or (default_fp4_config(dtype, B, sparse) if fp4 else default_config(dtype, not fold))
     R = q_pe.shape[-1] if fp4 else latent_cache.shape[-1] - L
     dev = q_latent.device
+    head_blocks = triton.cdiv(H, cfg.block_h)
+    num_splits, split_len = plan_splits(B, head_blocks, tokens, cfg, _num_sms(dev))
     if out is None:
         out = torch.empty(B, H, L, dtype=torch.float32, device=dev)
     if B == 0:
         return out
-    if out.shape != (B, H, L) or out.dtype != torch.float32 or out.stride(-1) != 1:
-        raise ValueError("out must be a [B, H, L] fp32 tensor contiguous in its last dim")
+    # one split writes the output from the kernel's registers: any float dtype (rounded there); the merge's is fp32
+    if out.shape != (B, H, L) or out.stride(-1) != 1 or (out.dtype != torch.float32 and num_splits > 1) \
+            or out.dtype not in _DOT_DTYPES:
+        raise ValueError("out must be a [B, H, L] fp32 tensor contiguous in its last dim (or of another float "
+                         "dtype when the config has one split)")
     q_latent, q_pe, block_tables, sel = (t if t.stride(-1) == 1 else t.contiguous()
                                          for t in (q_latent, q_pe, block_tables, sel))
-    head_blocks = triton.cdiv(H, cfg.block_h)
-    num_splits, split_len = plan_splits(B, head_blocks, tokens, cfg, _num_sms(dev))
     if num_splits == 1:  # write straight into out
         part, s_part = out, (out.stride(0), 0, out.stride(1))
     else:
@@ -481,6 +485,34 @@ def paged_sparse_mla_decode(q_latent, q_pe, latent_cache, latent_scale, block_ta
                    scale, dtype, config, out)
 
 
+PREFILL_CONFIG = DecodeConfig(block_h=64, block_n=64, num_warps=8, num_stages=1, reload=True, num_splits=1)
+"""Prefill rows: many rows fill the GPU without splitting a row's selection; 64-head blocks (tensor-core
+tiles of 64 query rows, each latent tile read once per 64 heads)."""
+
+
+def paged_sparse_mla_prefill(q_latent, q_pe, latent_cache, latent_scale, block_table, indices, scale, dtype,
+                             *, config: DecodeConfig | None = None) -> torch.Tensor:
+    """`reference.paged_sparse_mla_prefill`: query rows [n, H, L] / [n, H, R] of one sequence (pages
+    `block_table` [M]) over their selected tokens indices [n, k] -> [n, H, L] in `dtype`, rounded once
+    from the kernel's fp32 result. The decode kernel with one split per row (`PREFILL_CONFIG`)."""
+    if block_table.dim() != 1:
+        raise ValueError(f"block_table must be one sequence's page ids [M], got shape {tuple(block_table.shape)}")
+    B, H, L = q_latent.shape
+    if config is None:
+        ls = 1.0 if latent_scale is None else float(latent_scale)
+        fold = ls == 1.0 or (math.frexp(ls)[0] == 0.5 and dtype != torch.float16)  # as `_decode` decides
+        if latent_cache.dtype == torch.uint8:
+            config = default_fp4_config(dtype, B)
+        elif dtype == torch.float32 or not fold:
+            config = default_config(dtype, not fold)
+        else:
+            config = PREFILL_CONFIG
+    cfg = dataclasses.replace(config, num_splits=1)
+    out = torch.empty(B, H, L, dtype=dtype, device=q_latent.device)
+    return _decode(q_latent, q_pe, latent_cache, latent_scale, block_table.expand(B, -1), indices, True,
+                   indices.shape[1], scale, dtype, cfg, out)
+
+
 def paged_dense_mla_decode(q_latent, q_pe, latent_cache, latent_scale, block_tables, context_lens, scale, dtype,
                            max_context: int | None = None, *, out: torch.Tensor | None = None,
                            config: DecodeConfig | None = None) -> torch.Tensor:
@@ -494,5 +526,5 @@ def paged_dense_mla_decode(q_latent, q_pe, latent_cache, latent_scale, block_tab
                    scale, dtype, config, out)
 
 
-__all__ = ["DecodeConfig", "default_config", "default_fp4_config", "dequantize_fp4_rows", "paged_dense_mla_decode",
-           "paged_sparse_mla_decode", "plan_splits"]
+__all__ = ["DecodeConfig", "PREFILL_CONFIG", "default_config", "default_fp4_config", "dequantize_fp4_rows",
+           "paged_dense_mla_decode", "paged_sparse_mla_decode", "paged_sparse_mla_prefill", "plan_splits"]
