@@ -1,7 +1,7 @@
 """The engine on `tiny` with the Triton MLA kernels (cache write, index scan, top-k, sparse and dense
 MLA; run by Triton's CPU interpreter) in place of the reference ops: the same tokens and logits as
 the reference-ops engine, for every cache format. This checks how the model drives the kernels (4-bit
-page views, rotated index queries, the fp4 global scale, prefill rows in place) before a GPU does.
+page views, rotated index queries, the fp4 global scale, prefill rows in place through the prefill kernels) before a GPU does.
 KDA keeps its reference ops (fla-core needs CUDA).
 
 Skipped unless KIMISERVE_TRITON_INTERPRET=1 (see tests/test_triton_mla_interpret.py):
@@ -21,6 +21,7 @@ from engine_utils import assert_ops_match_reference_ops, random_prompts  # noqa:
 from kimiserve.ops.backend import REFERENCE_OPS  # noqa: E402
 from kimiserve.ops.cache_write import triton as cache_write_tt  # noqa: E402
 from kimiserve.ops.indexer import triton as indexer_tt  # noqa: E402
+from kimiserve.ops.indexer import triton_prefill as indexer_prefill_tt  # noqa: E402
 from kimiserve.ops.mla import triton as mla_tt  # noqa: E402
 from kimiserve.ops.topk import triton as topk_tt  # noqa: E402
 
@@ -28,6 +29,7 @@ TRITON_MLA_OPS = dataclasses.replace(
     REFERENCE_OPS, name="triton-interpreted", write_mla_tokens=cache_write_tt.write_mla_tokens,
     indexer_scores=indexer_tt.paged_indexer_scores, topk=topk_tt.topk_indices,
     sparse_mla_decode=mla_tt.paged_sparse_mla_decode, dense_mla_decode=mla_tt.paged_dense_mla_decode,
+    prefill_indexer_scores=indexer_prefill_tt.prefill_indexer_scores, sparse_mla_prefill=mla_tt.paged_sparse_mla_prefill,
     prefill_in_place=True,
 )
 

@@ -151,9 +151,9 @@ class MLAAttention(nn.Module):
     def forward_paged(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """Packed tokens x [1, N, d] of several sequences: write their latents and index keys to the
         cache, then attend over each sequence's cached context. One-token sequences run batched
-        through the paged decode ops; a longer chunk runs through the same ops with one row per
-        query token when `ops.prefill_in_place` (the kernels read the pages in place), else by
-        gathering its context into the masked full-sequence form (the reference)."""
+        through the paged decode ops; a longer chunk runs through their prefill forms (`attend_chunk`)
+        when `ops.prefill_in_place` (the kernels read the pages in place), else by gathering its
+        context into the masked full-sequence form (the reference)."""
         if batch.pcp is not None:
             return self.forward_token_sharded(x, batch)
         layer, pool, ops = self.cache_index, batch.pool, batch.ops
@@ -186,7 +186,12 @@ class MLAAttention(nn.Module):
             if chunk.verify:
                 continue
             S = chunk.context_end
-            if ops.prefill_in_place or batch.dcp is not None:  # DCP: no rank holds a whole context
+            if ops.prefill_in_place and batch.dcp is None:
+                span = slice(chunk.start, chunk.end)
+                o[0, span] = self.attend_chunk(x[0, span], q_nope[0, span], q_pe[0, span], q_latent[0, span], w_kc,
+                                               w_vc, chunk, batch)
+                continue
+            if batch.dcp is not None:  # DCP: no rank holds a whole context
                 table = chunk.block_table.to(x.device).unsqueeze(0)
                 step = max(1, PREFILL_SCORE_BYTES // (4 * S))  # bounds the [rows, S] fp32 score buffer
                 for lo in range(chunk.start, chunk.end, step):
@@ -210,6 +215,40 @@ class MLAAttention(nn.Module):
                 q_nope[:, span], q_pe[:, span], latent[..., :L], latent[..., L:], w_kc, w_vc, self.scale, mask
             )
         return self.output(x, o.reshape(1, N, -1))
+
+    def attend_chunk(self, x, q_nope, q_pe, q_latent, w_kc, w_vc, chunk, batch: ForwardBatch) -> torch.Tensor:
+        """A prefill chunk's rows [n, ...] (of one sequence, at positions batch.positions[chunk rows]) attend
+        over the cached tokens up to each row's own through the paged ops, reading the pages in place.
+        The query's absorption into latent space and the output's projection back run as one batched
+        matmul each over the whole chunk in the model dtype (tensor cores; the sparse kernel rounds its
+        query operand to that dtype anyway); the index scan (`ops.prefill_indexer_scores`), top-k and
+        sparse MLA (`ops.sparse_mla_prefill`) run in row steps that bound the [rows, context] fp32 score
+        buffer; dense MLA where no row sees more tokens than the indexer keeps. Returns [n, H, v_dim]."""
+        layer, pool, ops = self.cache_index, batch.pool, batch.ops
+        n, S, dt = x.shape[0], chunk.context_end, x.dtype
+        table = chunk.block_table.to(x.device)
+        lens = batch.positions[chunk.start : chunk.end] + 1
+        q_abs = torch.matmul(q_nope.transpose(0, 1), w_kc.to(dt)).transpose(0, 1)  # [n, H, L]
+        latent_scale = latent_scale_of(pool.kv_cache_dtype, pool.latent_scales[layer])
+        sparse = hasattr(self, "indexer") and S > self.indexer.topk
+        if sparse:
+            iq, iw = self.indexer.queries(x.unsqueeze(0), q_latent.unsqueeze(0))
+            iq, iw = iq[0], iw[0]
+            key_scales = pool.index_scale[layer] if pool.index_scale else None
+        out = x.new_empty(n, self.num_heads, self.kv_lora_rank)
+        step = max(1, PREFILL_SCORE_BYTES // (4 * S))  # bounds the [rows, S] fp32 score buffer
+        for lo in range(0, n, step):
+            r = slice(lo, min(n, lo + step))
+            if sparse:
+                scores = ops.prefill_indexer_scores(iq[r], iw[r], pool.index_key[layer], key_scales, table, lens[r], dt,
+                                                    S, rotation=pool.index_rotation)
+                idx = ops.topk(scores, self.indexer.topk, lens[r])
+                ops.sparse_mla_prefill(q_abs[r], q_pe[r], pool.latent[layer], latent_scale, table, idx, self.scale, dt,
+                                       out=out[r])
+            else:
+                out[r] = ops.dense_mla_decode(q_abs[r], q_pe[r], pool.latent[layer], latent_scale,
+                                              table.expand(r.stop - r.start, -1), lens[r], self.scale, dt, S)
+        return torch.matmul(out.transpose(0, 1), w_vc.transpose(1, 2).to(dt)).transpose(0, 1)
 
     def forward_token_sharded(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """`forward_paged` for this rank's share x [1, T_r, d] of a token-sharded prefill chunk

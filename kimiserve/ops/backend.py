@@ -41,6 +41,12 @@ class DecodeOps:
     KDA chunked form over [N, T] tokens, or varlen over N sequences packed in [1, total]"""
     kda_decode: Callable
     """(q, k, v, g, beta, states [P, H, K, V] view, page_ids [Bd]) -> o [Bd, 1, H, V]; updates those pages"""
+    prefill_indexer_scores: Callable = indexer_ref.prefill_indexer_scores
+    """(q [n, Hi, D], weights [n, Hi], key_cache, key_scales, block_table [M], context_lens [n], dtype, max_context,
+    *, rotation=None) -> [n, max_context] fp32: the index scan of a prefill chunk's rows, all of one sequence"""
+    sparse_mla_prefill: Callable = mla_ref.paged_sparse_mla_prefill
+    """(q_latent [n, H, L], q_pe, latent_cache, latent_scale, block_table [M], indices [n, k], scale, dtype, *, out=None)
+    -> [n, H, L] in dtype: sparse MLA of a prefill chunk's rows, all of one sequence"""
     prefill_in_place: bool = False
     """MLA prefill chunks: True runs the decode ops above with one row per query token, reading the
     pages in place (the kernels); False gathers the chunk's context and runs the masked full-sequence
@@ -107,6 +113,7 @@ def select_decode_ops(device: torch.device) -> DecodeOps:
     try:
         from kimiserve.ops.cache_write import triton as cache_write_tt
         from kimiserve.ops.indexer import triton as indexer_tt
+        from kimiserve.ops.indexer import triton_prefill as indexer_prefill_tt
         from kimiserve.ops.kda import triton_decode as kda_decode_step_tt
         from kimiserve.ops.mla import triton as mla_tt
         from kimiserve.ops.topk import triton as topk_tt
@@ -118,4 +125,6 @@ def select_decode_ops(device: torch.device) -> DecodeOps:
     return fused_glue_ops(DecodeOps("triton", cache_write_tt.write_mla_tokens, indexer_tt.paged_indexer_scores,
                      topk_tt.topk_indices, mla_tt.paged_sparse_mla_decode, mla_tt.paged_dense_mla_decode,
                      kda_prefill, kda_decode, prefill_in_place=True,
+                     prefill_indexer_scores=indexer_prefill_tt.prefill_indexer_scores,
+                     sparse_mla_prefill=mla_tt.paged_sparse_mla_prefill,
                      kda_decode_step=functools.partial(kda_decode_step_tt.kda_decode_step, fallback=kda_decode)))

@@ -99,14 +99,18 @@ def paged_sparse_mla_prefill(
     indices: torch.Tensor,
     scale: float,
     dtype: torch.dtype,
+    *,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Sparse MLA of a prefill chunk's query rows [n, H, L] / [n, H, R], all of ONE sequence whose pages
     are `block_table` [M], each over its own selected tokens indices [n, k]: `paged_sparse_mla_decode`
-    with that table for every row, the result [n, H, L] rounded to `dtype` (the model dtype)."""
+    with that table for every row, the result [n, H, L] rounded to `dtype` (the model dtype; into
+    `out` when given)."""
     if block_table.dim() != 1:
         raise ValueError(f"block_table must be one sequence's page ids [M], got shape {tuple(block_table.shape)}")
-    return paged_sparse_mla_decode(q_latent, q_pe, latent_cache, latent_scale, block_table.expand(q_latent.shape[0], -1),
-                                   indices, scale, dtype).to(dtype)
+    res = paged_sparse_mla_decode(q_latent, q_pe, latent_cache, latent_scale, block_table.expand(q_latent.shape[0], -1),
+                                  indices, scale, dtype).to(dtype)
+    return res if out is None else out.copy_(res)
 
 
 def paged_dense_mla_decode(

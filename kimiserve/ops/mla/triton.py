@@ -491,10 +491,11 @@ tiles of 64 query rows, each latent tile read once per 64 heads)."""
 
 
 def paged_sparse_mla_prefill(q_latent, q_pe, latent_cache, latent_scale, block_table, indices, scale, dtype,
-                             *, config: DecodeConfig | None = None) -> torch.Tensor:
+                             *, out: torch.Tensor | None = None, config: DecodeConfig | None = None) -> torch.Tensor:
     """`reference.paged_sparse_mla_prefill`: query rows [n, H, L] / [n, H, R] of one sequence (pages
-    `block_table` [M]) over their selected tokens indices [n, k] -> [n, H, L] in `dtype`, rounded once
-    from the kernel's fp32 result. The decode kernel with one split per row (`PREFILL_CONFIG`)."""
+    `block_table` [M]) over their selected tokens indices [n, k] -> [n, H, L] in `dtype` (into `out`:
+    contiguous in its last dim), rounded once from the kernel's fp32 result. The decode kernel with one
+    split per row (`PREFILL_CONFIG`)."""
     if block_table.dim() != 1:
         raise ValueError(f"block_table must be one sequence's page ids [M], got shape {tuple(block_table.shape)}")
     B, H, L = q_latent.shape
@@ -508,7 +509,10 @@ def paged_sparse_mla_prefill(q_latent, q_pe, latent_cache, latent_scale, block_t
         else:
             config = PREFILL_CONFIG
     cfg = dataclasses.replace(config, num_splits=1)
-    out = torch.empty(B, H, L, dtype=dtype, device=q_latent.device)
+    if out is None:
+        out = torch.empty(B, H, L, dtype=dtype, device=q_latent.device)
+    elif out.dtype != dtype:
+        raise ValueError(f"out must be of the compute dtype {dtype}, got {out.dtype}")
     return _decode(q_latent, q_pe, latent_cache, latent_scale, block_table.expand(B, -1), indices, True,
                    indices.shape[1], scale, dtype, cfg, out)
 
