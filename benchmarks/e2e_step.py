@@ -23,8 +23,9 @@ masked onto it) + per sequence and MLA layer the index keys of the whole context
 the min(context, top-k) selected tokens + per sequence and KDA layer its state page read and
 written. Roofline = bytes / copy bandwidth.
 
-Prefill rows: one prompt of `prompt_tokens` prefilled for real, TTFT = time to its first token
-(chunked as --max-num-batched-tokens says); FLOPs (`prefill_flops`) = 2 x the active parameters but
+Prefill rows: one prompt of `prompt_tokens` prefilled for real after --prefill-warmups untimed ones
+of the same length (compiles, autotuning), TTFT = time to its first token (chunked as
+--max-num-batched-tokens says); FLOPs (`prefill_flops`) = 2 x the active parameters but
 lm_head x tokens + 2 x lm_head once (only the last token's logits are computed) + per token and MLA
 layer the attention's 2 x heads x (576 + 512) x min(position + 1, top-k) (q.k over the latent and
 rope dims, probs @ latent) and the index scan's 2 x index heads x index dim x (position + 1) (every
@@ -205,20 +206,29 @@ def decode_row(engine: LLMEngine, batch: int, context: int, copy: float, steps: 
             "source_tokens": len(source), "moe": os.environ.get("KIMISERVE_MOE", "default")}
 
 
-def prefill_row(engine: LLMEngine, tokens: int, matmul: float) -> dict:
-    cfg = engine.config
-    prompt = torch.randint(0, cfg.vocab_size, (tokens,), generator=torch.Generator().manual_seed(tokens)).tolist()
+def prefill_once(engine: LLMEngine, prompt: list[int], rid: str) -> float:
+    """Seconds from adding the prompt to its first token."""
     synchronize(engine)
     start = time.perf_counter()
-    engine.add_request("p", prompt, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+    engine.add_request(rid, prompt, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
     while not any(out.outputs[0].token_ids for out in engine.step()):
         pass
     ttft = time.perf_counter() - start
     while engine.has_unfinished_requests():
         engine.step()
     engine.reset_prefix_cache()
+    return ttft
+
+
+def prefill_row(engine: LLMEngine, tokens: int, matmul: float, warmups: int = 1) -> dict:
+    cfg = engine.config
+    gen = torch.Generator().manual_seed(tokens)
+    # untimed prompts of the same length first: the chunk shapes' compiles and autotuning
+    warm = [prefill_once(engine, torch.randint(0, cfg.vocab_size, (tokens,), generator=gen).tolist(), f"w{i}")
+            for i in range(warmups)]
+    ttft = prefill_once(engine, torch.randint(0, cfg.vocab_size, (tokens,), generator=gen).tolist(), "p")
     flops = prefill_flops(cfg, tokens)
-    return {"kind": "prefill", "prompt_tokens": tokens, "ttft_s": ttft, "tokens_per_s": tokens / ttft,
+    return {"kind": "prefill", "prompt_tokens": tokens, "ttft_s": ttft, "tokens_per_s": tokens / ttft, "warmup_s": warm,
             "flops": flops["total"], "flops_parts": flops,
             "matmul_fraction": flops["total"] / ttft / (matmul * 1e12) if matmul == matmul else None,
             "moe": os.environ.get("KIMISERVE_MOE", "default")}
@@ -281,6 +291,8 @@ def main() -> int:
     p.add_argument("--kv-cache-dtype", default="fp8")
     p.add_argument("--cache-gib", type=float, default=90.0)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--prefill-warmups", type=int, default=1,
+                   help="untimed prompts of each prefill row's length run before the timed one")
     p.add_argument("--moe", choices=("triton", "torch"), default="triton")
     p.add_argument("--quick", action="store_true", help="the same rows, 8 timed steps and 1 expert-count step each")
     p.add_argument("--dry-run", action="store_true", help="tiny preset on the CPU, small sizes")
@@ -302,7 +314,7 @@ def main() -> int:
     longest = max(contexts + singles + prefills)
     engine = LLMEngine(EngineArgs(
         model=args.preset, dtype="float32" if args.dry_run else "bfloat16", kv_cache_dtype=args.kv_cache_dtype,
-        device=device.type, max_model_len=longest + args.steps + count_steps + 16, max_num_seqs=max(batches),
+        device=device.type, max_model_len=longest + args.steps + count_steps + 16, max_num_seqs=max(batches, default=1),
         enable_prefix_caching=True, max_num_batched_tokens=args.max_num_batched_tokens, seed=0,
         **({"num_pages": 3000} if args.dry_run else {"kv_cache_memory_gib": args.cache_gib})))
     plan = [(b, c) for c in contexts for b in batches] + [(1, c) for c in singles]
@@ -312,12 +324,14 @@ def main() -> int:
         save()
         print_decode(row)
     for tokens in prefills:
-        row = prefill_row(engine, tokens, matmul)
+        row = prefill_row(engine, tokens, matmul, args.prefill_warmups)
         result["rows"].append(row)
         save()
         frac = row["matmul_fraction"]
         print(f"prefill {tokens:7d} tokens: TTFT {row['ttft_s']:.3f} s ({row['tokens_per_s']:.0f} tok/s), "
-              f"{'n/a' if frac is None else f'{100 * frac:.1f}%'} of the matmul rate", flush=True)
+              f"{'n/a' if frac is None else f'{100 * frac:.1f}%'} of the matmul rate on "
+              f"{row['flops'] / 1e12:.1f} TFLOP (warm-up runs: {', '.join(f'{w:.2f}' for w in row['warmup_s'])} s)",
+              flush=True)
     print(f"\n{result['device']}, commit {result['commit']}: copy {copy:.0f} GB/s, bf16 matmul {matmul:.1f} TFLOP/s, "
           f"MoE {args.moe}")
     save()
