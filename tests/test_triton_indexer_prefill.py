@@ -20,8 +20,9 @@ pytestmark = pytest.mark.gpu
 
 def check_prefill_scores(kv: str, context: int, lens: list[int], H: int, D: int, device: str = "cuda",
                          block_size: int | None = None, dtype: torch.dtype = torch.bfloat16,
-                         q_dtype: torch.dtype = torch.bfloat16, extra: int = 0, **launch) -> float:
-    """n = len(lens) query rows over one sequence of `context` cached tokens, row i seeing lens[i]."""
+                         q_dtype: torch.dtype = torch.bfloat16, extra: int = 0, block_q: int = 4, **launch) -> float:
+    """n = len(lens) query rows over one sequence of `context` cached tokens, row i seeing lens[i];
+    block_q rows per program (4 unless told: the query-tiled kernel whatever the default)."""
     from kimiserve.ops.indexer.triton_prefill import prefill_indexer_scores
 
     _, _, kc, ks, tables, _ = make_case(kv, [context], H, D, device, block_size, q_dtype)
@@ -34,7 +35,7 @@ def check_prefill_scores(kv: str, context: int, lens: list[int], H: int, D: int,
     ref = reference_scores(q, w, kc, ks, table, ctx, dtype, S)
     wide = torch.full((n, S + 5), float("nan"), device=device)
     out = wide[:, :S]
-    got = prefill_indexer_scores(q, w, kc, ks, table, ctx, dtype, S, out=out, **launch)
+    got = prefill_indexer_scores(q, w, kc, ks, table, ctx, dtype, S, out=out, block_q=block_q, **launch)
     assert got.data_ptr() == out.data_ptr() and got.shape == (n, S)
     assert wide[:, S:].isnan().all(), "a column past max_context was written"
     visible = torch.arange(S, device=device)[None, :] < ctx[:, None]
@@ -51,11 +52,12 @@ def chunk_lens(context: int, n: int) -> list[int]:
     return list(range(context - n + 1, context + 1))
 
 
+@pytest.mark.parametrize("block_q", [1, 4, 8])
 @pytest.mark.parametrize("kv", ["fp8", "bf16", "fp4"])
 @pytest.mark.parametrize("context, n", [(3001, 37), (769, 769), (5000, 2)])
-def test_k31_layout_32_heads(kv, context, n):
+def test_k31_layout_32_heads(kv, context, n, block_q):
     """Real K3.1 pages, 32 heads x 128: chunk rows (n not a multiple of the query tile; a whole prompt)."""
-    check_prefill_scores(kv, context, chunk_lens(context, n), 32, 128, extra=3)
+    check_prefill_scores(kv, context, chunk_lens(context, n), 32, 128, extra=3, block_q=block_q)
 
 
 @pytest.mark.parametrize("kv", ["fp8", "bf16"])
@@ -78,7 +80,7 @@ def test_matches_the_decode_kernel():
     q = torch.randn(n, 32, 128, device="cuda").bfloat16()
     w = torch.randn(n, 32, device="cuda") * 128**-0.5
     ctx = torch.tensor(chunk_lens(4097, n), device="cuda")
-    a = prefill_indexer_scores(q, w, kc, ks, tables[0], ctx, torch.bfloat16, 4097)
+    a = prefill_indexer_scores(q, w, kc, ks, tables[0], ctx, torch.bfloat16, 4097, block_q=4)
     b = paged_indexer_scores(q, w, kc, ks, tables[0].expand(n, -1), ctx, torch.bfloat16, 4097)
     visible = torch.isfinite(b)
     assert torch.equal(torch.isfinite(a), visible)

@@ -27,6 +27,7 @@ def test_chunk_rows(kv, dtype):
     tiles, 2 per program: contexts ending in several tiles and pages; 4 heads x 32, 3 extra columns."""
     check_prefill_scores(kv, 150, chunk_lens(150, 7), 4, 32, "cpu", block_size=64, dtype=dtype, extra=3,
                          block_s=32, tiles=2)
+    check_prefill_scores(kv, 150, chunk_lens(150, 7), 4, 32, "cpu", block_size=64, dtype=dtype, block_q=1)
 
 
 @pytest.mark.parametrize("kv", ["fp8", "bf16"])

@@ -63,6 +63,7 @@ def test_other_scale_and_configs():
     from kimiserve.ops.mla.triton import DecodeConfig
 
     check_prefill("small", "fp8", 3000, 19, 2048, "cuda", latent_scale=0.07)
-    for cfg in (DecodeConfig(block_h=32, block_n=64, num_warps=8, num_stages=1),
+    for cfg in (DecodeConfig(block_h=64, block_n=64, num_warps=8, num_stages=1),
+                DecodeConfig(block_h=64, block_n=64, num_warps=8, num_stages=2, reload=False),
                 DecodeConfig(block_h=64, block_n=32, num_warps=4, num_stages=2, reload=False)):
         check_prefill("small", "fp8", 3000, 19, 2048, "cuda", config=cfg)

@@ -24,7 +24,9 @@ import triton.language as tl
 
 from kimiserve.ops.indexer.triton import _DOT_DTYPES, _default_block_s, _operand, paged_indexer_scores, rotate_query
 
-BLOCK_Q = 4  # query rows per program: keys read a quarter as often; 4 [D, Hi] query operands held
+BLOCK_Q = 1
+"""Query rows per program by default; 1 runs the decode kernel (one row per program) until the H200
+sweep of benchmarks/prefill_attention.py picks a tile."""
 TILES = 8  # key tiles per program
 
 
@@ -110,12 +112,13 @@ def prefill_indexer_scores(
 ) -> torch.Tensor:
     """`reference.prefill_indexer_scores`: query rows q [n, Hi, D], weights [n, Hi] of one sequence
     whose pages are `block_table` [M] score its keys: fp32 [n, max_context], -inf at s >= context_lens[i].
-    bf16 or e4m3 keys (with fp32 key_scales) run the query-tiled kernel; MXFP4 keys the decode kernel.
-    block_s, block_q, tiles, num_warps, num_stages: launch tuning, no effect on the result."""
+    bf16 or e4m3 keys (with fp32 key_scales) run the query-tiled kernel (block_q rows per program; 1:
+    the decode kernel); MXFP4 keys the decode kernel. block_s, block_q, tiles, num_warps, num_stages:
+    launch tuning, no effect on the result beyond the fp32 summation order."""
     if block_table.dim() != 1:
         raise ValueError(f"block_table must be one sequence's page ids [M], got shape {tuple(block_table.shape)}")
     n = q.shape[0]
-    if key_cache.dtype == torch.uint8:  # MXFP4 keys: the decode kernel, one row per query
+    if key_cache.dtype == torch.uint8 or block_q == 1:  # MXFP4 keys, or tiles of one row: the decode kernel
         return paged_indexer_scores(q, weights, key_cache, key_scales, block_table.expand(n, -1), context_lens, dtype,
                                     max_context, out, rotation=rotation)
     if rotation is not None:

@@ -485,9 +485,9 @@ def paged_sparse_mla_decode(q_latent, q_pe, latent_cache, latent_scale, block_ta
                    scale, dtype, config, out)
 
 
-PREFILL_CONFIG = DecodeConfig(block_h=64, block_n=64, num_warps=8, num_stages=1, reload=True, num_splits=1)
-"""Prefill rows: many rows fill the GPU without splitting a row's selection; 64-head blocks (tensor-core
-tiles of 64 query rows, each latent tile read once per 64 heads)."""
+PREFILL_CONFIG = DecodeConfig(block_n=64, num_stages=1, num_splits=1)
+"""Prefill rows: many rows fill the GPU without splitting a row's selection; the decode tiling
+otherwise, until the H200 sweep of benchmarks/prefill_attention.py (64-head blocks among others)."""
 
 
 def paged_sparse_mla_prefill(q_latent, q_pe, latent_cache, latent_scale, block_table, indices, scale, dtype,
