@@ -643,3 +643,30 @@ def test_incremental_utf8_matches_one_shot():
         dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
         parts = "".join(dec.decode(data[i:i + 1]) for i in range(len(data))) + dec.decode(b"", final=True)
         assert parts == data.decode("utf-8", errors="replace")
+
+
+def test_sample_plain_is_the_general_path():
+    """The device fast path (`Sampler.sample_plain`; all-greedy batches take a shorter chain) gives the
+    tokens `__call__` gives, on odd-sized logits with NaN, +inf and all -inf rows, greedy and seeded rows."""
+    from kimiserve.engine.sampler import SampleRequest, Sampler
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(7, 37, generator=g) * 4
+    x[1, 5] = float("nan")
+    x[2, [3, 9]] = float("inf")
+    x[3] = float("-inf")
+    x[4, :] = float("nan")
+    x[5, [0, 30]] = 2.5 + x[5].abs().max()  # a tie: the smaller id
+    greedy = SamplingParams(temperature=0.0, ignore_eos=True)
+    seeded = SamplingParams(temperature=0.8, top_p=0.9, seed=11, ignore_eos=True)
+    for params in ([greedy] * 7, [greedy, seeded] * 3 + [greedy]):
+        rows = [SampleRequest(p, [1, 2], [4] * i, p.seed, 0) for i, p in enumerate(params)]
+        assert all(r.is_plain for r in rows)
+        fast = Sampler(0).sample_plain(x, rows)
+        # the general path (masks, bias, penalties, fallback): the same rows with a bias of 0, not plain
+        general = [SampleRequest(SamplingParams(**{**vars(p), "logit_bias": {0: 0.0}}), [1, 2], [4] * i, p.seed, 0)
+                   for i, p in enumerate(params)]
+        assert not any(r.is_plain for r in general)
+        assert fast.tolist() == [t for t, _ in Sampler(0)(x.clone(), general)]
+        if params[1] is greedy:
+            assert fast[5].item() == 0 and fast[3].item() == 0 and fast[2].item() == 3

@@ -227,12 +227,12 @@ class ModelRunner:
             batch = self._decode_batch(step.chunks)  # one token per sequence: no per-sequence tensors
             return self.model.forward_batch(to_device(step.token_ids, self.device), batch,
                                             to_device(step.logit_rows, self.device))
-        seq_chunks = [c.to_sequence_chunk() for c in step.chunks]
         if self.verify_graphs is not None and every_row:
-            logits = self.verify_graphs.run(step.token_ids, seq_chunks, step.device_drafts)
+            logits = self.verify_graphs.run(step.token_ids, step.chunks, step.device_drafts)
             if logits is not None:
                 self.verified = (None, [c.verify for c in step.chunks])
                 return logits
+        seq_chunks = [c.to_sequence_chunk() for c in step.chunks]
         batch = ForwardBatch.build(self.pool, seq_chunks, self.device, self.ops, self.dcp)
         input_ids = to_device(step.token_ids, self.device)
         if step.device_drafts is not None:

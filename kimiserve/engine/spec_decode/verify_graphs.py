@@ -29,7 +29,7 @@ from kimiserve.cache.pool import PagePool
 from kimiserve.engine.cuda_graphs import GraphSet, capture_sizes
 from kimiserve.engine.spec_decode.device_drafts import write_drafts
 from kimiserve.engine.spec_decode.verify import kda_layers
-from kimiserve.model.batch import ForwardBatch, SequenceChunk
+from kimiserve.model.batch import ForwardBatch
 from kimiserve.model.moe import STATIC_MOE_TOKENS
 from kimiserve.ops.backend import DecodeOps
 
@@ -62,6 +62,8 @@ class VerifyGraphs(GraphSet):
         self.rows = torch.arange(R, **long)
         self.pad_state_pages = pad_state_pages.to(dev)
         self._pad_states_host = pad_state_pages.cpu().numpy()
+        self._pad_fields = np.array([0, 0, pad_page, 0, 1], dtype=np.int64)[:, None]
+        self._arange = np.arange(R, dtype=np.int64)
         pin = dev.type == "cuda"
         self._mirror = torch.zeros(self.inputs.shape, dtype=torch.int64, pin_memory=pin)
         self._kept_mirror = torch.zeros(B, dtype=torch.int64, pin_memory=pin)
@@ -79,21 +81,22 @@ class VerifyGraphs(GraphSet):
         """(size, bucket, sequences) of the latest verify replay, until `commit`."""
         self.replays = 0
 
-    def fits(self, chunks: list[SequenceChunk]) -> bool:
+    def fits(self, chunks) -> bool:
         """Whether a step of these chunks (each sampled at every row) can run here: verify chunks and
-        one-token chunks without prompt snapshots, at least one verify chunk, at most T tokens each."""
+        one-token chunks without prompt snapshots, at least one verify chunk, at most T tokens each.
+        chunks: `SequenceChunk`s or the runner's `StepChunk`s (start, end, context_start, page lists)."""
         return (not self.disabled and any(c.verify for c in chunks) and self.padded_size(len(chunks)) is not None
-                and all((c.verify or c.num_tokens == 1) and c.num_tokens <= self.T and c.snapshot_state_pages is None
-                        for c in chunks))
+                and all((c.verify or c.end - c.start == 1) and c.end - c.start <= self.T
+                        and c.snapshot_state_pages is None for c in chunks))
 
-    def run(self, input_ids: list[int], chunks: list[SequenceChunk], device_drafts=None) -> torch.Tensor | None:
+    def run(self, input_ids: list[int], chunks, device_drafts=None) -> torch.Tensor | None:
         """Logits [N, vocab] of the step's packed rows (every row), or None when no graph can run it.
         device_drafts: drafts on the device over placeholders of input_ids (`StepInput.device_drafts`)."""
         if not self.fits(chunks):
             return None
         n = len(chunks)
         size = self.padded_size(n)
-        bucket = self.context_bucket(max(c.context_end for c in chunks))
+        bucket = self.context_bucket(max(c.context_start + c.end - c.start for c in chunks))
         if (size, bucket) not in self.graphs and not self._capture(size, bucket):
             return None
         rows = self._fill(input_ids, chunks, size, bucket)
@@ -136,7 +139,7 @@ class VerifyGraphs(GraphSet):
         cols = math.ceil(bucket / self.pool.block_size)
         return self.inputs[self._head : self._head + size * self.T * cols].view(size * self.T, cols)
 
-    def _fill(self, input_ids: list[int], chunks: list[SequenceChunk], size: int, bucket: int) -> int:
+    def _fill(self, input_ids: list[int], chunks, size: int, bucket: int) -> int:
         """Grid rows from the chunks, padding rows on the reserved pages, one host-to-device copy;
         returns the number of real rows (their grid indices lead `logit_rows`)."""
         n, T, bs = len(chunks), self.T, self.pool.block_size
@@ -144,36 +147,33 @@ class VerifyGraphs(GraphSet):
         R, RB = size * T, self.max_batch * T
         self._wait(0)
         host = self._mirror.numpy()
-        ids, positions, write_pages, write_offsets, context_lens = host[: 5 * RB].reshape(5, RB)[:, :R]
+        fields = host[: 5 * RB].reshape(5, RB)[:, :R]
+        fields[:] = self._pad_fields  # ids 0, position 0, the reserved page, offset 0, context 1
+        ids, positions, write_pages, write_offsets, context_lens = fields
         states = host[5 * RB : 5 * RB + self.max_batch * self._pad_states_host.size].reshape(self.max_batch, -1)
         rows_out = host[5 * RB + states.size : self._head]
         tables = host[self._head : self._head + R * cols].reshape(size, T, cols)
         tables.fill(self.pad_page)
-        lens, starts, first = (np.zeros(size, dtype=np.int64) for _ in range(3))
-        for j, c in enumerate(chunks):
-            lens[j], starts[j], first[j] = c.num_tokens, c.context_start, c.start
-            table = np.asarray(c.block_table[:cols])
-            tables[j, :, : len(table)] = table
-        t = np.arange(T)
-        real = t[None, :] < lens[:, None]  # [size, T]
-        pos = starts[:, None] + t
-        src = np.append(np.asarray(input_ids, dtype=np.int64), 0)
-        ids[:] = src[np.where(real, first[:, None] + t, len(src) - 1)].reshape(-1)
-        positions[:] = np.where(real, pos, 0).reshape(-1)
-        pages = np.take_along_axis(tables[:, 0, :], np.minimum(pos // bs, cols - 1), axis=1)
-        write_pages[:] = np.where(real, pages, self.pad_page).reshape(-1)
-        write_offsets[:] = np.where(real, pos % bs, 0).reshape(-1)
-        context_lens[:] = np.where(real, pos + 1, 1).reshape(-1)
-        tables[~real] = self.pad_page
+        real = 0
+        for j, c in enumerate(chunks):  # chunk j's rows: grid rows j * T .. j * T + its tokens
+            L, first, row = c.end - c.start, c.start, j * T
+            table = c.block_table if len(c.block_table) <= cols else c.block_table[:cols]
+            tables[j, :L, : len(table)] = table
+            pos = self._arange[:L] + c.context_start
+            ids[row : row + L] = input_ids[first : first + L]
+            positions[row : row + L] = pos
+            write_pages[row : row + L] = tables[j, 0, pos // bs]
+            write_offsets[row : row + L] = pos % bs
+            context_lens[row : row + L] = pos + 1
+            rows_out[real : real + L] = self._arange[row : row + L]
+            real += L
         if n:
-            states[:n] = [np.asarray(c.state_pages) for c in chunks]
+            states[:n] = [c.state_pages for c in chunks]
         states[n:size] = self._pad_states_host
-        grid_rows = np.nonzero(real.reshape(-1))[0]  # row-major: chunk by chunk, position by position
-        rows_out[: len(grid_rows)] = grid_rows
         end = self._head + R * cols
         self.inputs[:end].copy_(self._mirror[:end], non_blocking=True)
         self._record(0)
-        return len(grid_rows)
+        return real
 
     def _batch(self, size: int, bucket: int) -> ForwardBatch:
         R = size * self.T
