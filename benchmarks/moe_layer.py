@@ -60,40 +60,35 @@ from kimiserve.ops.quant.reference import dequantize_mxfp4  # noqa: E402
 from kimiserve.utils.cuda_timing import cuda_time, graph_time, wall_time  # noqa: E402
 from kimiserve.utils.run_info import git_commit  # noqa: E402
 
-# Tilings that compile for sm_90 without spills unless marked (Triton 3.9's ptxas, offline; "exact" and the
-# swapped dot_scaled spill: kept as the baselines of the dequantisations). The first of each list is the default.
+# Tilings that compile for sm_90 without spills (Triton 3.6's ptxas, offline: `--sass`). "shift" variants run on
+# the experts re-laid once (mxfp4_layout.to_shift_layout); the default config (the checkpoint layout, "lut") is
+# always timed first, so it is not listed; lut-m128 is the earlier 8192-token default.
 DECODE_VARIANTS = [
-    "lut-m16-n64-k256-w4-s3-swap",
-    "lut-m16-n64-k256-w4-s4-swap",
-    "lut-m16-n64-k128-w4-s4-swap",
-    "lut-m16-n128-k128-w4-s3-swap",
-    "lut-m16-n64-k256-w8-s3-swap",
-    "lut-m16-n32-k256-w4-s4-swap",
-    "lut-m16-n64-k256-w4-s3",
-    "dot_scaled-m16-n64-k256-w4-s3",
-    "dot_scaled-m16-n64-k256-w4-s3-swap",
-    "exact-m16-n64-k256-w4-s3-swap",
+    "shift-m16-n64-k256-w4-s3",
+    "shift-m16-n64-k256-w4-s4",
+    "shift-m16-n64-k128-w4-s4",
+    "shift-m16-n128-k128-w4-s3",
+    "shift-m16-n128-k256-w8-s3",
+    "shift-m16-n32-k512-w4-s3",
+    "shift-m16-n64-k256-w4-s3-swap",
 ]
 PREFILL_VARIANTS = [
+    "shift-m32-n64-k128-w4-s3-dn128",
+    "shift-m64-n64-k128-w4-s3-dn128",
+    "shift-m64-n64-k128-w4-s4-dn128",
+    "shift-m128-n64-k128-w8-s3-dn128",
+    "shift-m256-n32-k128-w8-s3",
     "lut-m128-n64-k128-w8-s3-dn128",
-    "lut-m128-n64-k64-w8-s4-dn128",
-    "lut-m128-n64-k64-w8-s4-dn256",
-    "lut-m128-n64-k128-w8-s4-dn128",
-    "lut-m128-n64-k128-w8-s3-dn128-swap",
-    "lut-m64-n64-k128-w4-s3-dn128",
-    "lut-m32-n64-k128-w4-s3-dn128",
-    "lut-m32-n64-k256-w4-s3-swap",
-    "dot_scaled-m128-n64-k128-w8-s3-dn128",
 ]
 DECODE_MAX_TOKENS = 256  # decode variants up to here, prefill variants from here (both at 256)
-DRY_VARIANTS = ["lut-m16-n32-k64-w4-s2-swap", "dot_scaled-m16-n32-k64-w4-s2", "exact-m32-n32-k32-w4-s2-dn64"]
+DRY_VARIANTS = ["lut-m16-n32-k64-w4-s2-swap", "shift-m16-n32-k64-w4-s2", "exact-m32-n32-k32-w4-s2-dn64"]
 
 
 def parse_variant(spec: str) -> tt.MoEConfig:
     """DEQUANT-mBM-nBN-kBK-wW-sS[-dnBN][-dkBK][-swap] -> MoEConfig."""
     dequant, *parts = spec.split("-")
-    if dequant not in ("exact", "lut", "dot_scaled"):
-        raise ValueError(f"variant {spec!r}: dequant must be exact, lut or dot_scaled")
+    if dequant not in tt._DEQUANT:
+        raise ValueError(f"variant {spec!r}: dequant must be one of {list(tt._DEQUANT)}")
     vals, swap = {}, False
     for p in parts:
         if p == "swap":
@@ -173,10 +168,22 @@ def situ(g, u):
     return situ_and_mul(g, u, 4.0, 25.0)
 
 
-def kernel_fn(x, w, ids, weights, cfg, out):
+def kernel_fn(x, w, ids, weights, cfg, out, shifted=None):
+    """The fused MoE; a "shift" config runs on `shifted` (the same experts in the shift layout)."""
+    layout = "shift" if cfg is not None and cfg.dequant == "shift" else "checkpoint"
+    w = shifted if layout == "shift" else w
     return lambda: tt.fused_moe(x, w["w1"], w["w2"], w["w3"], ids, weights, w1_scale=w["w1_scale"],
                                 w2_scale=w["w2_scale"], w3_scale=w["w3_scale"], activation="situ", out=out,
-                                config=cfg)
+                                config=cfg, mxfp4_layout=layout)
+
+
+def shift_layout(w: dict, needed: bool) -> dict | None:
+    """The experts re-laid for the "shift" decode (once, as a loader would), if a variant needs them."""
+    from kimiserve.ops.moe.mxfp4_layout import to_shift_layout
+
+    if not needed:
+        return None
+    return {n: (t if n.endswith("_scale") else to_shift_layout(t, w[f"{n}_scale"])) for n, t in w.items()}
 
 
 def reference(x, w, ids, weights):
@@ -304,9 +311,9 @@ def sass_report(specs: list[str], h: int, inter: int) -> int:
     print("variant                                  gemm  regs stack  smem KB  loop instr  per weight  MMA")
     for spec in specs:
         cfg = parse_variant(spec)
-        dq = {"exact": 0, "lut": 1, "dot_scaled": 2}[cfg.dequant]
+        dq = tt._DEQUANT[cfg.dequant]
         for name, gated, tiles, K in (("up", True, cfg.up, h), ("down", False, cfg.down, inter)):
-            w_t = "*i32" if dq == 1 else "*u8"
+            w_t = "*i32" if dq in (1, 3) else "*u8"
             types = dict(a_ptr="*bf16", w_ptr=w_t, ws_ptr="*u8", v_ptr=w_t, vs_ptr="*u8", out_ptr="*bf16",
                          sorted_ptr="*i32", bexp_ptr="*i32", brows_ptr="*i32", nblk_ptr="*i32", beta="fp32",
                          linear_beta="fp32", **{n: "i32" for n in _GEMM_INTS})
@@ -427,6 +434,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{E} experts, top-{k}, {h} -> {inter} -> {h}", flush=True)
     gen_x = torch.Generator(device=device).manual_seed(1)
     w = packed_experts(E, h, inter, device)
+    shifted = shift_layout(w, any(v.startswith("shift") for v in variants))
     per_expert = sum(w[n][0].numel() for n in w)  # bytes: uint8 codes and scales
     act_bytes = torch.tensor([], dtype=dtype).element_size()
 
@@ -444,7 +452,7 @@ def main(argv: list[str] | None = None) -> int:
                 cfg = None if spec == "default" else parse_variant(spec)
                 out = torch.full_like(x, float("nan"))
                 try:
-                    got = kernel_fn(x, w, ids, weights, cfg, out)()
+                    got = kernel_fn(x, w, ids, weights, cfg, out, shifted)()
                 except Exception as e:  # e.g. a tiling that does not compile or fit: recorded, not timed
                     result["checks"].append(dict(tokens=n, variant=spec, error=f"{type(e).__name__}: {e}"[:500],
                                                  ok=False))
@@ -478,7 +486,7 @@ def main(argv: list[str] | None = None) -> int:
                 if spec in failed or not applies(spec, n, explicit):
                     continue
                 try:
-                    vms, _ = fast_time(kernel_fn(x, w, ids, weights, parse_variant(spec), out), n)
+                    vms, _ = fast_time(kernel_fn(x, w, ids, weights, parse_variant(spec), out, shifted), n)
                 except Exception as e:  # a tiling that does not compile (shared memory, registers)
                     print(f"variant {spec} at {n} tokens failed: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
                     continue
@@ -553,9 +561,32 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['routing']:>7} {r['tokens']:>6} {r['experts_hit']:>4} {r['kernel_ms']:10.4f} {r['roofline_ms']:12.4f} "
               f"{100 * r['bytes_roofline_fraction']:7.1f} {r['tflops']:8.1f} {100 * r['matmul_fraction']:8.1f} "
               f"{r['best_ms']:10.4f} {100 * r['best_bytes_roofline_fraction']:13.1f} {peer} {today}  {r['best_variant']}")
+    print_variant_table(result["rows"])
     if failed:
         print(f"FAILED checks (not timed): {', '.join(sorted(failed))}")
     return 1 if failed else 0
+
+
+def print_variant_table(rows: list[dict]):
+    """Every timed config's ms per (routing, tokens), then its % of the bytes roofline (decode columns)
+    or of the matmul rate (1024 tokens and up); * marks each column's fastest."""
+    cols = [(r["routing"], r["tokens"]) for r in rows]
+    specs = list(dict.fromkeys(["default"] + [v["variant"] for r in rows for v in r["variants"]]))
+    cell = {(r["routing"], r["tokens"], v["variant"]): v for r in rows for v in r["variants"]}
+    best = {c: min((v["ms"] for v in rows[i]["variants"]), default=None) for i, c in enumerate(cols)}
+    print("\nms (and % bytes roofline up to 256 tokens, % matmul above) per variant; * = fastest")
+    print(f"{'variant':<36}" + "".join(f"{r[:4] + ' ' + str(n):>17}" for r, n in cols))
+    for spec in specs:
+        line = f"{spec:<36}"
+        for r, n in cols:
+            v = cell.get((r, n, spec))
+            if v is None:
+                line += f"{'-':>17}"
+                continue
+            pct = 100 * (v["bytes_roofline_fraction"] if n <= DECODE_MAX_TOKENS else v["matmul_fraction"])
+            mark = "*" if v["ms"] == best[(r, n)] else " "
+            line += f"{v['ms']:>9.3f}{mark}({pct:4.1f}%)"
+        print(line)
 
 
 if __name__ == "__main__":

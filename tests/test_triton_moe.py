@@ -78,16 +78,27 @@ def reference(x, w: dict, ids, weights, act: str) -> torch.Tensor:
                                w.get("w2_scale"), w.get("w3_scale"))
 
 
+def shift_layout(w: dict) -> dict:
+    """The MXFP4 experts with their packed codes in the shift layout (scales as they are)."""
+    from kimiserve.ops.moe.mxfp4_layout import to_shift_layout
+
+    return {n: (t if n.endswith("_scale") else to_shift_layout(t, w[f"{n}_scale"])) for n, t in w.items()}
+
+
 def run_kernel(tt, x, w: dict, ids, weights, act: str, config=None, poison: bool = True):
-    """fused_moe with a NaN output and NaN workspace; returns (out, act rows, expert outputs)."""
+    """fused_moe with a NaN output and NaN workspace; returns (out, act rows, expert outputs). A
+    "shift" config runs on the weights re-laid by `shift_layout`."""
     N, k, inter = x.shape[0], ids.shape[1], w["w1"].shape[1]
     nan = float("nan")
     out = torch.full_like(x, nan)
     workspace = (torch.full((N * k, inter), nan, dtype=x.dtype, device=x.device),
                  torch.full((N * k, x.shape[1]), nan, dtype=x.dtype, device=x.device))
+    layout = "shift" if config is not None and config.dequant == "shift" else "checkpoint"
+    if layout == "shift":
+        w = shift_layout(w)
     got = tt.fused_moe(x, w["w1"], w["w2"], w["w3"], ids, weights, w1_scale=w.get("w1_scale"),
                        w2_scale=w.get("w2_scale"), w3_scale=w.get("w3_scale"), activation=act, out=out,
-                       workspace=workspace if poison else None, config=config)
+                       workspace=workspace if poison else None, config=config, mxfp4_layout=layout)
     assert got is out
     return got, workspace
 
@@ -165,6 +176,8 @@ VARIANTS = {  # bf16 MXFP4: each dequantisation, both orientations, tails in N a
     "exact swap": dict(dequant="exact", swap=True),
     "dot_scaled": dict(dequant="dot_scaled"),
     "dot_scaled swap": dict(dequant="dot_scaled", swap=True),
+    "shift": dict(dequant="shift"),
+    "shift swap": dict(dequant="shift", swap=True),
 }
 
 
@@ -173,7 +186,8 @@ def variant_config(tt, dequant: str, swap: bool = False, block_m: int = 16, bloc
     return tt.MoEConfig(block_m=block_m, up=tiles, down=tiles, dequant=dequant)
 
 
-@pytest.mark.parametrize("variant,block_m", [(v, 16) for v in VARIANTS] + [("lut", 64), ("lut swap", 64)])
+@pytest.mark.parametrize("variant,block_m", [(v, 16) for v in VARIANTS] + [("lut", 64), ("lut swap", 64),
+                                                                           ("shift", 64), ("shift", 32)])
 def test_dequant_variants(tt, variant, block_m):
     """h = 96 and I = 160 leave partial 64-wide K steps and column tiles."""
     cfg = variant_config(tt, block_m=block_m, **VARIANTS[variant])
@@ -202,6 +216,24 @@ def test_dequantize_weights_bit_exact(tt, dequant, dtype):
     scales or products (2^-127), which quantize_mxfp4 gives only to all-zero groups."""
     codes, scales = dequant_bytes(2 if dequant == "lut" else 1, "cuda")
     assert_bitwise(tt.dequantize_weights(codes, scales, dtype, dequant), dequantize_mxfp4(codes, scales, dtype))
+
+
+def shift_dequant_bytes(device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every code byte (all code pairs, 256 per row) with every scale byte 0..128 the shift layout
+    takes (products down to bf16 subnormals at scale byte 0), codes in the shift layout."""
+    from kimiserve.ops.moe.mxfp4_layout import MAX_SHIFT_SCALE, to_shift_layout
+
+    codes = torch.arange(256, dtype=torch.uint8).repeat(MAX_SHIFT_SCALE + 1, 1)
+    scales = torch.arange(0, MAX_SHIFT_SCALE + 1, dtype=torch.uint8)[:, None].repeat(1, 16)
+    return codes.to(device), to_shift_layout(codes).to(device), scales.to(device)
+
+
+def test_shift_dequant_bit_exact(tt):
+    """The shift decode (the real inline PTX: rotates, masks, a bf16x2 fma on subnormal inputs) bit for
+    bit as dequantize_mxfp4 of the checkpoint codes, every code pair and scale byte 0..128."""
+    codes, shifted, scales = shift_dequant_bytes("cuda")
+    want = dequantize_mxfp4(codes, scales, torch.bfloat16)
+    assert_bitwise(tt.dequantize_weights(shifted, scales, torch.bfloat16, "shift"), want)
 
 
 @pytest.mark.parametrize("num_tokens", [1, 7, 200, 900])  # 900 x 16 pairs: over ALIGN_SMALL_PAIRS
@@ -249,7 +281,7 @@ def test_k31_shape(tt, k31_experts, N, routing):
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_k31_shape_variants(tt, k31_experts, variant):
+def test_k31_shape_variants(tt, k31_experts, variant):  # the shift variants re-lay the 15.7 GB layer (~2 s)
     """Every dequantisation and orientation at the K3.1 shape, 16-row blocks (benchmarks/moe_layer.py
     --check checks every timed tiling at this shape too)."""
     x, ids, weights = _k31_inputs(64, "random", 3)

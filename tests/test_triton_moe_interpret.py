@@ -24,7 +24,7 @@ from kimiserve.model.model import build_model  # noqa: E402
 from kimiserve.ops.moe import triton as tt  # noqa: E402
 from kimiserve.ops.quant.reference import dequantize_mxfp4  # noqa: E402
 from test_triton_moe import (ROUTINGS, SMALL_CASES, VARIANTS, assert_bitwise, check_align, check_case,  # noqa: E402
-                             dequant_bytes, route_ids, variant_config)
+                             dequant_bytes, route_ids, shift_dequant_bytes, variant_config)
 
 
 ALIGN_CASES = [(N, E, k, r, m) for N, E, k in [(1, 3, 3), (5, 5, 2), (37, 9, 3), (19, 7, 1)] for r in ROUTINGS
@@ -53,6 +53,33 @@ def test_dequantize_weights_bit_exact(dequant, dtype):
     (the emulated "lut" multiplies in fp32: exact down to scale byte 1 here)."""
     codes, scales = dequant_bytes(1, "cpu")
     assert_bitwise(tt.dequantize_weights(codes, scales, dtype, dequant), dequantize_mxfp4(codes, scales, dtype))
+
+
+def test_shift_dequant_bit_exact():
+    """The emulated shift decode (the PTX's rotates and masks in plain ops) of the shift layout, bit for bit
+    as dequantize_mxfp4 of the checkpoint codes: every code pair, every scale byte 0..128."""
+    codes, shifted, scales = shift_dequant_bytes("cpu")
+    want = dequantize_mxfp4(codes, scales, torch.bfloat16)
+    assert_bitwise(tt.dequantize_weights(shifted, scales, torch.bfloat16, "shift"), want)
+
+
+def test_shift_layout_round_trip_and_bad_scales():
+    from kimiserve.ops.moe.mxfp4_layout import from_shift_layout, to_shift_layout
+
+    codes = torch.randint(0, 256, (3, 7, 16), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(from_shift_layout(to_shift_layout(codes)), codes)
+    with pytest.raises(ValueError, match="scale bytes <= 128"):
+        to_shift_layout(codes, torch.full((3, 7, 1), 129, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="divisible by 4"):
+        to_shift_layout(codes[..., :6])
+    packed = torch.randint(0, 256, (3, 32, 16), dtype=torch.uint8)
+    scale = torch.full((3, 32, 1), 120, dtype=torch.uint8)
+    args = (torch.randn(2, 32).bfloat16(), packed, packed, packed, torch.tensor([[0, 1], [2, 0]]), torch.ones(2, 2))
+    with pytest.raises(ValueError, match="shift layout"):  # the shift layout with the checkpoint's dequant
+        tt.fused_moe(*args, w1_scale=scale, w2_scale=scale, w3_scale=scale, mxfp4_layout="shift",
+                     config=tt.default_config(2, 2, 3, torch.bfloat16, True))
+    with pytest.raises(ValueError, match="mxfp4_layout"):
+        tt.fused_moe(*args, w1_scale=scale, w2_scale=scale, w3_scale=scale, mxfp4_layout="marlin")
 
 
 @pytest.mark.parametrize("case", SMALL_CASES[:4], ids=lambda c: "x".join(map(str, c)))
@@ -90,9 +117,9 @@ def test_default_decode_config(tokens):
 def test_default_config_regimes():
     """BLOCK_M follows the mean rows per expert; fp32 always takes exact dequant with small tiles."""
     k31 = [tt.default_config(n, 16, 896, torch.bfloat16, True) for n in (1, 64, 256, 1024, 8192)]
-    assert [c.block_m for c in k31] == [16, 16, 16, 32, 128]
-    assert all(c.dequant == "lut" for c in k31)
-    assert [c.up.swap for c in k31] == [False, False, False, True, False]
+    assert [c.block_m for c in k31] == [16, 16, 16, 32, 64]
+    assert all(c.dequant == "lut" for c in k31) and not any(c.up.swap for c in k31)
+    assert tt.default_config(1, 16, 896, torch.bfloat16, True, "shift").dequant == "shift"
     assert tt.default_config(1, 2, 8, torch.bfloat16, False).up.swap  # bf16 weights: swapped
     assert tt.default_config(8192, 16, 896, torch.float32, True).dequant == "exact"
     assert tt.default_config(4, 8, 256, torch.bfloat16, False).up.block_k == 128

@@ -63,10 +63,12 @@ import torch
 import triton
 import triton.language as tl
 
+from kimiserve.ops.moe.mxfp4_layout import MAG_MASK, SHIFT_PAIRS, SIGN_MASK
+
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # no inline PTX: the "lut" dequant runs emulated
 ALIGN_SMALL_PAIRS = 4096  # up to this many (token, slot) pairs (K3.1: 256 tokens) the alignment is one program
 _DOT_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
-_DEQUANT = {"exact": 0, "lut": 1, "dot_scaled": 2}
+_DEQUANT = {"exact": 0, "lut": 1, "dot_scaled": 2, "shift": 3}  # "shift": weights in mxfp4_layout's shift layout
 _ACT = {"silu": 0, "situ": 1}
 
 
@@ -99,27 +101,32 @@ class MoEConfig:
     combine_block: int = 512
 
 
-def default_config(num_tokens: int, top_k: int, num_experts: int, dtype: torch.dtype, mxfp4: bool) -> MoEConfig:
+def default_config(num_tokens: int, top_k: int, num_experts: int, dtype: torch.dtype, mxfp4: bool,
+                   mxfp4_layout: str = "checkpoint") -> MoEConfig:
     """The launch config for a batch: BLOCK_M from the mean rows per expert, tiles by regime.
 
-    Up to 8 rows per expert (K3.1: 256 tokens) 16-row blocks, 64 weight rows x 256 K per step; for
-    MXFP4 the unswapped form, the fastest variant of benchmarks/moe_layer.py's H200 sweep at 1-256
-    K3.1 tokens (~15% under the swapped one); bf16 weights keep the swapped form (not re-measured);
-    up to 24, 32-row blocks, still swapped; then 64- and 128-row blocks for the tensor cores."""
+    The MXFP4 choices are the fastest of benchmarks/moe_layer.py's H200 sweep at the K3.1 shape: up to
+    8 rows per expert (256 tokens) 16-row blocks, 64 weight rows x 256 K per step, unswapped (~15%
+    under the swapped form); up to 24 (1024 tokens) 32-row blocks, 64 (gate/up) and 128 (down)
+    columns x 128 K, unswapped (7% under the swapped 32-row tile); above, 64-row blocks on 4 warps
+    (9% under 128-row blocks on 8 at 8192 tokens: ~146 rows per expert pad less). bf16 weights keep
+    the swapped form for decode (not re-measured). The shift layout takes dequant "shift"."""
     if dtype != torch.bfloat16:  # fp32 (the CPU-sized models) and fp16: exact dequant, IEEE or fp16 dots
         small = GemmTiles(block_n=32, block_k=32, num_warps=4, num_stages=2)
         return MoEConfig(block_m=16, up=small, down=small, dequant="exact")
-    dequant = "exact" if not mxfp4 else "lut"
+    dequant = "exact" if not mxfp4 else "shift" if mxfp4_layout == "shift" else "lut"
     mean_rows = num_tokens * top_k / max(1, num_experts)
     if mean_rows <= 8:  # bf16 weights: 128-wide K steps (shared memory: two weight tiles per stage)
         tiles = GemmTiles(block_n=64, block_k=256 if mxfp4 else 128, num_warps=4, num_stages=3, swap=not mxfp4)
         return MoEConfig(block_m=16, up=tiles, down=tiles, dequant=dequant)
-    if mean_rows <= 24:  # still one weight tile per block: the swapped form, wgmma N = 32
-        tiles = GemmTiles(block_n=64, block_k=256 if mxfp4 else 128, num_warps=4, num_stages=3, swap=True)
+    if mean_rows <= 24 and not mxfp4:  # still one weight tile per block: the swapped form, wgmma N = 32
+        tiles = GemmTiles(block_n=64, block_k=128, num_warps=4, num_stages=3, swap=True)
         return MoEConfig(block_m=32, up=tiles, down=tiles, dequant=dequant)
-    if mean_rows <= 48:
-        up = GemmTiles(block_n=64, block_k=128, num_warps=4, num_stages=3)
-        down = GemmTiles(block_n=128, block_k=128, num_warps=4, num_stages=3)
+    up = GemmTiles(block_n=64, block_k=128, num_warps=4, num_stages=3)
+    down = GemmTiles(block_n=128, block_k=128, num_warps=4, num_stages=3)
+    if mean_rows <= 24:
+        return MoEConfig(block_m=32, up=up, down=down, dequant=dequant)
+    if mean_rows <= 48 or mxfp4:
         return MoEConfig(block_m=64, up=up, down=down, dequant=dequant)
     up = GemmTiles(block_n=64, block_k=128, num_warps=8, num_stages=3)
     down = GemmTiles(block_n=128, block_k=128, num_warps=8, num_stages=3)
@@ -349,6 +356,85 @@ def _mxfp4_lut(w, sc, BN: tl.constexpr, BK: tl.constexpr, ASM: tl.constexpr):
     return tl.reshape(tl.join(lo, hi), (BN, BK))
 
 
+def _shift_asm() -> str:
+    """PTX for one word of the shift layout: per pair, rotates and masks (see `mxfp4_layout`), then an fma
+    (bf16x2, + -0) by the group's 2^(s - 1): 8 bf16 outputs ($0..$7), the word ($8), the scale pair ($9)."""
+    lines = [".reg .b32 t, z, o0, o1, o2, o3;", "mov.b32 z, 0x80008000;"]
+    for i, (dm, ds) in enumerate(SHIFT_PAIRS):
+        parts = [(dm, MAG_MASK | SIGN_MASK)] if dm == ds else [(dm, MAG_MASK), (ds, SIGN_MASK)]
+        for j, (d, mask) in enumerate(parts):
+            src = "$8"
+            if d:
+                lines.append(f"shf.l.wrap.b32 t, $8, $8, {d};")
+                src = "t"
+            if j == 0:
+                lines.append(f"and.b32 o{i}, {src}, {mask:#010x};")
+            else:
+                lines.append(f"and.b32 t, {src}, {mask:#010x};")
+                lines.append(f"or.b32 o{i}, o{i}, t;")
+    for i in range(4):
+        lines.append(f"fma.rn.bf16x2 o{i}, o{i}, $9, z;")
+    lines += [f"mov.b32 {{${2 * i}, ${2 * i + 1}}}, o{i};" for i in range(4)]
+    return "{\n" + "\n".join(lines) + "\n}"
+
+
+_SHIFT_ASM_C: tl.constexpr = tl.constexpr(_shift_asm())
+_MAG: tl.constexpr = tl.constexpr(MAG_MASK)
+_SIGN: tl.constexpr = tl.constexpr(SIGN_MASK)
+_D0M: tl.constexpr = tl.constexpr(SHIFT_PAIRS[0][0])
+_D0S: tl.constexpr = tl.constexpr(SHIFT_PAIRS[0][1])
+_D1M: tl.constexpr = tl.constexpr(SHIFT_PAIRS[1][0])
+_D1S: tl.constexpr = tl.constexpr(SHIFT_PAIRS[1][1])
+_D2M: tl.constexpr = tl.constexpr(SHIFT_PAIRS[2][0])
+_D2S: tl.constexpr = tl.constexpr(SHIFT_PAIRS[2][1])
+_D3M: tl.constexpr = tl.constexpr(SHIFT_PAIRS[3][0])
+_D3S: tl.constexpr = tl.constexpr(SHIFT_PAIRS[3][1])
+
+
+@triton.jit
+def _rotl(w, d: tl.constexpr):
+    """Rotate-left of uint32 values held in int64."""
+    if d == 0:
+        return w
+    return ((w << d) | (w >> (32 - d))) & 0xFFFFFFFF
+
+
+@triton.jit
+def _shift_pair_emulated(w, dm: tl.constexpr, ds: tl.constexpr, scale):
+    """One output pair of `_shift_asm` in plain ops: [..., 2] bf16 (the low half first), each bf16 read
+    as fp32 (bits << 16: 2^-127 is an fp32 subnormal, exact), times scale in fp32 (exact), rounded."""
+    o = (_rotl(w, dm) & _MAG) | (_rotl(w, ds) & _SIGN)
+    lo = ((o & 0xFFFF) << 16).to(tl.int32).to(tl.float32, bitcast=True)
+    hi = (o & 0xFFFF0000).to(tl.int32).to(tl.float32, bitcast=True)
+    return tl.join(lo * scale, hi * scale).to(tl.bfloat16)
+
+
+@triton.jit
+def _mxfp4_shift(w, sc, BN: tl.constexpr, BK: tl.constexpr, ASM: tl.constexpr):
+    """Shift-layout int32 words [BN, BK/8] and ue8m0 scales [BN, BK/32] (each <= 128) -> bf16 [BN, BK]."""
+    s16 = (sc.to(tl.int32) + 126) << 7  # 2^(s - 1) as bf16 bits: the codes come out as value * 2^-126
+    s16 = tl.reshape(tl.broadcast_to(s16[:, :, None], (BN, BK // 32, 4)), (BN, BK // 8))
+    if ASM:
+        e0, e1, e2, e3, e4, e5, e6, e7 = tl.inline_asm_elementwise(
+            _SHIFT_ASM_C, _LUT_CONSTRAINTS, [w, s16 | (s16 << 16)], dtype=(tl.bfloat16, ) * 8, is_pure=True, pack=1)
+        even = tl.join(tl.join(e0, e4), tl.join(e2, e6))
+        odd = tl.join(tl.join(e1, e5), tl.join(e3, e7))
+        return tl.reshape(tl.join(even, odd), (BN, BK))
+    w64 = w.to(tl.int64) & 0xFFFFFFFF
+    scale = (s16 << 16).to(tl.float32, bitcast=True)
+    p0 = _shift_pair_emulated(w64, _D0M, _D0S, scale)
+    p1 = _shift_pair_emulated(w64, _D1M, _D1S, scale)
+    p2 = _shift_pair_emulated(w64, _D2M, _D2S, scale)
+    p3 = _shift_pair_emulated(w64, _D3M, _D3S, scale)
+    l0, h0 = tl.split(p0)
+    l1, h1 = tl.split(p1)
+    l2, h2 = tl.split(p2)
+    l3, h3 = tl.split(p3)
+    lo = tl.join(tl.join(l0, l2), tl.join(l1, l3))
+    hi = tl.join(tl.join(h0, h2), tl.join(h1, h3))
+    return tl.reshape(tl.join(lo, hi), (BN, BK))
+
+
 # ------------------------------------------------------------------------------------------------
 # grouped GEMM
 
@@ -365,13 +451,15 @@ def _load_weight(w_ptr, s_ptr, cols, col_ok, k0, K, s_wn, s_sn, MXFP4: tl.conste
         else:
             smask = col_ok[:, None] & (ks < K // 32)[None, :]
         sc = tl.load(s_ptr + cols[:, None] * s_sn + ks[None, :], mask=smask, other=127)
-        if DEQUANT == 1:
+        if DEQUANT == 1 or DEQUANT == 3:
             kw = k0 // 8 + tl.arange(0, BK // 8)
             if EVEN_K:
                 wmask = col_ok[:, None]
             else:
                 wmask = col_ok[:, None] & (kw < K // 8)[None, :]
             words = tl.load(w_ptr + cols[:, None] * s_wn + kw[None, :], mask=wmask, other=0)
+            if DEQUANT == 3:
+                return _mxfp4_shift(words, sc, BN, BK, ASM)
             return _mxfp4_lut(words, sc, BN, BK, ASM)
         else:
             kb = k0 // 2 + tl.arange(0, BK // 2)
@@ -529,7 +617,7 @@ def _gemm(a, w, w_scale, v, v_scale, out, align, a_row_div: int, tiles: GemmTile
     E, n_out, k_in = w.shape[0], w.shape[1], a.shape[1]
     mxfp4 = w.dtype == torch.uint8
     dq = _DEQUANT[dequant] if mxfp4 else 0
-    if mxfp4 and dq == 1:  # 32-bit words of 8 codes
+    if mxfp4 and dq in (1, 3):  # 32-bit words of 8 codes
         w, v = w.view(torch.int32), (v.view(torch.int32) if v is not None else None)
     if not mxfp4:
         w_scale = v_scale = w  # unused
@@ -552,13 +640,13 @@ def _gemm(a, w, w_scale, v, v_scale, out, align, a_row_div: int, tiles: GemmTile
 def dequantize_weights(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, dequant: str = "exact",
                        block_n: int = 32, block_k: int = 64) -> torch.Tensor:
     """MXFP4 packed [N, K/2] + scales [N, K/32] -> [N, K] in dtype through the GEMMs' in-register
-    dequantisation ("exact" or "lut"): what the kernels multiply by (tests it against
-    `quant.reference.dequantize_mxfp4`)."""
+    dequantisation ("exact" or "lut"; "shift": packed in the shift layout, bf16): what the kernels
+    multiply by (tests it against `quant.reference.dequantize_mxfp4`)."""
     N, K = packed.shape[0], packed.shape[1] * 2
     dq = _DEQUANT[dequant]
     if dq == 2:
         raise ValueError("dot_scaled dequantises inside tl.dot_scaled: there is no tile to store")
-    w = packed.view(torch.int32) if dq == 1 else packed
+    w = packed.view(torch.int32) if dq in (1, 3) else packed
     out = torch.empty(N, K, dtype=dtype, device=packed.device)
     _dequant_kernel[(triton.cdiv(N, block_n), triton.cdiv(K, block_k))](
         w, scales, out, N, K, w.stride(0), scales.stride(0), out.stride(0), MXFP4=True, DEQUANT=dq, ASM=not _INTERPRET,
@@ -566,7 +654,7 @@ def dequantize_weights(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.
     return out
 
 
-def _check(x, w1, w2, w3, w1_scale, w2_scale, w3_scale, ids, weights, config: MoEConfig):
+def _check(x, w1, w2, w3, w1_scale, w2_scale, w3_scale, ids, weights, config: MoEConfig, mxfp4_layout: str):
     if x.dtype not in _DOT_DTYPES:
         raise ValueError(f"x must be bf16, fp16 or fp32, got {x.dtype}")
     E, inter, h = w1.shape[0], w1.shape[1], x.shape[1]
@@ -586,6 +674,9 @@ def _check(x, w1, w2, w3, w1_scale, w2_scale, w3_scale, ids, weights, config: Mo
             raise ValueError(f"dequant must be one of {list(_DEQUANT)}, got {config.dequant!r}")
         if config.dequant != "exact" and x.dtype != torch.bfloat16:
             raise ValueError(f"dequant {config.dequant!r} needs bf16 inputs, got {x.dtype}")
+        if (config.dequant == "shift") != (mxfp4_layout == "shift"):
+            raise ValueError(f"weights in the {mxfp4_layout!r} layout cannot take dequant {config.dequant!r}: the shift "
+                             f"layout (mxfp4_layout.to_shift_layout) goes with dequant 'shift' and only with it")
     for t in (w1, w2, w3) + ((w1_scale, w2_scale, w3_scale) if mxfp4 else ()):
         if t.stride(-1) != 1:
             raise ValueError("expert weights and scales need a contiguous last dim")
@@ -603,21 +694,25 @@ def fused_moe(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Ten
               w3_scale: torch.Tensor | None = None, activation: str = "situ", situ_beta: float = 4.0,
               situ_linear_beta: float | None = 25.0, out: torch.Tensor | None = None,
               workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
-              config: MoEConfig | None = None) -> torch.Tensor:
+              config: MoEConfig | None = None, mxfp4_layout: str = "checkpoint") -> torch.Tensor:
     """Routed experts: x [N, h] (bf16, fp16 or fp32), ids / weights [N, k] (int, fp32) -> [N, h] in x's dtype.
 
     Weights: w1 (gate) and w3 (up) [E, I, h], w2 (down) [E, h, I] in any float dtype; or MXFP4:
     packed uint8 [E, out, in/2] with ue8m0 scales uint8 [E, out, in/32] (`w*_scale`). activation:
     "situ" (situ_beta, situ_linear_beta; None: no tanh on up) or "silu". out: written in place;
-    workspace: (act [N k, I], y [N k, h]) buffers in x's dtype (else allocated)."""
+    workspace: (act [N k, I], y [N k, h]) buffers in x's dtype (else allocated). mxfp4_layout: "checkpoint"
+    (the packed codes as stored) or "shift" (`mxfp4_layout.to_shift_layout`, done once at load; bf16
+    inputs, dequant "shift")."""
     if activation not in _ACT:
         raise ValueError(f"activation must be one of {list(_ACT)}, got {activation!r}")
     N, h = x.shape
     k = ids.shape[1] if ids.dim() == 2 else 0
     E, inter = w1.shape[0], w1.shape[1]
     mxfp4 = w1.dtype == torch.uint8
-    config = config or default_config(N, k, E, x.dtype, mxfp4)
-    _check(x, w1, w2, w3, w1_scale, w2_scale, w3_scale, ids, weights, config)
+    if mxfp4_layout not in ("checkpoint", "shift"):
+        raise ValueError(f"mxfp4_layout must be 'checkpoint' or 'shift', got {mxfp4_layout!r}")
+    config = config or default_config(N, k, E, x.dtype, mxfp4, mxfp4_layout)
+    _check(x, w1, w2, w3, w1_scale, w2_scale, w3_scale, ids, weights, config, mxfp4_layout)
     x = x if x.stride(-1) == 1 else x.contiguous()
     out = torch.empty_like(x) if out is None else out
     if N == 0:
