@@ -4,6 +4,8 @@ speculation; prefix-cache hits, chunked prefill, preemption, aborts mid-round an
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -66,6 +68,29 @@ def test_config_errors():
     assert (c.num_speculative_tokens, c.prompt_lookup_min, c.prompt_lookup_max) == (3, 1, 2)
 
 
+def _ngram_rule(seq, k, lo, hi):
+    """The proposer's rule in plain Python: the longest n in [lo, hi] whose occurrence is followed by k tokens
+    (its latest), else the earliest occurrence of the longest n-gram; n-grams end before the last token."""
+    L = len(seq)
+    def matched(i):  # the n-gram ending at i matching the sequence's last tokens, up to hi
+        n = 0
+        while n < hi and i - n >= 0 and n < L - 1 and seq[i - n] == seq[L - 1 - n]:
+            n += 1
+        return n
+    if k < 1 or L < lo + 1:
+        return []
+    lengths = {i: matched(i) for i in range(L - 1)}
+    best = max(lengths.values(), default=0)
+    if best < lo:
+        return []
+    for n in range(best, lo - 1, -1):
+        ends = [i for i, m in lengths.items() if m >= n and i + k <= L - 1]
+        if ends:
+            return seq[ends[-1] + 1 : ends[-1] + 1 + k]
+    end = min(i for i, m in lengths.items() if m == best)
+    return seq[end + 1 : end + 1 + k]
+
+
 def test_ngram_propose_and_accept():
     seq = [1, 2, 3, 4, 9, 1, 2, 3, 4, 8, 1, 2, 3]
     assert ngram_propose(seq, 2, 1, 4) == [4, 8]  # "1 2 3" last seen before "4 8"
@@ -75,6 +100,12 @@ def test_ngram_propose_and_accept():
     assert ngram_propose([5, 6, 5, 7, 6], 2, 2, 4) == []  # only 1-grams match
     assert ngram_propose([7, 7, 7, 7, 7], 3, 1, 4) == [7, 7, 7]
     assert accept_drafts([4, 8, 1], [4, 8, 2, 5]) == 2
+    rng = random.Random(0)
+    for _ in range(400):  # against the rule written out in Python, on short sequences over few tokens
+        seq = [rng.randrange(4) for _ in range(rng.randrange(1, 40))]
+        k, lo = rng.randrange(1, 6), rng.randrange(1, 3)
+        hi = rng.randrange(lo, 6)
+        assert ngram_propose(seq, k, lo, hi) == _ngram_rule(seq, k, lo, hi), (seq, k, lo, hi)
     assert accept_drafts([4, 8, 1], [5, 8, 1, 5]) == 0
     assert accept_drafts([4, 8, 1], [4, 8, 1, 5]) == 3
 
