@@ -99,10 +99,11 @@ def assert_rows_match(errors: list[float], agree: list[bool], tol: float):
     assert len(off) <= max(1, n // 10), f"{len(off)} of {n} rows off by > {tol} or with another argmax: {off}"
 
 
-def compare_with_full_forward(engine: LLMEngine, prompt: list[int], tokens: list[int], seed=None):
+def compare_with_full_forward(engine: LLMEngine, prompt: list[int], tokens: list[int], seed=None, model=None):
     """Relative errors and argmax agreement of the engine's logits at each sampled position vs the
-    full-sequence forward of prompt + tokens (with the cache dtype's round trip)."""
-    ref = engine.model(torch.tensor(prompt + tokens, device=engine.device), kv_cache_dtype=engine.layout.kv_cache_dtype,
+    full-sequence forward of prompt + tokens (with the cache dtype's round trip) by `model` (default:
+    the engine's own)."""
+    ref = (model or engine.model)(torch.tensor(prompt + tokens, device=engine.device), kv_cache_dtype=engine.layout.kv_cache_dtype,
                   index_key_rotation=engine.layout.index_key_rotation)
     errors, agree = [], []
     for step in range(len(tokens)):

@@ -127,8 +127,7 @@ def test_engine_serves_several_adapters_and_the_base_in_one_batch(tmp_path):
         e.add_request("bad", prompts[0], params, lora_name="nope")
     e.unload_lora_adapter("b")
     assert e.lora_names() == ["a"]
-    with pytest.raises(ValueError, match="batch-invariant"):
-        EngineArgs(enable_lora=True).validate()
+    EngineArgs(enable_lora=True).validate()  # the default forward serves adapters too (tests below)
     assert EngineArgs(lora_modules="a=/x,b=/y z=/w").lora_module_paths() == {"a": "/x", "b": "/y", "z": "/w"}
     with pytest.raises(ValueError, match="NAME=PATH"):
         EngineArgs(batch_invariant=True, lora_modules="oops").validate()
@@ -152,3 +151,169 @@ def test_lora_training_moves_only_the_adapter_and_syncs_into_the_engine():
     out = generate(e, [prompt], params, ["policy"])[0]
     got = trainer.logprobs([prompt], [out.outputs[0].token_ids], lora=adapter.batch_for(17))[0]
     assert torch.equal(got.detach(), lps(out))
+
+
+# the default (fast) forward: kimiserve.lora.serving --------------------------------------------
+
+def test_serving_lora_ops_match_the_per_adapter_reference():
+    """segment_delta (eager), masked_delta (graph) and the experts' segment and dense forms against one
+    plain matmul per adapter (and per expert), odd sizes; a base row's output is untouched, bit for bit."""
+    from kimiserve.lora.serving import LoRARows, gathered_delta, masked_delta, segment_delta
+
+    g = torch.Generator().manual_seed(0)
+    S, R, n_in, n_out, N = 3, 6, 13, 11, 17
+    A, B = torch.randn(S + 1, R, n_in, generator=g), torch.randn(n_out, S + 1, R, generator=g)
+    A[0], B[:, 0] = 0, 0
+    ranks = {1: 6, 2: 3, 3: 5}
+    for s, r in ranks.items():
+        A[s, r:], B[:, s, r:] = 0, 0
+    x, y = torch.randn(N, n_in, generator=g), torch.randn(N, n_out, generator=g)
+    slots = [0, 2, 2, 1, 0, 3, 1, 1, 0, 2, 3, 3, 0, 0, 1, 2, 2]
+    want = y.clone()
+    for i, s in enumerate(slots):
+        want[i] += B[:, s] @ (A[s] @ x[i])
+    rows = LoRARows.of(slots, ranks, "cpu")
+    assert any(isinstance(r, torch.Tensor) for _, _, r in rows.groups)
+    for got in (segment_delta(x, y.clone(), A, B, rows.groups), masked_delta(x, y.clone(), A, B, rows.slots)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        base = rows.slots == 0
+        assert torch.equal(got[base], y[base])
+    contiguous = LoRARows.of([0, 2, 2, 2, 0], ranks, "cpu")
+    assert contiguous.groups == [(2, 3, slice(1, 4))]
+    E = 5
+    A4, B4 = torch.randn(S + 1, E, R, n_in, generator=g), torch.randn(S + 1, E, n_out, R, generator=g)
+    experts = torch.randint(0, E, (N,), generator=g)
+    want = torch.stack([B4[s, e] @ (A4[s, e] @ x[i]) for i, (s, e) in enumerate(zip(slots, experts.tolist()))])
+    torch.testing.assert_close(gathered_delta(x, A4, B4, rows.slots, experts), want, rtol=1e-5, atol=1e-5)
+
+
+def test_serving_lora_experts_forms_match_per_pair_reference(model):
+    """LoRAExperts' segment form (eager) and dense form (graphs) against each (token, expert) pair run
+    alone with its adapter's weights merged in."""
+    from kimiserve.lora.serving import LoRARows, ServingLoRA
+
+    serving = ServingLoRA(model, max_loras=3, max_rank=8)
+    a = LoRAAdapter.init(model, "a", rank=4, random_b=True, seed=1)
+    b = LoRAAdapter.init(model, "b", rank=8, random_b=True, seed=2)
+    serving.write(1, a)
+    serving.write(3, b)
+    name = next(k.rsplit(".", 1)[0] for k in a.expert_weights)
+    experts = model.get_submodule(name)
+    try:
+        g = torch.Generator().manual_seed(3)
+        N, k = 9, model.config.num_experts_per_token
+        x = torch.randn(N, experts.w1_packed.shape[2] * 2 if experts.mxfp4 else experts.w1.shape[2], generator=g)
+        ids = torch.stack([torch.randperm(experts.num_experts, generator=g)[:k] for _ in range(N)])
+        weights = torch.rand(N, k, generator=g)
+        slots = [1, 0, 3, 3, 1, 0, 0, 3, 1]
+        want = torch.zeros(N, x.shape[1])
+        for n in range(N):
+            adapter = {1: a, 3: b}.get(slots[n])
+            for j in range(k):
+                e = int(ids[n, j])
+                w = {}
+                for wn in experts.NAMES:
+                    w[wn] = experts.expert_weight(wn, e).float()
+                    if adapter is not None:
+                        A, B = adapter.expert_weights[f"{name}.{wn}"]
+                        w[wn] = w[wn] + adapter.scaling * B[e] @ A[e]
+                want[n] += weights[n, j] * (experts.act(x[n] @ w["w1"].T, x[n] @ w["w3"].T) @ w["w2"].T)
+        for rows in (LoRARows.of(slots, serving.ranks, "cpu"), LoRARows(torch.tensor(slots))):
+            with serving.active(rows):
+                assert experts.lora.applies()
+                got = experts(x, ids, weights)
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        assert not experts.lora.applies()  # outside a step: the plain forward
+    finally:
+        for module in model.modules():
+            module.__dict__.pop("lora", None)
+
+
+MERGE_TEST = dict(model_overrides='{"routed_experts_mxfp4": false}', enable_lora=True)
+"""Float experts, so an adapter can be merged into a twin's weights."""
+
+
+def merged_twin(engine, adapter):
+    """An fp32 copy of the engine's model with W + (alpha / r) B A in every projection the adapter covers."""
+    from engine_utils import fp32_twin
+
+    twin = fp32_twin(engine)
+    with torch.no_grad():
+        for name, (a, b) in adapter.weights.items():
+            twin.get_submodule(name).weight += adapter.scaling * b @ a
+        for key, (a, b) in adapter.expert_weights.items():
+            base, w = key.rsplit(".", 1)
+            getattr(twin.get_submodule(base), w).add_(adapter.scaling * torch.bmm(b, a))
+    return twin
+
+
+@pytest.mark.parametrize("form", ["eager", "graph"])
+def test_default_mode_serves_several_adapters_as_the_merged_full_forward(form, monkeypatch):
+    """Default (fast) mode, a batch of a, base, b, a in 16-token chunks: every request's logits == the
+    full-sequence forward of a model with its adapter merged into the weights (W + B A alpha / r), fp32
+    bounds; == each request alone in a LoRA engine; the base request == a LoRA-less engine. `graph`:
+    every step through the fixed-shape forms a captured decode graph runs (slots tensor only)."""
+    from engine_utils import assert_rows_match, compare_with_full_forward, fp32_row_tolerance, make_engine
+    from kimiserve.lora.serving import LoRARows
+
+    if form == "graph":
+        monkeypatch.setattr(LoRARows, "of", classmethod(lambda cls, s, r, d: cls(torch.tensor(s, device=d))))
+    e = make_engine(max_num_batched_tokens=16, **MERGE_TEST)
+    a = LoRAAdapter.init(e.model, "a", rank=4, random_b=True, seed=1)
+    b = LoRAAdapter.init(e.model, "b", rank=8, random_b=True, seed=2)
+    e.load_lora_adapter("a", a)
+    e.load_lora_adapter("b", b)
+    prompts = random_prompts([40, 20, 27, 9], seed=3)
+    names = ["a", None, "b", "a"]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    mixed = generate(e, prompts, params, names)
+    twins = {"a": merged_twin(e, a), "b": merged_twin(e, b), None: None}
+    errors, agree, moved = [], [], []
+    for prompt, name, out in zip(prompts, names, mixed):
+        err, ok, ref = compare_with_full_forward(e, prompt, out.outputs[0].token_ids, model=twins[name])
+        errors, agree = errors + err, agree + ok
+        if name is not None:  # the adapter moves the logits far past the bound: the check is not vacuous
+            base = e.model(torch.tensor(prompt + out.outputs[0].token_ids))
+            moved.append(float((ref - base).norm() / base.norm()))
+    assert_rows_match(errors, agree, fp32_row_tolerance(e))
+    assert min(moved) > 0.05, moved
+    alone_errors, alone_agree = [], []
+    for prompt, name, out in zip(prompts, names, mixed):
+        alone = make_engine(**MERGE_TEST) if name is not None else make_engine(model_overrides=MERGE_TEST["model_overrides"])
+        if name is not None:
+            alone.load_lora_adapter(name, {"a": a, "b": b}[name])
+        got = generate(alone, [prompt], params, [name])[0]
+        assert got.outputs[0].token_ids == out.outputs[0].token_ids
+        for step in range(len(got.outputs[0].token_ids)):
+            x, y = e.recorded[(tuple(prompt), None, step)], alone.recorded[(tuple(prompt), None, step)]
+            alone_errors.append(float((x - y).norm() / y.norm()))
+            alone_agree.append(bool(x.argmax() == y.argmax()))
+    assert_rows_match(alone_errors, alone_agree, 1e-4)
+
+
+def test_default_mode_prefix_cache_is_keyed_by_adapter_and_args():
+    """A repeated prompt under adapter a hits the cache (same tokens), under b it does not; unloading
+    frees the slot for the next adapter; LoRA refuses tensor parallelism and speculative decoding."""
+    e = LLMEngine(EngineArgs(model="tiny", dtype="float32", max_model_len=256, num_pages=200, enable_lora=True,
+                             max_loras=2))
+    a = LoRAAdapter.init(e.model, "a", rank=4, random_b=True, seed=1)
+    b = LoRAAdapter.init(e.model, "b", rank=8, random_b=True, seed=2)
+    e.load_lora_adapter("a", a)
+    e.load_lora_adapter("b", b)
+    prompt = random_prompts([40], seed=7)[0]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    first = generate(e, [prompt], params, ["a"])[0]
+    again = generate(e, [prompt], params, ["a"])[0]
+    other = generate(e, [prompt], params, ["b"])[0]
+    assert again.num_cached_tokens > 0 and again.outputs[0].token_ids == first.outputs[0].token_ids
+    assert other.num_cached_tokens == 0 and other.outputs[0].token_ids != first.outputs[0].token_ids
+    with pytest.raises(ValueError, match="max_loras"):
+        e.load_lora_adapter("c", a)
+    e.unload_lora_adapter("a")
+    e.load_lora_adapter("c", b)
+    assert e.lora.slots == {"b": 2, "c": 1}
+    assert generate(e, [prompt], params, ["c"])[0].outputs[0].token_ids == other.outputs[0].token_ids
+    with pytest.raises(ValueError, match="one rank"):
+        EngineArgs(enable_lora=True, tensor_parallel_size=2).validate()
+    with pytest.raises(ValueError, match="speculative_config with LoRA"):
+        EngineArgs(enable_lora=True, speculative_config={"method": "ngram", "num_speculative_tokens": 2}).validate()

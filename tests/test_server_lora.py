@@ -1,7 +1,8 @@
-"""LoRA adapters and weight updates through a real `kimiserve serve --batch-invariant` process with the
-openai client: --lora-modules at start, /v1/load_lora_adapter and /v1/unload_lora_adapter at run time
-(vLLM's names), adapters chosen by `model` and listed by /v1/models, /update_weights from a path; the
-answers equal an in-process batch-invariant engine's, bit for bit."""
+"""LoRA adapters and weight updates through a real `kimiserve serve` process (default mode and
+--batch-invariant) with the openai client: --lora-modules at start, /v1/load_lora_adapter and
+/v1/unload_lora_adapter at run time (vLLM's names), adapters chosen by `model` and listed by /v1/models,
+/update_weights from a path; the answers equal an in-process engine's of the same mode, bit for bit (one
+request at a time: the same computation)."""
 
 from __future__ import annotations
 
@@ -23,8 +24,9 @@ pytestmark = pytest.mark.fixed_threads
 PROMPT = random_prompts([20], seed=4)[0]
 
 
-def local_engine(adapters=()):
-    e = LLMEngine(EngineArgs(model="tiny", max_model_len=256, num_pages=300, batch_invariant=True, enable_lora=True))
+def local_engine(adapters=(), batch_invariant=True):
+    e = LLMEngine(EngineArgs(model="tiny", max_model_len=256, num_pages=300, batch_invariant=batch_invariant,
+                             enable_lora=True))
     for name, adapter in adapters:
         e.load_lora_adapter(name, adapter)
     return e
@@ -45,16 +47,19 @@ def served(client, model):
     return choice.logprobs.token_logprobs, r.model
 
 
-def test_lora_adapters_and_weight_updates_through_the_server(tmp_path):
-    base_engine = local_engine()
+@pytest.mark.parametrize("batch_invariant", [True, False], ids=["batch_invariant", "default"])
+def test_lora_adapters_and_weight_updates_through_the_server(tmp_path, batch_invariant):
+    base_engine = local_engine(batch_invariant=batch_invariant)
     a = LoRAAdapter.init(base_engine.model, "a", rank=4, random_b=True, seed=1)
     b = LoRAAdapter.init(base_engine.model, "b", rank=8, random_b=True, seed=2)
     a.save_pretrained(str(tmp_path / "a"))
     b.save_pretrained(str(tmp_path / "b"))
     want_base = local_logprobs(base_engine)[1]
-    want_a = local_logprobs(local_engine([("a", a)]), "a")[1]
-    want_b = local_logprobs(local_engine([("b", b)]), "b")[1]
-    with running_server("--max-model-len", "256", "--num-pages", "300", "--batch-invariant",
+    want_a = local_logprobs(local_engine([("a", a)], batch_invariant), "a")[1]
+    want_b = local_logprobs(local_engine([("b", b)], batch_invariant), "b")[1]
+    assert want_a != want_base and want_b != want_base
+    mode = ["--batch-invariant"] if batch_invariant else []
+    with running_server("--max-model-len", "256", "--num-pages", "300", *mode,
                         "--lora-modules", f"a={tmp_path / 'a'}") as server:
         client = openai.OpenAI(base_url=server.base_url, api_key="x", max_retries=0)
         assert [m.id for m in client.models.list().data] == ["tiny", "a"]

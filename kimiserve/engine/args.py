@@ -62,13 +62,15 @@ class EngineArgs:
     chunked, cached or preempted (fixed reduction orders: `kimiserve.rl.forward`), and equal to the
     trainer forward's (`kimiserve.rl.trainer`); slower (benchmarks/batch_invariant.py); one process only."""
     enable_lora: bool = False
-    """Serve LoRA adapters (chosen per request by model name; several and the base model in one batch).
-    Needs batch_invariant: the adapters run in the batch-invariant forward for now."""
+    """Serve LoRA adapters (chosen per request by model name; several and the base model in one batch,
+    through grouped LoRA matmuls; `kimiserve.lora.serving` in the default forward, the batch-invariant forward's
+    own with batch_invariant). One rank, no speculative decoding."""
     lora_modules: str | None = None
     """LoRA adapters to load at start, NAME=PATH pairs separated by commas (or spaces, quoted; PATH: a PEFT folder
     with adapter_config.json and adapter_model.safetensors); implies enable_lora."""
     max_loras: int = 8
-    """Most LoRA adapters loaded at once."""
+    """Most LoRA adapters loaded at once (the default forward keeps max_loras + 1 slots of max_lora_rank in
+    every projection an adapter covers)."""
     max_lora_rank: int = 64
     """Largest LoRA rank accepted."""
     enforce_eager: bool = False
@@ -132,9 +134,12 @@ class EngineArgs:
         if self.batch_invariant and world.world_size > 1:
             raise ValueError("batch_invariant runs in one process: leave tensor_parallel_size and "
                              "prefill_context_parallel_size at 1")
-        if (self.enable_lora or self.lora_modules) and not self.batch_invariant:
-            raise ValueError("LoRA adapters run in the batch-invariant forward for now: add batch_invariant=True "
-                             "(--batch-invariant) with enable_lora / lora_modules")
+        if (self.enable_lora or self.lora_modules) and world.world_size * self.decode_context_parallel_size > 1:
+            raise ValueError("LoRA adapters run on one rank for now: leave tensor_parallel_size, "
+                             "prefill_context_parallel_size and decode_context_parallel_size at 1 with "
+                             "enable_lora / lora_modules")
+        if (self.enable_lora or self.lora_modules) and self.speculative_config is not None:
+            raise ValueError("speculative_config with LoRA adapters is not supported yet: drop one of them")
         for name in ("max_loras", "max_lora_rank"):
             positive(name)
         self.lora_module_paths()
@@ -179,8 +184,7 @@ class EngineArgs:
                 raise ValueError(f"speculative decoding runs on one rank for now: {name}={getattr(self, name)} "
                                  f"with speculative_config is not supported (set {name}=1 or drop speculative_config)")
         if self.batch_invariant:  # its forward (kimiserve.rl.forward) has no verify chunks or KDA replay yet
-            raise ValueError("speculative_config with batch_invariant (and so with LoRA adapters, which need it) is "
-                             "not supported yet: drop one of them")
+            raise ValueError("speculative_config with batch_invariant is not supported yet: drop one of them")
         return config
 
     def lora_module_paths(self) -> dict[str, str]:

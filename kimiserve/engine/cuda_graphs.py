@@ -16,6 +16,7 @@ captured for then replays once with its real inputs.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 
@@ -29,6 +30,7 @@ from kimiserve.model.moe import STATIC_MOE_TOKENS
 from kimiserve.ops.backend import DecodeOps
 
 MIN_CONTEXT_BUCKET = 2048  # K3.1's index top-k: shorter contexts run dense MLA, without the scan
+FIELDS = 6  # per-row inputs: ids, positions, write pages, write offsets, context lengths, LoRA slots
 
 
 def capture_sizes(max_batch: int) -> list[int]:
@@ -97,11 +99,15 @@ class DecodeGraphs(GraphSet):
         # every input lives in one device buffer, filled by one host-to-device copy per step from a
         # pinned host mirror: the per-row fields at a stride of B rows, then the block tables of the
         # graph about to run, packed [size, its context bucket's pages] (each graph reads its own view)
-        self._head = (5 + num_state) * B
+        self._head = (FIELDS + num_state) * B
         self.inputs = torch.zeros(self._head + B * width, **long)
-        fields = self.inputs[: 5 * B].view(5, B)
-        self.input_ids, self.positions, self.write_pages, self.write_offsets, self.context_lens = fields
-        self.state_pages = self.inputs[5 * B : self._head].view(B, num_state)
+        fields = self.inputs[: FIELDS * B].view(FIELDS, B)
+        self.input_ids, self.positions, self.write_pages, self.write_offsets, self.context_lens, self.lora_slots = fields
+        self.state_pages = self.inputs[FIELDS * B : self._head].view(B, num_state)
+        self.lora = None
+        """The engine's `kimiserve.lora.serving.ServingLoRA` when it serves adapters: each row's slot is
+        an input (`lora_slots`, 0 on padding rows) and the graphs capture again when its buffers change."""
+        self._lora_version = None
         self.pad_state_pages = pad_state_pages.to(dev)
         self._pad_states_host = pad_state_pages.cpu().numpy()
         pin = dev.type == "cuda"
@@ -116,20 +122,24 @@ class DecodeGraphs(GraphSet):
         """Why graphs are off (a capture failed), else None."""
         self.replays = 0
 
-    def run(self, input_ids, chunks) -> torch.Tensor | None:
+    def run(self, input_ids, chunks, lora_slots: list[int] | None = None) -> torch.Tensor | None:
         """Logits [n, vocab] of a decode-only step (one token per chunk), or None when no graph can
         run it (too large a batch, or graphs disabled): the caller runs it eagerly. input_ids: a host
         list, or an int64 device tensor [n] (tokens the device sampled and the host has not seen).
-        chunks: the sequences' `StepChunk`s (or anything with context_start, block_table, state_pages)."""
+        chunks: the sequences' `StepChunk`s (or anything with context_start, block_table, state_pages).
+        lora_slots: each chunk's LoRA slot (with `self.lora`; None: all base)."""
         n = len(chunks)
         size = self.padded_size(n)
         if self.disabled or size is None or n == 0:
             return None
+        if self.lora is not None and self.lora.version != self._lora_version:
+            self.graphs.clear()  # captured before a projection got LoRA buffers: they do not read them
+            self._lora_version = self.lora.version
         bucket = self.context_bucket(max(c.context_start for c in chunks) + 1)
         key = (size, bucket)
         if key not in self.graphs and not self._capture(size, bucket):
             return None
-        self._fill(input_ids, chunks, size, bucket)
+        self._fill(input_ids, chunks, size, bucket, lora_slots)
         graph, logits = self.graphs[key]
         graph.replay()
         self.replays += 1
@@ -142,7 +152,7 @@ class DecodeGraphs(GraphSet):
         cols = self._cols(bucket)
         return self.inputs[self._head : self._head + size * cols].view(size, cols)
 
-    def _fill(self, input_ids, chunks, size: int, bucket: int) -> None:
+    def _fill(self, input_ids, chunks, size: int, bucket: int, lora_slots: list[int] | None = None) -> None:
         """Real rows from the chunks, padding rows on the reserved pages; one host-to-device copy."""
         n, bs, B = len(chunks), self.pool.block_size, self.max_batch
         cols = self._cols(bucket)
@@ -151,9 +161,9 @@ class DecodeGraphs(GraphSet):
         if self._mirror_events[turn] is not None:
             self._mirror_events[turn].synchronize()  # its previous copy is done (at once, in practice)
         host = self._mirrors[turn].numpy()
-        fields = host[: 5 * B].reshape(5, B)
-        ids, positions, write_pages, write_offsets, context_lens = fields[:, :size]
-        states = host[5 * B : self._head].reshape(B, -1)
+        fields = host[: FIELDS * B].reshape(FIELDS, B)
+        ids, positions, write_pages, write_offsets, context_lens, slots = fields[:, :size]
+        states = host[FIELDS * B : self._head].reshape(B, -1)
         tables = host[self._head : self._head + size * cols].reshape(size, cols)
         tables.fill(self.pad_page)
         pos = np.fromiter((c.context_start for c in chunks), dtype=np.int64, count=n)
@@ -168,6 +178,9 @@ class DecodeGraphs(GraphSet):
         write_offsets[n:] = 0
         context_lens[:n] = pos + 1
         context_lens[n:] = 1
+        slots[:] = 0
+        if lora_slots is not None:
+            slots[:n] = lora_slots
         if n:
             states[:n] = [c.state_pages for c in chunks]
         states[n:size] = self._pad_states_host
@@ -198,10 +211,16 @@ class DecodeGraphs(GraphSet):
         self.pool.zero_state(self.pad_state_pages)
         batch = self._batch(size, bucket)
         ids, rows = self.input_ids[:size], self.rows[:size]
+        lora = contextlib.nullcontext
+        if self.lora is not None:
+            from kimiserve.lora.serving import LoRARows
+
+            lora = lambda: self.lora.active(LoRARows(self.lora_slots[:size]))  # noqa: E731
         try:
             forward = lambda: self.model.forward_batch(ids, batch, rows)  # noqa: E731
-            self.warm_up(forward)
-            graph, logits = self.record(forward)
+            with lora():
+                self.warm_up(forward)
+                graph, logits = self.record(forward)
         except Exception as e:  # a capture failure must not take the engine down: run eagerly instead
             self.disabled = f"capturing batch {size}, context {bucket} failed: {type(e).__name__}: {e}"
             warnings.warn(f"CUDA graphs disabled, decode runs eagerly ({self.disabled})")

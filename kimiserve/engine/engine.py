@@ -135,7 +135,10 @@ class LLMEngine:
         if args.enable_lora or args.lora_modules:
             from kimiserve.lora.registry import LoRARegistry
 
-            self.lora = self.runner.lora = LoRARegistry(self.model, args.max_loras, args.max_lora_rank)
+            self.lora = self.runner.lora = LoRARegistry(self.model, args.max_loras, args.max_lora_rank,
+                                                        args.batch_invariant)
+            if self.runner.graphs is not None:
+                self.runner.graphs.lora = self.lora.serving
             for name, path in args.lora_module_paths().items():
                 self.lora.load(name, path)
         self.groups: dict[str, RequestGroup] = {}

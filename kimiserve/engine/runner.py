@@ -218,10 +218,20 @@ class ModelRunner:
             return self._forward_token_sharded(step)
         n = len(step.chunks)
         every_row = step.logit_rows == list(range(len(step.token_ids)))
+        serving = self.lora.serving if self.lora is not None else None
         if self.graphs is not None and every_row and len(step.token_ids) == n:
-            logits = self.graphs.run(step.token_ids, step.chunks)  # one token per sequence, each sampled
+            slots = None if serving is None else self.lora.slot_list([c.lora_id for c in step.chunks])
+            logits = self.graphs.run(step.token_ids, step.chunks, slots)  # one token per sequence, each sampled
             if logits is not None:
                 return logits
+        if serving is not None:
+            rows = self.lora.rows([c.lora_id for c in step.chunks], [c.end - c.start for c in step.chunks], self.device)
+            with serving.active(rows):
+                return self._forward_eager(step, every_row)
+        return self._forward_eager(step, every_row)
+
+    def _forward_eager(self, step: "StepInput", every_row: bool) -> torch.Tensor:
+        n = len(step.chunks)
         if (every_row and len(step.token_ids) == n and self.invariant is None and self.dcp is None
                 and not any(c.verify for c in step.chunks)):
             batch = self._decode_batch(step.chunks)  # one token per sequence: no per-sequence tensors

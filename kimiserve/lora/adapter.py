@@ -9,7 +9,8 @@ expert e's tensor in the checkpoint (an optional `language_model.` after `base_m
 Module names are the model's own (`model.layers.3.self_attn.q_b_proj`). Projections that can carry
 an adapter: every Linear / column- / row-parallel projection the batch-invariant forward runs through
 `InvariantForward.proj` (attention, KDA, MLPs, shared experts, latent-MoE projections, the indexer) and
-the routed experts; not `kv_b_proj` (the absorbed attention uses its weight directly), the embedding,
+the routed experts (the default forward, `kimiserve.lora.serving`: all of them but the indexer's wq_b and
+weights_proj); not `kv_b_proj` (the absorbed attention uses its weight directly), the embedding,
 lm_head or the router.
 """
 
@@ -23,7 +24,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kimiserve.model.layers import Linear
 from kimiserve.model.model import KimiForCausalLM
+from kimiserve.model.parallel_layers import ColumnParallelLinear, RowParallelLinear
 from kimiserve.model.moe import RoutedExperts
 
 DEFAULT_TARGETS = ("q_a_proj", "q_b_proj", "q_proj", "kv_a_proj_with_mqa", "o_proj", "g_proj", "k_proj", "v_proj",
@@ -33,6 +36,8 @@ DEFAULT_TARGETS = ("q_a_proj", "q_b_proj", "q_proj", "kv_a_proj_with_mqa", "o_pr
 routed experts' w1 / w2 / w3."""
 UNSUPPORTED = ("kv_b_proj", "embed_tokens", "lm_head", "gate")
 EXPERT_WEIGHTS = RoutedExperts.NAMES
+PROJECTIONS = (Linear, ColumnParallelLinear, RowParallelLinear)
+"""The module kinds an adapter may cover (not the attention-residual queries or the conv weights)."""
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 _PEFT_PREFIX = "base_model.model."
 
@@ -49,8 +54,7 @@ def lora_targets(model: KimiForCausalLM) -> tuple[dict[str, tuple[int, int]], di
                 packed = getattr(module, f"{w}_packed", None)
                 out, inp = (packed.shape[1], packed.shape[2] * 2) if packed is not None else getattr(module, w).shape[1:]
                 experts[f"{name}.{w}"] = (module.num_experts, out, inp)
-        elif isinstance(getattr(module, "weight", None), torch.Tensor) and getattr(module, "weight").dim() == 2 \
-                and leaf not in UNSUPPORTED and name.startswith("model.layers."):
+        elif isinstance(module, PROJECTIONS) and leaf not in UNSUPPORTED and name.startswith("model.layers."):
             linears[name] = tuple(module.weight.shape)
     return linears, experts
 

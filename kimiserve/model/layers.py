@@ -82,12 +82,16 @@ class Weights(nn.Module):
 class Linear(nn.Module):
     """y = x W^T, no bias; W is [out, in] as in the checkpoint. Replicated on every rank."""
 
+    lora = None
+    """The default forward's LoRA slots of this projection (`kimiserve.lora.serving.LoRALinear`), or None."""
+
     def __init__(self, in_features: int, out_features: int, dtype: torch.dtype):
         super().__init__()
         self.weight = make_param(out_features, in_features, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.linear(x, self.weight.to(x.dtype))
+        y = torch.nn.functional.linear(x, self.weight.to(x.dtype))
+        return y if self.lora is None else self.lora(x, y)
 
 
 class RMSNorm(nn.Module):

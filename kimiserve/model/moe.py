@@ -125,6 +125,8 @@ class RoutedExperts(nn.Module):
     """
 
     NAMES = ("w1", "w2", "w3")
+    lora = None
+    """The default forward's LoRA slots of these experts (`kimiserve.lora.serving.LoRAExperts`), or None."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, parallel: ParallelContext | None = None,
                  placement: ExpertPlacement | None = None):
@@ -204,6 +206,8 @@ class RoutedExperts(nn.Module):
     def _forward(self, x, ids, weights, out_dtype: torch.dtype) -> torch.Tensor:
         if self.training:
             return routed_experts_train_forward(self, x, ids, weights).to(out_dtype)
+        if self.lora is not None and self.lora.applies():
+            return self.lora.forward(self, x, ids, weights, out_dtype)
         fused = fused_moe_for(x.device.type) if self.use_fused is not False else None
         routed = ids
         if self.expert_parallel:  # this rank's experts only: the others' pairs weigh 0

@@ -37,6 +37,9 @@ def divide(size: int, parts: int, what: str) -> int:
 class ColumnParallelLinear(nn.Module):
     """y_r = x W_r^T with W_r the rank's block of out / tp output rows (contiguous in the checkpoint)."""
 
+    lora = None
+    """The default forward's LoRA slots (`kimiserve.lora.serving.LoRALinear`; one process only), or None."""
+
     def __init__(self, in_features: int, out_features: int, dtype: torch.dtype,
                  parallel: ParallelContext | None = None, what: str = "output features"):
         super().__init__()
@@ -46,12 +49,16 @@ class ColumnParallelLinear(nn.Module):
                                  full_shape=(out_features, in_features))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.linear(x, self.weight.to(x.dtype))
+        y = torch.nn.functional.linear(x, self.weight.to(x.dtype))
+        return y if self.lora is None else self.lora(x, y)
 
 
 class RowParallelLinear(nn.Module):
     """y = sum_r x_r W_r^T with W_r the rank's block of in / tp input columns; x_r is the rank's block
     of the input (what a column-parallel layer before it produced)."""
+
+    lora = None
+    """The default forward's LoRA slots (`kimiserve.lora.serving.LoRALinear`; one process only), or None."""
 
     def __init__(self, in_features: int, out_features: int, dtype: torch.dtype,
                  parallel: ParallelContext | None = None, reduce: bool = True, what: str = "input features"):
@@ -66,6 +73,8 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor, reduce: bool | None = None) -> torch.Tensor:
         """reduce: None = the layer's default; False returns this rank's partial sum."""
         y = torch.nn.functional.linear(x, self.weight.to(x.dtype))
+        if self.lora is not None:
+            y = self.lora(x, y)
         if self.reduce if reduce is None else reduce:
             self.parallel.tp_all_reduce(y)
         return y
