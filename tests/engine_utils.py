@@ -121,6 +121,23 @@ def fp32_twin(engine) -> KimiForCausalLM:
     return twin
 
 
+MERGE_TEST = dict(model_overrides='{"routed_experts_mxfp4": false}', enable_lora=True)
+"""LoRA engine args with float routed experts, so an adapter can be merged into a twin's weights."""
+
+
+def merged_twin(engine, adapter) -> KimiForCausalLM:
+    """An fp32 copy of the engine's model with W + (alpha / r) B A in every projection the adapter covers
+    (the oracle of the default forward's LoRA)."""
+    twin = fp32_twin(engine)
+    with torch.no_grad():
+        for name, (a, b) in adapter.weights.items():
+            twin.get_submodule(name).weight += adapter.scaling * b.to(engine.device) @ a.to(engine.device)
+        for key, (a, b) in adapter.expert_weights.items():
+            base, w = key.rsplit(".", 1)
+            getattr(twin.get_submodule(base), w).add_(adapter.scaling * torch.bmm(b, a).to(engine.device))
+    return twin
+
+
 def assert_matches_full_forward(engine, prompt, tokens, seed=None):
     """`assert_all_match_full_forward` for one request (give a test's requests together where it
     has several: the rules are statistical, over the pooled rows)."""

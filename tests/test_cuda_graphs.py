@@ -2,24 +2,35 @@
 CPU, with graph capture replaced by an eager replay of the same static buffers; the real capture
 runs in tests/test_gpu.py."""
 
+import contextlib
+
 import pytest
 import torch
 
-from engine_utils import GREEDY, assert_matches_full_forward, make_engine, random_prompts, run
+from engine_utils import (GREEDY, MERGE_TEST, assert_matches_full_forward, assert_rows_match, compare_with_full_forward,
+                          fp32_row_tolerance, make_engine, merged_twin, random_prompts, run)
 from kimiserve.engine import cuda_graphs, worker as engine_module
 from kimiserve.sampling_params import SamplingParams
 
 
 class EagerReplay:
-    """Stands in for a CUDA graph: replay() runs the forward on the static buffers into a static output."""
+    """Stands in for a CUDA graph: replay() runs the forward on the static buffers into a static output
+    (with LoRA: each row's adapter from the static slots buffer, as a captured graph reads it)."""
 
     def __init__(self, graphs, size, bucket):
         self.args = (graphs.input_ids[:size], graphs._batch(size, bucket), graphs.rows[:size])
         self.model = graphs.model
-        self.logits = graphs.model.forward_batch(*self.args)
+        self.lora = contextlib.nullcontext
+        if graphs.lora is not None:
+            from kimiserve.lora.serving import LoRARows
+
+            self.lora = lambda: graphs.lora.active(LoRARows(graphs.lora_slots[:size]))  # noqa: E731
+        with self.lora():
+            self.logits = graphs.model.forward_batch(*self.args)
 
     def replay(self):
-        self.logits.copy_(self.model.forward_batch(*self.args))
+        with self.lora():
+            self.logits.copy_(self.model.forward_batch(*self.args))
 
 
 @pytest.fixture
@@ -58,6 +69,35 @@ def test_padded_decode_steps_match_full_forward(eager_graphs, dtype, kv):
     assert all(bucket == 2048 for _, bucket in eager_graphs)
     engine.check_idle()
     assert engine.allocator.stats()["pages_used"] <= engine.allocator.stats()["pages_cached"]
+
+
+def test_lora_decode_graphs_take_each_rows_adapter_as_an_input(eager_graphs):
+    """Decode graphs with LoRA: rows of adapters a, b and the base in one graph, each row's slot from the
+    static buffer; every request's logits == the full forward of its adapter merged into the weights. An
+    adapter covering no projection the graphs were captured with makes them capture again."""
+    from kimiserve.lora import LoRAAdapter
+
+    engine = make_engine(max_num_seqs=8, num_pages=300, **MERGE_TEST)
+    graphs = engine.runner.graphs
+    prompts = random_prompts([12, 30, 7, 21], seed=11)
+    params = SamplingParams(max_tokens=6, **GREEDY)
+    run(engine, prompts[:1], params, ids=["warm"])  # graphs captured before any adapter
+    captured = len(eager_graphs)
+    a = LoRAAdapter.init(engine.model, "a", rank=4, random_b=True, seed=1)
+    b = LoRAAdapter.init(engine.model, "b", rank=8, random_b=True, seed=2, targets=("q_b_proj", "o_proj", "w2"))
+    engine.load_lora_adapter("a", a)
+    engine.load_lora_adapter("b", b)
+    names = [None, "a", "b", "a"]
+    for i, (prompt, name) in enumerate(zip(prompts, names)):
+        engine.add_request(f"r{i}", prompt, params, lora_name=name)
+    outs = run(engine, [], params)
+    assert len(eager_graphs) > captured and graphs.replays >= 5
+    twins = {"a": merged_twin(engine, a), "b": merged_twin(engine, b), None: None}
+    errors, agree = [], []
+    for i, (prompt, name) in enumerate(zip(prompts, names)):
+        e, ok, _ = compare_with_full_forward(engine, prompt, outs[f"r{i}"].outputs[0].token_ids, model=twins[name])
+        errors, agree = errors + e, agree + ok
+    assert_rows_match(errors, agree, fp32_row_tolerance(engine))
 
 
 def test_enforce_eager_turns_graphs_off(eager_graphs):

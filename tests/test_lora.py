@@ -229,31 +229,14 @@ def test_serving_lora_experts_forms_match_per_pair_reference(model):
             module.__dict__.pop("lora", None)
 
 
-MERGE_TEST = dict(model_overrides='{"routed_experts_mxfp4": false}', enable_lora=True)
-"""Float experts, so an adapter can be merged into a twin's weights."""
-
-
-def merged_twin(engine, adapter):
-    """An fp32 copy of the engine's model with W + (alpha / r) B A in every projection the adapter covers."""
-    from engine_utils import fp32_twin
-
-    twin = fp32_twin(engine)
-    with torch.no_grad():
-        for name, (a, b) in adapter.weights.items():
-            twin.get_submodule(name).weight += adapter.scaling * b @ a
-        for key, (a, b) in adapter.expert_weights.items():
-            base, w = key.rsplit(".", 1)
-            getattr(twin.get_submodule(base), w).add_(adapter.scaling * torch.bmm(b, a))
-    return twin
-
-
 @pytest.mark.parametrize("form", ["eager", "graph"])
 def test_default_mode_serves_several_adapters_as_the_merged_full_forward(form, monkeypatch):
     """Default (fast) mode, a batch of a, base, b, a in 16-token chunks: every request's logits == the
     full-sequence forward of a model with its adapter merged into the weights (W + B A alpha / r), fp32
     bounds; == each request alone in a LoRA engine; the base request == a LoRA-less engine. `graph`:
     every step through the fixed-shape forms a captured decode graph runs (slots tensor only)."""
-    from engine_utils import assert_rows_match, compare_with_full_forward, fp32_row_tolerance, make_engine
+    from engine_utils import (MERGE_TEST, assert_rows_match, compare_with_full_forward, fp32_row_tolerance, make_engine,
+                              merged_twin)
     from kimiserve.lora.serving import LoRARows
 
     if form == "graph":
