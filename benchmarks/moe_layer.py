@@ -65,12 +65,13 @@ from kimiserve.utils.run_info import git_commit  # noqa: E402
 # always timed first, so it is not listed; lut-m128 is the earlier 8192-token default.
 DECODE_VARIANTS = [
     "shift-m16-n64-k256-w4-s3",
-    "shift-m16-n64-k256-w4-s4",
     "shift-m16-n64-k128-w4-s4",
     "shift-m16-n128-k128-w4-s3",
     "shift-m16-n128-k256-w8-s3",
-    "shift-m16-n32-k512-w4-s3",
     "shift-m16-n64-k256-w4-s3-swap",
+    "shift-m16-n32-k256-w2-s3-swap",  # swapped but 32 weight rows: mma.sync (no wgmma), weights from registers
+    "shift-m16-n32-k256-w1-s3-swap",
+    "shift-m16-n32-k128-w2-s4-swap",
 ]
 PREFILL_VARIANTS = [
     "shift-m32-n64-k128-w4-s3-dn128",
