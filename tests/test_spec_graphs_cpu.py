@@ -55,9 +55,10 @@ def test_draft_model_on_emulated_graphs(reference, monkeypatch, k):
 def test_drafts_left_on_the_device(monkeypatch):
     """Plain rows (greedy and seeded sampling): the drafting loop's drafts go to the verify step without the
     host reading them, through the verify graphs and (steps with a prefill chunk, chunked at 32 tokens) the
-    eager verify path; the outputs are those of speculation off."""
+    eager verify path; the next catch-ups start from the loop's saved state after the accepted drafts;
+    the outputs are those of speculation off, the drafts (accepted alike) those of the eager draft."""
     from kimiserve.engine import runner as runner_mod
-    from kimiserve.engine.spec_decode import device_drafts, verify_graphs
+    from kimiserve.engine.spec_decode import device_drafts, draft_model, verify_graphs
 
     prompts = random_prompts([20, 57, 9, 70], seed=3)
     params = [SamplingParams(max_tokens=24, **GREEDY)] * 3 + [
@@ -78,8 +79,13 @@ def test_drafts_left_on_the_device(monkeypatch):
                 max_num_batched_tokens=32, speculative_config=spec)
     eager = LLMEngine(EngineArgs(enforce_eager=True, **args))  # no graph sets: the draft steps one at a time
     on = LLMEngine(EngineArgs(**args))
+    restored = []  # catch-ups that start from the loop's saved state after the accepted drafts
+    restore = draft_model.DraftSequence.restore_accepted
+    monkeypatch.setattr(draft_model.DraftSequence, "restore_accepted",
+                        lambda seq, new: (lambda copies: (restored.append(len(copies)), copies)[1])(restore(seq, new)))
     assert tokens(run(on, prompts, params)) == want
     assert calls["rounds"] > 3 and calls["graph"] > 3 and calls["eager"] > 0, calls
+    assert sum(1 for n in restored if n) > 3, restored
     assert calls["rounds"] == on.proposer.loop_graphs.replays
     assert tokens(run(eager, prompts, params)) == want
     assert spec_counts(on) == spec_counts(eager)  # the same drafts, accepted alike

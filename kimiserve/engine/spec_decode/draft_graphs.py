@@ -7,6 +7,8 @@ The host fills, once per round: each sequence's first draft (a device-to-device 
 of d_1, its block table and its work state pages. Inside the graph, step s writes position p + s,
 attends up to it and advances the work pages in place; padding rows run on the reserved pages.
 Greedy drafts only, without per-request token masks (rounds with allowed_token_ids run step by step).
+After step s the work pages' state (after d_1..d_{s+1}) is copied to that step's save pages: the next
+round starts from the state after the drafts the target accepted instead of feeding them again.
 """
 
 from __future__ import annotations
@@ -39,11 +41,13 @@ class DraftLoopGraphs(GraphSet):
         self.first_tokens = torch.zeros(B, **long)
         # the per-round inputs live in one device buffer, filled by one host-to-device copy from a pinned
         # mirror (a pageable copy would make the host wait for the device): start positions, work state
-        # pages, then the block tables [B, width]
-        self._head = B * (1 + num_state)
+        # pages, the pages that keep the state after each step, then the block tables [B, width]
+        self._head = B * (1 + num_state * (1 + steps))
         self.inputs = torch.full((self._head + B * width,), pad_page, **long)
         self.start_positions = self.inputs[:B]
-        self.state_pages = self.inputs[B : self._head].view(B, num_state)
+        self.state_pages = self.inputs[B : B * (1 + num_state)].view(B, num_state)
+        self.save_pages = self.inputs[B * (1 + num_state) : self._head].view(B, steps, num_state)
+        """Step s's state (after d_1..d_{s+1}) is copied to save_pages[:, s] (the next round starts from it)."""
         self.block_tables = self.inputs[self._head :].view(B, width)
         self.pad_state_pages = pad_state_pages.to(dev)
         self._pad_states_host = pad_state_pages.cpu().numpy()
@@ -58,9 +62,10 @@ class DraftLoopGraphs(GraphSet):
         self.replays = 0
 
     def run(self, first_tokens: torch.Tensor, starts: list[int], block_tables: list[list[int]],
-            state_pages: list[list[int]]) -> torch.Tensor | None:
+            state_pages: list[list[int]], save_pages: list[list[list[int]]]) -> torch.Tensor | None:
         """Drafts d_2..d_K [n, steps] on the device after first_tokens (d_1, [n] on the device) at
-        positions starts[j], or None when no graph can run them (the caller steps eagerly)."""
+        positions starts[j], on work state pages state_pages[j], the state after step s copied to
+        save_pages[j][s]; or None when no graph can run them (the caller steps eagerly)."""
         n = len(starts)
         size = self.padded_size(n)
         if self.disabled or size is None or n == 0:
@@ -68,19 +73,21 @@ class DraftLoopGraphs(GraphSet):
         bucket = self.context_bucket(max(starts) + self.steps)
         if (size, bucket) not in self.graphs and not self._capture(size, bucket):
             return None
-        self._fill(starts, block_tables, state_pages, size, bucket)
+        self._fill(starts, block_tables, state_pages, size, bucket, save_pages)
         self.first_tokens[:n].copy_(first_tokens)
         graph, drafts = self.graphs[(size, bucket)]
         graph.replay()
         self.replays += 1
         return drafts[:n]
 
-    def _fill(self, starts, block_tables, state_pages, size: int, bucket: int) -> None:
+    def _fill(self, starts, block_tables, state_pages, size: int, bucket: int, save_pages=()) -> None:
         n, cols, B = len(starts), math.ceil(bucket / self.pool.block_size), self.max_batch
         if self._copied is not None:
             self._copied.synchronize()  # the previous round's copy is done (at once, in practice)
         host = self._mirror.numpy()
-        positions, states = host[:B], host[B : self._head].reshape(B, -1)
+        num_state = self._pad_states_host.size
+        positions, states = host[:B], host[B : B * (1 + num_state)].reshape(B, -1)
+        saves = host[B * (1 + num_state) : self._head].reshape(B, self.steps, num_state)
         tables = host[self._head :].reshape(B, -1)[:size]
         tables.fill(self.pad_page)
         for j, table in enumerate(block_tables):
@@ -90,7 +97,9 @@ class DraftLoopGraphs(GraphSet):
         positions[n:size] = 0
         if n:
             states[:n] = state_pages
+            saves[:n] = save_pages
         states[n:size] = self._pad_states_host
+        saves[n:size] = self._pad_states_host
         end = self._head + size * tables.shape[1]
         self.inputs[:end].copy_(self._mirror[:end], non_blocking=True)
         if self.inputs.device.type == "cuda":
@@ -111,6 +120,10 @@ class DraftLoopGraphs(GraphSet):
                                  decode_state_pages=self.state_pages[:size], decode_max_context=bucket, ops=self.ops)
             token = torch.argmax(self.model.forward_batch(token, batch, rows), dim=-1)
             drafts.append(token)
+            work, save = self.state_pages[:size], self.save_pages[:size, s]
+            for state in (self.pool.recurrent, self.pool.conv):
+                if state is not None:
+                    state[save] = state[work]
         return torch.stack(drafts, dim=1)
 
     def _capture(self, size: int, bucket: int) -> bool:

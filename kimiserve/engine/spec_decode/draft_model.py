@@ -7,7 +7,11 @@ sequence's tokens it has not seen (the first time the whole prompt, later the to
 kept: what the target accepted plus its own token) and drafts d_1 from the last row; then K - 1
 one-token steps feed d_1..d_{K-1} on the work pages (a copy of the committed ones), so the committed
 state never sees a draft and needs no rollback. Latents written for drafts are overwritten by the
-next catch-up, which starts at the committed position. Drafts are greedy (argmax within the
+next catch-up, which starts at the committed position. When the K - 1 steps ran as one graph
+(`draft_graphs.DraftLoopGraphs`), it also kept the state after each of them in the sequence's saved
+state pages, so the next catch-up starts from the state after the drafts the target accepted (a page
+copy) and feeds only what follows them (mostly the target's own token: a decode step, not a chunk of
+up to K + 1 tokens). Drafts are greedy (argmax within the
 request's allowed_token_ids), i.e. one-hot draft distributions, which `verify.accept_drafts` is exact for.
 """
 
@@ -38,10 +42,30 @@ class DraftSequence:
     num_computed: int = 0
     drafts: "list[int] | DraftRow" = field(default_factory=list)
     """The latest round's drafts (after num_computed tokens): reused when no token came since."""
+    saved_pages: list[list[int]] = field(default_factory=list)
+    """State pages per drafting-loop step s: the state after drafts d_1..d_{s+1} (loop graphs only)."""
+    num_saved: int = 0
+    """How many of saved_pages hold the state after the latest round's drafts (0: none)."""
 
     @property
     def pages(self) -> list[int]:
-        return self.block_table + self.state_pages + self.work_pages
+        return self.block_table + self.state_pages + self.work_pages + [p for s in self.saved_pages for p in s]
+
+    def restore_accepted(self, tokens: list[int]) -> list[tuple[int, int]]:
+        """Before a catch-up on `tokens` (the sequence's tokens after num_computed): start past the leading
+        ones the drafting loop already fed (its drafts, whose state it saved), leaving at least one token
+        to feed; returns the page copies that make that saved state the committed one."""
+        if not self.num_saved:
+            return []
+        fed = self.drafts.values() if isinstance(self.drafts, DraftRow) else self.drafts
+        m = 0
+        while m < min(self.num_saved, len(tokens) - 1) and tokens[m] == fed[m]:
+            m += 1
+        self.num_saved = 0
+        if not m:
+            return []
+        self.num_computed += m
+        return list(zip(self.saved_pages[m - 1], self.state_pages))
 
 
 class DraftModelProposer:
@@ -103,13 +127,16 @@ class DraftModelProposer:
         seq = seq or DraftSequence()
         end = request.num_tokens + k - 1
         blocks = -(-end // self.allocator.block_size) - len(seq.block_table)
-        need = max(0, blocks) + (2 * self.num_state if fresh else 0)
+        sets = 2 + (self.loop_graphs.steps if self.loop_graphs is not None else 0)  # committed, work, saved
+        need = max(0, blocks) + (sets * self.num_state if fresh else 0)
         if not self.allocator.can_allocate(need):
             return None
         pages = self.allocator.allocate(need)
         if fresh:
-            seq.state_pages, seq.work_pages = pages[: self.num_state], pages[self.num_state : 2 * self.num_state]
-            pages = pages[2 * self.num_state :]
+            ns = self.num_state
+            seq.state_pages, seq.work_pages = pages[:ns], pages[ns : 2 * ns]
+            seq.saved_pages = [pages[i * ns : (i + 1) * ns] for i in range(2, sets)]
+            pages = pages[sets * ns :]
             self.sequences[request] = seq
         seq.block_table += pages
         return seq
@@ -149,8 +176,9 @@ class DraftModelProposer:
         # catch up on the tokens the draft has not seen; d_1 from each chunk's last row. A catch-up of
         # 2..K + 1 tokens (the last round's kept ones) runs as a verify chunk keeping all its tokens, so
         # it takes a verify graph (every row's logits computed) and leaves a decode step's KDA state
-        ids, chunks, rows, last, fresh, row = [], [], [], [], [], 0
+        ids, chunks, rows, last, fresh, restores, row = [], [], [], [], [], [], 0
         for _, r, seq, _ in active:
+            restores += seq.restore_accepted(r.all_ids[seq.num_computed : r.num_tokens])
             new = r.all_ids[seq.num_computed : r.num_tokens]
             if seq.num_computed == 0:
                 fresh += seq.state_pages
@@ -162,7 +190,7 @@ class DraftModelProposer:
             row += len(new)
             last.append(len(rows) - 1)
             seq.num_computed = r.num_tokens
-        logits = self.runner.forward(StepInput(ids, chunks, rows, [], fresh))
+        logits = self.runner.forward(StepInput(ids, chunks, rows, restores, fresh))
         self.runner.commit_verified({j: c.end - c.start for j, c in enumerate(chunks) if c.verify})
         self.num_forwards += 1
         first = self._argmax(logits[to_device(last, logits.device)], [a[1] for a in active])
@@ -177,7 +205,11 @@ class DraftModelProposer:
                 copies = []
             rest = self.loop_graphs.run(first, [seq.num_computed for _, _, seq, _ in active],
                                         [seq.block_table for _, _, seq, _ in active],
-                                        [seq.work_pages for _, _, seq, _ in active])
+                                        [seq.work_pages for _, _, seq, _ in active],
+                                        [seq.saved_pages for _, _, seq, _ in active])
+            if rest is not None:
+                for _, _, seq, _ in active:
+                    seq.num_saved = self.k - 1
         if rest is not None and on_device:
             self.num_forwards += self.k - 1
             source = DeviceDrafts.of(torch.cat([first[:, None], rest], dim=1))
