@@ -33,6 +33,7 @@ ROUTE_CASES = [  # (rows, experts, top_k, groups, top groups, score function, bi
     (9, 64, 8, 8, 3, "softmax", True, True, 1.7), (2, 24, 2, 24, 4, "sigmoid", True, True, 1.0),
 ]
 HEAD_MATMUL_CASES = [(1, 3, 24, 40), (17, 5, 16, 72), (2, 4, 128, 512)]  # (rows, heads, head dim, latent)
+GATED_NORM_CASES = [(1, 3, 128), (17, 5, 24), (70, 4, 33)]  # (tokens, heads, head dim)
 SITU_CASES = [(1, 300, 25.0), (17, 300, None), (4, 3072, 25.0)]  # (rows, width, linear beta)
 
 
@@ -84,6 +85,18 @@ def check_layer_norm(kernel, device, dtype, rows, hidden, seed=0):
     with poisoned_outputs():
         got = kernel(x, w, b, 1e-6)
     _check(got, norm_ref.layer_norm(x, w, b, 1e-6), dtype, "layer_norm")
+
+
+def check_gated_rms_norm(kernel, device, dtype, tokens, heads, dim, seed=0):
+    """KDA's output norm: x [T, H, d] (fla's output), gate [T, H, d] a view of a wider projection's columns,
+    fp32 weight [d]."""
+    rnd = _gen(seed)
+    x = (rnd(tokens, heads, dim) * 2).to(dtype).to(device)
+    gate = (rnd(tokens, heads * dim + 7) * 2).to(dtype).to(device)[:, 3 : 3 + heads * dim].view(tokens, heads, dim)
+    w = (1 + rnd(dim, scale=0.1)).to(device)
+    with poisoned_outputs():
+        got = kernel(x, gate, w, 1e-5)
+    _check(got, norm_ref.gated_rms_norm(x, gate, w, 1e-5), dtype, "gated_rms_norm")
 
 
 def check_add_read_norm(kernel, device, dtype, rows, hidden, n_blocks, add, one_buffer, seed=0):

@@ -121,3 +121,12 @@ def test_decode_glue_ops_counts_a_decode_step():
     assert "one decode step of forward_batch" in proc.stdout
     for group in ("RMSNorm", "attn-res read", "router (route)", "ops.kda_decode_step"):
         assert group in proc.stdout, group
+
+
+@gpu
+@pytest.mark.parametrize("dtype", cases.DTYPES)
+@pytest.mark.parametrize("tokens, heads, dim", cases.GATED_NORM_CASES + [(8192, 96, 128)])
+def test_gated_rms_norm(tokens, heads, dim, dtype):
+    from kimiserve.ops.norm import triton as norm_tt
+
+    cases.check_gated_rms_norm(norm_tt.gated_rms_norm, "cuda", dtype, tokens, heads, dim, seed=tokens)

@@ -88,3 +88,9 @@ def test_cases_outside_the_kernels_run_the_references():
     want = attn_res_ref.add_read_norm(running, addend, blocks, w, w[None], w, 1e-5)
     assert got[1].shape == (1, 3, 40) and torch.equal(got[1], running + addend)
     assert torch.equal(got[0], want[0])
+
+
+@pytest.mark.parametrize("dtype", cases.DTYPES)
+@pytest.mark.parametrize("tokens, heads, dim", cases.GATED_NORM_CASES)
+def test_gated_rms_norm(tokens, heads, dim, dtype):
+    cases.check_gated_rms_norm(norm_tt.gated_rms_norm, "cpu", dtype, tokens, heads, dim, seed=tokens)

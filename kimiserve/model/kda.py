@@ -118,12 +118,14 @@ class KimiDeltaAttention(nn.Module):
         heads = lambda t: t.view(B, T, self.num_heads, self.head_dim)  # noqa: E731
         g = kda_gate(heads(f), self.A_log, self.dt_bias, self.lower_bound)
         beta = torch.sigmoid(b.float())
+        norm = gated_rms_norm
         if isinstance(ctx, ForwardBatch):
             o = self.paged_mix(q, k, v, g, beta, ctx)
+            norm = ctx.ops.gated_rms_norm
         else:
             train = isinstance(ctx, TrainContext)
             o, _, _ = self.mix(q, k, v, g, beta, chunk_size=ctx.kda_chunk_size if train else 64, train=train)
-        return gated_rms_norm(o, heads(gate), self.o_norm.weight, self.eps)
+        return norm(o, heads(gate), self.o_norm.weight, self.eps)
 
     def paged_forward(self, q, k, v, f, b, gate, batch: ForwardBatch) -> torch.Tensor:
         """Packed serving tokens [1, N] after the projections -> the o_proj input [1, N, H, V]: the
@@ -240,12 +242,13 @@ class KimiDeltaAttention(nn.Module):
         conv_in = pool.conv[src]
         parts = []
         for j, (start, end, _, _) in enumerate(segments):
-            qh, kh, vh, conv = self.short_conv(q[:, start:end], k[:, start:end], v[:, start:end], conv_in[j : j + 1])
+            qh, kh, vh, conv = ops.short_conv(q[:, start:end], k[:, start:end], v[:, start:end], self.decode_weights,
+                                              self.num_heads, conv_in[j : j + 1])
             pool.conv[dst[j : j + 1]] = conv
             parts.append((qh, kh, vh, g[:, start:end], beta[:, start:end]))
         lengths = [end - start for start, end, _, _ in segments]
         cu_seqlens = torch.tensor([0] + lengths, dtype=torch.int64).cumsum(0)
-        packed = [torch.cat(t, dim=1) for t in zip(*parts)]
+        packed = parts[0] if len(parts) == 1 else [torch.cat(t, dim=1) for t in zip(*parts)]
         out, states = ops.kda_prefill(*packed, pool.recurrent[src], cu_seqlens)
         pool.recurrent[dst] = states
         for (start, end, _, _), offset in zip(segments, cu_seqlens.tolist()):

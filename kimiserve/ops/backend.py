@@ -47,6 +47,11 @@ class DecodeOps:
     sparse_mla_prefill: Callable = mla_ref.paged_sparse_mla_prefill
     """(q_latent [n, H, L], q_pe, latent_cache, latent_scale, block_table [M], indices [n, k], scale, dtype, *, out=None)
     -> [n, H, L] in dtype: sparse MLA of a prefill chunk's rows, all of one sequence"""
+    short_conv: Callable = kda_ref.short_conv
+    """(q, k, v [B, T, H * K], KDADecodeWeights, num_heads, conv_state [B, 3, H * K, W - 1] | None) -> (q, k
+    L2-normalised, v [B, T, H, K], new conv state): KDA's short conv over prefill chunks"""
+    gated_rms_norm: Callable = norm_ref.gated_rms_norm
+    """(x, gate [..., d], weight [d], eps) -> RMSNorm(x) * weight * sigmoid(gate) in x's dtype (KDA's output norm)"""
     prefill_in_place: bool = False
     """MLA prefill chunks: True runs the decode ops above with one row per query token, reading the
     pages in place (the kernels); False gathers the chunk's context and runs the masked full-sequence
@@ -94,17 +99,20 @@ def _kda_ops() -> tuple[Callable, Callable]:
 
 def fused_glue_ops(ops: DecodeOps) -> DecodeOps:
     """`ops` with the Triton kernels of the decode step's glue (RMSNorm, LayerNorm, the residual add + attention-residual
-    read + RMSNorm, the router's selection, SiTU, MLA's per-head matmuls): what the serving path runs on CUDA (and what the interpreter
+    read + RMSNorm, the router's selection, SiTU, MLA's per-head matmuls) and of KDA's prefill glue (the short conv,
+    the gated output norm): what the serving path runs on CUDA (and what the interpreter
     tests run on the CPU). Raises ImportError without Triton."""
     from kimiserve.ops.activation import triton as activation_tt
     from kimiserve.ops.attn_res import triton as attn_res_tt
+    from kimiserve.ops.conv import triton as conv_tt
     from kimiserve.ops.mla import head_matmul_triton
     from kimiserve.ops.moe import route_triton
     from kimiserve.ops.norm import triton as norm_tt
 
     return dataclasses.replace(ops, rms_norm=norm_tt.rms_norm, layer_norm=norm_tt.layer_norm, add_read_norm=attn_res_tt.add_read_norm,
                                route=route_triton.route, situ_and_mul=activation_tt.situ_and_mul,
-                               head_matmul=head_matmul_triton.head_matmul)
+                               head_matmul=head_matmul_triton.head_matmul, short_conv=conv_tt.short_conv,
+                               gated_rms_norm=norm_tt.gated_rms_norm)
 
 
 def select_decode_ops(device: torch.device) -> DecodeOps:

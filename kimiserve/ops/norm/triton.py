@@ -97,3 +97,35 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: f
     _layer_norm_kernel[(x2.shape[0],)](x2, weight, bias, out, d, x2.stride(0), d, eps, DTYPE=TL_DTYPES[x.dtype],
                                        BLOCK=block, num_warps=num_warps_for(block))
     return out
+
+
+@triton.jit
+def _gated_rms_norm_kernel(x_ptr, g_ptr, w_ptr, out_ptr, N, D, s_x, s_g, s_o, eps,
+                           DTYPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK: tl.constexpr):
+    """BLOCK_R rows of RMSNorm(x) * weight * sigmoid(gate), all in fp32, rounded once."""
+    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    ok = (rows < N)[:, None] & (cols < D)[None, :]
+    x = tl.load(x_ptr + rows[:, None] * s_x + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + rows[:, None] * s_g + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
+    normed = x * tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)[:, None]
+    y = normed * w[None, :] * (1.0 / (1.0 + tl.exp(-g)))
+    tl.store(out_ptr + rows[:, None] * s_o + cols[None, :], y.to(DTYPE), mask=ok)
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`reference.gated_rms_norm` in one kernel: x and gate [..., d] (same shape), weight [d] -> [..., d] in x's
+    dtype: RMSNorm of x times weight times sigmoid(gate), in fp32 (KDA's output norm). Rows of d <= 1024
+    (KDA's head dim), several per program."""
+    if (not supported(x, weight) or gate.shape != x.shape or gate.dtype not in TL_DTYPES or x.shape[-1] > 1024):
+        return reference.gated_rms_norm(x, gate, weight, eps)
+    d = x.shape[-1]
+    x2, g2 = rows_of(x), rows_of(gate)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    block = triton.next_power_of_2(d)
+    block_r = max(1, 2048 // block)
+    _gated_rms_norm_kernel[(triton.cdiv(x2.shape[0], block_r),)](
+        x2, g2, weight, out, x2.shape[0], d, x2.stride(0), g2.stride(0), d, eps, DTYPE=TL_DTYPES[x.dtype],
+        BLOCK_R=block_r, BLOCK=block, num_warps=4)
+    return out
