@@ -436,7 +436,17 @@ def main(argv: list[str] | None = None) -> int:
           f"{E} experts, top-{k}, {h} -> {inter} -> {h}", flush=True)
     gen_x = torch.Generator(device=device).manual_seed(1)
     w = packed_experts(E, h, inter, device)
-    shifted = shift_layout(w, any(v.startswith("shift") for v in variants))
+    shifted = shift_layout(w, not dry or any(v.startswith("shift") for v in variants))
+    # "default": default_config for the checkpoint layout; "default-shift": for the shift layout (re-laid copy)
+    defaults = ["default", "default-shift"] if shifted is not None else ["default"]
+    result["defaults"] = defaults
+
+    def config_for(spec: str, n: int) -> tt.MoEConfig | None:
+        if spec == "default":
+            return None
+        if spec == "default-shift":
+            return tt.default_config(n, k, E, dtype, True, "shift")
+        return parse_variant(spec)
     per_expert = sum(w[n][0].numel() for n in w)  # bytes: uint8 codes and scales
     act_bytes = torch.tensor([], dtype=dtype).element_size()
 
@@ -450,8 +460,8 @@ def main(argv: list[str] | None = None) -> int:
         for n in check_tokens:
             x, ids, weights = inputs(n, "random", 100 + n)
             want = reference(x, w, ids, weights)
-            for spec in ["default"] + variants:
-                cfg = None if spec == "default" else parse_variant(spec)
+            for spec in defaults + variants:
+                cfg = config_for(spec, n)
                 out = torch.full_like(x, float("nan"))
                 try:
                     got = kernel_fn(x, w, ids, weights, cfg, out, shifted)()
@@ -484,15 +494,16 @@ def main(argv: list[str] | None = None) -> int:
             ms, how = fast_time(kernel_fn(x, w, ids, weights, None, out), n)
             row.update(kernel_ms=ms, timing=how)
             timed = [dict(variant="default", config=row["default_config"], ms=ms)]
-            for spec in variants:
-                if spec in failed or not applies(spec, n, explicit):
+            for spec in defaults[1:] + variants:
+                if spec in failed or not (spec in defaults or applies(spec, n, explicit)):
                     continue
                 try:
-                    vms, _ = fast_time(kernel_fn(x, w, ids, weights, parse_variant(spec), out, shifted), n)
+                    vms, _ = fast_time(kernel_fn(x, w, ids, weights, config_for(spec, n), out, shifted), n)
                 except Exception as e:  # a tiling that does not compile (shared memory, registers)
                     print(f"variant {spec} at {n} tokens failed: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
                     continue
-                timed.append(dict(variant=spec, config=spec, ms=vms))
+                timed.append(dict(variant=spec, config=config_spec(config_for(spec, n)) if spec in defaults else spec,
+                                  ms=vms))
             for t in timed:
                 t.update(bytes_roofline_fraction=row["roofline_ms"] / t["ms"],
                          matmul_fraction=row["flop_roofline_ms"] / t["ms"], tflops=flops / (t["ms"] * 1e-3) / 1e12)

@@ -42,12 +42,13 @@ def test_moe_layer_dry_run(tmp_path):
     assert data["device"] == "cpu" and data["dry_run"] is True and data["commit"] and data["date"]
     assert positive(data["copy_gbps"]) and positive(data["matmul_tflops"])
     assert data["checks"] and all(c["ok"] for c in data["checks"])
-    assert {c["variant"] for c in data["checks"]} == {"default", *data["variants"]}
+    assert data["defaults"] == ["default", "default-shift"]  # the checkpoint layout's default and the shift layout's
+    assert {c["variant"] for c in data["checks"]} == {*data["defaults"], *data["variants"]}
     assert {(r["routing"], r["tokens"]) for r in data["rows"]} == {(r, n) for r in ("random", "zipf") for n in (1, 5)}
     for r in data["rows"]:
         for key in ROW_FIGURES:
             assert positive(r[key]), (r["routing"], r["tokens"], key)
-        assert len(r["variants"]) == 1 + len(data["variants"])  # the default and every variant, all timed
+        assert len(r["variants"]) == 2 + len(data["variants"])  # both defaults and every variant, all timed
         assert all(positive(v["ms"]) for v in r["variants"])
         assert r["peer"] in ("torch._grouped_mm", "torch.mm loop")
     random_rows = [r for r in data["rows"] if r["routing"] == "random"]
