@@ -77,6 +77,7 @@ PREFILL_VARIANTS = [
     "shift-m32-n64-k128-w4-s3-dn128",
     "shift-m64-n64-k128-w4-s3-dn128",
     "shift-m64-n64-k128-w4-s4-dn128",
+    "shift-m64-n64-k128-w4-s2-dn128",  # 3 CTAs per SM (shared memory): one's dequant under another's wgmma
     "shift-m128-n64-k128-w4-s3-dn128",
     "shift-m128-n64-k128-w8-s3-dn128",
     "shift-m256-n32-k128-w8-s3",
