@@ -390,14 +390,37 @@ def test_grouped_matmul_gives_each_row_the_matmul_of_its_group(mxfp4):
     groups = torch.randint(0, E, (M,), generator=g)
     groups[:80] = 2  # one group over two row tiles
     groups[100] = -1
-    plan = bi.RowGroups.of(groups.to(DEVICE))
-    y = bi_triton.grouped_matmul(x, weights, plan.order, plan.present, plan.counts)
+    plan = bi_triton.TilePlan.of(groups.to(DEVICE), E)
+    y = bi_triton.grouped_matmul(x, weights, plan)
     for e in range(E):
         rows = torch.nonzero(groups == e)[:, 0].to(DEVICE)
         assert torch.equal(y[rows], bi_triton.matmul(x[rows], dense[e]))
     assert torch.equal(y[100], torch.zeros(N, device=DEVICE))
-    sub = bi.RowGroups.of(groups[90:97].to(DEVICE))  # other rows, other tiles: the same bits
-    assert torch.equal(bi_triton.grouped_matmul(x[90:97], weights, sub.order, sub.present, sub.counts), y[90:97])
+    sub = bi_triton.TilePlan.of(groups[90:97].to(DEVICE), E)  # other rows, other tiles: the same bits
+    assert torch.equal(bi_triton.grouped_matmul(x[90:97], weights, sub), y[90:97])
+    one = bi_triton.TilePlan.of(groups[100:101].to(DEVICE), E)  # only a row of no group: zeros, no tile used
+    assert torch.equal(bi_triton.grouped_matmul(x[100:101], weights, one), torch.zeros(1, N, device=DEVICE))
+
+
+@pytest.mark.parametrize("M,G", [(1, 16), (16, 16), (150, 4), (130, 1), (7, 3)])
+def test_tile_plan_covers_each_group_in_tiles_of_one_group(M, G):
+    """The device-side plan: every row of a group in exactly one used tile of that group (at most BM
+    rows, consecutive in `order`), rows of no group in none, the unused tiles empty."""
+    g = torch.Generator().manual_seed(M * 31 + G)
+    groups = torch.randint(-1, G, (M,), generator=g)
+    plan = bi_triton.TilePlan.of(groups.to(DEVICE), G)
+    bm = bi_triton.CONFIG["BM"]
+    assert plan.tile_group.shape[0] == -(-M // bm) + min(G, M)
+    seen = []
+    order = plan.order.cpu()
+    for t, s, e in zip(plan.tile_group.tolist(), plan.tile_start.tolist(), plan.tile_end.tolist()):
+        assert 0 <= e - s <= bm
+        rows = order[s:e]
+        assert (groups[rows] == t).all()
+        seen += rows.tolist()
+    assert sorted(seen) == torch.nonzero(groups >= 0)[:, 0].tolist()
+    assert [sorted(r.tolist()) for _, r in plan.host_groups()] == [
+        torch.nonzero(groups == e)[:, 0].tolist() for e in range(G) if (groups == e).any()]
 
 
 def test_expert_linear_forward_is_the_grouped_matmul_and_its_backward_the_plain_gradient(monkeypatch):
@@ -409,9 +432,10 @@ def test_expert_linear_forward_is_the_grouped_matmul_and_its_backward_the_plain_
     w = torch.randn(3, 20, 48, generator=g).to(torch.bfloat16).to(DEVICE).requires_grad_(True)
     x = torch.randn(30, 48, generator=g).to(torch.bfloat16).to(DEVICE).requires_grad_(True)
     groups = torch.randint(0, 3, (30,), generator=g).to(DEVICE)
-    plan = bi.RowGroups.of(groups)
+    plan = bi.group_rows(x, groups, 3)
+    assert isinstance(plan, bi_triton.TilePlan)
     y = bi.expert_linear(x, plan, w)
-    assert torch.equal(y, bi_triton.grouped_matmul(x, w, plan.order, plan.present, plan.counts).to(torch.bfloat16))
+    assert torch.equal(y, bi_triton.grouped_matmul(x, w, plan).to(torch.bfloat16))
     c = torch.randn(30, 20, generator=g).to(DEVICE)
     gx, gw = torch.autograd.grad((y.float() * c).sum(), (x, w))
     ref = torch.einsum("nk,nok->no", x.float(), w.float()[groups])

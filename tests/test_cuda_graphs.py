@@ -19,18 +19,18 @@ class EagerReplay:
 
     def __init__(self, graphs, size, bucket):
         self.args = (graphs.input_ids[:size], graphs._batch(size, bucket), graphs.rows[:size])
-        self.model = graphs.model
+        self.forward = graphs.forward
         self.lora = contextlib.nullcontext
         if graphs.lora is not None:
             from kimiserve.lora.serving import LoRARows
 
             self.lora = lambda: graphs.lora.active(LoRARows(graphs.lora_slots[:size]))  # noqa: E731
         with self.lora():
-            self.logits = graphs.model.forward_batch(*self.args)
+            self.logits = graphs.forward(*self.args)
 
     def replay(self):
         with self.lora():
-            self.logits.copy_(self.model.forward_batch(*self.args))
+            self.logits.copy_(self.forward(*self.args))
 
 
 @pytest.fixture
@@ -109,3 +109,28 @@ def test_context_bucket():
     graphs = cuda_graphs.DecodeGraphs.__new__(cuda_graphs.DecodeGraphs)
     graphs.max_model_len = 20000
     assert [graphs.context_bucket(n) for n in (1, 2048, 4097, 9000, 20000)] == [2048, 2048, 8192, 16384, 20000]
+
+
+def test_batch_invariant_decode_graphs_give_the_eager_bits(eager_graphs):
+    """Batch-invariant mode records `InvariantForward` in its decode graphs: a sequence's logprobs in a
+    padded graph batch (5 rows -> 8, the context bucket's width) == alone (a graph of 1) == eager (no
+    graphs) == the trainer's, bit for bit; LoRA rows run eagerly."""
+    from kimiserve.rl.trainer import PolicyTrainer
+
+    prompts = random_prompts([3, 70, 40, 9, 33], seed=8)
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=6, logprobs=0, ignore_eos=True) for s in range(5)]
+    lp = lambda o: torch.tensor([x.logprob for x in o.outputs[0].logprobs])  # noqa: E731
+    engine = make_engine(batch_invariant=True, max_num_seqs=8, max_model_len=256, num_pages=100)
+    assert engine.runner.graphs is not None and engine.runner.graphs.forward == engine.runner.invariant.forward_batch
+    outs = run(engine, prompts, params)
+    assert engine.runner.graphs.replays >= 5 and {size for size, _ in eager_graphs} >= {8}
+    alone = run(engine, prompts[:1], params[0], ids=["alone"])["alone"]
+    assert {size for size, _ in eager_graphs} >= {1, 8}
+    eager = run(make_engine(batch_invariant=True, enforce_eager=True, max_model_len=256, num_pages=100), prompts, params)
+    for i in range(5):
+        assert torch.equal(lp(outs[f"r{i}"]), lp(eager[f"r{i}"])), i
+    assert alone.outputs[0].token_ids == outs["r0"].outputs[0].token_ids and torch.equal(lp(alone), lp(outs["r0"]))
+    with torch.no_grad():
+        lps = PolicyTrainer.from_engine(engine).logprobs(prompts, [outs[f"r{i}"].outputs[0].token_ids for i in range(5)])
+    for i, got in enumerate(lps):
+        assert torch.equal(got, lp(outs[f"r{i}"])), i

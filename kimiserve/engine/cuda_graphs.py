@@ -83,12 +83,16 @@ class DecodeGraphs(GraphSet):
     """Captures and replays decode-only steps of `model` on `pool`.
 
     pad_page: an attention page no sequence owns; pad_state_pages: int64 [num_kda_layers] state
-    pages no sequence owns (both reserved by the engine outside the allocator's pages).
+    pages no sequence owns (both reserved by the engine outside the allocator's pages). forward:
+    what a graph records, `(input_ids, batch, logits_rows) -> logits` (default the model's
+    `forward_batch`; batch-invariant mode: `InvariantForward.forward_batch`, whose decode rows do not
+    depend on the padding rows either).
     """
 
     def __init__(self, model: KimiForCausalLM, pool: PagePool, ops: DecodeOps, max_num_seqs: int,
-                 max_model_len: int, pad_page: int, pad_state_pages: torch.Tensor):
+                 max_model_len: int, pad_page: int, pad_state_pages: torch.Tensor, forward=None):
         self.model, self.pool, self.ops = model, pool, ops
+        self.forward = forward or model.forward_batch
         self.sizes = capture_sizes(max(1, min(max_num_seqs, STATIC_MOE_TOKENS)))
         self.max_batch, self.max_model_len = self.sizes[-1], max_model_len
         self.pad_page = pad_page
@@ -217,7 +221,7 @@ class DecodeGraphs(GraphSet):
 
             lora = lambda: self.lora.active(LoRARows(self.lora_slots[:size]))  # noqa: E731
         try:
-            forward = lambda: self.model.forward_batch(ids, batch, rows)  # noqa: E731
+            forward = lambda: self.forward(ids, batch, rows)  # noqa: E731
             with lora():
                 self.warm_up(forward)
                 graph, logits = self.record(forward)

@@ -219,7 +219,9 @@ class ModelRunner:
         n = len(step.chunks)
         every_row = step.logit_rows == list(range(len(step.token_ids)))
         serving = self.lora.serving if self.lora is not None else None
-        if self.graphs is not None and every_row and len(step.token_ids) == n:
+        # batch-invariant LoRA rows run eagerly (their adapters' stacked weights are made per step)
+        invariant_lora = self.invariant is not None and any(c.lora_id for c in step.chunks)
+        if self.graphs is not None and every_row and len(step.token_ids) == n and not invariant_lora:
             slots = None if serving is None else self.lora.slot_list([c.lora_id for c in step.chunks])
             logits = self.graphs.run(step.token_ids, step.chunks, slots)  # one token per sequence, each sampled
             if logits is not None:
@@ -232,11 +234,12 @@ class ModelRunner:
 
     def _forward_eager(self, step: "StepInput", every_row: bool) -> torch.Tensor:
         n = len(step.chunks)
-        if (every_row and len(step.token_ids) == n and self.invariant is None and self.dcp is None
-                and not any(c.verify for c in step.chunks)):
+        if every_row and len(step.token_ids) == n and self.dcp is None and not any(c.verify for c in step.chunks):
             batch = self._decode_batch(step.chunks)  # one token per sequence: no per-sequence tensors
-            return self.model.forward_batch(to_device(step.token_ids, self.device), batch,
-                                            to_device(step.logit_rows, self.device))
+            ids, rows = to_device(step.token_ids, self.device), to_device(step.logit_rows, self.device)
+            if self.invariant is not None:
+                return self.invariant.forward_batch(ids, batch, rows, self._lora_batch(step))
+            return self.model.forward_batch(ids, batch, rows)
         if self.verify_graphs is not None and every_row:
             logits = self.verify_graphs.run(step.token_ids, step.chunks, step.device_drafts)
             if logits is not None:
@@ -249,14 +252,17 @@ class ModelRunner:
             write_drafts(input_ids, step.device_drafts, lambda j: step.chunks[j].start)
         rows = to_device(step.logit_rows, self.device)
         if self.invariant is not None:
-            lora = None
-            if self.lora is not None:
-                lora = self.lora.batch([c.lora_id for c in step.chunks for _ in range(c.end - c.start)], self.device)
-            return self.invariant.forward_batch(input_ids, batch, rows, lora)
+            return self.invariant.forward_batch(input_ids, batch, rows, self._lora_batch(step))
         logits = self.model.forward_batch(input_ids, batch, rows)
         if batch.verify_inputs is not None:
             self.verified = (batch, [j for j, c in enumerate(step.chunks) if c.verify])
         return logits
+
+    def _lora_batch(self, step: "StepInput"):
+        """The step's `LoRABatch` (each row's adapter), or None when no row runs one."""
+        if self.lora is None:
+            return None
+        return self.lora.batch([c.lora_id for c in step.chunks for _ in range(c.end - c.start)], self.device)
 
     def _decode_batch(self, chunks: list[StepChunk]) -> ForwardBatch:
         """A decode-only step's batch (one token per chunk) from the chunks' page lists in a few host tensors;

@@ -22,7 +22,7 @@ from kimiserve.model.loader import load_model
 
 
 def uses_cuda_graphs(device: torch.device, args: EngineArgs) -> bool:
-    return device.type == "cuda" and not args.enforce_eager and not args.batch_invariant
+    return device.type == "cuda" and not args.enforce_eager
 
 
 class Worker:
@@ -65,8 +65,10 @@ class Worker:
             from kimiserve.engine.cuda_graphs import DecodeGraphs
 
             pad_states = torch.arange(num_pages + 1, num_pages + reserved, dtype=torch.int64)
+            invariant = self.runner.invariant
             self.runner.graphs = DecodeGraphs(self.model, self.pool, self.runner.ops, self.args.max_num_seqs,
-                                              max_model_len, num_pages, pad_states)
+                                              max_model_len, num_pages, pad_states,
+                                              forward=invariant.forward_batch if invariant is not None else None)
             spec = self.args.speculative()
             if spec is not None:
                 from kimiserve.engine.spec_decode.verify_graphs import VerifyGraphs

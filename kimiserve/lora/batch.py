@@ -3,9 +3,9 @@
 Each row of a batch has an adapter slot (-1: the base model). For a projection y = W x, the adapters'
 A and B of that projection are stacked once per batch (zeros for the base and for adapters that do not
 cover it; ranks zero-padded to the largest) and the rows run grouped by adapter (by adapter and expert
-for the experts): one invariant matmul per group present for A and one for B
-(`ops.batch_invariant.reference.grouped_linear`), so a row's result depends only on its own adapter. `lora_reference` is
-the oracle: one F.linear per adapter on its rows.
+for the experts): one grouped invariant matmul for A and one for B (`ops.batch_invariant.reference.
+stacked_linear`: on CUDA one launch planned on the device, no host sync), so a row's result depends
+only on its own adapter. `lora_reference` is the oracle: one F.linear per adapter on its rows.
 """
 
 from __future__ import annotations
@@ -34,14 +34,20 @@ def _stack(pairs: list[tuple[torch.Tensor, torch.Tensor] | None], rank: int) -> 
     return torch.stack(As), torch.stack(Bs)
 
 
+def small_tensor(values, dtype: torch.dtype, device) -> torch.Tensor:
+    """A small host list as a tensor on `device`, without making the host wait for the device (pinned on CUDA)."""
+    t = torch.tensor(values, dtype=dtype)
+    return t.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else t.to(device)
+
+
 class LoRABatch:
     """`adapters` (slot i = adapters[i]) and `row_slot` int64 [N] (-1: base) of the batch's packed rows."""
 
     def __init__(self, adapters: list, row_slot: torch.Tensor):
         self.adapters, self.row_slot = adapters, row_slot
         self.rank = max((a.rank for a in adapters), default=0)
-        self.scales = torch.tensor([0.0] + [a.scaling for a in adapters], dtype=torch.float32, device=row_slot.device)
-        self._plans: dict[tuple, tuple[torch.Tensor, bi.RowGroups]] = {}
+        self.scales = small_tensor([0.0] + [a.scaling for a in adapters], torch.float32, row_slot.device)
+        self._plans: dict[tuple, tuple[torch.Tensor, object]] = {}
         """Per (row count, which adapters cover a projection): the rows' coverage and their groups."""
 
     def _delta(self, key: str, table: str, x: torch.Tensor, slots: torch.Tensor, experts: torch.Tensor | None = None):
@@ -54,18 +60,15 @@ class LoRABatch:
         if experts is None and coverage in self._plans:  # the same rows as an earlier projection's
             covered, groups = self._plans[coverage]
         else:
-            covered = torch.tensor((False, *coverage[1:]), device=x.device)[index]
-            key = slots if experts is None else slots * A.shape[1] + experts  # experts: (adapter, expert)
-            groups = bi.RowGroups.of(torch.where(covered, key, -1))
+            covered = small_tensor((False, *coverage[1:]), torch.bool, x.device)[index]
+            key = index if experts is None else index * A.shape[1] + experts  # experts: (adapter, expert)
+            num_groups = A.shape[0] if experts is None else A.shape[0] * A.shape[1]
+            groups = bi.group_rows(x, torch.where(covered, key, -1), num_groups)
             if experts is None:
                 self._plans[coverage] = covered, groups
-        if experts is None:
-            pick = lambda t, g: t[g + 1]  # noqa: E731
-        else:
-            E = A.shape[1]
-            pick = lambda t, g: t[g // E + 1, g % E]  # noqa: E731
-        h = bi.grouped_linear(x, groups, lambda g: pick(A, g), self.rank)
-        d = bi.grouped_linear(h, groups, lambda g: pick(B, g), B.shape[-2])
+        A, B = A.reshape(-1, *A.shape[-2:]), B.reshape(-1, *B.shape[-2:])  # [groups, rank, in], [groups, out, rank]
+        h = bi.stacked_linear(x, groups, A)
+        d = bi.stacked_linear(h, groups, B)
         return d.float() * self.scales[index].unsqueeze(1), covered
 
     def apply(self, name: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,7 @@ import itertools
 import torch
 
 from kimiserve.lora.adapter import LoRAAdapter
-from kimiserve.lora.batch import LoRABatch
+from kimiserve.lora.batch import LoRABatch, small_tensor
 from kimiserve.lora.serving import LoRARows, ServingLoRA
 
 
@@ -99,5 +99,5 @@ class LoRARegistry:
         if missing:
             raise ValueError(f"LoRA adapter ids {missing} are no longer loaded")
         slot = {i: s for s, i in enumerate(used)}
-        rows = torch.tensor([slot[i] if i else -1 for i in row_ids], dtype=torch.int64, device=device)
+        rows = small_tensor([slot[i] if i else -1 for i in row_ids], torch.int64, device)
         return LoRABatch([by_id[i] for i in used], rows)

@@ -77,6 +77,9 @@ class SequenceContext:
         self._latents: dict[int, torch.Tensor] = {}
         self._keys: dict[int, torch.Tensor | None] = {}
 
+    context_width = None
+    decode = False
+
     def store_mla(self, layer: int, latent_rows: torch.Tensor, keys: torch.Tensor | None) -> None:
         scale = self.latent_scales[layer] if self.latent_scales else 1.0
         fmt = self.kv_cache_dtype
@@ -181,6 +184,11 @@ class PagedContext:
         base = torch.tensor(offsets[:-1], dtype=torch.int64, device=self.device)[self.row_segment]
         return latents, keys, base
 
+    context_width = None
+    """A host bound on every row's context length (None: the rows' own maximum)."""
+    decode = False
+    """One token per sequence, every index on the device (`DecodeContext`)."""
+
     def kda_initial(self, layer: int, num_heads: int, head_dim: int, conv_width: int, dtype):
         pages = torch.stack([c.state_pages[layer] for c in self.batch.chunks])
         return self.pool.conv[pages].float(), self.pool.recurrent[pages].float()
@@ -196,6 +204,53 @@ class PagedContext:
 
     def kda_final(self, layer: int, conv: torch.Tensor, state: torch.Tensor) -> None:
         pages = torch.stack([c.state_pages[layer] for c in self.batch.chunks])
+        self.pool.conv[pages] = conv.to(self.pool.conv.dtype)
+        self.pool.recurrent[pages] = state
+
+
+class DecodeContext(PagedContext):
+    """A decode-only step (a `ForwardBatch` of decode rows and no chunks: the runner's decode batch, or a
+    captured CUDA graph's static one): one token per sequence, every index made on the device from the
+    batch's tensors, with shapes fixed by the batch size and `decode_max_context` (no host sync, so a
+    CUDA graph can capture it). Each row's context 0 .. `decode_max_context` - 1 is read back from its
+    block table (positions past its own length are never used: the same bits as `PagedContext`)."""
+
+    decode = True
+
+    def __init__(self, batch: ForwardBatch):
+        self.batch, self.pool = batch, batch.pool
+        self.positions = batch.positions
+        self.device = batch.positions.device
+        n, bs = batch.positions.shape[0], batch.pool.block_size
+        self.context_width = width = batch.decode_max_context
+        ctx = torch.arange(width, device=self.device)
+        self.pages = torch.gather(batch.decode_block_tables, 1, (ctx // bs).expand(n, width)).reshape(-1)
+        self.offsets = (ctx % bs).repeat(n)
+        self.base = torch.arange(n, device=self.device) * width
+        self.segments = [Segment(i, i + 1, 0) for i in range(n)]
+
+    def read_mla_flat(self, layer: int):
+        pool = self.pool
+        latents = pool.read_latents(layer, self.pages, self.offsets, torch.float32)
+        keys = None
+        if pool.index_key:
+            pages, offs = self.pages, self.offsets
+            scales = pool.index_scale[layer][pages, offs] if pool.index_scale else None
+            keys = formats.load_index_key(pool.index_key[layer][pages, offs], scales, pool.kv_cache_dtype,
+                                          torch.float32, pool.layout.index_dim)
+            if pool.layout.index_key_rotation:
+                keys = rotate(keys, pool.index_rotation)
+        return latents, keys, self.base
+
+    def kda_initial(self, layer: int, num_heads: int, head_dim: int, conv_width: int, dtype):
+        pages = self.batch.decode_state_pages[:, layer]
+        return self.pool.conv[pages].float(), self.pool.recurrent[pages].float()
+
+    def kda_snapshot_row(self, j: int) -> int | None:
+        return None
+
+    def kda_final(self, layer: int, conv: torch.Tensor, state: torch.Tensor) -> None:
+        pages = self.batch.decode_state_pages[:, layer]
         self.pool.conv[pages] = conv.to(self.pool.conv.dtype)
         self.pool.recurrent[pages] = state
 
@@ -224,7 +279,8 @@ class InvariantForward:
     def forward_batch(self, input_ids: torch.Tensor, batch: ForwardBatch, logits_rows: torch.Tensor,
                       lora=None) -> torch.Tensor:
         """The engine's step: packed ids [N] through the pool -> fp32 logits of `logits_rows`."""
-        h = self.hidden(input_ids, PagedContext(batch), lora)
+        ctx = PagedContext(batch) if batch.chunks else DecodeContext(batch)
+        h = self.hidden(input_ids, ctx, lora)
         return self.logits(h[logits_rows], lora, logits_rows)
 
     def sequences(self, sequences: list[list[int]], kv_cache_dtype: str = "bf16", latent_scales=None,
@@ -313,7 +369,7 @@ class InvariantForward:
         q_abs = bi.head_linear(q_nope, w_kc.transpose(1, 2))  # [N, H, L] fp32
         latents, ctx_keys, base = ctx.read_mla_flat(a.cache_index)
         out_latent = mla_attention(q_abs, q_pe, latents, ctx_keys, base, ctx.positions + 1, iq, iw,
-                                   indexer.topk if indexer is not None else 0, a.scale)  # [N, H, L]
+                                   indexer.topk if indexer is not None else 0, a.scale, ctx.context_width)  # [N, H, L]
         o = bi.head_linear(out_latent, w_vc).to(x.dtype).reshape(N, -1)  # [N, H * dv]
         if hasattr(a, "g_proj"):
             o = o * bi.sigmoid(self.proj(a.g_proj, x))
@@ -342,6 +398,8 @@ class InvariantForward:
         H, K, layer = a.num_heads, a.head_dim, a.cache_index
         conv_weight = torch.stack([a.q_conv1d.weight, a.k_conv1d.weight, a.v_conv1d.weight]).float()  # [3, P, W]
         conv, state = ctx.kda_initial(layer, H, K, conv_weight.shape[-1], qkv.dtype)
+        if ctx.decode:
+            return self.kda_decode(qkv, g, beta, conv, state, conv_weight, H, K, layer, ctx)
         segs, device = ctx.segments, qkv.device
         W1 = conv_weight.shape[-1] - 1
         # each segment's inputs after its conv state: ext[base[j] + W1 + t] is its token t's input
@@ -367,6 +425,20 @@ class InvariantForward:
                 ctx.kda_snapshot(layer, j, ext[base[j] + t : base[j] + t + W1].permute(1, 2, 0), snaps[j])
         finals = torch.stack([ext[base[j + 1] - W1 : base[j + 1]].permute(1, 2, 0) for j in range(len(segs))])
         ctx.kda_final(layer, finals, state)
+        return o
+
+    def kda_decode(self, qkv, g, beta, conv, state, conv_weight, H: int, K: int, layer: int, ctx) -> torch.Tensor:
+        """`kda_recurrence` of one token per sequence, with no host work: the window is the conv state
+        then the token (the values `kda_recurrence` gathers for a one-token segment), the new conv
+        state its last W - 1 inputs."""
+        N = qkv.shape[0]
+        window = torch.cat([conv.permute(0, 3, 1, 2), qkv.unsqueeze(1)], 1)  # [N, W, 3, P]
+        y = bi.causal_conv_step(window.permute(0, 2, 3, 1), conv_weight)  # [N, 3, P]
+        qh, kh = bi.l2_normalize(y[:, 0].view(N, H, K)), bi.l2_normalize(y[:, 1].view(N, H, K))
+        rows = torch.arange(N, device=qkv.device)
+        o, state, _ = bi.kda_recurrence(qh, kh, y[:, 2].view(N, H, K), g, beta, state, rows, torch.ones_like(rows),
+                                        torch.full_like(rows, -1), K ** -0.5)
+        ctx.kda_final(layer, window[:, 1:].permute(0, 2, 3, 1), state)
         return o
 
     def ffn(self, layer, x: torch.Tensor) -> torch.Tensor:
@@ -400,9 +472,9 @@ class InvariantForward:
         bits as grouping there (the tree sum does not care whether a weight is shared)."""
         N, k = ids.shape
         flat = ids.reshape(-1)
-        xs = h.repeat_interleave(k, dim=0)
+        xs = h.unsqueeze(1).expand(N, k, h.shape[-1]).reshape(N * k, h.shape[-1])
         if bi.on_triton(h):
-            by_expert = bi.RowGroups.of(flat)
+            by_expert = bi.group_rows(xs, flat, experts.num_experts)  # on the device: no host sync
 
             def linear(name, x, out_features):
                 if experts.mxfp4:
@@ -419,7 +491,7 @@ class InvariantForward:
         gate, up = linear("w1", xs, inter), linear("w3", xs, inter)
         lora = self.lora
         if lora is not None:
-            base, slots = self.names[id(experts)], lora.row_slot.repeat_interleave(k)
+            base, slots = self.names[id(experts)], lora.row_slot.unsqueeze(1).expand(N, k).reshape(-1)
             gate = lora.apply_experts(f"{base}.w1", xs, flat, slots, gate)
             up = lora.apply_experts(f"{base}.w3", xs, flat, slots, up)
         act = self.act(gate, up)

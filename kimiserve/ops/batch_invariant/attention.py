@@ -75,11 +75,14 @@ def _listed_cuda(tri, iq, iw, keys, base, lens, topk: int, S: int):
 
 def mla_attention(q_abs: torch.Tensor, q_pe: torch.Tensor, latents: torch.Tensor, keys: torch.Tensor | None,
                   base: torch.Tensor, lens: torch.Tensor, iq: torch.Tensor | None, iw: torch.Tensor | None,
-                  topk: int, scale: float) -> torch.Tensor:
+                  topk: int, scale: float, width: int | None = None) -> torch.Tensor:
     """q_abs [N, H, L], q_pe [N, H, R], latents [T, L + R], keys [T, Di] (None: no indexer, every
-    visible position is attended), base / lens [N], iq [N, Hi, Di], iw [N, Hi] -> [N, H, L] fp32."""
+    visible position is attended), base / lens [N], iq [N, Hi, Di], iw [N, Hi] -> [N, H, L] fp32.
+    width: a bound on lens known on the host (a decode step's context width; on CUDA no host sync
+    then), else lens.max(). A row's bits do not depend on it (a row of at most topk positions lists
+    them all, whether its indexer runs or not)."""
     N, H, L = q_abs.shape
-    S = int(lens.max()) if N else 0
+    S = width if width is not None else int(lens.max()) if N else 0
     tri = _triton() if bi.on_triton(q_abs) else None
     if tri is not None:
         listed, count = _listed_cuda(tri, iq, iw, keys, base, lens, topk, S)

@@ -230,20 +230,14 @@ class _GroupedMatmul(torch.autograd.Function):
         ctx.save_for_backward(x, weights, scales)
         ctx.plan, ctx.mxfp4 = plan, scales is not None
         w = (weights, scales) if scales is not None else weights
-        return grouped_matmul(x, w, plan.order, plan.present, plan.counts, out_dtype=x.dtype)
+        return grouped_matmul(x, w, plan, out_dtype=x.dtype)
 
     @staticmethod
     def backward(ctx, grad):
         x, weights, scales = ctx.saved_tensors
-        plan = ctx.plan
         gx = torch.zeros(x.shape, dtype=torch.float32, device=x.device) if ctx.needs_input_grad[0] else None
         gw = torch.zeros(weights.shape, dtype=torch.float32, device=x.device) if ctx.needs_input_grad[1] else None
-        start = 0
-        for g, n in zip(plan.present, plan.counts):
-            rows = plan.order[start : start + n]
-            start += n
-            if g < 0:
-                continue
+        for g, rows in ctx.plan.host_groups():
             w = dequantize_mxfp4(weights[g], scales[g], torch.float32) if ctx.mxfp4 else weights[g].float()
             gr = grad[rows].float()
             if gx is not None:
@@ -253,17 +247,38 @@ class _GroupedMatmul(torch.autograd.Function):
         return (None if gx is None else gx.to(x.dtype), None if gw is None else gw.to(weights.dtype), None, None, None)
 
 
-def expert_linear(x: torch.Tensor, plan: RowGroups, weights: torch.Tensor, scales: torch.Tensor | None = None,
+def group_rows(x: torch.Tensor, groups: torch.Tensor, num_groups: int):
+    """The plan of rows grouped by `groups` (int [N] in [0, num_groups), negative: none) for
+    `stacked_linear` on x's device: on CUDA (Triton) a `triton.TilePlan`, made on the device (no host
+    sync: capturable in a CUDA graph); elsewhere `RowGroups` (one host sync)."""
+    if on_triton(x) and _cuda_matmul() is not None:
+        from kimiserve.ops.batch_invariant.triton import TilePlan
+
+        return TilePlan.of(groups, num_groups)
+    return RowGroups.of(groups)
+
+
+def stacked_linear(x: torch.Tensor, plan, weights: torch.Tensor, scales: torch.Tensor | None = None,
+                   dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Rows of x [N, K] through their group's weight (`plan` from `group_rows`): weights [G, O, K], or
+    MXFP4 codes [G, O, K/2] with scales [G, O, K/32] dequantising to `dtype` -> [N, O] in x's dtype (zero
+    rows for negative groups). On CUDA one `triton.grouped_matmul` launch (a row gets the bits of
+    `linear(row, weights[g])`); elsewhere `grouped_linear`."""
+    if isinstance(plan, RowGroups):
+        if scales is not None:
+            return grouped_linear(x, plan, lambda e: MXFP4Weight(weights[e], scales[e], dtype), weights.shape[1])
+        return grouped_linear(x, plan, lambda e: weights[e], weights.shape[1])
+    if scales is not None and x.dtype not in (torch.bfloat16, torch.float16):  # as `linear` does: dequantised first
+        weights, scales = dequantize_mxfp4(weights, scales, dtype).to(x.dtype), None
+    return _GroupedMatmul.apply(x, weights, scales, plan, dtype)
+
+
+def expert_linear(x: torch.Tensor, plan, weights: torch.Tensor, scales: torch.Tensor | None = None,
                   dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Rows of x [N, K] grouped by expert (`plan`) through their experts' weights: [E, O, K] (cast to x's
-    dtype), or MXFP4 codes [E, O, K/2] with scales [E, O, K/32] dequantising to `dtype`. On CUDA one
-    `triton.grouped_matmul` launch (a row gets the bits of the invariant matmul with its expert's
-    weight); elsewhere `grouped_linear`."""
-    if on_triton(x) and _cuda_matmul() is not None and (scales is None or x.dtype in (torch.bfloat16, torch.float16)):
-        return _GroupedMatmul.apply(x, weights if scales is not None else weights.to(x.dtype), scales, plan, dtype)
-    if scales is not None:
-        return grouped_linear(x, plan, lambda e: MXFP4Weight(weights[e], scales[e], dtype), weights.shape[1])
-    return grouped_linear(x, plan, lambda e: weights[e].to(x.dtype), weights.shape[1])
+    """Rows of x [N, K] grouped by expert (`plan` from `group_rows`) through their experts' weights:
+    [E, O, K] (cast to x's dtype), or MXFP4 codes [E, O, K/2] with scales [E, O, K/32] dequantising to
+    `dtype` (`stacked_linear`)."""
+    return stacked_linear(x, plan, weights if scales is not None else weights.to(x.dtype), scales, dtype)
 
 
 class _HeadLinear(torch.autograd.Function):

@@ -16,6 +16,8 @@ the bits (never the invariance) and is measured by benchmarks/batch_invariant_ma
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -120,9 +122,11 @@ def _grouped_matmul_kernel(x_ptr, w_ptr, s_ptr, y_ptr, rows_ptr, tile_group_ptr,
                            IEEE: tl.constexpr):
     tile = tl.program_id(0)
     pid_n = tl.program_id(1)
-    e = tl.load(tile_group_ptr + tile).to(tl.int64)
     start = tl.load(tile_start_ptr + tile)
     end = tl.load(tile_end_ptr + tile)
+    if end <= start:  # an unused tile of a device-side plan (`TilePlan`)
+        return
+    e = tl.load(tile_group_ptr + tile).to(tl.int64)
     ri = start + tl.arange(0, BM)
     mrow = ri < end
     rows = tl.load(rows_ptr + ri, mask=mrow, other=0).to(tl.int64)
@@ -150,39 +154,67 @@ def _grouped_matmul_kernel(x_ptr, w_ptr, s_ptr, y_ptr, rows_ptr, tile_group_ptr,
              mask=mrow[:, None] & (rn[None, :] < N))
 
 
-def grouped_matmul(x: torch.Tensor, weights, order: torch.Tensor, present: list[int], counts: list[int],
-                   out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Row order[j] of x [M, K] times its group's weight, for rows sorted by group (`present[i]` has the
-    next `counts[i]` entries of order; negative groups are left zero): weights [E, N, K], or an MXFP4
-    (packed [E, N, K/2], scales [E, N, K/32]) pair -> [M, N] in out_dtype. One launch: each tile of BM
-    rows belongs to one group, with the tiles, K order and accumulation of `matmul` (`matmul_mxfp4`), so
-    a row gets the bits of `matmul(x[rows], weights[g])` (those tests check it)."""
+@dataclass(frozen=True)
+class TilePlan:
+    """Rows grouped for `grouped_matmul`, planned on the device (no host sync, fixed shapes: a CUDA graph
+    can capture it): `order` [M] the rows sorted by group (stable; negative groups last, left out), and
+    `num_tiles` = cdiv(M, BM) + min(G, M) tiles of at most BM rows of one group each (`tile_group`,
+    `tile_start`, `tile_end` into `order`; the tiles past the groups' own are empty and return at once).
+    `groups` [M] is kept for the backward's per-group loop."""
+
+    groups: torch.Tensor
+    order: torch.Tensor
+    tile_group: torch.Tensor
+    tile_start: torch.Tensor
+    tile_end: torch.Tensor
+
+    @classmethod
+    def of(cls, groups: torch.Tensor, num_groups: int) -> "TilePlan":
+        """groups int [M] in [0, num_groups) (negative: no group, zero rows)."""
+        M, G, bm = groups.shape[0], num_groups, CONFIG["BM"]
+        key = torch.where(groups < 0, G, groups).to(torch.int64)
+        order = torch.argsort(key, stable=True)
+        counts = torch.zeros(G + 1, dtype=torch.int64, device=groups.device).scatter_add_(0, key, torch.ones_like(key))[:G]
+        row_end = torch.cumsum(counts, 0)
+        tiles = (counts + bm - 1) // bm
+        tile_end = torch.cumsum(tiles, 0)  # group g owns tiles [tile_end[g] - tiles[g], tile_end[g])
+        t = torch.arange(triton.cdiv(M, bm) + min(G, M), device=groups.device)
+        g = torch.searchsorted(tile_end, t, right=True).clamp(max=max(G - 1, 0))
+        start = row_end[g] - counts[g] + (t - (tile_end[g] - tiles[g])) * bm
+        end = torch.minimum(start + bm, row_end[g])
+        used = t < tile_end[-1] if G else torch.zeros_like(t, dtype=torch.bool)
+        return cls(groups, order, g, torch.where(used, start, 0), torch.where(used, end, 0))
+
+    def host_groups(self) -> list[tuple[int, torch.Tensor]]:
+        """(group, its rows) for each group present, in group order (one host sync: the backward's loop)."""
+        present = torch.unique(self.groups[self.groups >= 0]).tolist()
+        return [(g, torch.nonzero(self.groups == g)[:, 0]) for g in present]
+
+
+def grouped_matmul(x: torch.Tensor, weights, plan: TilePlan, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Row i of x [M, K] times its group's weight (`plan`, `TilePlan.of(groups)`; rows of negative groups
+    are left zero): weights [G, N, K], or an MXFP4 (packed [G, N, K/2], scales [G, N, K/32]) pair ->
+    [M, N] in out_dtype. One launch: each tile of BM rows belongs to one group, with the tiles, K order
+    and accumulation of `matmul` (`matmul_mxfp4`), so a row gets the bits of `matmul(x[rows], weights[g])`
+    (those tests check it), whatever the other rows and their groups."""
     mxfp4 = isinstance(weights, tuple)
     packed, scales = weights if mxfp4 else (weights, weights)
     M, K = x.shape
     N = packed.shape[1]
     y = torch.zeros(M, N, dtype=out_dtype, device=x.device)
     c = CONFIG
-    groups, starts, ends, at = [], [], [], 0
-    for g, n in zip(present, counts):
-        if g >= 0:
-            for lo in range(at, at + n, c["BM"]):
-                groups.append(g)
-                starts.append(lo)
-                ends.append(min(lo + c["BM"], at + n))
-        at += n
-    if not groups or N == 0:
+    num_tiles = plan.tile_group.shape[0]
+    if num_tiles == 0 or N == 0:
         return y
-    tiles = torch.tensor([groups, starts, ends], dtype=torch.int64).to(x.device)
     if mxfp4:
         strides = (packed.stride(0), packed.stride(1), 1, scales.stride(0), scales.stride(1))
         ieee = False
     else:
         strides = (packed.stride(0), packed.stride(1), packed.stride(2), 0, 0)
         ieee = not (x.dtype == packed.dtype and x.dtype in _TENSOR_CORE_DTYPES)
-    grid = (len(groups), triton.cdiv(N, c["BN"]))
-    _grouped_matmul_kernel[grid](x, packed, scales, y, order, tiles[0], tiles[1], tiles[2], N, K,
-                                 x.stride(0), x.stride(1), *strides, y.stride(0), y.stride(1),
+    grid = (num_tiles, triton.cdiv(N, c["BN"]))
+    _grouped_matmul_kernel[grid](x, packed, scales, y, plan.order, plan.tile_group, plan.tile_start, plan.tile_end,
+                                 N, K, x.stride(0), x.stride(1), *strides, y.stride(0), y.stride(1),
                                  BM=c["BM"], BN=c["BN"], BK=c["BK"], MXFP4=mxfp4, IEEE=ieee,
                                  num_warps=c["num_warps"], num_stages=c["num_stages"])
     return y
