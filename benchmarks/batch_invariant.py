@@ -15,6 +15,7 @@ torch time of the model's full-sequence forward over the prefill batch.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import subprocess
@@ -56,21 +57,31 @@ def run_to_end(engine: LLMEngine) -> dict:
 
 
 def measure(args, batch_invariant: bool, prompts: list[list[int]]) -> dict:
+    mode = "batch_invariant" if batch_invariant else "default"
+    t0 = time.perf_counter()
+
+    def progress(what: str) -> None:
+        print(f"  {mode}: {what} ({time.perf_counter() - t0:.1f} s)", flush=True)
+
     engine = LLMEngine(EngineArgs(model=args.model, device=args.device, batch_invariant=batch_invariant,
                                   max_model_len=args.prompt_len + args.decode_steps + 8, enable_prefix_caching=False,
                                   max_num_batched_tokens=max(2048, args.prompt_len), num_pages=args.num_pages,
-                                  kv_cache_dtype=args.kv_cache_dtype))
+                                  kv_cache_dtype=args.kv_cache_dtype, gpu_memory_utilization=args.gpu_memory_utilization))
+    progress("built")
     one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-    for i, p in enumerate(prompts[:1]):  # warm-up
-        engine.add_request(f"w{i}", p, one)
+    warm = SamplingParams(temperature=1.0, seed=1, max_tokens=3, logprobs=0, ignore_eos=True)
+    for i, p in enumerate(prompts):  # warm-up: the timed prefill's and decode steps' shapes (kernels, graphs)
+        engine.add_request(f"w{i}", p, warm)
     run_to_end(engine)
     sync(args.device)
+    progress("warmed up")
     t = time.perf_counter()
     for i, p in enumerate(prompts):
         engine.add_request(f"p{i}", p, one)
     run_to_end(engine)
     sync(args.device)
     prefill_s = time.perf_counter() - t
+    progress(f"prefill {prefill_s:.3f} s")
     params = SamplingParams(temperature=1.0, seed=1, max_tokens=args.decode_steps + 1, logprobs=0, ignore_eos=True)
     for i, p in enumerate(prompts):
         engine.add_request(f"d{i}", p, params)
@@ -85,10 +96,16 @@ def measure(args, batch_invariant: bool, prompts: list[list[int]]) -> dict:
         steps += 1
     sync(args.device)
     decode_s = time.perf_counter() - t
+    progress(f"decode {steps} steps {decode_s:.3f} s")
     engine.add_request("alone", prompts[0], params)
     alone = run_to_end(engine)["alone"].outputs[0]
     batched = done["d0"].outputs[0]
-    return {"prefill_tokens_per_s": sum(map(len, prompts)) / prefill_s, "prefill_s": prefill_s,
+    graphs = getattr(engine.runner, "graphs", None)
+    del engine
+    gc.collect()  # the next engine's cache budget must not count this one's memory
+    if args.device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return {"decode_graph_replays": graphs.replays if graphs is not None else 0,"prefill_tokens_per_s": sum(map(len, prompts)) / prefill_s, "prefill_s": prefill_s,
             "decode_tokens_per_s": steps * len(prompts) / decode_s, "decode_step_ms": 1e3 * decode_s / steps,
             "d0_alone_equals_in_batch": [lp.logprob for lp in alone.logprobs] == [lp.logprob for lp in batched.logprobs]}
 
@@ -102,6 +119,8 @@ def main(argv=None) -> int:
     parser.add_argument("--decode-steps", type=int, default=32)
     parser.add_argument("--num-pages", type=int, default=None)
     parser.add_argument("--kv-cache-dtype", default="auto")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.7,
+                        help="both engines' (GPU) cache budget: the rest is left for activations and graphs")
     parser.add_argument("--out", default=None, help="default: benchmarks/results/batch_invariant_<device>.json")
     args = parser.parse_args(argv)
     torch.manual_seed(0)

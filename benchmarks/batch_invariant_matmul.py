@@ -1,6 +1,8 @@
 """The batch-invariant Triton matmul (`ops.batch_invariant.triton`) against torch's matmul (cuBLAS) on
 the `small` preset's projection shapes, at decode and prefill row counts, for candidate tile configs
-(the kernel runs ONE config for every M; this picks it). Prints and writes a JSON record.
+(the kernel's config may depend on the weight's shape, never on M; this picks them), and whether each
+config gives the first rows alone the bits they get among the most rows on this device. Prints and
+writes a JSON record.
 
     PYTHONPATH=. python benchmarks/batch_invariant_matmul.py --out benchmarks/results/batch_invariant_matmul_h200.json
 """
@@ -16,13 +18,18 @@ import torch
 
 from kimiserve.ops.batch_invariant import triton as bi_triton
 
-SHAPES = {"kda_qkv": (12288, 7168), "kda_o": (7168, 12288), "mla_q_b": (18432, 1536), "dense_up": (33792, 7168),
+SHAPES = {"kda_qkv": (12288, 7168), "kda_o": (7168, 12288), "kda_b": (96, 7168), "mla_q_a": (1536, 7168),
+          "mla_kv_a": (576, 7168), "mla_q_b": (18432, 1536), "dense_up": (33792, 7168), "dense_down": (7168, 33792),
           "shared_down": (7168, 6144), "lm_head": (163840, 7168)}
 CANDIDATES = [
     {"BM": 64, "BN": 128, "BK": 64, "num_warps": 4, "num_stages": 4},
     {"BM": 64, "BN": 64, "BK": 64, "num_warps": 4, "num_stages": 4},
+    {"BM": 64, "BN": 32, "BK": 64, "num_warps": 4, "num_stages": 4},
+    {"BM": 64, "BN": 32, "BK": 128, "num_warps": 4, "num_stages": 4},
+    {"BM": 64, "BN": 256, "BK": 64, "num_warps": 8, "num_stages": 3},
+    {"BM": 64, "BN": 128, "BK": 64, "num_warps": 8, "num_stages": 4},
     {"BM": 128, "BN": 128, "BK": 64, "num_warps": 8, "num_stages": 3},
-    {"BM": 128, "BN": 64, "BK": 64, "num_warps": 4, "num_stages": 4},
+    {"BM": 128, "BN": 256, "BK": 64, "num_warps": 8, "num_stages": 3},
 ]
 
 
@@ -38,22 +45,29 @@ def timed(fn, reps: int = 10) -> float:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rows", default="4,64,2048")
+    parser.add_argument("--rows", default="4,2048,8192")
+    parser.add_argument("--shapes", default="", help="comma-separated names of SHAPES (default: all)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     rows = [int(r) for r in args.rows.split(",")]
     default = dict(bi_triton.CONFIG)
     record = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d %H:%M"), "current": default,
               "command": " ".join(["python", *sys.argv]), "results": []}
-    for name, (N, K) in SHAPES.items():
+    shapes = {k: v for k, v in SHAPES.items() if not args.shapes or k in args.shapes.split(",")}
+    for name, (N, K) in shapes.items():
         w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16)
+        big = torch.randn(max(rows), K, device="cuda", dtype=torch.bfloat16)
         for M in rows:
-            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+            x = big[:M]
             row = {"shape": name, "M": M, "N": N, "K": K, "torch_ms": 1e3 * timed(lambda: x @ w.T)}
             for i, cfg in enumerate(CANDIDATES):
                 bi_triton.CONFIG = cfg
                 row[f"config{i}_ms"] = 1e3 * timed(lambda: bi_triton.matmul(x, w, out_dtype=torch.bfloat16))
+                if M == min(rows):  # the config's rows alone == among the most rows, on this device
+                    row[f"config{i}_invariant"] = bool(torch.equal(bi_triton.matmul(x, w), bi_triton.matmul(big, w)[:M]))
             bi_triton.CONFIG = default
+            best = min(range(len(CANDIDATES)), key=lambda i: row[f"config{i}_ms"])
+            row["best"] = best
             print(json.dumps(row), flush=True)
             record["results"].append(row)
     record["candidates"] = CANDIDATES

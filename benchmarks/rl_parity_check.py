@@ -46,12 +46,15 @@ def main(argv=None) -> int:
     parser.add_argument("--prompt-len", type=int, default=100)
     parser.add_argument("--completion-len", type=int, default=60)
     parser.add_argument("--kv-cache-dtype", default="auto")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.7,
+                        help="the engine's (GPU) cache budget: the rest is left for the trainer's forward")
     parser.add_argument("--out", default=None, help="default: benchmarks/results/rl_parity_check_<device>.json")
     args = parser.parse_args(argv)
     start = time.perf_counter()
     engine = LLMEngine(EngineArgs(model=args.model, device=args.device, batch_invariant=True, enable_lora=True,
                                   max_lora_rank=8, kv_cache_dtype=args.kv_cache_dtype,
-                                  max_model_len=args.prompt_len + args.completion_len + 8))
+                                  max_model_len=args.prompt_len + args.completion_len + 8,
+                                  gpu_memory_utilization=args.gpu_memory_utilization))
     vocab = engine.config.vocab_size if engine.tokenizer is None else min(engine.config.vocab_size, 768)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, vocab, (args.prompt_len,), generator=g).tolist() for _ in range(args.num_seqs)]

@@ -247,3 +247,22 @@ def test_other_cache_formats_and_bf16_weights(dtype, kv):
         lps = PolicyTrainer.from_engine(e).logprobs(prompts, [outs[f"r{i}"].outputs[0].token_ids for i in range(3)])
     for i, lp in enumerate(lps):
         assert torch.equal(lp, result(outs[f"r{i}"])[1])
+
+
+def test_dense_experts_are_the_dequantised_codes_shared_and_remade_when_the_codes_change():
+    """The invariant forward's dequantised MXFP4 experts (the GPU's grouped matmul runs them): the
+    reference dequantisation, one copy per module (a weight-sharing trainer reads the same), made
+    again after an in-place update of the codes."""
+    from kimiserve.model.loader import load_model
+    from kimiserve.ops.quant.reference import dequantize_mxfp4
+    from kimiserve.rl.forward import dense_experts
+
+    model = load_model("tiny", torch.float32, 0, torch.device("cpu"))
+    experts = next(m for m in model.modules() if getattr(m, "mxfp4", False))
+    w1 = dense_experts(experts, "w1")
+    assert torch.equal(w1, dequantize_mxfp4(experts.w1_packed, experts.w1_scale, experts.dtype))
+    assert dense_experts(experts, "w1") is w1 and not w1.requires_grad
+    with torch.no_grad():
+        experts.w1_packed[0, 0, 0] ^= 0x11
+    again = dense_experts(experts, "w1")
+    assert again is not w1 and torch.equal(again, dequantize_mxfp4(experts.w1_packed, experts.w1_scale, experts.dtype))

@@ -1,7 +1,7 @@
 """Batch-invariant mode on CUDA with the `small` preset's real widths (skipped without a GPU): the
 invariant forward run directly (its traceback is not hidden by the engine's failure isolation), a
-sequence's logprobs alone == in a batch, and the engine's == the trainer's; also the tiny model with
-bf16 weights through the engine (every op on its Triton form) and, as phases, how long each takes."""
+sequence's logprobs alone == in a batch, and the engine's (decode steps in CUDA graphs) == the
+trainer's; also the tiny model with bf16 weights through the engine (every op on its Triton form) and, as phases, how long each takes."""
 
 import time
 
@@ -46,6 +46,9 @@ def test_invariant_forward_on_cuda_is_batch_invariant_and_engine_equals_trainer(
         lps = trainer.logprobs(prompts, [outs[f"r{i}"].outputs[0].token_ids for i in range(3)])
     for i, got in enumerate(lps):
         assert torch.equal(got.cpu(), lp(outs[f"r{i}"])), i
+    graphs = e.runner.graphs  # the decode steps replayed captured graphs of the invariant forward (solo: size 1)
+    assert graphs is not None and graphs.disabled is None and graphs.replays > 0, graphs and graphs.disabled
+    assert 1 in {size for size, _ in graphs.graphs} and len(graphs.graphs) >= 2
     with capsys.disabled():
         print(f"\n{model}: build {t1 - t0:.1f} s, trainer forward of 3 sequences twice {t2 - t1:.2f} s, "
               f"engine 3 requests (chunks of 64, 5 tokens each) {t3 - t2:.2f} s")

@@ -23,7 +23,14 @@ import triton
 import triton.language as tl
 
 CONFIG = {"BM": 64, "BN": 128, "BK": 64, "num_warps": 4, "num_stages": 4}
-"""The one tile configuration (every M, every N, every K)."""
+"""The tile configuration (every M; BM and BK for every shape too: the device-side expert plan
+tiles rows by BM)."""
+
+
+def tile_config(N: int, K: int) -> dict:
+    """The tiles of a product with a weight [N, K]: a function of the weight's shape only, never of M
+    (so never of the batch); today `CONFIG` for every shape."""
+    return CONFIG
 
 _TENSOR_CORE_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -107,7 +114,7 @@ def matmul_mxfp4(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
     N = packed.shape[0]
     y = torch.empty(M, N, dtype=out_dtype, device=x.device)
     if M and N:
-        c = CONFIG
+        c = tile_config(N, K)
         grid = (triton.cdiv(M, c["BM"]), triton.cdiv(N, c["BN"]))
         _matmul_mxfp4_kernel[grid](x, packed, scales, y, M, N, K, x.stride(0), x.stride(1), packed.stride(0),
                                    scales.stride(0), y.stride(0), y.stride(1), BM=c["BM"], BN=c["BN"], BK=c["BK"],
@@ -202,7 +209,7 @@ def grouped_matmul(x: torch.Tensor, weights, plan: TilePlan, out_dtype: torch.dt
     M, K = x.shape
     N = packed.shape[1]
     y = torch.zeros(M, N, dtype=out_dtype, device=x.device)
-    c = CONFIG
+    c = tile_config(N, K)
     num_tiles = plan.tile_group.shape[0]
     if num_tiles == 0 or N == 0:
         return y
@@ -234,7 +241,7 @@ def matmul(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype = torch.floa
     y = torch.empty(B, M, N, dtype=out_dtype, device=x.device)
     if B and M and N:
         ieee = not (x.dtype == w.dtype and x.dtype in _TENSOR_CORE_DTYPES)
-        c = CONFIG
+        c = tile_config(N, K)
         grid = (triton.cdiv(M, c["BM"]), triton.cdiv(N, c["BN"]), B)
         _matmul_kernel[grid](x3, w3, y, M, N, K, *x3.stride(), *w3.stride(), *y.stride(),
                              BM=c["BM"], BN=c["BN"], BK=c["BK"], IEEE=ieee, num_warps=c["num_warps"],
