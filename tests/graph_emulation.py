@@ -24,8 +24,7 @@ def emulate_cuda_graphs(monkeypatch) -> None:
     """Engines built after this (within the test) run their graph paths on the CPU."""
     from kimiserve.engine import cuda_graphs, worker
 
-    monkeypatch.setattr(worker, "uses_cuda_graphs",
-                        lambda device, args: not args.enforce_eager and not args.batch_invariant)
+    monkeypatch.setattr(worker, "uses_cuda_graphs", lambda device, args: not args.enforce_eager)
     monkeypatch.setattr(cuda_graphs.GraphSet, "warm_up", lambda self, *runs: [run() for run in runs] and None)
 
     def record(self, fn):
