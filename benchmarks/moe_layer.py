@@ -189,6 +189,34 @@ def shift_layout(w: dict, needed: bool) -> dict | None:
     return {n: (t if n.endswith("_scale") else to_shift_layout(t, w[f"{n}_scale"])) for n, t in w.items()}
 
 
+def stage_fns(x, w, ids, weights, cfg: tt.MoEConfig) -> dict:
+    """The four launches of fused_moe on their own (align; gate/up; down; combine), on fixed buffers."""
+    import triton
+
+    N, k = ids.shape
+    E, inter, h = w["w1"].shape[0], w["w1"].shape[1], x.shape[1]
+    act = torch.empty(N * k, inter, dtype=x.dtype, device=x.device)
+    y = torch.empty(N * k, h, dtype=x.dtype, device=x.device)
+    out = torch.empty_like(x)
+    align = tt.align_blocks(ids, E, cfg.block_m)
+    BH = min(cfg.combine_block, triton.next_power_of_2(h))
+
+    def up():
+        tt._gemm(x, w["w1"], w["w1_scale"], w["w3"], w["w3_scale"], act, align, k, cfg.up, cfg.block_m, cfg.dequant,
+                 "situ", 4.0, 25.0)
+
+    def down():
+        tt._gemm(act, w["w2"], w["w2_scale"], None, None, y, align, 1, cfg.down, cfg.block_m, cfg.dequant, "situ",
+                 1.0, None)
+
+    def combine():
+        tt._combine_kernel[(N, triton.cdiv(h, BH))](y, weights, out, h, y.stride(0), *weights.stride(), out.stride(0),
+                                                     TOP_K=k, BH=BH, num_warps=4)
+
+    up(), down()
+    return dict(align=lambda: tt.align_blocks(ids, E, cfg.block_m), up=up, down=down, combine=combine)
+
+
 def reference(x, w, ids, weights):
     return fused_moe_reference(x, w["w1"], w["w2"], w["w3"], ids, weights, situ, w["w1_scale"], w["w2_scale"],
                                w["w3_scale"])
@@ -509,6 +537,13 @@ def main(argv: list[str] | None = None) -> int:
                 t.update(bytes_roofline_fraction=row["roofline_ms"] / t["ms"],
                          matmul_fraction=row["flop_roofline_ms"] / t["ms"], tflops=flops / (t["ms"] * 1e-3) / 1e12)
             best = min(timed, key=lambda t: t["ms"])
+            stage_cfg = config_for(defaults[-1], n) or default_cfg  # the shift layout's default where there is one
+            stage_w = shifted if stage_cfg.dequant == "shift" else w
+            stages = {name: fast_time(fn, n)[0] for name, fn in stage_fns(x, stage_w, ids, weights, stage_cfg).items()}
+            up_bytes = hit * sum(w[n_][0].numel() for n_ in ("w1", "w3", "w1_scale", "w3_scale"))
+            row.update(stages=dict(config=config_spec(stage_cfg), ms=stages,
+                                   up_gbps=up_bytes / (stages["up"] * 1e-3) / 1e9,
+                                   down_gbps=(hit * per_expert - up_bytes) / (stages["down"] * 1e-3) / 1e9))
             row.update(bytes_roofline_fraction=row["roofline_ms"] / ms, matmul_fraction=row["flop_roofline_ms"] / ms,
                        tflops=flops / (ms * 1e-3) / 1e12, best_variant=best["config"], best_ms=best["ms"],
                        best_bytes_roofline_fraction=best["bytes_roofline_fraction"],
@@ -520,6 +555,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"{row['roofline_ms']:.4f} ms ({100 * row['bytes_roofline_fraction']:.1f}%), "
                   f"{row['tflops']:.1f} TFLOP/s ({100 * row['matmul_fraction']:.1f}% of matmul); "
                   f"best {best['config']} {best['ms']:.4f} ms", flush=True)
+            st = row["stages"]
+            print(f"       stages of {st['config']}: " + ", ".join(f"{k_} {v:.4f} ms" for k_, v in st["ms"].items())
+                  + f"; up {st['up_gbps']:.0f} GB/s, down {st['down_gbps']:.0f} GB/s of weights", flush=True)
 
     # 3. today's path (packed weights dequantised on every call), where it fits
     if today_tokens:

@@ -50,6 +50,8 @@ def test_moe_layer_dry_run(tmp_path):
             assert positive(r[key]), (r["routing"], r["tokens"], key)
         assert len(r["variants"]) == 2 + len(data["variants"])  # both defaults and every variant, all timed
         assert all(positive(v["ms"]) for v in r["variants"])
+        assert r["stages"]["ms"].keys() == {"align", "up", "down", "combine"}
+        assert all(positive(v) for v in r["stages"]["ms"].values()) and positive(r["stages"]["up_gbps"])
         assert r["peer"] in ("torch._grouped_mm", "torch.mm loop")
     random_rows = [r for r in data["rows"] if r["routing"] == "random"]
     assert all(positive(r["today_ms"]) and r["peer_rel_rms"] < 1e-2 for r in random_rows)
