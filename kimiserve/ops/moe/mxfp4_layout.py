@@ -47,6 +47,16 @@ def _bit_moves() -> tuple[tuple[int, int], ...]:
     return tuple(moves)
 
 
+@functools.cache
+def _rotations(inverse: bool) -> tuple[tuple[int, int], ...]:
+    """The bit moves as (source mask, rotate-left) pairs, one per distinct rotation (13 for 32 bits)."""
+    masks: dict[int, int] = {}
+    for src, dst in _bit_moves():
+        a, b = (dst, src) if inverse else (src, dst)
+        masks[(b - a) % 32] = masks.get((b - a) % 32, 0) | (1 << a)
+    return tuple((m, d) for d, m in sorted(masks.items()))
+
+
 def _move_bits(words: torch.Tensor, inverse: bool) -> torch.Tensor:
     """int32 words -> int32 words with every bit moved (in chunks: the K3.1 layer is 3.9G words)."""
     flat = words.reshape(-1)
@@ -55,9 +65,9 @@ def _move_bits(words: torch.Tensor, inverse: bool) -> torch.Tensor:
     for start in range(0, flat.numel(), step):
         w = flat[start:start + step].to(torch.int64) & 0xFFFFFFFF
         moved = torch.zeros_like(w)
-        for src, dst in _bit_moves():
-            a, b = (dst, src) if inverse else (src, dst)
-            moved |= ((w >> a) & 1) << b
+        for mask, d in _rotations(inverse):
+            part = w & mask
+            moved |= ((part << d) | (part >> (32 - d))) & 0xFFFFFFFF if d else part
         out[start:start + step] = (moved - (((moved >> 31) & 1) << 32)).to(torch.int32)
     return out.view(words.shape)
 
