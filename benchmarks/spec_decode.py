@@ -94,12 +94,21 @@ def prompts_of(kind: str, batch: int, seed: int) -> list[list[int]]:
     return out
 
 
+def method_k(args, method: str) -> tuple[str, int]:
+    """("off" | "ngram" | "draft", K) of a --methods entry: a name, or name:K for another K than --k."""
+    name, _, k = method.partition(":")
+    if name not in ("off", "ngram", "draft"):
+        raise SystemExit(f"unknown method {method!r}: off, ngram or draft (optionally :K)")
+    return name, 0 if name == "off" else int(k) if k else args.k
+
+
 def make_engine(args, method: str) -> LLMEngine:
     spec = None
+    method, k = method_k(args, method)
     if method == "ngram":
-        spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": args.lookup_max}
+        spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": args.lookup_max}
     elif method == "draft":
-        spec = {"method": "draft_model", "model": args.draft_model or args.model, "num_speculative_tokens": args.k}
+        spec = {"method": "draft_model", "model": args.draft_model or args.model, "num_speculative_tokens": k}
         if args.draft_seed is not None:
             spec["draft_seed"] = args.draft_seed
     return LLMEngine(EngineArgs(model=args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
@@ -151,12 +160,12 @@ def run_one(args, engine: LLMEngine, kind: str, batch: int, method: str, profile
     elapsed = time.perf_counter() - t0
     generated = sum(len(o.outputs[0].token_ids) - before[k] for k, o in outputs.items())
     stats = engine.stats()
-    row = {"kind": kind, "batch": batch, "method": method, "k": args.k if method != "off" else 0, "seconds": elapsed,
+    row = {"kind": kind, "batch": batch, "method": method, "k": method_k(args, method)[1], "seconds": elapsed,
            "generated_tokens": generated, "steps": engine.num_steps - steps0,
            "tokens_per_s_per_user": generated / batch / elapsed, "tokens_per_s": generated / elapsed,
            "graph_replays": {k: v - replays0.get(k, 0) for k, v in graph_replays(engine).items()},
            "tokens": {k: list(o.outputs[0].token_ids) for k, o in outputs.items()}}
-    if method != "off":
+    if method_k(args, method)[0] != "off":
         delta = lambda key: stats[key] - stats0.get(key, 0)  # noqa: E731
         drafts, accepted, drafted = (delta(f"spec_decode_num_{n}") for n in ("drafts", "accepted_tokens", "draft_tokens"))
         per_pos0 = stats0.get("spec_decode_num_accepted_tokens_per_pos") or [0] * len(stats["spec_decode_num_accepted_tokens_per_pos"])
@@ -221,11 +230,11 @@ def profiled_run(args, engine: LLMEngine, kind: str, batch: int, method: str, to
 
 
 def table(rows: list[dict]) -> str:
-    lines = [f"{'prompts':10s} {'B':>3s} {'method':6s} {'tok/s/user':>10s} {'speedup':>7s} {'accept len':>10s} "
+    lines = [f"{'prompts':10s} {'B':>3s} {'method':7s} {'K':3s} {'tok/s/user':>10s} {'speedup':>7s} {'accept len':>10s} "
              f"{'accepted':>8s} {'steps':>5s} {'same':>5s}  graph replays"]
     for r in rows:
         spec = "acceptance_length" in r
-        lines.append(f"{r['kind']:10s} {r['batch']:3d} {r['method']:6s} {r['tokens_per_s_per_user']:10.1f} "
+        lines.append(f"{r['kind']:10s} {r['batch']:3d} {r['method']:7s} K={r['k']} {r['tokens_per_s_per_user']:10.1f} "
                      f"{r['speedup'] if 'speedup' in r else 1.0:6.2f}x "
                      f"{r['acceptance_length'] if spec else 1.0:10.2f} {r['acceptance_rate'] if spec else 0.0:8.0%} "
                      f"{r['steps']:5d} {str(r.get('same_tokens_as_off', '-')):>5s}  "
@@ -240,7 +249,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--batch-sizes", default=None, help="default 1,4,16 (--quick: 1,2)")
     ap.add_argument("--kinds", default="repetitive,agentic")
-    ap.add_argument("--methods", default="off,ngram,draft")
+    ap.add_argument("--methods", default="off,ngram,draft",
+                    help="comma-separated: off, ngram, draft, each speculative one optionally as name:K (its K, not --k)")
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--lookup-max", type=int, default=4)
     ap.add_argument("--draft-model", default=None, help="default: the target's own preset (accepts every greedy draft)")
@@ -301,7 +311,7 @@ def main(argv=None) -> int:
                 extra = (f" accept len {row['acceptance_length']:.2f} ({row['acceptance_rate']:.0%}) "
                          f"speedup {row.get('speedup', float('nan')):.2f}x same={row.get('same_tokens_as_off')}"
                          if "acceptance_length" in row else "")
-                print(f"{kind:10s} B={batch:3d} {m:6s} {row['tokens_per_s_per_user']:8.1f} tok/s/user "
+                print(f"{kind:10s} B={batch:3d} {m:7s} {row['tokens_per_s_per_user']:8.1f} tok/s/user "
                       f"{row['steps']:4d} steps{extra}", flush=True)
             if args.profile:
                 for m, row in zip(methods, rows[-len(methods):]):
