@@ -266,3 +266,16 @@ def test_dense_experts_are_the_dequantised_codes_shared_and_remade_when_the_code
         experts.w1_packed[0, 0, 0] ^= 0x11
     again = dense_experts(experts, "w1")
     assert again is not w1 and torch.equal(again, dequantize_mxfp4(experts.w1_packed, experts.w1_scale, experts.dtype))
+
+
+@pytest.mark.parametrize("W", [4, 3, 1])
+def test_causal_conv_of_taps_is_the_tree_sum_of_the_window(W):
+    """The short conv from a list of taps (no window tensor) has the bits of the tree sum over the window."""
+    g = torch.Generator().manual_seed(W)
+    window = torch.randn(9, 3, 40, W, generator=g)
+    window[0, 0, :5] = 0.0
+    window[1, 0, :5] = -0.0
+    weight = torch.randn(3, 40, W, generator=g)
+    want = bi.silu(bi.tree_sum(window * weight, -1))
+    assert torch.equal(bi.causal_conv_step(window, weight), want)
+    assert torch.equal(bi.causal_conv([window[..., j] for j in range(W)], weight), want)

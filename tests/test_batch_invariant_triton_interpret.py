@@ -64,6 +64,33 @@ def test_matmul_matches_fp64_and_rows_do_not_depend_on_the_batch(dtype, M, K, N)
     assert torch.equal(bi_triton.matmul(x, w, out_dtype=dtype), y.to(dtype))  # rounded once, as .to()
 
 
+TILE_CANDIDATES = [{"BM": 64, "BN": 32, "BK": 64, "num_warps": 4, "num_stages": 4},
+                   {"BM": 64, "BN": 64, "BK": 128, "num_warps": 4, "num_stages": 4},
+                   {"BM": 64, "BN": 256, "BK": 64, "num_warps": 8, "num_stages": 3}]
+
+
+@pytest.mark.parametrize("config", [bi_triton.CONFIG, *(c for _, c in bi_triton.NARROW_CONFIGS), *TILE_CANDIDATES])
+def test_every_tile_config_keeps_rows_independent_of_the_batch(monkeypatch, config):
+    """Whatever tiles a weight's shape gets (`tile_config`, never a function of M), a row's bits are
+    the same alone, among other rows, at another place in its tile, and through the grouped matmul."""
+    assert config["BM"] == bi_triton.CONFIG["BM"]  # the device-side expert plan tiles rows by BM
+    monkeypatch.setattr(bi_triton, "tile_config", lambda N, K: config)
+    g = torch.Generator().manual_seed(5)
+    M, K, N = 70, 200, 40
+    w = torch.randn(N, K, generator=g).to(torch.bfloat16).to(DEVICE)
+    x = torch.randn(M, K, generator=g).to(torch.bfloat16).to(DEVICE)
+    y = bi_triton.matmul(x, w)
+    torch.testing.assert_close(y, F.linear(x.double(), w.double()).float(), rtol=1e-4, atol=1e-4)
+    for lo, hi in [(0, 1), (5, 6), (63, 66), (1, M)]:
+        assert torch.equal(bi_triton.matmul(x[lo:hi], w), y[lo:hi]), (lo, hi)
+    groups = torch.randint(0, 2, (M,), generator=g).to(DEVICE)
+    stacked = torch.stack([w, w.flip(0)])
+    grouped = bi_triton.grouped_matmul(x, stacked, bi_triton.TilePlan.of(groups, 2))
+    for e in range(2):
+        rows = torch.nonzero(groups == e)[:, 0]
+        assert torch.equal(grouped[rows], bi_triton.matmul(x[rows], stacked[e]))
+
+
 def test_matmul_mixed_dtypes_run_in_fp32_and_empty_shapes():
     g = torch.Generator().manual_seed(0)
     w = torch.randn(33, 70, generator=g).to(DEVICE)

@@ -127,6 +127,34 @@ class _StraightThrough(torch.autograd.Function):
         return grad, None
 
 
+def _kda_rows(ctx, W1: int):
+    """The KDA layers' per-step indices of a context's segments (made once per step, on the host, copied
+    without a host wait): each segment's base in the conv-extended inputs, each row's first tap into
+    them [N], the snapshot rows (host), and the segments' starts, lengths and snapshot rows (device)."""
+    cached = ctx.__dict__.get("_kda_rows")
+    if cached is not None and cached[0] == W1:
+        return cached[1]
+    segs, device = ctx.segments, ctx.device
+    base = [0]
+    for s in segs:
+        base.append(base[-1] + W1 + s.length)
+    tap0 = torch.empty(sum(s.length for s in segs), dtype=torch.int64)
+    for j, s in enumerate(segs):
+        tap0[s.start : s.end] = torch.arange(base[j], base[j] + s.length)
+    snap_at = [ctx.kda_snapshot_row(j) for j in range(len(segs))]
+    host = (tap0, torch.tensor([s.start for s in segs]),
+            torch.tensor([s.length for s in segs]), torch.tensor([-1 if t is None else t for t in snap_at]))
+    taps, starts, lengths, snap_t = (_to_device(t, device) for t in host)
+    rows = (base, taps, snap_at, starts, lengths, snap_t)
+    ctx.__dict__["_kda_rows"] = (W1, rows)
+    return rows
+
+
+def _to_device(t: torch.Tensor, device) -> torch.Tensor:
+    """A host tensor on `device` without making the host wait for the device (pinned on CUDA)."""
+    return t.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else t.to(device)
+
+
 def straight_through(x: torch.Tensor, fn) -> torch.Tensor:
     """fn(x) in value (bit for bit); the gradient passes through unchanged (the cache round trip's estimator)."""
     return _StraightThrough.apply(x, fn)
@@ -138,20 +166,27 @@ class PagedContext:
 
     def __init__(self, batch: ForwardBatch):
         self.batch, self.pool = batch, batch.pool
-        self.segments = [Segment(c.start, c.end, c.context_start) for c in batch.chunks]
+        chunks = batch.chunks
+        self.segments = [Segment(c.start, c.end, c.context_start) for c in chunks]
         self.positions = batch.positions
-        device = batch.positions.device
-        self.device = device
-        n = int(batch.positions.numel())
-        seg = torch.zeros(n, dtype=torch.int64)
-        for j, c in enumerate(batch.chunks):
-            seg[c.start : c.end] = j
-        self.row_segment = seg.to(device)
-        width = max(len(c.block_table) for c in batch.chunks)
-        tables = torch.zeros(len(batch.chunks), width, dtype=torch.int64, device=device)
-        for j, c in enumerate(batch.chunks):
+        self.device = device = batch.positions.device
+        # every index the layers need, made on the host once per step and copied without a host wait
+        bs = self.pool.block_size
+        ends = [c.context_start + (c.end - c.start) for c in chunks]
+        self.context_width = max(ends)
+        width = max(len(c.block_table) for c in chunks)
+        tables = torch.zeros(len(chunks), width, dtype=torch.int64)
+        for j, c in enumerate(chunks):
             tables[j, : len(c.block_table)] = c.block_table
-        self.tables = tables
+        ctx = torch.cat([torch.arange(n) for n in ends])
+        seg = torch.cat([torch.full((n,), j, dtype=torch.int64) for j, n in enumerate(ends)])
+        pages = torch.gather(tables[seg], 1, (ctx // bs).unsqueeze(1))[:, 0]
+        offsets = torch.tensor([0] + ends[:-1], dtype=torch.int64).cumsum(0)
+        row_base = torch.zeros(int(batch.positions.numel()), dtype=torch.int64)
+        for j, c in enumerate(chunks):
+            row_base[c.start : c.end] = offsets[j]
+        self.pages, self.offsets, self.base, self.state_pages = (
+            _to_device(t, device) for t in (pages, ctx % bs, row_base, torch.stack([c.state_pages for c in chunks])))
 
     def store_mla(self, layer: int, latent_rows: torch.Tensor, keys: torch.Tensor | None) -> None:
         pool = self.pool
@@ -165,14 +200,7 @@ class PagedContext:
     def read_mla_flat(self, layer: int):
         """Each chunk's context 0 .. its last position read back from the pool once, the chunks one
         after the other (see `SequenceContext.read_mla_flat`)."""
-        pool, bs = self.pool, self.pool.block_size
-        ends = [c.context_start + (c.end - c.start) for c in self.batch.chunks]
-        offsets = [0]
-        for n in ends:
-            offsets.append(offsets[-1] + n)
-        ctx = torch.cat([torch.arange(n) for n in ends]).to(self.device)
-        seg = torch.cat([torch.full((n,), j, dtype=torch.int64) for j, n in enumerate(ends)]).to(self.device)
-        pages, offs = torch.gather(self.tables[seg], 1, (ctx // bs).unsqueeze(1))[:, 0], ctx % bs
+        pool, pages, offs = self.pool, self.pages, self.offsets
         latents = pool.read_latents(layer, pages, offs, torch.float32)
         keys = None
         if pool.index_key:
@@ -181,16 +209,13 @@ class PagedContext:
                                           torch.float32, pool.layout.index_dim)
             if pool.layout.index_key_rotation:
                 keys = rotate(keys, pool.index_rotation)
-        base = torch.tensor(offsets[:-1], dtype=torch.int64, device=self.device)[self.row_segment]
-        return latents, keys, base
+        return latents, keys, self.base
 
-    context_width = None
-    """A host bound on every row's context length (None: the rows' own maximum)."""
     decode = False
     """One token per sequence, every index on the device (`DecodeContext`)."""
 
     def kda_initial(self, layer: int, num_heads: int, head_dim: int, conv_width: int, dtype):
-        pages = torch.stack([c.state_pages[layer] for c in self.batch.chunks])
+        pages = self.state_pages[:, layer]
         return self.pool.conv[pages].float(), self.pool.recurrent[pages].float()
 
     def kda_snapshot_row(self, j: int) -> int | None:
@@ -203,7 +228,7 @@ class PagedContext:
         self.pool.recurrent[page] = state
 
     def kda_final(self, layer: int, conv: torch.Tensor, state: torch.Tensor) -> None:
-        pages = torch.stack([c.state_pages[layer] for c in self.batch.chunks])
+        pages = self.state_pages[:, layer]
         self.pool.conv[pages] = conv.to(self.pool.conv.dtype)
         self.pool.recurrent[pages] = state
 
@@ -228,31 +253,10 @@ class DecodeContext(PagedContext):
         self.offsets = (ctx % bs).repeat(n)
         self.base = torch.arange(n, device=self.device) * width
         self.segments = [Segment(i, i + 1, 0) for i in range(n)]
-
-    def read_mla_flat(self, layer: int):
-        pool = self.pool
-        latents = pool.read_latents(layer, self.pages, self.offsets, torch.float32)
-        keys = None
-        if pool.index_key:
-            pages, offs = self.pages, self.offsets
-            scales = pool.index_scale[layer][pages, offs] if pool.index_scale else None
-            keys = formats.load_index_key(pool.index_key[layer][pages, offs], scales, pool.kv_cache_dtype,
-                                          torch.float32, pool.layout.index_dim)
-            if pool.layout.index_key_rotation:
-                keys = rotate(keys, pool.index_rotation)
-        return latents, keys, self.base
-
-    def kda_initial(self, layer: int, num_heads: int, head_dim: int, conv_width: int, dtype):
-        pages = self.batch.decode_state_pages[:, layer]
-        return self.pool.conv[pages].float(), self.pool.recurrent[pages].float()
+        self.state_pages = batch.decode_state_pages
 
     def kda_snapshot_row(self, j: int) -> int | None:
         return None
-
-    def kda_final(self, layer: int, conv: torch.Tensor, state: torch.Tensor) -> None:
-        pages = self.batch.decode_state_pages[:, layer]
-        self.pool.conv[pages] = conv.to(self.pool.conv.dtype)
-        self.pool.recurrent[pages] = state
 
 
 def check_supported(model: KimiForCausalLM) -> None:
@@ -426,24 +430,16 @@ class InvariantForward:
         conv, state = ctx.kda_initial(layer, H, K, conv_weight.shape[-1], qkv.dtype)
         if ctx.decode:
             return self.kda_decode(qkv, g, beta, conv, state, conv_weight, H, K, layer, ctx)
-        segs, device = ctx.segments, qkv.device
+        segs = ctx.segments
         W1 = conv_weight.shape[-1] - 1
         # each segment's inputs after its conv state: ext[base[j] + W1 + t] is its token t's input
         ext = torch.cat([p for j, s in enumerate(segs) for p in (conv[j].permute(2, 0, 1), qkv[s.start : s.end])])
-        base = [0]
-        for s in segs:
-            base.append(base[-1] + W1 + s.length)
-        tap0 = torch.empty(qkv.shape[0], dtype=torch.int64)
-        for j, s in enumerate(segs):
-            tap0[s.start : s.end] = torch.arange(base[j], base[j] + s.length)
-        window = ext[tap0.to(device).unsqueeze(1) + torch.arange(W1 + 1, device=device)]  # [N, W, 3, P]
-        y = bi.causal_conv_step(window.permute(0, 2, 3, 1), conv_weight)  # [N, 3, P]
+        base, taps, snap_at, starts, lengths, snap_t = _kda_rows(ctx, W1)
+        # the conv at every place of ext from its shifted slices, then each row's place (no [N, W, 3, P] window)
+        T = ext.shape[0] - W1
+        y = bi.causal_conv([ext[j : j + T] for j in range(W1 + 1)], conv_weight)[taps]  # [N, 3, P]
         N = y.shape[0]
         qh, kh = bi.l2_normalize(y[:, 0].view(N, H, K)), bi.l2_normalize(y[:, 1].view(N, H, K))
-        snap_at = [ctx.kda_snapshot_row(j) for j in range(len(segs))]
-        starts = torch.tensor([s.start for s in segs], device=device)
-        lengths = torch.tensor([s.length for s in segs], device=device)
-        snap_t = torch.tensor([-1 if t is None else t for t in snap_at], device=device)
         o, state, snaps = bi.kda_recurrence(qh, kh, y[:, 2].view(N, H, K), g, beta, state, starts, lengths, snap_t,
                                             K ** -0.5)
         for j, t in enumerate(snap_at):
@@ -459,7 +455,7 @@ class InvariantForward:
         state its last W - 1 inputs."""
         N = qkv.shape[0]
         window = torch.cat([conv.permute(0, 3, 1, 2), qkv.unsqueeze(1)], 1)  # [N, W, 3, P]
-        y = bi.causal_conv_step(window.permute(0, 2, 3, 1), conv_weight)  # [N, 3, P]
+        y = bi.causal_conv(list(window.unbind(1)), conv_weight)  # [N, 3, P]
         qh, kh = bi.l2_normalize(y[:, 0].view(N, H, K)), bi.l2_normalize(y[:, 1].view(N, H, K))
         rows = torch.arange(N, device=qkv.device)
         o, state, _ = bi.kda_recurrence(qh, kh, y[:, 2].view(N, H, K), g, beta, state, rows, torch.ones_like(rows),

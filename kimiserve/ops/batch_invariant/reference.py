@@ -443,10 +443,30 @@ def attn_res_read(running: torch.Tensor, blocks: list[torch.Tensor], norm_weight
     return tree_sum(probs.unsqueeze(-1) * v, -2).to(running.dtype)
 
 
+def tree_add(terms: list[torch.Tensor]) -> torch.Tensor:
+    """The `tree_sum` of a short list of same-shape tensors (the reduced dim given as a list: no
+    [..., n] tensor made), with its bits: halves added pairwise, the zero padding left out (it only
+    turns -0.0 into +0.0, as the final + 0.0 does)."""
+    width = 1 << (len(terms) - 1).bit_length()
+    terms = list(terms) + [None] * (width - len(terms))
+    while len(terms) > 1:
+        half = len(terms) // 2
+        terms = [a if b is None else b if a is None else a + b for a, b in zip(terms[:half], terms[half:])]
+    return terms[0] + 0.0
+
+
+def causal_conv(taps: list[torch.Tensor], weight: torch.Tensor) -> torch.Tensor:
+    """The short conv of rows from their W taps (the W-1 earlier inputs, then the row's own), each
+    [..., C], weight [C, W] (C may be several dims): SiLU(sum_j weight[c, j] taps[j][c]) in fp32, the
+    sum `tree_add`ed (elementwise ops only: the same on every device and for every row count)."""
+    w = weight.float()
+    return silu(tree_add([t.float() * w[..., j] for j, t in enumerate(taps)]))
+
+
 def causal_conv_step(window: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """One token of the short conv: window [..., C, W] (the W-1 earlier inputs, then this one),
-    weight [C, W] -> SiLU(sum_j weight[c, j] window[c, j]) [..., C]."""
-    return silu(tree_sum(window.float() * weight.float(), -1)).to(window.dtype)
+    weight [C, W] -> SiLU(sum_j weight[c, j] window[c, j]) [..., C] (`causal_conv` of its taps)."""
+    return causal_conv([window[..., j] for j in range(window.shape[-1])], weight).to(window.dtype)
 
 
 def kda_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,

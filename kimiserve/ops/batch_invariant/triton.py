@@ -1,7 +1,8 @@
 """Triton batch-invariant matmul (the GPU form of `reference.linear` for one weight matrix).
 
-y[m, n] = sum_k x[m, k] w[n, k], tiled with ONE fixed configuration whatever M is (no split-K, no
-autotuning, no M-dependent tile choice, M not specialised on): every output element is accumulated
+y[m, n] = sum_k x[m, k] w[n, k], tiled with a configuration fixed by the weight's shape [N, K] alone,
+whatever M is (no split-K, no autotuning, no M-dependent tile choice, M not specialised on: `tile_config`;
+BM is one for every shape): every output element is accumulated
 over K in BLOCK_K chunks in increasing k, each chunk one `tl.dot` of fixed-shape [BM, BK] x [BK, BN]
 tiles into the fp32 accumulator, so a row's result does not depend on how many rows there are or where
 it sits in its tile (rows past M load as zeros). bf16 / fp16 operands of one dtype go through the
@@ -10,8 +11,8 @@ recipe of thinking-machines' batch_invariant_ops and vLLM's batch-invariant mode
 dtype, a sequential K loop), as a plain grid rather than a persistent kernel.
 
 It gives other bits than the CPU's tree sum, so an engine and a trainer must both run it (both call
-`reference.linear`, which dispatches here on CUDA). `CONFIG` is the one tile shape; changing it changes
-the bits (never the invariance) and is measured by benchmarks/batch_invariant_matmul.py.
+`reference.linear`, which dispatches here on CUDA). Changing a tile config changes the bits (never the
+invariance); benchmarks/batch_invariant_matmul.py measures the candidates.
 """
 
 from __future__ import annotations
@@ -27,9 +28,17 @@ CONFIG = {"BM": 64, "BN": 128, "BK": 64, "num_warps": 4, "num_stages": 4}
 tiles rows by BM)."""
 
 
+NARROW_CONFIGS: tuple[tuple[int, dict], ...] = ()
+"""(largest N, config) in increasing N: a weight of at most that many output rows takes that config
+(more programs along N where `CONFIG` leaves SMs idle at a few rows); same BM as `CONFIG`."""
+
+
 def tile_config(N: int, K: int) -> dict:
     """The tiles of a product with a weight [N, K]: a function of the weight's shape only, never of M
-    (so never of the batch); today `CONFIG` for every shape."""
+    (so never of the batch): the first of `NARROW_CONFIGS` that covers N, else `CONFIG`."""
+    for largest, config in NARROW_CONFIGS:
+        if N <= largest:
+            return config
     return CONFIG
 
 _TENSOR_CORE_DTYPES = (torch.bfloat16, torch.float16)
