@@ -50,7 +50,10 @@ def plot(results: dict, path: str) -> str | None:
         return None
     fig, (ax_r, ax_k) = plt.subplots(1, 2, figsize=(10, 3.6))
     for mode, hist in results.items():
-        ax_r.plot([h["step"] for h in hist], [h["reward"] for h in hist], label=mode)
+        line, = ax_r.plot([h["step"] for h in hist], [h["reward"] for h in hist], label=mode)
+        if all("expected_reward" in h for h in hist):
+            ax_r.plot([h["step"] for h in hist], [h["expected_reward"] for h in hist], ls="--", color=line.get_color(),
+                      label=f"{mode} (expected)")
         ax_k.plot([h["step"] for h in hist], [h["kl"] for h in hist], label=mode)
     ax_r.set(xlabel="step", ylabel="reward (target-token rate)", title="reward")
     ax_k.set(xlabel="step", ylabel="KL(rollout || trainer)", title="KL (exactly 0 at every step)")

@@ -25,10 +25,13 @@ def test_grpo_has_zero_mismatch_and_learns(tmp_path):
                         "--num-prompts", "2", "--lr", "3e-2", "--modes", "full", "--out", str(out)],
                        env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
-    # LoRA: KL == 0 at every step is asserted, its reward rise is not: over 12 steps it is noise-level
-    # (last-3 minus first-3 mean reward measured +0.002 .. +0.112 across lr 1e-1 .. 8e-1 and gradient
-    # rounding changes of the same math); the script's 100-step LoRA run shows the rise
-    # (BENCHMARKS.md, results/rl_parity.json)
+    # LoRA: KL == 0 at every step is asserted, its reward rise is not: at a CI budget it is not a robust
+    # property. Over 12 steps of 2 prompts it is noise-level (last-3 minus first-3 mean reward +0.002 ..
+    # +0.112 across lr 1e-1 .. 8e-1 and gradient rounding changes; the policy's expected reward, which has
+    # no sampling noise, moved -0.0003 .. +0.027 over 4 seeds at lr 1e-1). With 4 prompts (~30 s) its
+    # last-3 minus first-3 mean rose in 4 of 5 seeds (+0.02 .. +0.10) and fell in one (-0.004): the adapter starts
+    # at B = 0 and the reward takes off only after ~20-35 steps. The script's 100-step LoRA run shows the
+    # rise (BENCHMARKS.md, results/rl_parity.json)
     r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "rl_example.py"), "--steps", "12",
                         "--num-prompts", "2", "--lr", "1e-1", "--modes", "lora", "--out", str(tmp_path / "lora.json")],
                        env=env, capture_output=True, text=True, timeout=600)
@@ -42,3 +45,4 @@ def test_grpo_has_zero_mismatch_and_learns(tmp_path):
         if mode == "full":
             assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.05, (mode, rewards)
         assert [h["step"] for h in history] == list(range(12))
+        assert all(0.0 < h["expected_reward"] < 1.0 for h in history), mode

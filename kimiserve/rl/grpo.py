@@ -62,7 +62,9 @@ def rollouts(llm, prompts, cfg: GRPOConfig, step: int, lora_request=None):
 
 def run_grpo(llm, cfg: GRPOConfig, adapter=None, log=print) -> list[dict]:
     """`cfg.steps` GRPO steps on `llm` (an LLM in batch-invariant mode); returns [{"step", "kl", "reward",
-    "max_abs_logprob_diff"}, ...]. `adapter`: a `kimiserve.lora.LoRAAdapter` to train instead of the model
+    "expected_reward", "max_abs_logprob_diff"}, ...]: `reward` the sampled completions' mean, `expected_reward`
+    the policy's probability of a target token at the same positions (the reward's expectation over each
+    position's draw, before the step's update; far less noisy than the sampled reward). `adapter`: a `kimiserve.lora.LoRAAdapter` to train instead of the model
     (it must be loaded in the engine under adapter.name)."""
     g = torch.Generator().manual_seed(cfg.seed)
     vocab = llm.engine.config.vocab_size
@@ -82,8 +84,10 @@ def run_grpo(llm, cfg: GRPOConfig, adapter=None, log=print) -> list[dict]:
         rewards = torch.tensor([reward_of(c, cfg.target_tokens) for _, c, _ in pairs])
         groups = rewards.view(cfg.num_prompts, cfg.group_size)
         adv = ((groups - groups.mean(1, keepdim=True)) / (groups.std(1, keepdim=True) + 1e-4)).view(-1)
-        lps = trainer.logprobs([p for p, _, _ in pairs], [c for _, c, _ in pairs],
-                               lora=None if lora is None else lora.batch_for(len(pairs), [len(p) + len(c) for p, c, _ in pairs]))
+        lps, dists = trainer.logprobs_and_distributions(
+            [p for p, _, _ in pairs], [c for _, c, _ in pairs],
+            lora=None if lora is None else lora.batch_for(len(pairs), [len(p) + len(c) for p, c, _ in pairs]))
+        expected = float(dists.detach()[:, : cfg.target_tokens].exp().sum(-1).mean())
         rollout_lps = [r for _, _, r in pairs]
         trainer_flat, rollout_flat = torch.cat([lp.detach() for lp in lps]), torch.cat(rollout_lps)
         kl = k3_kl(rollout_flat, trainer_flat)
@@ -100,9 +104,9 @@ def run_grpo(llm, cfg: GRPOConfig, adapter=None, log=print) -> list[dict]:
             sync_weights(llm, trainer.model)
         else:
             adapter.sync_to(llm)
-        entry = {"step": step, "kl": kl, "reward": float(rewards.mean()),
+        entry = {"step": step, "kl": kl, "reward": float(rewards.mean()), "expected_reward": expected,
                  "max_abs_logprob_diff": float((trainer_flat - rollout_flat).abs().max())}
         history.append(entry)
-        log(f"step {step:3d}  reward {entry['reward']:.3f}  kl {kl:.3g}  max|dlogp| {entry['max_abs_logprob_diff']:.3g}  "
+        log(f"step {step:3d}  reward {entry['reward']:.3f}  expected {expected:.3f}  kl {kl:.3g}  max|dlogp| {entry['max_abs_logprob_diff']:.3g}  "
             f"{time.perf_counter() - t0:.2f}s")
     return history

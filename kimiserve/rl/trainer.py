@@ -63,6 +63,12 @@ class PolicyTrainer:
     def logprobs(self, prompts: list[list[int]], completions: list[list[int]], lora=None) -> list[torch.Tensor]:
         """Logprob of each completion token given its prompt and the completion before it: one fp32 tensor
         [len(completion)] per pair, differentiable (unless called under no_grad / inference_mode)."""
+        return self.logprobs_and_distributions(prompts, completions, lora)[0]
+
+    def logprobs_and_distributions(self, prompts: list[list[int]], completions: list[list[int]],
+                                   lora=None) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """`logprobs` and the whole log-softmax rows they were read from ([completion tokens, vocab], the
+        pairs one after the other): what the policy would have given every token at those positions."""
         if len(prompts) != len(completions):
             raise ValueError(f"{len(prompts)} prompts but {len(completions)} completions")
         for i, (p, c) in enumerate(zip(prompts, completions)):
@@ -74,5 +80,6 @@ class PolicyTrainer:
         logits = self.forward.sequences(sequences, self.kv_cache_dtype, self.latent_scales, self.index_key_rotation,
                                         lora=lora, rows=rows)
         targets = torch.tensor([t for c in completions for t in c], dtype=torch.int64, device=device)
-        lps = bi.log_softmax(logits, -1).gather(1, targets.unsqueeze(1))[:, 0]
-        return list(lps.split([len(c) for c in completions]))
+        log_softmax = bi.log_softmax(logits, -1)
+        lps = log_softmax.gather(1, targets.unsqueeze(1))[:, 0]
+        return list(lps.split([len(c) for c in completions])), log_softmax
