@@ -26,3 +26,20 @@ def test_host_overhead_cpu(tmp_path):
         assert all(v >= 0 for v in row["phases_ms"].values())
         assert 0 < row["phase_run_host_ms"] < row["phase_run_step_ms_mean"]
         assert row["step_ms_min"] <= row["step_ms_median"]
+
+
+def test_host_overhead_speculative_rounds_on_emulated_graphs(tmp_path):
+    """--speculative with --stub-forward --emulate-graphs: every step a verify round on the graph paths
+    (the stub's outputs cycle, so n-gram drafts hit), with the propose and commit phases timed."""
+    out = tmp_path / "spec.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "host_overhead.py"), "--device", "cpu",
+                           "--stub-forward", "--emulate-graphs", "--batches", "2", "--steps", "30",
+                           "--speculative", '{"method": "ngram", "num_speculative_tokens": 3}', "--out", str(out)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["emulated_graphs"] and data["speculative"]["method"] == "ngram"
+    row = data["rows"][0]
+    assert row["graph_replays"] > 0 and row["tokens_per_step_per_sequence"] > 1.5, row
+    assert {"propose", "commit", "batch build", "sample"} <= row["phases_ms"].keys(), row["phases_ms"]
