@@ -69,16 +69,17 @@ TILE_CANDIDATES = [{"BM": 64, "BN": 32, "BK": 64, "num_warps": 4, "num_stages": 
                    {"BM": 64, "BN": 256, "BK": 64, "num_warps": 8, "num_stages": 3}]
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("config", [bi_triton.CONFIG, *(c for _, c in bi_triton.NARROW_CONFIGS), *TILE_CANDIDATES])
-def test_every_tile_config_keeps_rows_independent_of_the_batch(monkeypatch, config):
+def test_every_tile_config_keeps_rows_independent_of_the_batch(monkeypatch, config, dtype):
     """Whatever tiles a weight's shape gets (`tile_config`, never a function of M), a row's bits are
     the same alone, among other rows, at another place in its tile, and through the grouped matmul."""
     assert config["BM"] == bi_triton.CONFIG["BM"]  # the device-side expert plan tiles rows by BM
     monkeypatch.setattr(bi_triton, "tile_config", lambda N, K: config)
     g = torch.Generator().manual_seed(5)
     M, K, N = 70, 200, 40
-    w = torch.randn(N, K, generator=g).to(torch.bfloat16).to(DEVICE)
-    x = torch.randn(M, K, generator=g).to(torch.bfloat16).to(DEVICE)
+    w = torch.randn(N, K, generator=g).to(dtype).to(DEVICE)
+    x = torch.randn(M, K, generator=g).to(dtype).to(DEVICE)
     y = bi_triton.matmul(x, w)
     torch.testing.assert_close(y, F.linear(x.double(), w.double()).float(), rtol=1e-4, atol=1e-4)
     for lo, hi in [(0, 1), (5, 6), (63, 66), (1, M)]:
