@@ -7,7 +7,8 @@ Cases (each a fresh engine from the same weights; `--batch` prompts of `--prompt
 - `lora_mixed`: the requests spread over the adapters and the base (round robin);
 - `invariant_mixed` (`--invariant`): `lora_mixed` in batch-invariant mode, for contrast.
 Each case: prefill (one output token per prompt, prompt tokens/s), then `--decode-steps` decode steps of
-the batch past its prompts (tokens/s; on CUDA the decode graphs). Adapters: rank `--rank` on every
+the batch past its prompts (tokens/s; on CUDA the decode graphs); after a warm-up, `--repeats` runs with
+the cases interleaved (so load changes hit them alike), medians reported, every run in the JSON. Adapters: rank `--rank` on every
 default target (attention / KDA projections, MLPs, experts; `--skip-experts`: not the routed experts), random B.
 
     PYTHONPATH=. OMP_NUM_THREADS=1 python benchmarks/lora_serving.py                 # tiny, CPU
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -45,7 +47,7 @@ def targets(args) -> tuple[str, ...]:
     return tuple(t for t in DEFAULT_TARGETS if not (args.skip_experts and t in ("w1", "w2", "w3")))
 
 
-def measure(args, prompts, names, lora: bool, batch_invariant: bool = False) -> dict:
+def build(args, lora: bool, batch_invariant: bool = False) -> LLMEngine:
     engine = LLMEngine(EngineArgs(model=args.model, device=args.device, batch_invariant=batch_invariant,
                                   max_model_len=args.prompt_len + args.decode_steps + 8, enable_prefix_caching=False,
                                   max_num_batched_tokens=max(2048, args.prompt_len), num_pages=args.num_pages,
@@ -54,20 +56,23 @@ def measure(args, prompts, names, lora: bool, batch_invariant: bool = False) -> 
         for i in range(args.adapters):
             engine.load_lora_adapter(f"a{i}", LoRAAdapter.init(engine.model, f"a{i}", rank=args.rank, random_b=True,
                                                                seed=i, targets=targets(args)))
+    return engine
+
+
+def measure(args, engine: LLMEngine, prompts, names, tag: str) -> dict:
+    """One timed prefill of the prompts (one token each) and `--decode-steps` decode steps of the batch."""
     one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-    engine.add_request("warm", prompts[0], one, lora_name=names[0])
-    run_to_end(engine)
     sync(args.device)
     t = time.perf_counter()
     for i, (p, n) in enumerate(zip(prompts, names)):
-        engine.add_request(f"p{i}", p, one, lora_name=n)
+        engine.add_request(f"{tag}p{i}", p, one, lora_name=n)
     run_to_end(engine)
     sync(args.device)
     prefill_s = time.perf_counter() - t
     params = SamplingParams(temperature=1.0, seed=1, max_tokens=args.decode_steps + 1, ignore_eos=True)
     for i, (p, n) in enumerate(zip(prompts, names)):
-        engine.add_request(f"d{i}", p, params, lora_name=n)
-    while any(not engine.groups[f"d{i}"].samples[0].output_ids for i in range(len(prompts))):
+        engine.add_request(f"{tag}d{i}", p, params, lora_name=n)
+    while any(not engine.groups[f"{tag}d{i}"].samples[0].output_ids for i in range(len(prompts))):
         engine.step()
     sync(args.device)
     t, steps = time.perf_counter(), 0
@@ -76,9 +81,7 @@ def measure(args, prompts, names, lora: bool, batch_invariant: bool = False) -> 
         steps += 1
     sync(args.device)
     decode_s = time.perf_counter() - t
-    graphs = engine.runner.graphs
-    return {"prefill_tokens_per_s": sum(map(len, prompts)) / prefill_s, "decode_tokens_per_s": steps * len(prompts) / decode_s,
-            "decode_step_ms": 1e3 * decode_s / steps, "graph_replays": graphs.replays if graphs is not None else 0}
+    return {"prefill_tokens_per_s": sum(map(len, prompts)) / prefill_s, "decode_tokens_per_s": steps * len(prompts) / decode_s}
 
 
 def main(argv=None) -> int:
@@ -91,6 +94,7 @@ def main(argv=None) -> int:
     parser.add_argument("--adapters", type=int, default=3)
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--num-pages", type=int, default=None)
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs per case (medians reported)")
     parser.add_argument("--skip-experts", action="store_true", help="adapters without the routed experts")
     parser.add_argument("--invariant", action="store_true", help="also the mixed batch in batch-invariant mode")
     parser.add_argument("--out", default=None, help="default: benchmarks/results/lora_serving_<device>.json")
@@ -105,11 +109,20 @@ def main(argv=None) -> int:
              ("lora_one", names["one"], True, False), ("lora_mixed", names["mixed"], True, False)]
     if args.invariant:
         cases.append(("invariant_mixed", names["mixed"], True, True))
+    engines = {case: build(args, lora, invariant) for case, _, lora, invariant in cases}
+    for case, case_names, _, _ in cases:  # warm-up (first-call costs; CUDA: graph capture)
+        measure(args, engines[case], prompts, case_names, "warm")
+    runs: dict[str, list[dict]] = {case: [] for case, *_ in cases}
+    for r in range(args.repeats):  # the cases interleaved, so load changes hit them alike
+        for case, case_names, _, _ in cases:
+            runs[case].append(measure(args, engines[case], prompts, case_names, f"r{r}"))
     results = {}
-    for case, case_names, lora, invariant in cases:
-        t = time.perf_counter()
-        results[case] = measure(args, prompts, case_names, lora, invariant)
-        print(case, json.dumps(results[case]), f"({time.perf_counter() - t:.1f} s with build and warm-up)", flush=True)
+    for case, case_names, _, _ in cases:
+        graphs = engines[case].runner.graphs
+        results[case] = {k: statistics.median(m[k] for m in runs[case]) for k in runs[case][0]}
+        results[case]["runs"] = runs[case]
+        results[case]["graph_replays"] = graphs.replays if graphs is not None else 0
+        print(case, {k: round(v, 1) for k, v in results[case].items() if k != "runs"}, flush=True)
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     except OSError:

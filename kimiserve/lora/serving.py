@@ -12,12 +12,14 @@ The row-to-slot map of a step (`LoRARows`) is set on the `ServingLoRA` around th
 (`active`); each covered projection adds its rows' deltas:
 
 - eager steps know their groups on the host (`LoRARows.groups`: the rows of each adapter present) and run
-  one pair of matmuls per adapter present (segments), at the adapter's own rank; the routed experts one
-  group per (adapter, expert) present, base rows through the same expert matmul without a delta;
+  one pair of matmuls per adapter present (segments), at the adapter's own rank; past STATIC_MOE_TOKENS
+  tokens the routed experts run one group per (adapter, expert) present, base rows through the same
+  expert matmul without a delta;
 - a captured decode graph knows only the slots tensor (a graph input: shapes do not depend on which
   adapters are in the batch): x times every slot's A at once, masked to the row's slot, times every
-  slot's B (`masked_delta`); the experts gather each (token, expert) pair's A and B (`gathered_delta`)
-  next to the every-expert dense form of `RoutedExperts`.
+  slot's B (`masked_delta`); the experts (and eager steps of up to STATIC_MOE_TOKENS tokens: no host
+  sync, a fixed number of ops) gather each (token, expert) pair's A and B (`gathered_delta`) next to the
+  every-expert dense form of `RoutedExperts`.
 
 A base row's delta is exactly zero in every form (slot 0's weights are zero, or the row takes no group),
 so base rows give the bits they give without LoRA. Outside `active` (full-sequence forwards, training)
@@ -36,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from kimiserve.lora.adapter import lora_targets
-from kimiserve.model.moe import RoutedExperts
+from kimiserve.model.moe import STATIC_MOE_TOKENS, RoutedExperts
 
 ROW_SUBSET_PROJECTIONS = (".indexer.wq_b", ".indexer.weights_proj")
 """Projections the default forward runs on subsets of a step's rows: LoRA on them is batch-invariant only."""
@@ -163,7 +165,7 @@ class LoRAExperts:
         N, k = ids.shape
         pair_experts, pair_slots = ids.reshape(-1), rows.slots.repeat_interleave(k)
         xs = x.repeat_interleave(k, dim=0)
-        if rows.groups is None:
+        if rows.groups is None or N <= STATIC_MOE_TOKENS:
             y = self._dense(module, x, xs, pair_experts, pair_slots)
         else:
             y = self._segments(module, xs, pair_experts, pair_slots)
