@@ -12,7 +12,8 @@ the cases interleaved (so load changes hit them alike), medians reported, every 
 default target (attention / KDA projections, MLPs, experts; `--skip-experts`: not the routed experts), random B.
 
     PYTHONPATH=. OMP_NUM_THREADS=1 python benchmarks/lora_serving.py                 # tiny, CPU
-    PYTHONPATH=. python benchmarks/lora_serving.py --model small --device cuda --batch 32 --prompt-len 512
+    PYTHONPATH=. python benchmarks/lora_serving.py --model small --device cuda --batch 32 --prompt-len 512 \
+        --kv-cache-memory-gib 4
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ def build(args, lora: bool, batch_invariant: bool = False) -> LLMEngine:
     engine = LLMEngine(EngineArgs(model=args.model, device=args.device, batch_invariant=batch_invariant,
                                   max_model_len=args.prompt_len + args.decode_steps + 8, enable_prefix_caching=False,
                                   max_num_batched_tokens=max(2048, args.prompt_len), num_pages=args.num_pages,
-                                  enable_lora=lora, max_loras=max(1, args.adapters), max_lora_rank=args.rank))
+                                  kv_cache_memory_gib=args.kv_cache_memory_gib, enable_lora=lora, max_loras=max(1, args.adapters), max_lora_rank=args.rank))
     if lora:
         for i in range(args.adapters):
             engine.load_lora_adapter(f"a{i}", LoRAAdapter.init(engine.model, f"a{i}", rank=args.rank, random_b=True,
@@ -94,6 +95,8 @@ def main(argv=None) -> int:
     parser.add_argument("--adapters", type=int, default=3)
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--num-pages", type=int, default=None)
+    parser.add_argument("--kv-cache-memory-gib", type=float, default=None,
+                        help="cache per engine (the cases' engines live at once: give it on CUDA)")
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per case (medians reported)")
     parser.add_argument("--skip-experts", action="store_true", help="adapters without the routed experts")
     parser.add_argument("--invariant", action="store_true", help="also the mixed batch in batch-invariant mode")
