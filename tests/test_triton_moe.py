@@ -194,6 +194,22 @@ def test_dequant_variants(tt, variant, block_m):
     check_case(tt, 45, 96, 160, 7, 3, torch.bfloat16, True, "situ", "subset", "cuda", cfg)
 
 
+CLAMPED_CASES = [  # dequant, swap, block_m, block_n, block_k: whole K steps (no K mask) with tail column tiles
+    ("shift", False, 16, 64, 32), ("shift", True, 16, 64, 32), ("shift", False, 32, 64, 32),
+    ("shift", True, 32, 64, 32), ("shift", False, 64, 128, 32),
+]
+
+
+@pytest.mark.parametrize("dequant,swap,block_m,block_n,block_k", CLAMPED_CASES)
+def test_shift_clamped_rows(tt, dequant, swap, block_m, block_n, block_k):
+    """The shift path loads without row masks (weight rows clamped to the last row, padding rows reading
+    pair 0's row): h = 96 and I = 160 in 32-wide K steps leave every K step whole but the last column tile
+    of both GEMMs partial, and the few rows per expert leave padding rows in every block."""
+    cfg = variant_config(tt, dequant, swap, block_m, block_n, block_k)
+    for N, routing in ((45, "subset"), (3, "same"), (1, "random")):
+        check_case(tt, N, 96, 160, 7, 3, torch.bfloat16, True, "situ", routing, "cuda", cfg, seed=N)
+
+
 def dequant_bytes(first_scale: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """Every code byte (256 per row: all code pairs) with every scale byte first_scale..254, one row
     each, and a row of zero codes with scale byte 0 (how quantize_mxfp4 stores an all-zero group)."""

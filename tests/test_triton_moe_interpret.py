@@ -23,8 +23,8 @@ from kimiserve.model import moe as moe_module  # noqa: E402
 from kimiserve.model.model import build_model  # noqa: E402
 from kimiserve.ops.moe import triton as tt  # noqa: E402
 from kimiserve.ops.quant.reference import dequantize_mxfp4  # noqa: E402
-from test_triton_moe import (ROUTINGS, SMALL_CASES, VARIANTS, assert_bitwise, check_align, check_case,  # noqa: E402
-                             dequant_bytes, route_ids, shift_dequant_bytes, variant_config)
+from test_triton_moe import (CLAMPED_CASES, ROUTINGS, SMALL_CASES, VARIANTS, assert_bitwise, check_align,  # noqa: E402
+                             check_case, dequant_bytes, route_ids, shift_dequant_bytes, variant_config)
 
 
 ALIGN_CASES = [(N, E, k, r, m) for N, E, k in [(1, 3, 3), (5, 5, 2), (37, 9, 3), (19, 7, 1)] for r in ROUTINGS
@@ -103,6 +103,16 @@ def test_dequant_variants(variant):
         pytest.skip("Triton 3.6's interpreter does not run tl.dot_scaled; tests/test_triton_moe.py checks it on a GPU")
     cfg = variant_config(tt, block_m=32, **VARIANTS[variant])
     check_case(tt, 45, 96, 160, 7, 3, torch.bfloat16, True, "situ", "subset", "cpu", cfg)
+
+
+@pytest.mark.parametrize("dequant,swap,block_m,block_n,block_k", [CLAMPED_CASES[i] for i in (0, 1, 4)])
+def test_shift_clamped_rows(dequant, swap, block_m, block_n, block_k):
+    """tests/test_triton_moe.py's case on the CPU (three of its tilings, two batches): the shift path's
+    unmasked loads (clamped weight rows, padding rows on pair 0) at whole K steps with partial column
+    tiles and padding rows."""
+    cfg = variant_config(tt, dequant, swap, block_m, block_n, block_k)
+    for N, routing in ((45, "subset"), (1, "random")):
+        check_case(tt, N, 96, 160, 7, 3, torch.bfloat16, True, "situ", routing, "cpu", cfg, seed=N)
 
 
 @pytest.mark.parametrize("tokens", [1, 3, 20])

@@ -443,53 +443,60 @@ def _mxfp4_shift(w, sc, BN: tl.constexpr, BK: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
-def _masked_load(ptrs, kmask, other, EVEN_K: tl.constexpr):
-    """A weight tile's load: rows are always in range (the callers clamp them), K only masked at a tail."""
+def _masked_load(ptrs, rmask, kmask, other, EVEN_K: tl.constexpr, CLAMPED: tl.constexpr):
+    """A weight tile's load. CLAMPED (the "shift" path): the caller clamped the rows into range, so only a K
+    tail is masked; else (the GPU-verified form of the other dequantisations) rows are masked too."""
+    if CLAMPED:
+        if EVEN_K:
+            return tl.load(ptrs)
+        return tl.load(ptrs, mask=kmask[None, :], other=other)
     if EVEN_K:
-        return tl.load(ptrs)
-    return tl.load(ptrs, mask=kmask[None, :], other=other)
+        return tl.load(ptrs, mask=rmask[:, None], other=other)
+    return tl.load(ptrs, mask=rmask[:, None] & kmask[None, :], other=other)
 
 
 @triton.jit
-def _load_weight(w_ptr, s_ptr, cols, k0, K, s_wn, s_sn, MXFP4: tl.constexpr, DEQUANT: tl.constexpr,
-                 ASM: tl.constexpr, DTYPE: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr):
-    """W[cols, k0:k0+BK] in DTYPE ([BN, BK], zero past K; cols must be valid rows): plain weights, or
-    MXFP4 (bytes, or int32 words for "lut" / "shift") with their scales, dequantised by DEQUANT."""
+def _load_weight(w_ptr, s_ptr, cols, col_ok, k0, K, s_wn, s_sn, MXFP4: tl.constexpr, DEQUANT: tl.constexpr,
+                 ASM: tl.constexpr, DTYPE: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
+                 CLAMPED: tl.constexpr):
+    """W[cols, k0:k0+BK] in DTYPE ([BN, BK], zero past K, and outside col_ok unless CLAMPED): plain weights,
+    or MXFP4 (bytes, or int32 words for "lut" / "shift") with their scales, dequantised by DEQUANT."""
     if MXFP4:
         ks = k0 // 32 + tl.arange(0, BK // 32)
-        sc = _masked_load(s_ptr + cols[:, None] * s_sn + ks[None, :], ks < K // 32, 127, EVEN_K)
+        sc = _masked_load(s_ptr + cols[:, None] * s_sn + ks[None, :], col_ok, ks < K // 32, 127, EVEN_K, CLAMPED)
         if DEQUANT == 1 or DEQUANT == 3:
             kw = k0 // 8 + tl.arange(0, BK // 8)
-            words = _masked_load(w_ptr + cols[:, None] * s_wn + kw[None, :], kw < K // 8, 0, EVEN_K)
+            words = _masked_load(w_ptr + cols[:, None] * s_wn + kw[None, :], col_ok, kw < K // 8, 0, EVEN_K, CLAMPED)
             if DEQUANT == 3:
                 return _mxfp4_shift(words, sc, BN, BK, ASM)
             return _mxfp4_lut(words, sc, BN, BK, ASM)
         else:
             kb = k0 // 2 + tl.arange(0, BK // 2)
-            q = _masked_load(w_ptr + cols[:, None] * s_wn + kb[None, :], kb < K // 2, 0, EVEN_K)
+            q = _masked_load(w_ptr + cols[:, None] * s_wn + kb[None, :], col_ok, kb < K // 2, 0, EVEN_K, CLAMPED)
             return _mxfp4_exact(q, sc, DTYPE, BN, BK)
     else:
         kk = k0 + tl.arange(0, BK)
-        return _masked_load(w_ptr + cols[:, None] * s_wn + kk[None, :], kk < K, 0.0, EVEN_K).to(DTYPE)
+        return _masked_load(w_ptr + cols[:, None] * s_wn + kk[None, :], col_ok, kk < K, 0.0, EVEN_K, CLAMPED).to(DTYPE)
 
 
 @triton.jit
-def _weight_dot(acc, a, w_ptr, s_ptr, cols, k0, K, s_wn, s_sn,
+def _weight_dot(acc, a, w_ptr, s_ptr, cols, col_ok, k0, K, s_wn, s_sn,
                 MXFP4: tl.constexpr, DEQUANT: tl.constexpr, ASM: tl.constexpr, SWAP: tl.constexpr, DTYPE: tl.constexpr,
-                PRECISION: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr):
+                PRECISION: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
+                CLAMPED: tl.constexpr):
     """acc + a @ W[cols, k0:k0+BK]^T ([BM, BN]; SWAP: acc + W[cols, k0:k0+BK] @ a^T, [BN, BM]).
-    w_ptr/s_ptr: expert e's weight (uint8 bytes; "lut", "shift": int32 words) and scale rows; cols are
-    clamped to valid rows (a tile's rows past N_OUT compute garbage that is never stored)."""
+    w_ptr/s_ptr: expert e's weight (uint8 bytes; "lut", "shift": int32 words) and scale rows. CLAMPED: cols
+    are clamped to valid rows (a tail tile's extra rows compute garbage that is never stored)."""
     if MXFP4 and DEQUANT == 2:
         kb = k0 // 2 + tl.arange(0, BK // 2)
         ks = k0 // 32 + tl.arange(0, BK // 32)
-        q = _masked_load(w_ptr + cols[:, None] * s_wn + kb[None, :], kb < K // 2, 0, EVEN_K)
-        sc = _masked_load(s_ptr + cols[:, None] * s_sn + ks[None, :], ks < K // 32, 127, EVEN_K)
+        q = _masked_load(w_ptr + cols[:, None] * s_wn + kb[None, :], col_ok, kb < K // 2, 0, EVEN_K, CLAMPED)
+        sc = _masked_load(s_ptr + cols[:, None] * s_sn + ks[None, :], col_ok, ks < K // 32, 127, EVEN_K, CLAMPED)
         if SWAP:
             return tl.dot_scaled(q, sc, "e2m1", tl.trans(a), None, "bf16", acc, fast_math=True)
         else:
             return tl.dot_scaled(a, None, "bf16", tl.trans(q), sc, "e2m1", acc, fast_math=True)
-    w = _load_weight(w_ptr, s_ptr, cols, k0, K, s_wn, s_sn, MXFP4, DEQUANT, ASM, DTYPE, BN, BK, EVEN_K)
+    w = _load_weight(w_ptr, s_ptr, cols, col_ok, k0, K, s_wn, s_sn, MXFP4, DEQUANT, ASM, DTYPE, BN, BK, EVEN_K, CLAMPED)
     if SWAP:
         return tl.dot(w, tl.trans(a), acc, input_precision=PRECISION)
     else:
@@ -503,8 +510,7 @@ def _dequant_kernel(w_ptr, s_ptr, out_ptr, N, K, s_wn, s_sn, s_on, MXFP4: tl.con
     cols = tl.program_id(0) * BN + tl.arange(0, BN)
     k0 = tl.program_id(1) * BK
     col_ok = cols < N
-    w = _load_weight(w_ptr, s_ptr, tl.minimum(cols, N - 1), k0, K, s_wn, s_sn, MXFP4, DEQUANT, ASM, DTYPE, BN, BK,
-                     False)
+    w = _load_weight(w_ptr, s_ptr, cols, col_ok, k0, K, s_wn, s_sn, MXFP4, DEQUANT, ASM, DTYPE, BN, BK, False, False)
     kk = k0 + tl.arange(0, BK)
     tl.store(out_ptr + cols[:, None] * s_on + kk[None, :], w, mask=col_ok[:, None] & (kk < K)[None, :])
 
@@ -553,7 +559,11 @@ def _moe_gemm_kernel(
     a_rows = a_ptr + (pairs // A_ROW_DIV) * s_am
     cols = nt * BN + tl.arange(0, BN)
     col_ok = cols < N_OUT
-    wcols = tl.minimum(cols, N_OUT - 1)  # a tail tile's extra rows read row N_OUT - 1: no load masks
+    CLAMPED: tl.constexpr = DEQUANT == 3  # the shift path: no row masks on loads (not yet run on a GPU)
+    if CLAMPED:  # a tail tile's extra rows read row N_OUT - 1, padding rows pair 0's row: stores are masked
+        wcols = tl.minimum(cols, N_OUT - 1)
+    else:
+        wcols = cols
     w_e = w_ptr + e * s_we
     ws_e = ws_ptr + e * s_se
     v_e = v_ptr + e * s_we
@@ -566,15 +576,21 @@ def _moe_gemm_kernel(
         acc2 = tl.zeros((BM, BN), tl.float32)
     for k0 in range(0, K, BK):
         kk = k0 + tl.arange(0, BK)
-        if EVEN_K:  # padding rows read pair 0's row (stored nowhere)
+        if CLAMPED and EVEN_K:
             a = tl.load(a_rows[:, None] + kk[None, :]).to(DTYPE)
-        else:
+        elif CLAMPED:
             a = tl.load(a_rows[:, None] + kk[None, :], mask=(kk < K)[None, :], other=0.0).to(DTYPE)
-        acc = _weight_dot(acc, a, w_e, ws_e, wcols, k0, K, s_wn, s_sn, MXFP4, DEQUANT, ASM, SWAP, DTYPE,
-                          PRECISION, BN, BK, EVEN_K)
+        else:
+            if EVEN_K:
+                amask = row_ok[:, None]
+            else:
+                amask = row_ok[:, None] & (kk < K)[None, :]
+            a = tl.load(a_rows[:, None] + kk[None, :], mask=amask, other=0.0).to(DTYPE)
+        acc = _weight_dot(acc, a, w_e, ws_e, wcols, col_ok, k0, K, s_wn, s_sn, MXFP4, DEQUANT, ASM, SWAP, DTYPE,
+                          PRECISION, BN, BK, EVEN_K, CLAMPED)
         if GATED:
-            acc2 = _weight_dot(acc2, a, v_e, vs_e, wcols, k0, K, s_wn, s_sn, MXFP4, DEQUANT, ASM, SWAP, DTYPE,
-                               PRECISION, BN, BK, EVEN_K)
+            acc2 = _weight_dot(acc2, a, v_e, vs_e, wcols, col_ok, k0, K, s_wn, s_sn, MXFP4, DEQUANT, ASM, SWAP, DTYPE,
+                               PRECISION, BN, BK, EVEN_K, CLAMPED)
     if GATED:
         y = _activate(acc, acc2, beta, linear_beta, ACT, LINEAR_TANH, DTYPE)
     else:
