@@ -10,7 +10,7 @@ import torch
 from kimiserve.engine.bad_words import bad_words_token_ids, banned_tokens
 from kimiserve.engine.detokenizer import IncrementalDetokenizer
 from kimiserve.engine.sampler import (
-    SampleRequest, Sampler, mix_seed, prompt_logprobs, prompt_logprobs_chunk,
+    SampleRequest, Sampler, greedy_tokens, mix_seed, prompt_logprobs, prompt_logprobs_chunk,
 )
 from kimiserve.ops.sampling import reference as ops
 from kimiserve.sampling_params import (
@@ -211,6 +211,32 @@ def test_greedy_is_argmax_and_top_k_1_equals_greedy():
     assert [t for t, _ in greedy] == [5] + logits[1:].argmax(-1).tolist()
     top1 = sampler(logits, [req(top_k=1, temperature=1.7, seed=i) for i in range(R)])
     assert top1 == greedy
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_greedy_fast_path_matches_the_draw(dtype):
+    """A plain all-greedy batch takes `greedy_tokens` (two device ops); the tokens are the general
+    path's (saturate the float32 logits, `_draw`, a row without a finite logit -> 0) on poisoned rows."""
+    gen = torch.Generator().manual_seed(7)
+    raw = torch.randn(13, V, generator=gen, dtype=torch.float64) * 4
+    raw[0] = -INF
+    raw[1] = float("nan")
+    raw[2, 3], raw[2, 30] = INF, INF  # the first +inf
+    raw[3, ::2] = float("nan")
+    raw[4, 5] = raw[4, 9] = raw[4].max() + 1  # a tie: the smaller id
+    raw[5, 1], raw[5, 2] = torch.finfo(dtype).max if dtype != torch.float64 else 1e300, INF  # +inf beats the max
+    raw[6, 8] = -INF
+    raw[7] = -INF
+    raw[7, 20] = float("nan")
+    logits = raw.to(dtype)
+    reqs = [req(temperature=0) if i % 2 else req(top_k=1, temperature=0.8) for i in range(13)]
+    sampler = Sampler(seed=0)
+    x = ops.saturate(logits.float())
+    drawn, valid = sampler._draw(x, reqs)
+    expected = torch.where(valid, drawn, 0)
+    assert torch.equal(greedy_tokens(logits), expected)
+    assert torch.equal(sampler.sample_plain(logits, reqs), expected)
+    assert [t for t, _ in sampler(logits.float(), reqs)] == expected.tolist()
 
 
 def test_greedy_sees_penalties():

@@ -160,6 +160,17 @@ def _scatter_ones(target: torch.Tensor, ids_per_row: list[list[int]], accumulate
     return target
 
 
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """int64 [R] argmax per row of raw logits in two device ops, the tokens `Sampler._draw` gives greedy rows:
+    NaN counts as -inf, the first +inf wins (saturate's +inf -> the float32 maximum is above every finite
+    value of a narrower dtype, and is saturate itself in float32), and a row without a finite logit takes
+    token 0 (argmax's first maximum)."""
+    if logits.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        logits = logits.float()  # float64: the values the float32 path compares
+    posinf = None if logits.dtype == torch.float32 else float("inf")
+    return torch.argmax(torch.nan_to_num(logits, nan=ops.NEG_INF, posinf=posinf, neginf=ops.NEG_INF), dim=-1)
+
+
 class Sampler:
     """Turns the batch's logits into tokens; owns the generator of the unseeded rows."""
 
@@ -356,6 +367,8 @@ class Sampler:
             raise ValueError(f"logits must be [R, V] with R = {len(requests)} requests, got {tuple(logits.shape)}")
         if not checked and not all(r.is_plain for r in requests):
             return None
+        if all(r.params.greedy for r in requests):
+            return greedy_tokens(logits)
         x = ops.saturate(logits.float())
         if all(r.params.greedy for r in requests):
             # a row without a finite logit is all -inf here: its argmax is the first token, as below
