@@ -134,3 +134,66 @@ def test_batch_invariant_decode_graphs_give_the_eager_bits(eager_graphs):
         lps = PolicyTrainer.from_engine(engine).logprobs(prompts, [outs[f"r{i}"].outputs[0].token_ids for i in range(5)])
     for i, got in enumerate(lps):
         assert torch.equal(got, lp(outs[f"r{i}"])), i
+
+
+def test_persistent_graph_inputs_equal_a_rebuild():
+    """The mirrors keep the rows earlier steps wrote (`DecodeGraphs._written`) and rewrite only rows whose
+    pages changed; after every step of random in-place page changes (a page appended, the last page or a
+    state page copied on write, a tail released, new lists after a preemption), finishes, admissions,
+    batch sizes and table widths, the inputs equal those a fresh instance builds from nothing."""
+    import random
+    from types import SimpleNamespace
+
+    rng = random.Random(5)
+    pool = SimpleNamespace(data=torch.empty(0), block_size=4)
+    pad_states = torch.tensor([97, 98, 99])
+
+    def graphs():
+        return cuda_graphs.DecodeGraphs(None, pool, None, 16, 64, 96, pad_states, forward=lambda *a: None)
+
+    persistent = graphs()
+    persistent._mirrors.append(torch.zeros_like(persistent._mirrors[0]))  # two mirrors in turn, as on CUDA
+    persistent._mirror_events.append(None)
+    persistent._written.append(None)
+    next_page = iter(range(1000))
+
+    def new_chunk():
+        return SimpleNamespace(context_start=0, block_table=[next(next_page) for _ in range(rng.randint(1, 5))],
+                               state_pages=[next(next_page) for _ in range(3)])
+
+    chunks = [new_chunk() for _ in range(5)]
+    for step in range(300):
+        for _ in range(rng.randint(0, 3)):
+            action = rng.randrange(8)
+            c = rng.choice(chunks) if chunks else None
+            if action == 0 and c:
+                c.block_table.append(next(next_page))
+            elif action == 1 and c:
+                c.block_table[-1] = next(next_page)
+            elif action == 2 and c:
+                c.state_pages[rng.randrange(3)] = next(next_page)
+            elif action == 3 and c and len(c.block_table) > 1:
+                del c.block_table[rng.randint(1, len(c.block_table) - 1):]
+            elif action == 4 and c:
+                c.block_table, c.state_pages = list(c.block_table), list(c.state_pages)  # same pages, new lists
+            elif action == 5 and chunks:
+                chunks.pop(rng.randrange(len(chunks)))  # finished: the rows after it move up
+            elif action == 6 and len(chunks) < 16:
+                chunks.insert(rng.randint(0, len(chunks)), new_chunk())
+            elif action == 7 and c:
+                c.block_table, c.state_pages = [next(next_page)], [next(next_page) for _ in range(3)]  # recomputed
+        bucket = rng.choice([32, 64])
+        cols = bucket // pool.block_size
+        for c in chunks:
+            c.context_start = rng.randrange(min(len(c.block_table), cols) * pool.block_size)
+        size = persistent.padded_size(len(chunks))
+        ids = [rng.randrange(500) for _ in chunks]
+        fresh = graphs()
+        slots = [rng.randrange(3) for _ in chunks] if rng.random() < 0.5 else None  # LoRA slots
+        persistent._fill(ids, chunks, size, bucket, slots)
+        fresh._fill(ids, chunks, size, bucket, slots)
+        fields = lambda g: g.inputs[: cuda_graphs.FIELDS * 16].view(cuda_graphs.FIELDS, 16)  # noqa: E731
+        for a, b in ((persistent, fresh), (fresh, persistent)):  # what the graph of `size` rows reads
+            assert torch.equal(fields(a)[:, :size], fields(b)[:, :size])
+            assert torch.equal(a.state_pages[:size], b.state_pages[:size]), f"step {step}"
+            assert torch.equal(a._tables(size, bucket), b._tables(size, bucket)), f"step {step}"

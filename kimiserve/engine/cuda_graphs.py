@@ -17,6 +17,7 @@ captured for then replays once with its real inputs.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import warnings
 
@@ -29,6 +30,9 @@ from kimiserve.model.model import KimiForCausalLM
 from kimiserve.model.moe import STATIC_MOE_TOKENS
 from kimiserve.ops.backend import DecodeOps
 
+_PAD_ROW = ("pad",)
+"""A mirror row holding the padding pages (`DecodeGraphs._written`)."""
+
 MIN_CONTEXT_BUCKET = 2048  # K3.1's index top-k: shorter contexts run dense MLA, without the scan
 FIELDS = 6  # per-row inputs: ids, positions, write pages, write offsets, context lengths, LoRA slots
 
@@ -37,6 +41,24 @@ def capture_sizes(max_batch: int) -> list[int]:
     """Padded batch sizes: 1, 2, 4, 8, then every multiple of 16 up to max_batch (and max_batch)."""
     sizes = [s for s in (1, 2, 4, 8) if s < max_batch] + list(range(16, max_batch, 16))
     return sorted(set(sizes + [max_batch]))
+
+
+def fill_page_rows(chunks, tables: np.ndarray, states: np.ndarray) -> None:
+    """Row i of `tables` [n, cols] gets chunks[i].block_table (its first cols pages when longer; the rest
+    of the row is left as it is) and row i of `states` [n, S] chunks[i].state_pages, in a few numpy calls
+    (one pass over the pages, no per-row numpy call)."""
+    n, cols = tables.shape
+    lens = np.fromiter((len(c.block_table) for c in chunks), dtype=np.int64, count=n)
+    if n and lens.max() > cols:
+        pages = (c.block_table[:cols] for c in chunks)
+        np.minimum(lens, cols, out=lens)
+    else:
+        pages = (c.block_table for c in chunks)
+    flat = np.fromiter(itertools.chain.from_iterable(pages), dtype=np.int64, count=int(lens.sum()))
+    tables[np.arange(cols) < lens[:, None]] = flat  # row-major order: each row's pages in turn
+    if states.size:
+        states[:] = np.fromiter(itertools.chain.from_iterable(c.state_pages for c in chunks), dtype=np.int64,
+                                count=states.size).reshape(states.shape)
 
 
 class GraphSet:
@@ -114,9 +136,13 @@ class DecodeGraphs(GraphSet):
         self._lora_version = None
         self.pad_state_pages = pad_state_pages.to(dev)
         self._pad_states_host = pad_state_pages.cpu().numpy()
+        self._pad_fields = np.array([[0], [0], [pad_page], [0], [1], [0]], dtype=np.int64)
         pin = dev.type == "cuda"
         self._mirrors = [torch.zeros(self.inputs.shape, dtype=torch.int64, pin_memory=pin) for _ in range(2 if pin else 1)]
         self._mirror_events: list = [None] * len(self._mirrors)
+        self._written: list = [None] * len(self._mirrors)
+        """Per mirror: ((rows, table width) of its layout, per row the (block table, state pages) it holds,
+        or _PAD_ROW, or None when unknown), so that `_fill_pages` writes only the rows that changed."""
         """Two mirrors on CUDA, used in turn: one can still be copying while the next step fills the other."""
         self._turn = 0
         self.rows = torch.arange(B, **long)
@@ -165,33 +191,22 @@ class DecodeGraphs(GraphSet):
         if self._mirror_events[turn] is not None:
             self._mirror_events[turn].synchronize()  # its previous copy is done (at once, in practice)
         host = self._mirrors[turn].numpy()
-        fields = host[: FIELDS * B].reshape(FIELDS, B)
-        ids, positions, write_pages, write_offsets, context_lens, slots = fields[:, :size]
+        fields = host[: FIELDS * B].reshape(FIELDS, B)[:, :size]
+        ids, positions, write_pages, write_offsets, context_lens, slots = fields
         states = host[FIELDS * B : self._head].reshape(B, -1)
         tables = host[self._head : self._head + size * cols].reshape(size, cols)
-        tables.fill(self.pad_page)
-        pos = np.fromiter((c.context_start for c in chunks), dtype=np.int64, count=n)
-        for i, c in enumerate(chunks):
-            table = c.block_table if len(c.block_table) <= cols else c.block_table[:cols]
-            tables[i, : len(table)] = table
-        positions[:n] = pos
-        positions[n:] = 0
-        write_pages[:n] = tables[np.arange(n), pos // bs]
-        write_pages[n:] = self.pad_page
-        write_offsets[:n] = pos % bs
-        write_offsets[n:] = 0
-        context_lens[:n] = pos + 1
-        context_lens[n:] = 1
-        slots[:] = 0
-        if lora_slots is not None:
-            slots[:n] = lora_slots
+        self._fill_pages(turn, chunks, tables, states[:size])
+        fields[:, n:] = self._pad_fields  # ids 0, position 0, the pad page, offset 0, context 1, LoRA slot 0
         if n:
-            states[:n] = [c.state_pages for c in chunks]
-        states[n:size] = self._pad_states_host
+            pos = positions[:n]
+            pos[:] = np.fromiter((c.context_start for c in chunks), dtype=np.int64, count=n)
+            write_pages[:n] = tables[np.arange(n), pos // bs]
+            np.remainder(pos, bs, out=write_offsets[:n])
+            np.add(pos, 1, out=context_lens[:n])
+            slots[:n] = 0 if lora_slots is None else lora_slots
         on_device = isinstance(input_ids, torch.Tensor)
-        if not on_device:
+        if not on_device and n:
             ids[:n] = np.asarray(input_ids, dtype=np.int64).reshape(n)
-        ids[n:] = 0
         end = self._head + size * cols
         self.inputs[:end].copy_(self._mirrors[turn][:end], non_blocking=True)
         if self.inputs.device.type == "cuda":
@@ -200,6 +215,38 @@ class DecodeGraphs(GraphSet):
             self._mirror_events[turn] = event
         if on_device and n:
             self.input_ids[:n].copy_(input_ids)
+
+    def _fill_pages(self, turn: int, chunks, tables: np.ndarray, states: np.ndarray) -> None:
+        """The block tables and state pages of mirror `turn`: rows of chunks, then padding rows. The mirror
+        keeps what an earlier step wrote into it (a persistent batch: `_written`), so only rows whose pages
+        differ from those are written (a decode step adds a page to a sequence every block_size tokens)."""
+        size, cols = tables.shape
+        n = len(chunks)
+        written = self._written[turn]
+        if written is None or written[0] != (size, cols):
+            written = ((size, cols), [None] * size)  # another graph's layout: every row is unknown
+            self._written[turn] = written
+        rows = written[1]
+        changed = []
+        for i, c in enumerate(chunks):
+            known = rows[i]
+            table = c.block_table if len(c.block_table) <= cols else c.block_table[:cols]
+            if known is None or known[0] != table or known[1] != c.state_pages:
+                changed.append(i)
+                rows[i] = (list(table), list(c.state_pages))
+        if changed:
+            k = len(changed)
+            new_tables = np.full((k, cols), self.pad_page, dtype=np.int64)
+            new_states = np.empty((k, states.shape[1]), dtype=np.int64)
+            fill_page_rows([chunks[i] for i in changed], new_tables, new_states)
+            tables[changed] = new_tables
+            states[changed] = new_states
+        pad = [i for i in range(n, size) if rows[i] is not _PAD_ROW]
+        if pad:
+            tables[pad] = self.pad_page
+            states[pad] = self._pad_states_host
+            for i in pad:
+                rows[i] = _PAD_ROW
 
     def _batch(self, size: int, bucket: int) -> ForwardBatch:
         return ForwardBatch(

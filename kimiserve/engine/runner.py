@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from kimiserve.cache.pool import PagePool
+from kimiserve.engine.cuda_graphs import fill_page_rows
 from kimiserve.engine.errors import is_fatal_error
 from kimiserve.engine.request import sample_seed
 from kimiserve.engine.sampler import SampleRequest, Sampler, TokenLogprobs, prompt_logprobs_chunk
@@ -265,19 +267,28 @@ class ModelRunner:
         return self.lora.batch([c.lora_id for c in step.chunks for _ in range(c.end - c.start)], self.device)
 
     def _decode_batch(self, chunks: list[StepChunk]) -> ForwardBatch:
-        """A decode-only step's batch (one token per chunk) from the chunks' page lists in a few host tensors;
-        it lists no chunks: the layers read its decode_* rows only, as in a captured decode graph's batch."""
+        """A decode-only step's batch (one token per chunk) from the chunks' page lists in one host buffer (one
+        host-to-device copy); it lists no chunks: the layers read its decode_* rows only, as in a captured
+        decode graph's batch."""
         n, bs = len(chunks), self.pool.block_size
         width = max(len(c.block_table) for c in chunks)
-        tables = torch.tensor([c.block_table + [0] * (width - len(c.block_table)) for c in chunks], dtype=torch.int64)
-        positions = torch.tensor([c.context_start for c in chunks], dtype=torch.int64)
-        states = torch.tensor([c.state_pages for c in chunks], dtype=torch.int64)
-        to = lambda t: to_device(t, self.device)
-        return ForwardBatch(pool=self.pool, positions=to(positions), write_pages=to(tables[torch.arange(n), positions // bs]),
-                            write_offsets=to(positions % bs), chunks=[], decode_rows=to(torch.arange(n)),
-                            decode_block_tables=to(tables), decode_context_lens=to(positions + 1),
-                            decode_state_pages=to(states), decode_max_context=max(c.context_start for c in chunks) + 1,
-                            ops=self.ops)
+        num_state = len(chunks[0].state_pages)
+        host = np.zeros((5 + num_state + width) * n, dtype=np.int64)
+        positions, write_pages, write_offsets, context_lens, rows = host[: 5 * n].reshape(5, n)
+        states = host[5 * n : (5 + num_state) * n].reshape(n, num_state)
+        tables = host[(5 + num_state) * n :].reshape(n, width)
+        positions[:] = np.fromiter((c.context_start for c in chunks), dtype=np.int64, count=n)
+        fill_page_rows(chunks, tables, states)
+        write_pages[:] = tables[np.arange(n), positions // bs]
+        np.remainder(positions, bs, out=write_offsets)
+        np.add(positions, 1, out=context_lens)
+        rows[:] = np.arange(n)
+        dev = to_device(torch.from_numpy(host), self.device)
+        fields = dev[: 5 * n].view(5, n)
+        return ForwardBatch(pool=self.pool, positions=fields[0], write_pages=fields[1], write_offsets=fields[2],
+                            chunks=[], decode_rows=fields[4], decode_block_tables=dev[(5 + num_state) * n :].view(n, width),
+                            decode_context_lens=fields[3], decode_state_pages=dev[5 * n : (5 + num_state) * n].view(n, num_state),
+                            decode_max_context=int(context_lens.max()), ops=self.ops)
 
     @torch.inference_mode()
     def commit_verified(self, accepted: dict[int, int]) -> None:
