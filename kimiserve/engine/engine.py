@@ -15,7 +15,7 @@ from kimiserve.engine.args import EngineArgs, tokenizer_source
 from kimiserve.engine.detokenizer import IncrementalDetokenizer
 from kimiserve.engine.errors import REQUEST_FAILED_MESSAGE, EngineFatalError, is_fatal_error
 from kimiserve.engine.outputs import CompletionOutput, RequestOutput, RequestOutputKind, RequestTimes
-from kimiserve.engine.request import Request
+from kimiserve.engine.request import Request, Status
 from kimiserve.engine.runner import LaunchedStep, to_device
 from kimiserve.engine.scheduler import Scheduler, SchedulerOutput
 from kimiserve.engine.spec_decode import check_request, make_proposer
@@ -50,7 +50,14 @@ class RequestGroup:
     @property
     def finished(self) -> bool:
         # an aborted group is dropped by abort_request and never reported again
-        return self.error is not None or (len(self.samples) == self.params.n and all(s.finished for s in self.samples))
+        if self.error is not None:
+            return True
+        if len(self.samples) != self.params.n:
+            return False
+        for s in self.samples:  # (a loop, not all() over a generator: this runs per request per step)
+            if s.status is not Status.FINISHED:
+                return False
+        return True
 
 
 @dataclass
@@ -409,12 +416,21 @@ class LLMEngine:
         """Launch the step after `done` (still running) when it would be the same plain decodes: every
         running request, less those `done` brings to max_tokens or max_model_len, none waiting that the
         synchronous scheduler would admit now, pages for all without preempting."""
-        requests = [c.request for c in done.sched.chunks]  # rows of requests that ended since its launch: skipped
-        if (self._compiling or self._suspects
-                or len(self.scheduler.running) != sum(not r.finished for r in requests)):
+        if self._compiling or self._suspects:
             return None
-        keep = [i for i, r in enumerate(requests) if not r.finished and len(r.output_ids) + 1 < r.params.max_tokens
-                and r.num_tokens + 1 < self.max_model_len and r.thinking is None and r.grammar is None]
+        requests, keep, alive = [], [], 0  # rows of requests that ended since its launch: skipped
+        last_position = self.max_model_len - 1
+        for i, chunk in enumerate(done.sched.chunks):  # (one loop: this runs per request per step)
+            r = chunk.request
+            requests.append(r)
+            if r.status is Status.FINISHED:
+                continue
+            alive += 1
+            if (len(r.output_ids) + 1 < r.params.max_tokens and r.num_tokens < last_position and r.thinking is None
+                    and r.grammar is None):
+                keep.append(i)
+        if len(self.scheduler.running) != alive:
+            return None
         if not keep or len(keep) > self.args.max_num_batched_tokens:
             return None
         ready = next((r for r in self.scheduler.waiting if r.ready), None)
@@ -500,8 +516,10 @@ class LLMEngine:
             if not chunk.draft_token_ids:
                 request.num_computed += chunk.num_tokens
                 self.num_computed_tokens += chunk.num_tokens
-            request.prompt_logprobs += result.prompt_logprobs
-            self.scheduler.keep_prompt_snapshot(chunk)
+            if result.prompt_logprobs:
+                request.prompt_logprobs += result.prompt_logprobs
+            if chunk.snapshot_state_pages:
+                self.scheduler.keep_prompt_snapshot(chunk)
             if result.error is not None:
                 self._fail(request.request_id, result.error)
                 touched[request.request_id] = None
@@ -515,6 +533,15 @@ class LLMEngine:
                     committed[index] = kept
                 continue
             if not result.samples:
+                continue
+            if len(result.samples) == 1:  # a decode (the common case): one token for the chunk's sample
+                try:
+                    self._append_token(request, *result.samples[0])
+                except Exception as exc:  # noqa: BLE001 - this request fails alone
+                    if is_fatal_error(exc):
+                        raise
+                    self._fail(request.request_id, exc)
+                touched[request.request_id] = None
                 continue
             group = self.groups[request.request_id]
             samples = [request]
@@ -615,9 +642,10 @@ class LLMEngine:
         if request.thinking is not None:
             request.thinking.advance(token)
         request.output_ids.append(token)
-        group = self.groups.get(request.request_id)
-        if group is not None and group.times.first_token is None:
-            group.times.first_token = time.monotonic()
+        if len(request.output_ids) == 1:  # a sample's first token (the group's first is the first of these)
+            group = self.groups.get(request.request_id)
+            if group is not None and group.times.first_token is None:
+                group.times.first_token = time.monotonic()
         if logprobs is not None:
             request.logprobs.append(logprobs)
         stop_str = request.detokenizer.add(token) if request.detokenizer else None
