@@ -4,9 +4,11 @@ is negligible (`tiny`), so that the step is what the host does around it.
 Two measurements per batch size, each after `batch` requests were prefilled and one decode step
 ran (capturing the CUDA graph of that shape):
 
-- **step**: `engine.step()` timed by the host clock, nothing patched (on CUDA the step ends when
+- **step**: `engine.step()` timed by the host clock, nothing patched but one timer (on CUDA the step ends when
   the sampled tokens reach the host, so this is the real step the engine runs; with overlapped
-  (async) scheduling it is the time between two steps' outputs).
+  (async) scheduling it is the time between two steps' outputs). With async scheduling it is split
+  into the host's busy time and its wait in `LaunchedStep.results` for the device's tokens (wait ~0:
+  the step is host-bound; the timer around that one call costs ~1 us).
 - **phases**: the same steps with the engine's functions wrapped by host timers (exclusive times: a
   phase's own time without the wrapped phases it calls): schedule, prepare (StepInput), batch build
   (SequenceChunk / ForwardBatch / the graph's static inputs), forward (the model, or the graph
@@ -136,6 +138,12 @@ STUB_CYCLE = 8
 """The stub model's greedy continuation cycles through this many tokens."""
 
 
+def runner_module():
+    from kimiserve.engine import runner
+
+    return runner
+
+
 def stub_forward(engine: LLMEngine) -> None:
     """The model's forward replaced by logits that are zero but at a fixed successor of each row's input
     token, one of a cycle of STUB_CYCLE tokens (CPU only: what is left of a step is the host's work).
@@ -206,12 +214,37 @@ def finish(engine: LLMEngine) -> None:
         engine.step()
 
 
-def time_steps(engine: LLMEngine, steps: int, sync) -> list[float]:
+def time_steps(engine: LLMEngine, steps: int, sync, waits: list[float] | None = None) -> list[float]:
+    """Host ms of each `engine.step()`; with `waits`, also the ms of each step spent in `LaunchedStep.results`
+    (async scheduling: waiting for the device's tokens, then reading them), appended to it."""
     times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        engine.step()
-        times.append((time.perf_counter() - start) * 1e3)
+    spent = [0.0]
+    undo = None
+    if waits is not None:
+        from kimiserve.engine import runner as runner_mod
+
+        original = runner_mod.LaunchedStep.results
+
+        def results(self):
+            start = time.perf_counter()
+            try:
+                return original(self)
+            finally:
+                spent[0] += time.perf_counter() - start
+
+        runner_mod.LaunchedStep.results = results
+        undo = lambda: setattr(runner_mod.LaunchedStep, "results", original)  # noqa: E731
+    try:
+        for _ in range(steps):
+            spent[0] = 0.0
+            start = time.perf_counter()
+            engine.step()
+            times.append((time.perf_counter() - start) * 1e3)
+            if waits is not None:
+                waits.append(spent[0] * 1e3)
+    finally:
+        if undo is not None:
+            undo()
     if sync is not None:
         sync()
     return times
@@ -228,7 +261,8 @@ def measure(device: str, batch: int, steps: int, async_scheduling: bool | None, 
     if sync:
         sync()
     generated = sum(len(s.output_ids) for g in engine.groups.values() for s in g.samples)
-    step = time_steps(engine, steps, sync)
+    waits: list[float] = []
+    step = time_steps(engine, steps, sync, waits if hasattr(runner_module(), "LaunchedStep") else None)
     generated = sum(len(s.output_ids) for g in engine.groups.values() for s in g.samples) - generated
     async_used = getattr(engine, "async_scheduling", False)
     overlapped = engine.stats().get("overlapped_steps", 0)
@@ -257,7 +291,11 @@ def measure(device: str, batch: int, steps: int, async_scheduling: bool | None, 
     forward = phases.get("forward", 0.0)
     phase_step = statistics.mean(phase_steps)
     row = {"batch": batch, "step_ms_median": statistics.median(step), "step_ms_mean": statistics.mean(step),
-           "step_ms_min": min(step), "phase_run_step_ms_mean": phase_step,
+           "step_ms_min": min(step),
+           # async scheduling: the step's host time less its wait for the device (host-bound when the wait is ~0)
+           "step_wait_ms_median": statistics.median(waits) if waits else None,
+           "step_busy_ms_median": statistics.median(t - w for t, w in zip(step, waits)) if waits else None,
+           "phase_run_step_ms_mean": phase_step,
            "phase_run_host_ms": phase_step - forward, "phases_ms": phases,
            "async_scheduling": async_used, "overlapped_steps": overlapped,
            "tokens_per_step_per_sequence": generated / steps / batch,
@@ -296,9 +334,11 @@ def main() -> int:
         row = measure(args.device, b, args.steps, async_flag, args.profile, args.stub_forward, speculative)
         rows.append(row)
         ph = "  ".join(f"{k} {v:.3f}" for k, v in row["phases_ms"].items())
+        busy = "" if row["step_wait_ms_median"] is None else (
+            f", busy {row['step_busy_ms_median']:.3f} + waiting for the device {row['step_wait_ms_median']:.3f}")
         print(f"batch {b:3d}: step {row['step_ms_median']:.3f} ms median ({row['step_ms_min']:.3f} min, "
               f"{row['tokens_per_step_per_sequence']:.2f} tokens per sequence, "
-              f"async={row['async_scheduling']}); synchronous phase run: step {row['phase_run_step_ms_mean']:.3f}, "
+              f"async={row['async_scheduling']}{busy}); synchronous phase run: step {row['phase_run_step_ms_mean']:.3f}, "
               f"host {row['phase_run_host_ms']:.3f} ms = {ph}", flush=True)
         if row.get("profile"):
             print(row["profile"])
