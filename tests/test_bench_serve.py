@@ -2,6 +2,7 @@
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import socket
@@ -86,22 +87,31 @@ def make_app(state: dict) -> FastAPI:
     return app
 
 
-@pytest.fixture(scope="module")
-def server():
+@contextlib.contextmanager
+def fake_server():
+    """The fake app on a uvicorn thread: yields (base URL, state)."""
     state = {}
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     srv = uvicorn.Server(uvicorn.Config(make_app(state), log_level="error", lifespan="off"))
     thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60
     while not srv.started and time.monotonic() < deadline:
         time.sleep(0.01)
     assert srv.started
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}", state
-    srv.should_exit = True
-    thread.join(5)
-    sock.close()
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}", state
+    finally:
+        srv.should_exit = True
+        thread.join(30)
+        sock.close()
+
+
+@pytest.fixture(scope="module")
+def server():
+    with fake_server() as s:
+        yield s
 
 
 def reset(state, mode="ok", **fake):
@@ -245,8 +255,11 @@ def test_bad_url_and_unreachable_server(capsys):
     assert "cannot reach the server" in capsys.readouterr().err
 
 
-def test_timeout_fails_requests(server):
-    res, _ = run(server, num_prompts=2, input_len=4, output_len=3, timeout=0.01)
+def test_timeout_fails_requests():
+    # a server of its own: the timed-out requests may reach it after the test (late on a loaded
+    # machine), where they would count as the next test's requests
+    with fake_server() as own:
+        res, _ = run(own, num_prompts=2, input_len=4, output_len=3, timeout=0.01)
     assert res["completed"] == 0 and res["failed"] == 2
     assert all(e.startswith("timed out after 0.01 s") for e in res["errors"])
 
