@@ -45,6 +45,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="session")
+def ranks():
+    """Gloo ranks for the multi-process tests, spawned once per world size (tests/dist_utils.py)."""
+    from dist_utils import RankPools
+
+    pools = RankPools()
+    yield pools
+    pools.close()
+
+
 API_KEY = "agent-key"
 
 

@@ -35,7 +35,6 @@ import math
 import pytest
 import torch
 
-from dist_utils import run_ranks
 from kimiserve.cache.layout import CacheLayout
 from kimiserve.cache.pool import PagePool
 from kimiserve.config import tiny_parallel_config
@@ -210,8 +209,8 @@ def _topk_trials(D: int) -> list:
 
 
 @pytest.mark.parametrize("D", [2, 3, 4])
-def test_topk_merge_is_topk_reference(D):
-    results = run_ranks(D, topk_merge_rank, _topk_trials(D), timeout=TIMEOUT)
+def test_topk_merge_is_topk_reference(ranks, D):
+    results = ranks.run(D, topk_merge_rank, _topk_trials(D), timeout=TIMEOUT)
     for rank, (failures, checked) in enumerate(results):
         assert checked and not failures, (rank, failures[:3])
 
@@ -362,17 +361,17 @@ def _check_decode(results, tp: int, dcp: int):
 
 
 @pytest.mark.parametrize("D", [2, 3, 4])
-def test_dcp_decode_equals_one_device(D):
+def test_dcp_decode_equals_one_device(ranks, D):
     """tp = dcp = D: each rank holds 12 / D heads, the whole TP group is the DCP group."""
-    results = run_ranks(D, decode_rank, D, D, _decode_cases(D, D), timeout=TIMEOUT)
+    results = ranks.run(D, decode_rank, D, D, _decode_cases(D, D), timeout=TIMEOUT)
     _check_decode(results, D, D)
 
 
-def test_dcp_inside_tp_groups():
+def test_dcp_inside_tp_groups(ranks):
     """tp 4 with dcp 2: two DCP groups of two ranks each ({0, 1}, {2, 3}), each holding every token over
     its two ranks; a rank gets back its own 3 heads of 12."""
     cases = [c for c in _decode_cases(2, 4) if c[2] in ("fp8", "fp4") or "I2" in c[0]]
-    results = run_ranks(4, decode_rank, 4, 2, cases, timeout=TIMEOUT)
+    results = ranks.run(4, decode_rank, 4, 2, cases, timeout=TIMEOUT)
     _check_decode(results, 4, 2)
 
 

@@ -1,5 +1,5 @@
 """Expert parallelism (`kimiserve.distributed.expert_parallel`): the placement table, and both schemes on
-2, 3 and 4 gloo ranks (one process each, `run_ranks`) against the single-process routed-experts forward
+2, 3 and 4 gloo ranks (one process each, conftest's `ranks`) against the single-process routed-experts forward
 (`ops.moe.reference.experts_forward` over all E experts).
 
 Bound (fp32). Both paths run the same expert math on the same fp32 values; what may differ is (i) the
@@ -22,7 +22,6 @@ import zlib
 import pytest
 import torch
 
-from dist_utils import run_ranks
 from kimiserve.distributed.expert_parallel import (
     CommStats,
     EPGroup,
@@ -205,8 +204,8 @@ def assemble(results: list, name: str, label: str, case: dict, world: int) -> to
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
-def test_schemes_equal_single_process(world):
-    results = run_ranks(world, ranks_check, CASES, timeout=150)
+def test_schemes_equal_single_process(ranks, world):
+    results = ranks.run(world, ranks_check, CASES, timeout=150)
     for name in CASES:
         case = make_case(name, world)
         ref = reference(case)

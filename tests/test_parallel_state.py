@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dist_utils import run_ranks
 from kimiserve.config import load_preset
 from kimiserve.distributed.parallel_state import ParallelConfig, ParallelContext
 
@@ -38,8 +37,8 @@ def groups_of_rank(rank, world_size, tp, dcp, pcp):
     return seen, (ctx.tp_rank, ctx.dcp_rank, ctx.pcp_rank), x.tolist()
 
 
-def test_groups_on_four_ranks():
-    results = run_ranks(4, groups_of_rank, 2, 2, 2)  # tp 2 (dcp 2 inside it) x pcp 2
+def test_groups_on_four_ranks(ranks):
+    results = ranks.run(4, groups_of_rank, 2, 2, 2)  # tp 2 (dcp 2 inside it) x pcp 2
     assert [r[0]["tp"] for r in results] == [[0, 1], [0, 1], [2, 3], [2, 3]]
     assert [r[0]["dcp"] for r in results] == [[0, 1], [0, 1], [2, 3], [2, 3]]
     assert [r[0]["pcp"] for r in results] == [[0, 2], [1, 3], [0, 2], [1, 3]]

@@ -1,5 +1,5 @@
 """Token-sharded prefill (`kimiserve.distributed.prefill_cp`): KDA state passing, the conv halo, MLA and
-the indexer over gathered latents, and where the pages go, on gloo ranks (`run_ranks`), against the
+the indexer over gathered latents, and where the pages go, on gloo ranks (conftest's `ranks`), against the
 single-device forms.
 
 Bounds. The sharded forms compute the same sums as the single-device ones in another order: the
@@ -25,7 +25,6 @@ import torch
 import torch.nn.functional as F
 
 from conftest import rel_rms
-from dist_utils import run_ranks
 from kimiserve.distributed.prefill_cp import (
     CommStats,
     PrefillShard,
@@ -280,7 +279,7 @@ KDA_CASES = {
 }
 
 
-def run_ops(P: int):
+def run_ops(ranks, P: int):
     kda = [(kda_case(T, seed=10 + i, prefix=pre), b) for i, (T, b, pre) in enumerate(KDA_CASES[P])]
     mla = [mla_case(23 if P == 2 else 32, (0, 12, 23) if P == 2 else (0, 11, 22, 32), seed=20, integer=True),
            mla_case(27, (6, 20, 33) if P == 2 else (6, 15, 24, 33), seed=21, integer=False, max_score_bytes=2000),
@@ -290,12 +289,12 @@ def run_ops(P: int):
     chunks = [(0, 15), (15, 29)] if P == 2 else [(0, 10), (10, 11), (11, 29)]
     holders = [[0, 0], [1, None]] if P == 2 else [[0, 1, 0], [None, 0, 0]]
     redist = [(rows, chunks, holders[0], 1 if P == 2 else 2, 4), (rows, chunks, holders[1], 2, 3)]
-    return dict(kda=kda, mla=mla, redist=redist, results=unpack(run_ranks(P, ops_rank, kda, mla, redist)))
+    return dict(kda=kda, mla=mla, redist=redist, results=unpack(ranks.run(P, ops_rank, kda, mla, redist)))
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["P2", "P3"])
-def ops(request):
-    return request.param, run_ops(request.param)
+def ops(request, ranks):
+    return request.param, run_ops(ranks, request.param)
 
 
 def test_kda_sharded_prefill_equals_single_device(ops):
@@ -487,7 +486,7 @@ def layers_rank(rank, world_size, state_dicts, x_kda, prefix, x_mla, ctx_x):
     return pack(out)
 
 
-def test_tiny_layers_token_sharded_equal_their_full_sequence_forward():
+def test_tiny_layers_token_sharded_equal_their_full_sequence_forward(ranks):
     """One KDA layer and one MLA layer of the tiny model (fp32, random weights): the token-sharded
     forward over P = 3 ranks (prompt 44 = 15 + 15 + 14; from zero and from a restored prefix) equals
     the layer's full-sequence forward within fp32 rounding, with identical top-k selections."""
@@ -497,7 +496,7 @@ def test_tiny_layers_token_sharded_equal_their_full_sequence_forward():
     x_kda = torch.randn(1, 44, 64, generator=gen)
     prefix = (torch.randn(1, 3, PD, W - 1, generator=gen), torch.randn(1, H, K, V, generator=gen) * 0.3)
     x_mla, ctx_x = torch.randn(1, 44, 64, generator=gen), torch.randn(1, 9, 64, generator=gen)
-    results = unpack(run_ranks(P, layers_rank, (kda.state_dict(), mla.state_dict()), x_kda, prefix, x_mla, ctx_x))
+    results = unpack(ranks.run(P, layers_rank, (kda.state_dict(), mla.state_dict()), x_kda, prefix, x_mla, ctx_x))
     with torch.inference_mode():
         # KDA: from zero (against forward itself) and from a prefix-cache restore (against mix from it)
         full, conv, state = kda_layer_forward(kda, x_kda, kda.mix)

@@ -1,6 +1,6 @@
 """Tensor parallelism of the model (issue 16 item 2): one rank's shard of every layer.
 
-W gloo ranks (one process and one torch thread each, `run_ranks`) run their shards of the same
+W gloo ranks (one process and one torch thread each, conftest's `ranks`) run their shards of the same
 global model with the TP collectives; rank 0's logits must equal the one-process model's.
 
 The bound "within fp32 rounding": the ranks compute the same sums in another order (a
@@ -22,7 +22,6 @@ import torch
 from safetensors import safe_open as real_safe_open
 
 from conftest import rel_rms, tiny_linear_config
-from dist_utils import run_ranks
 from kimiserve.cache.layout import CacheLayout
 from kimiserve.cache.pool import PagePool
 from kimiserve.config import load_preset, tiny_parallel_config
@@ -109,10 +108,10 @@ def full_forward_rank(rank, world_size, config_name):
 
 
 @pytest.mark.parametrize("config_name, tp", [("parallel", 2), ("parallel", 3), ("parallel", 4), ("linear", 2)])
-def test_full_forward_matches_one_process(config_name, tp):
+def test_full_forward_matches_one_process(ranks, config_name, tp):
     config = CONFIGS[config_name]()
     ref = build_model(config, torch.float32, seed=0)(ids_for(config))
-    results = run_ranks(tp, full_forward_rank, config_name)
+    results = ranks.run(tp, full_forward_rank, config_name)
     for ep in (False, True):
         out = torch.from_numpy(results[0][ep])
         assert out.shape == ref.shape  # the full vocabulary (tp 3 pads 1024 to 1026 and drops the padding)
@@ -204,11 +203,11 @@ def load_rank(rank, world_size, folder, dtype_name):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_checkpoint_written_in_one_process_loads_at_tp2(tmp_path, dtype):
+def test_checkpoint_written_in_one_process_loads_at_tp2(ranks, tmp_path, dtype):
     config = tiny_parallel_config()
     one = build_model(config, dtype, seed=2)
     save_checkpoint(one, tmp_path, max_shard_bytes=2_000_000)
-    out = torch.from_numpy(run_ranks(2, load_rank, str(tmp_path), str(dtype).removeprefix("torch."))[0])
+    out = torch.from_numpy(ranks.run(2, load_rank, str(tmp_path), str(dtype).removeprefix("torch."))[0])
     ref = one(ids_for(config))
     if dtype == torch.float32:
         assert_fp32_close(out, ref)
@@ -268,7 +267,7 @@ def paged_rank(rank, world_size, kv_cache_dtype, expert_parallel, prompts):
 
 @pytest.mark.parametrize("tp, kv_cache_dtype, expert_parallel, prompts",
                          [(2, "bf16", False, (70, 13)), (3, "fp8", True, (70, 13)), (2, "bf16", False, (19, 11))])
-def test_paged_forward_matches_one_process(tp, kv_cache_dtype, expert_parallel, prompts):
+def test_paged_forward_matches_one_process(ranks, tp, kv_cache_dtype, expert_parallel, prompts):
     """One rank's forward_batch through a pool of its own layout (H / tp KDA heads per state page; MLA
     latents whole): prefill of 2 sequences in one batch, then decodes, equal to the one-process run.
 
@@ -281,7 +280,7 @@ def test_paged_forward_matches_one_process(tp, kv_cache_dtype, expert_parallel, 
     row is within the cache formats' 1e-3 (engine_utils' bound for a flipped code)."""
     one = build_model(tiny_parallel_config(), torch.float32, seed=0)
     ref, ref_latents, one_bs = paged_run(one, kv_cache_dtype, prompts)
-    logits, latents, bs = run_ranks(tp, paged_rank, kv_cache_dtype, expert_parallel, prompts)[0]
+    logits, latents, bs = ranks.run(tp, paged_rank, kv_cache_dtype, expert_parallel, prompts)[0]
     logits, latents = torch.from_numpy(logits), torch.from_numpy(latents)
     assert bs % 64 == 0 and bs <= one_bs  # a rank's smaller state page never needs a larger block
     # a moved code is one step of the format away, plus fp32 noise of the row's scale (small values)
