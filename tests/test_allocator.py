@@ -8,6 +8,8 @@ import pytest
 from kimiserve.cache import allocator as allocator_mod
 from kimiserve.cache.allocator import PageAllocator, PrefixHit
 
+pytestmark = pytest.mark.fixed_threads  # no torch: page bookkeeping: OMP_NUM_THREADS changes nothing
+
 BS = 8
 
 

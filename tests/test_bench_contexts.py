@@ -164,6 +164,7 @@ def _dry_run(tmp_path, script, *extra):
     return data
 
 
+@pytest.mark.fixed_threads  # the script runs with one torch thread
 def test_e2e_step_dry_run_writes_the_issue_rows(tmp_path):
     """benchmarks/e2e_step.py on the CPU (tiny): decode rows at every batch x context plus the
     batch-1-only context, seeded contexts longer than the source, a prefill row; the keys issue 15 names."""
@@ -203,6 +204,7 @@ def test_e2e_prefill_flops_count_lm_head_once_and_the_selected_latents():
     assert long["total"] == long["linear"] + long["attention"] + long["index_scan"]
 
 
+@pytest.mark.fixed_threads  # the script runs with one torch thread
 def test_k31_rank_step_dry_run_scales_two_subsets(tmp_path):
     """benchmarks/k31_rank_step.py on the CPU (tiny widths, tp 4): both layer subsets run as one
     expert-parallel rank and the scaled rows are the line through them at 93 layers."""

@@ -16,6 +16,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from kimiserve.bench.serve import BenchConfig, add_cli_arguments, arrival_gaps, main, make_prompts, run_benchmark
 
+pytestmark = pytest.mark.fixed_threads  # no torch: the client against a fake server: OMP_NUM_THREADS changes nothing
+
 FIRST_DELAY, GAP = 0.05, 0.02
 
 

@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "benchmarks" / "cpu_engine.py"
 
@@ -26,6 +28,7 @@ def positive(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
 
 
+@pytest.mark.fixed_threads  # the script runs with one torch thread
 def test_cpu_engine_quick(tmp_path):
     out = tmp_path / "results.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -87,6 +90,7 @@ def test_kda_cpu_smoke(tmp_path):
         assert r["paged_vs_plain_rel_rms"] < 1e-5 and r["paged_vs_reference_rel_rms"] < 1e-5
 
 
+@pytest.mark.fixed_threads  # flags and exit codes only
 def test_kda_needs_cuda():
     """Without CUDA (and without --cpu-smoke) the script says so and exits with code 2."""
     import pytest
@@ -99,6 +103,7 @@ def test_kda_needs_cuda():
     assert proc.returncode == 2 and "CUDA" in proc.stderr
 
 
+@pytest.mark.fixed_threads  # flags and exit codes only
 def test_sweep_decode_cli_without_cuda():
     """benchmarks/sweep_decode.py parses its flags anywhere; without CUDA it says so and exits with code 2."""
     import pytest

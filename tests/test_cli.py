@@ -11,6 +11,8 @@ from kimiserve.entrypoints.cli import main
 from kimiserve.model.loader import load_model
 from kimiserve.tokenizer import load_tokenizer
 
+pytestmark = pytest.mark.fixed_threads  # outputs compared within one process, formats, exit codes: OMP_NUM_THREADS changes nothing
+
 LIGHT = ("--max-model-len", "256", "--num-pages", "48")  # a small cache: generate tests stay light
 
 

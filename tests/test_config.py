@@ -6,6 +6,8 @@ import pytest
 from kimiserve.config import ModelConfig, load_preset, resolve_model
 from kimiserve.utils.docs import field_docs
 
+pytestmark = pytest.mark.fixed_threads  # no torch work: configs and their docs: OMP_NUM_THREADS changes nothing
+
 FIXTURES = Path(__file__).parent / "fixtures"
 
 

@@ -4,7 +4,11 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
+
 from kimiserve.demo import corpus
+
+pytestmark = pytest.mark.fixed_threads  # no torch: scoring of strings: OMP_NUM_THREADS changes nothing
 
 _spec = importlib.util.spec_from_file_location("demo_eval", Path(__file__).parent.parent / "benchmarks" / "demo_eval.py")
 demo_eval = importlib.util.module_from_spec(_spec)

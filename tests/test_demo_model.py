@@ -94,6 +94,7 @@ def _answer_messages(reasoning: str | None, call_id: str, arguments: str) -> lis
     return ASK + [turn, {"role": "tool", "tool_call_id": call_id, "content": json.dumps(RESULT)}]
 
 
+@pytest.mark.fixed_threads  # the server runs with one torch thread
 def test_tool_call_then_answer_from_the_result(client):
     r = client.chat.completions.create(model="kimi-demo", messages=ASK, tools=TOOLS, temperature=0, max_tokens=80)
     choice = r.choices[0]
@@ -109,6 +110,7 @@ def test_tool_call_then_answer_from_the_result(client):
     assert "23" in answer.message.content and "rainy" in answer.message.content, answer.message.content
 
 
+@pytest.mark.fixed_threads  # the server runs with one torch thread
 def test_tool_call_then_answer_streamed(client):
     calls: dict[int, dict] = {}
     reasoning, finish = "", None
@@ -135,6 +137,7 @@ def test_tool_call_then_answer_streamed(client):
     assert "23" in text and "rainy" in text, text
 
 
+@pytest.mark.fixed_threads  # the server runs with one torch thread
 def test_reasoning_and_content_come_apart(client):
     r = client.chat.completions.create(model="kimi-demo", messages=[{"role": "user", "content": "What is 47 + 38?"}],
                                        temperature=0, max_tokens=200)

@@ -7,6 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.fixed_threads  # the script: one torch thread, no figure asserted: OMP_NUM_THREADS changes nothing
+
 REPO = Path(__file__).resolve().parent.parent
 
 

@@ -16,6 +16,8 @@ from kimiserve.entrypoints.openai.tool_parser import (
     ToolCallDelta,
 )
 
+pytestmark = pytest.mark.fixed_threads  # no torch: parsing only: OMP_NUM_THREADS changes nothing
+
 SB = "<|tool_calls_section_begin|>"
 SE = "<|tool_calls_section_end|>"
 CB = "<|tool_call_begin|>"

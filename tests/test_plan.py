@@ -17,6 +17,8 @@ from kimiserve.model.inspect import count_params
 from kimiserve.model.model import KimiForCausalLM
 from kimiserve.plan import compute_plan, format_plan, weight_groups
 
+pytestmark = pytest.mark.fixed_threads  # shapes on the meta device, plans from sizes: OMP_NUM_THREADS changes nothing
+
 TINY = load_preset("tiny")
 GB = 1e9
 

@@ -11,6 +11,8 @@ import pytest
 from kimiserve.tokenizer import KimiTokenizer, load_tokenizer
 from kimiserve.tokenizer import tokenizer as tk_mod
 
+pytestmark = pytest.mark.fixed_threads  # no torch (tokenizer, chat template): OMP_NUM_THREADS changes nothing
+
 TINY = tk_mod.PRESETS_DIR / "tiny"
 
 CORPUS = [
