@@ -35,7 +35,8 @@ representative acceptance. Under CUDA, verify steps replay CUDA graphs (`spec_de
 as decode steps do, and so do the draft model's steps.
 
     PYTHONPATH=. python benchmarks/spec_decode.py --model small --device cuda --methods off,ngram --budget-s 150
-    PYTHONPATH=. python benchmarks/spec_decode.py --model kimi-demo --device cuda --draft-model kimi-demo
+    PYTHONPATH=. python benchmarks/spec_decode.py --model kimi-demo --device cuda --draft-model kimi-demo-draft \
+        --methods off,ngram,ngram:5,draft --kinds repetitive,demo --batch-sizes 1 --repeats 1 --budget-s 130
 """
 
 from __future__ import annotations
