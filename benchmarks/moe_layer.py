@@ -72,6 +72,9 @@ DECODE_VARIANTS = [
     "shift-m16-n32-k256-w2-s3-swap",  # swapped but 32 weight rows: mma.sync (no wgmma), weights from registers
     "shift-m16-n32-k256-w1-s3-swap",
     "shift-m16-n32-k128-w2-s4-swap",
+    "shift-m16-n16-k256-w1-s3-swap",  # one warp, 16 weight rows: 3072 / 3584 programs (finer waves at 1 token)
+    "shift-m16-n16-k256-w1-s2-swap",
+    "shift-m16-n32-k256-w2-s3",
 ]
 PREFILL_VARIANTS = [
     "shift-m32-n64-k128-w4-s3-dn128",
