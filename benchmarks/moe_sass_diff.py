@@ -30,7 +30,8 @@ from moe_layer import parse_variant  # noqa: E402
 from sass_report import compile_sm90, sass_of  # noqa: E402
 
 INTS = ["N_OUT", "K", "A_ROW_DIV", "s_am", "s_we", "s_wn", "s_se", "s_sn", "s_om"]
-DEFAULT_SPECS = "lut-m16-n64-k256-w4-s3,lut-m32-n64-k128-w4-s3-dn128,lut-m64-n64-k128-w4-s3-dn128,lut-m16-n64-k256-w4-s3-swap"
+DEFAULT_SPECS = ",".join(["lut-m16-n64-k256-w4-s3", "lut-m32-n64-k128-w4-s3-dn128", "lut-m64-n64-k128-w4-s3-dn128",
+                          "lut-m16-n64-k256-w4-s3-swap"])
 # (dequant, mxfp4, block_m, block_n, block_k, warps, stages, swap, gated, K, dtype): small tilings with K tails
 EXTRA = [(0, True, 16, 32, 32, 4, 2, False, True, 96, "fp32"), (0, False, 16, 64, 128, 4, 3, True, True, 2304, "bf16"),
          (0, False, 16, 32, 32, 4, 2, False, False, 40, "fp32"), (1, True, 64, 64, 128, 4, 3, False, True, 96, "bf16")]

@@ -682,8 +682,8 @@ def _check(x, w1, w2, w3, w1_scale, w2_scale, w3_scale, ids, weights, config: Mo
         if config.dequant != "exact" and x.dtype != torch.bfloat16:
             raise ValueError(f"dequant {config.dequant!r} needs bf16 inputs, got {x.dtype}")
         if (config.dequant == "shift") != (mxfp4_layout == "shift"):
-            raise ValueError(f"weights in the {mxfp4_layout!r} layout cannot take dequant {config.dequant!r}: the shift "
-                             f"layout (mxfp4_layout.to_shift_layout) goes with dequant 'shift' and only with it")
+            raise ValueError(f"weights in the {mxfp4_layout!r} layout cannot take dequant {config.dequant!r}: the "
+                             f"shift layout (mxfp4_layout.to_shift_layout) goes with dequant 'shift' and only with it")
     for t in (w1, w2, w3) + ((w1_scale, w2_scale, w3_scale) if mxfp4 else ()):
         if t.stride(-1) != 1:
             raise ValueError("expert weights and scales need a contiguous last dim")
