@@ -204,3 +204,36 @@ def test_overlapped_cuda_graph_steps_give_the_same_tokens():
         assert (e.stats()["overlapped_steps"] >= 15) is async_on and e.runner.graphs.replays > 0
     assert outs[0] == outs[1]
     assert LLMEngine(EngineArgs(model="tiny", device="cuda", max_model_len=256, num_pages=40)).async_scheduling
+
+
+@pytest.mark.parametrize("num_pages", [200, 24])
+def test_reused_sampling_rows_equal_rebuilt_ones(num_pages):
+    """`plain_sample_requests` hands the same requests' rows of the step before back (a persistent batch's
+    sampling rows); at every call they equal rows built afresh, and the step gives the synchronous tokens
+    (24 pages: the pool runs short, so steps that could not launch ahead run synchronously in between)."""
+    e = engine(True, num_pages=num_pages, max_num_seqs=6)
+    runner, original = e.runner, e.runner.plain_sample_requests
+    reused = []
+
+    def checking(requests, pending):
+        before = runner._plain_rows
+        rows = original(requests, pending)
+        runner._plain_rows = None
+        fresh = original(requests, pending)
+        runner._plain_rows = (pending, rows) if rows is not None else before
+        assert (rows is None) == (fresh is None)
+        if rows is not None:
+            assert rows == fresh and all(a.output_ids is b.output_ids for a, b in zip(rows, fresh))
+            reused.append(before is not None and rows is before[1])
+            other = original(requests, 1 - pending)  # the same requests with the other pending count
+            runner._plain_rows = None
+            assert other == original(requests, 1 - pending)
+            runner._plain_rows = (pending, rows)
+        return rows
+
+    runner.plain_sample_requests = checking
+    params = MIXED + [SamplingParams(max_tokens=15, temperature=0.9, seed=3, min_tokens=6, stop_token_ids=[7])]
+    prompts = random_prompts([5, 9, 14, 3, 21, 8, 11], seed=4)
+    got = drive(e, prompts, params, EVENTS)
+    assert any(reused) and not all(reused)
+    assert got == drive(engine(False, num_pages=num_pages, max_num_seqs=6), prompts, params, EVENTS)

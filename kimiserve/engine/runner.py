@@ -102,6 +102,9 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         self.ops = select_decode_ops(self.device)
         self.eos_token_id = eos_token_id
+        self._plain_rows: tuple[int, list[SampleRequest]] | None = None
+        """(pending, rows) of the latest `plain_sample_requests` that found every row plain (a persistent
+        batch's sampling rows: the next step of the same requests reuses them)."""
         self.verified: tuple | None = None
         """(ForwardBatch, step chunk indices of its verify chunks) of the latest step with verify chunks,
         until `commit_verified` replays the accepted tokens into the KDA state pages; (None, each step
@@ -173,6 +176,15 @@ class ModelRunner:
         can sample them on the device (`Sampler.sample_plain`); else None."""
         if not hasattr(self.sampler, "sample_plain"):
             return None
+        cached = self._plain_rows
+        if cached is not None and cached[0] == pending and len(cached[1]) == len(requests):
+            # the same requests as the latest call: their rows hold the same values (a plain row stays
+            # plain as its output grows), unless a thinking budget could force a token now
+            for row, r in zip(cached[1], requests):
+                if row.output_ids is not r.output_ids or row.params is not r.params or r.thinking is not None:
+                    break
+            else:
+                return cached[1]
         rows = []
         for r in requests:
             row = SampleRequest(r.params, r.prompt_ids, r.output_ids, r.seed, self.eos_token_id, r.grammar,
@@ -180,6 +192,7 @@ class ModelRunner:
             if not row.is_plain or (r.params.prompt_logprobs is not None and not r.prompt_logprobs):
                 return None
             rows.append(row)
+        self._plain_rows = (pending, rows)
         return rows
 
     def prepare_ahead(self, sched: SchedulerOutput, tokens: torch.Tensor) -> "StepInput":
