@@ -662,6 +662,21 @@ def test_stream_delta_holds_back_stop_prefix(tok):
     assert d.stream_delta(finished=True) == ""
 
 
+def test_a_long_delta_stream_keeps_its_text_in_few_pieces(tok):
+    """A DELTA stream never reads `text`; the deltas it was given are joined every 256, and `text` is still
+    their concatenation and the one-shot decode."""
+    rng = random.Random(2)
+    ids = [rng.randrange(300) for _ in range(700)]
+    d = IncrementalDetokenizer(tok, [], True)
+    deltas = []
+    for i in ids:
+        d.add(i)
+        deltas.append(d.stream_delta())
+        assert len(d._sent) <= 257
+    deltas.append(d.stream_delta(finished=True))
+    assert d.text == "".join(deltas) == tok.decode(ids, skip_special_tokens=True)
+
+
 def test_incremental_utf8_matches_one_shot():
     rng = random.Random(2)
     for _ in range(200):

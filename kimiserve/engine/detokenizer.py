@@ -101,4 +101,6 @@ class IncrementalDetokenizer:
         delta, self._pending = self._pending[:n], self._pending[n:]
         if delta:
             self._sent.append(delta)
+            if len(self._sent) > 256:  # a stream that never reads `text`: one string per 256 deltas
+                self._sent = ["".join(self._sent)]
         return delta

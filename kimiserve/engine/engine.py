@@ -691,7 +691,8 @@ class LLMEngine:
             text, delta = "", ""
             if s.detokenizer is not None:
                 delta = s.detokenizer.stream_delta(finished=s.finished)
-                text = s.detokenizer.text
+                if not delta_kind:  # (a DELTA output holds only the delta: the whole text is not joined)
+                    text = s.detokenizer.text
             new_ids = s.output_ids[s.streamed_tokens:]
             logprobs = None
             if s.params.logprobs is not None:
