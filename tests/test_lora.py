@@ -299,6 +299,8 @@ def test_default_mode_prefix_cache_is_keyed_by_adapter_and_args():
     assert other.num_cached_tokens == 0 and other.outputs[0].token_ids != first.outputs[0].token_ids
     with pytest.raises(ValueError, match="max_loras"):
         e.load_lora_adapter("c", a)
+    with pytest.raises(ValueError, match="indexer's wq_b"):  # run on row subsets: batch-invariant mode only
+        e.lora.serving.write(2, LoRAAdapter.init(e.model, "ix", rank=2, targets=("wq_b",)))
     e.unload_lora_adapter("a")
     e.load_lora_adapter("c", b)
     assert e.lora.slots == {"b": 2, "c": 1}

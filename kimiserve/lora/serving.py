@@ -124,7 +124,7 @@ class LoRALinear:
             masked_delta(x2, y2, A, B, rows.slots)
         else:
             segment_delta(x2, y2, A, B, rows.groups)
-        return y
+        return y2.view(y.shape)  # y itself when it is contiguous (reshape made a view)
 
 
 class LoRAExperts:
