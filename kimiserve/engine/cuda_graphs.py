@@ -140,10 +140,10 @@ class DecodeGraphs(GraphSet):
         pin = dev.type == "cuda"
         self._mirrors = [torch.zeros(self.inputs.shape, dtype=torch.int64, pin_memory=pin) for _ in range(2 if pin else 1)]
         self._mirror_events: list = [None] * len(self._mirrors)
+        """Two mirrors on CUDA, used in turn: one can still be copying while the next step fills the other."""
         self._written: list = [None] * len(self._mirrors)
         """Per mirror: ((rows, table width) of its layout, per row the (block table, state pages) it holds,
         or _PAD_ROW, or None when unknown), so that `_fill_pages` writes only the rows that changed."""
-        """Two mirrors on CUDA, used in turn: one can still be copying while the next step fills the other."""
         self._turn = 0
         self.rows = torch.arange(B, **long)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}

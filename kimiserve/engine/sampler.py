@@ -368,11 +368,8 @@ class Sampler:
         if not checked and not all(r.is_plain for r in requests):
             return None
         if all(r.params.greedy for r in requests):
-            return greedy_tokens(logits)
+            return greedy_tokens(logits)  # a row without a finite logit takes the first token, as below
         x = ops.saturate(logits.float())
-        if all(r.params.greedy for r in requests):
-            # a row without a finite logit is all -inf here: its argmax is the first token, as below
-            return torch.argmax(x, dim=-1)
         token_ids, valid = self._draw(x, requests)
         return torch.where(valid, token_ids, 0)
 
