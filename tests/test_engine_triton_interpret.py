@@ -30,7 +30,7 @@ TRITON_MLA_OPS = dataclasses.replace(
     indexer_scores=indexer_tt.paged_indexer_scores, topk=topk_tt.topk_indices,
     sparse_mla_decode=mla_tt.paged_sparse_mla_decode, dense_mla_decode=mla_tt.paged_dense_mla_decode,
     prefill_indexer_scores=indexer_prefill_tt.prefill_indexer_scores, sparse_mla_prefill=mla_tt.paged_sparse_mla_prefill,
-    prefill_in_place=True,
+    prefill_in_place=True,  # the prefill forms' defaults: the GPU-verified decode kernels one row / fp32 result each
 )
 
 
@@ -40,3 +40,11 @@ TRITON_MLA_OPS = dataclasses.replace(
 def test_engine_with_triton_mla_ops_matches_reference_ops(kv):
     # 40 tokens: dense MLA (within tiny's top-8 window only at first); 90: sparse, across two pages
     assert_ops_match_reference_ops(TRITON_MLA_OPS, kv, random_prompts([40, 90], seed=11))
+
+
+def test_engine_with_the_prefill_kernels_matches_reference_ops():
+    """`backend.prefill_kernels` (not yet run on a GPU) over the MLA kernels: the query-tiled scan on fp8
+    keys, sparse MLA rounding in the kernel (and KDA's short conv and gated norm)."""
+    from kimiserve.ops.backend import prefill_kernels
+
+    assert_ops_match_reference_ops(prefill_kernels(TRITON_MLA_OPS), "fp8", random_prompts([40, 90], seed=11))

@@ -62,14 +62,16 @@ def test_head_matmul(rows, heads, head_dim, latent, dtype):
 
 
 def test_engine_with_glue_kernels_matches_reference_ops():
-    """The tiny engine (attention residuals, latent MoE, MLA and KDA layers) with the glue kernels: the
-    reference-ops engine's greedy tokens, and its logits at every step within fp32 rounding."""
+    """The tiny engine (attention residuals, latent MoE, MLA and KDA layers) with the glue kernels and the
+    prefill kernels not yet run on a GPU (`backend.prefill_kernels`: KDA's short conv and gated norm, the
+    query-tiled index scan, sparse MLA rounding in the kernel): the reference-ops engine's greedy tokens,
+    and its logits at every step within fp32 rounding."""
     import dataclasses
 
     from engine_utils import assert_ops_match_reference_ops, random_prompts
-    from kimiserve.ops.backend import REFERENCE_OPS, fused_glue_ops
+    from kimiserve.ops.backend import REFERENCE_OPS, fused_glue_ops, prefill_kernels
 
-    ops = dataclasses.replace(fused_glue_ops(REFERENCE_OPS), name="glue-kernels-interpreted")
+    ops = dataclasses.replace(prefill_kernels(fused_glue_ops(REFERENCE_OPS)), name="glue-kernels-interpreted")
     assert_ops_match_reference_ops(ops, "bf16", random_prompts([40, 90, 7], seed=5))
 
 

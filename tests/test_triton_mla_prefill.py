@@ -1,5 +1,6 @@
 """`triton.paged_sparse_mla_prefill` (a prefill chunk's query rows of one sequence, one split per row,
-output in the model dtype) against `reference.paged_sparse_mla_prefill`, on CUDA; the interpreter
+output in the model dtype: rounded by torch from the kernel's fp32, or by the kernel with
+round_in_kernel) against `reference.paged_sparse_mla_prefill`, into a NaN-filled `out`, on CUDA; the interpreter
 runs the same checks at tiny sizes (tests/test_triton_mla_prefill_interpret.py).
 
 One sequence in scattered pages of a NaN-poisoned pool (`test_triton_mla.build_case`), n query rows
@@ -28,11 +29,19 @@ def check_prefill(preset: str, kv: str, context: int, n: int, k: int, device: st
     _, q_lat, q_pe = queries(preset, n, heads or build_heads(preset), device)
     idx = make_indices(lens, k, device)
     want = ref.paged_sparse_mla_prefill(q_lat, q_pe, cache, ls, tables[0], idx, scale, dtype)
-    got = tt.paged_sparse_mla_prefill(q_lat, q_pe, cache, ls, tables[0], idx, scale, dtype, **kwargs)
-    assert got.dtype == dtype and got.shape == q_lat.shape
-    err = rel_rms(got.float(), want.float())
-    assert torch.isfinite(got).all() and err < (1e-5 if dtype == torch.float32 else 1e-2), f"rel RMS {err:.3g}"
-    return err
+    errs, results = [], []
+    for round_in_kernel in (False, True):  # torch rounds the fp32 result (the default) / the kernel stores dtype
+        out = torch.full(q_lat.shape, float("nan"), dtype=dtype, device=device)
+        got = tt.paged_sparse_mla_prefill(q_lat, q_pe, cache, ls, tables[0], idx, scale, dtype, out=out,
+                                          round_in_kernel=round_in_kernel, **kwargs)
+        assert got.data_ptr() == out.data_ptr() and got.dtype == dtype and got.shape == q_lat.shape
+        err = rel_rms(got.float(), want.float())
+        assert torch.isfinite(got).all() and err < (1e-5 if dtype == torch.float32 else 1e-2), f"rel RMS {err:.3g}"
+        errs.append(err)
+        results.append(got)
+    fresh = tt.paged_sparse_mla_prefill(q_lat, q_pe, cache, ls, tables[0], idx, scale, dtype, **kwargs)
+    assert fresh.dtype == dtype and torch.equal(fresh, results[0])  # no out: the default path's values
+    return max(errs)
 
 
 def build_heads(preset: str) -> int:

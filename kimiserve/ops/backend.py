@@ -99,20 +99,42 @@ def _kda_ops() -> tuple[Callable, Callable]:
 
 def fused_glue_ops(ops: DecodeOps) -> DecodeOps:
     """`ops` with the Triton kernels of the decode step's glue (RMSNorm, LayerNorm, the residual add + attention-residual
-    read + RMSNorm, the router's selection, SiTU, MLA's per-head matmuls) and of KDA's prefill glue (the short conv,
-    the gated output norm): what the serving path runs on CUDA (and what the interpreter
-    tests run on the CPU). Raises ImportError without Triton."""
+    read + RMSNorm, the router's selection, SiTU, MLA's per-head matmuls): what the serving path runs on CUDA (and what
+    the interpreter tests run on the CPU). Raises ImportError without Triton."""
     from kimiserve.ops.activation import triton as activation_tt
     from kimiserve.ops.attn_res import triton as attn_res_tt
-    from kimiserve.ops.conv import triton as conv_tt
     from kimiserve.ops.mla import head_matmul_triton
     from kimiserve.ops.moe import route_triton
     from kimiserve.ops.norm import triton as norm_tt
 
     return dataclasses.replace(ops, rms_norm=norm_tt.rms_norm, layer_norm=norm_tt.layer_norm, add_read_norm=attn_res_tt.add_read_norm,
                                route=route_triton.route, situ_and_mul=activation_tt.situ_and_mul,
-                               head_matmul=head_matmul_triton.head_matmul, short_conv=conv_tt.short_conv,
-                               gated_rms_norm=norm_tt.gated_rms_norm)
+                               head_matmul=head_matmul_triton.head_matmul)
+
+
+PREFILL_SCAN_BLOCK_Q = 4
+"""Query rows per program of the query-tiled index scan in `prefill_kernels` (4: the interpreter- and
+GPU-test tiling; the H200 sweep of benchmarks/prefill_attention.py is to pick it)."""
+
+
+def prefill_kernels(ops: DecodeOps) -> DecodeOps:
+    """`ops` with the prefill kernels that have not yet run on a GPU, for the benchmarks and tests that
+    try them (`benchmarks/e2e_step.py --prefill-kernels`; the next device session flips them to the
+    default once they pass there, benchmarks/DEVICE_PLAN.md): the query-tiled index scan
+    (`PREFILL_SCAN_BLOCK_Q` rows per program), sparse MLA rounding its output to the model dtype in the
+    kernel, and KDA's short conv (+ L2 norms) and gated output norm as Triton kernels. The defaults they
+    replace are the GPU-verified paths: the decode scan kernel one row per program, the sparse kernel's
+    fp32 output cast by torch, the pure-torch KDA glue. Raises ImportError without Triton."""
+    from kimiserve.ops.conv import triton as conv_tt
+    from kimiserve.ops.indexer import triton_prefill as indexer_prefill_tt
+    from kimiserve.ops.mla import triton as mla_tt
+    from kimiserve.ops.norm import triton as norm_tt
+
+    return dataclasses.replace(
+        ops, name=f"{ops.name}+prefill-kernels",
+        prefill_indexer_scores=functools.partial(indexer_prefill_tt.prefill_indexer_scores, block_q=PREFILL_SCAN_BLOCK_Q),
+        sparse_mla_prefill=functools.partial(mla_tt.paged_sparse_mla_prefill, round_in_kernel=True),
+        short_conv=conv_tt.short_conv, gated_rms_norm=norm_tt.gated_rms_norm)
 
 
 def select_decode_ops(device: torch.device) -> DecodeOps:

@@ -491,11 +491,13 @@ otherwise, until the H200 sweep of benchmarks/prefill_attention.py (64-head bloc
 
 
 def paged_sparse_mla_prefill(q_latent, q_pe, latent_cache, latent_scale, block_table, indices, scale, dtype,
-                             *, out: torch.Tensor | None = None, config: DecodeConfig | None = None) -> torch.Tensor:
+                             *, out: torch.Tensor | None = None, config: DecodeConfig | None = None,
+                             round_in_kernel: bool = False) -> torch.Tensor:
     """`reference.paged_sparse_mla_prefill`: query rows [n, H, L] / [n, H, R] of one sequence (pages
     `block_table` [M]) over their selected tokens indices [n, k] -> [n, H, L] in `dtype` (into `out`:
     contiguous in its last dim), rounded once from the kernel's fp32 result. The decode kernel with one
-    split per row (`PREFILL_CONFIG`)."""
+    split per row (`PREFILL_CONFIG`). round_in_kernel: the kernel stores `dtype` itself (not yet run on a
+    GPU); else (the default, the GPU-verified path) it stores fp32 and torch rounds."""
     if block_table.dim() != 1:
         raise ValueError(f"block_table must be one sequence's page ids [M], got shape {tuple(block_table.shape)}")
     B, H, L = q_latent.shape
@@ -509,12 +511,17 @@ def paged_sparse_mla_prefill(q_latent, q_pe, latent_cache, latent_scale, block_t
         else:
             config = PREFILL_CONFIG
     cfg = dataclasses.replace(config, num_splits=1)
+    if out is not None and out.dtype != dtype:
+        raise ValueError(f"out must be of the compute dtype {dtype}, got {out.dtype}")
+    tables = block_table.expand(B, -1)
+    if not round_in_kernel and dtype != torch.float32:
+        res = _decode(q_latent, q_pe, latent_cache, latent_scale, tables, indices, True, indices.shape[1], scale, dtype,
+                      cfg).to(dtype)
+        return res if out is None else out.copy_(res)
     if out is None:
         out = torch.empty(B, H, L, dtype=dtype, device=q_latent.device)
-    elif out.dtype != dtype:
-        raise ValueError(f"out must be of the compute dtype {dtype}, got {out.dtype}")
-    return _decode(q_latent, q_pe, latent_cache, latent_scale, block_table.expand(B, -1), indices, True,
-                   indices.shape[1], scale, dtype, cfg, out)
+    return _decode(q_latent, q_pe, latent_cache, latent_scale, tables, indices, True, indices.shape[1], scale, dtype,
+                   cfg, out)
 
 
 def paged_dense_mla_decode(q_latent, q_pe, latent_cache, latent_scale, block_tables, context_lens, scale, dtype,
