@@ -1,5 +1,5 @@
-"""What the decode kernels compile to on Hopper, without a GPU: compiles the library's index scan and
-sparse MLA kernels for sm_90 (Triton's bundled ptxas and cuobjdump) with the launch constants of
+"""What the decode (and prefill) kernels compile to on Hopper, without a GPU: compiles the library's index
+scan and sparse MLA kernels (and the prefill scan, sparse tiling, KDA short conv and gated norm) for sm_90 (Triton's bundled ptxas and cuobjdump) with the launch constants of
 Kimi-K3.1-Pro's pages (32 index heads x 128; 96 MLA heads, 512 + 64 latent; batch-1 tilings) and
 prints the SASS instruction mix.
 
@@ -83,7 +83,53 @@ def mla_fp4():
     return mla._split_fp4_kernel, types, consts, dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages), MLA_DIV16
 
 
-KERNELS = dict(scan_fp8=scan_fp8, scan_fp4=scan_fp4, mla_fp8=mla_fp8, mla_fp4=mla_fp4)
+PREFILL_SCAN_INTS = ["q_sb", "q_sh", "w_sb", "k_sp", "k_st", "ks_sp", "out_sb", "B", "H", "max_context"]
+
+
+def scan_prefill_fp8():
+    """The query-tiled prefill scan (`ops/indexer/triton_prefill.py`), 4 rows per program, 8 tiles."""
+    from kimiserve.ops.indexer import triton_prefill
+
+    types = dict(q_ptr="*bf16", w_ptr="*fp32", k_ptr="*fp8e4nv", ks_ptr="*fp32", bt_ptr="*i64", cl_ptr="*i64",
+                 out_ptr="*fp32", **{n: "i32" for n in PREFILL_SCAN_INTS})
+    consts = dict(q_sd=1, k_sd=1, w_sh=1, ks_st=1, bt_sm=1, D=128, PAGE=384, BLOCK_H=32, BLOCK_S=128, BLOCK_Q=4,
+                  TILES=8, HAS_SCALE=True, DT=tl.float16, SPLIT_Q=False, EMULATE=False, PRECISION="tf32")
+    return (triton_prefill._prefill_scores_kernel, types, consts, dict(num_warps=4, num_stages=2),
+            [n for n in PREFILL_SCAN_INTS if n not in ("B", "H", "max_context")])
+
+
+def mla_prefill_fp8():
+    """The sparse kernel at a prefill tiling (64-head blocks, 8 warps, no reload), output rounded to bf16 in it."""
+    types = dict(q_lat_ptr="*bf16", q_pe_ptr="*bf16", cache_ptr="*fp8e4nv", tables_ptr="*i64", sel_ptr="*i64",
+                 part_ptr="*bf16", lse_ptr="*fp32", latent_scale="fp32", qk_scale="fp32", out_scale="fp32",
+                 **{n: "i32" for n in MLA_INTS})
+    consts = dict(L=512, R=64, BLOCK_L=512, BLOCK_R=64, PAGE=384, SPARSE=True, SCALE_EACH=False, DTYPE=tl.bfloat16,
+                  PRECISION="tf32", BLOCK_H=64, BLOCK_N=64, RELOAD=False)
+    return mla._split_kernel, types, consts, dict(num_warps=8, num_stages=1), [n for n in MLA_DIV16 if n != "s_tb"]
+
+
+def short_conv():
+    """KDA's prefill short conv (`ops/conv/triton.py`) with the q / k L2 norm, 128-channel heads, width 4."""
+    from kimiserve.ops.conv import triton as conv
+
+    ints = ["T", "s_xt", "s_sc", "s_wc", "s_ot"]
+    types = dict(x_ptr="*bf16", state_ptr="*bf16", w_ptr="*fp32", out_ptr="*bf16", eps="fp32", **{n: "i32" for n in ints})
+    consts = dict(s_sj=1, s_wj=1, W=4, HD=128, BLOCK_D=128, BLOCK_T=32, NORM=True, DTYPE=tl.bfloat16)
+    return conv._short_conv_kernel, types, consts, dict(num_warps=4, num_stages=3), ["s_xt", "s_ot", "s_wc"]
+
+
+def gated_rms_norm():
+    """KDA's gated output norm (`ops/norm/triton.py`), 16 rows of 128 per program."""
+    from kimiserve.ops.norm import triton as norm
+
+    ints = ["N", "D", "s_x", "s_g", "s_o"]
+    types = dict(x_ptr="*bf16", g_ptr="*bf16", w_ptr="*fp32", out_ptr="*bf16", eps="fp32", **{n: "i32" for n in ints})
+    consts = dict(DTYPE=tl.bfloat16, BLOCK_R=16, BLOCK=128)
+    return norm._gated_rms_norm_kernel, types, consts, dict(num_warps=4, num_stages=3), ["s_x", "s_g", "s_o"]
+
+
+KERNELS = dict(scan_fp8=scan_fp8, scan_fp4=scan_fp4, mla_fp8=mla_fp8, mla_fp4=mla_fp4, scan_prefill_fp8=scan_prefill_fp8,
+               mla_prefill_fp8=mla_prefill_fp8, short_conv=short_conv, gated_rms_norm=gated_rms_norm)
 
 
 def compile_sm90(fn, types: dict, consts: dict, options: dict, div16: list[str]):
@@ -106,6 +152,16 @@ def sass_of(kernel) -> str:
         f.write(kernel.asm["cubin"])
         f.flush()
         return subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+
+
+def resource_usage(kernel) -> dict[str, int]:
+    """cuobjdump's per-thread registers and stack bytes (spills land on the stack) of the kernel's cubin."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        text = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    return {k.lower(): int(v) for k, v in re.findall(r"\b(REG|STACK):(\d+)", text)}
 
 
 def instruction_mix(sass: str) -> dict[str, int]:
@@ -132,8 +188,10 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"unknown kernel {name!r} (choose from {', '.join(KERNELS)})")
         kernel = compile_sm90(*KERNELS[name]())
         mix = instruction_mix(sass_of(kernel))
-        results[name] = dict(instructions=sum(mix.values()), shared_bytes=kernel.metadata.shared, mix=mix)
-        print(f"{name}: {sum(mix.values())} instructions per thread, {kernel.metadata.shared} B shared memory")
+        usage = resource_usage(kernel)
+        results[name] = dict(instructions=sum(mix.values()), shared_bytes=kernel.metadata.shared, mix=mix, **usage)
+        print(f"{name}: {sum(mix.values())} instructions per thread, {kernel.metadata.shared} B shared memory, "
+              f"{usage.get('reg')} registers and {usage.get('stack')} B of stack a thread")
         top = sorted(mix.items(), key=lambda kv: -kv[1])[: args.top]
         print("  " + ", ".join(f"{op} {n}" for op, n in top))
     if args.out:
