@@ -155,6 +155,31 @@ plus what the socket buffers, the engine's 64 sequences and Python's allocator k
 
 
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc for the server's memory")
+def test_a_stream_cut_by_the_send_timeout_closes_its_connection_without_a_server_error():
+    """The send-timeout path on its own: the queue bound is far away, so the only thing that ends the
+    unread stream is --stream-send-timeout. The server closes the connection (the client reaches EOF),
+    aborts the request and logs its warning, and exits with a clean stderr (uvicorn's "ASGI callable
+    returned without completing response" for the cut response is not an error: it used to be one)."""
+    args = ("--max-model-len", "1300", "--num-pages", "3000", "--max-num-seqs", "64",
+            "--max-queued-output-bytes", str(512 * 2**20), "--stream-send-timeout", "1")
+    with running_server(*args) as s:
+        body = json.dumps({"prompt": [1, 2, 3], "n": 16, "max_tokens": 1200, "logprobs": 20, "ignore_eos": True,
+                           "temperature": 1.0, "stream": True}).encode()
+        sock = socket.create_connection(("127.0.0.1", s.port))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        assert wait_until(lambda: "closed a stream whose client read nothing" in s.stderr(), timeout=600), s.stderr()
+        sock.settimeout(120)
+        while sock.recv(1 << 20):  # the server closed the connection
+            pass
+        sock.close()
+        assert wait_until(lambda: metrics(s.url)["kimiserve:cache_pages_used_by_requests"] == 0, timeout=120)
+        r = httpx.post(f"{s.base_url}/completions", json={"prompt": "Hello", "max_tokens": 8}, timeout=120)
+        assert r.status_code == 200
+    # running_server's exit check: no ERROR line in the server's stderr
+
+
 def test_an_unread_stream_is_held_to_a_bound_then_aborted_and_cut_off():
     args = ("--max-model-len", "1300", "--num-pages", "3000", "--max-num-seqs", "64",
             "--max-queued-output-bytes", str(4 * 2**20), "--stream-send-timeout", "3")

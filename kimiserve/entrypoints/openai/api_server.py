@@ -43,7 +43,7 @@ from kimiserve.entrypoints.openai.rl_routes import add_rl_routes
 from kimiserve.entrypoints.openai.serving_completion import create_completion
 from kimiserve.entrypoints.openai.serving_messages import count_tokens, create_message
 from kimiserve.entrypoints.openai.serving_responses import create_response
-from kimiserve.entrypoints.openai.serving_utils import ServingContext, internal_error, now, token_str
+from kimiserve.entrypoints.openai.serving_utils import CutStreamLogFilter, ServingContext, internal_error, now, token_str
 from kimiserve.entrypoints.openai.server_args import ServerArgs
 
 logger = logging.getLogger("kimiserve.server")
@@ -311,6 +311,7 @@ def run_server(engine_args: EngineArgs, server_args: ServerArgs) -> int:
                             log_level=server_args.uvicorn_log_level,
                             access_log=not server_args.disable_uvicorn_access_log,
                             timeout_graceful_shutdown=server_args.shutdown_timeout + SHUTDOWN_MARGIN_S)
+    logging.getLogger("uvicorn.error").addFilter(CutStreamLogFilter())  # after Config set up uvicorn's logging
     server = _Server(config, engine, server_args.shutdown_timeout)
 
     def engine_died() -> None:  # the streams already got their error: shut down and exit non-zero

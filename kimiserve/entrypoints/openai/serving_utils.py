@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import codecs
+import contextvars
 import functools
 import json
 import logging
@@ -411,12 +412,27 @@ class SSEResponse(StreamingResponse):
             await super().__call__(scope, receive, bounded_send if timeout is not None else send)
         except _ClientNotReading:
             logger.warning("closed a stream whose client read nothing for %.0f s", timeout)
+            _STREAM_CUT.set(True)  # read by CutStreamLogFilter in this task once the app has returned
         finally:
             self._on_close()
 
 
 class _ClientNotReading(Exception):
     pass
+
+
+_STREAM_CUT: contextvars.ContextVar[bool] = contextvars.ContextVar("kimiserve_stream_cut", default=False)
+
+
+class CutStreamLogFilter(logging.Filter):
+    """For uvicorn's "uvicorn.error" logger. A stream cut by the send timeout ends without its last body
+    message (the client reads nothing, so no send can complete), and uvicorn then closes the
+    connection, which is the point, and logs "ASGI callable returned without completing response" as
+    an error. This filter drops that one record for responses SSEResponse cut on purpose (it logged
+    its own warning); the same record from any other response still gets through."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (_STREAM_CUT.get() and record.getMessage().startswith("ASGI callable returned without completing"))
 
 
 async def unless_disconnected(request: Request, work: Awaitable[T]) -> T | Response:
