@@ -17,6 +17,7 @@ from kimiserve.engine.spec_decode.device_drafts import write_drafts
 from kimiserve.model.batch import ForwardBatch, SequenceChunk
 from kimiserve.model.model import KimiForCausalLM
 from kimiserve.ops.backend import select_decode_ops
+from kimiserve.utils.host_copy import queue_host_copy
 
 
 MIN_PCP_TOKENS_PER_RANK = 2
@@ -212,13 +213,7 @@ class ModelRunner:
         tokens = self.sampler.sample_plain(self.forward(step), rows, checked=True)
         if tokens is None:
             raise RuntimeError("launch() needs plain rows (plain_sample_requests)")
-        if tokens.device.type != "cuda":
-            return LaunchedStep(tokens, tokens)
-        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-        host.copy_(tokens, non_blocking=True)
-        copied = torch.cuda.Event()
-        copied.record()
-        return LaunchedStep(tokens, host, copied)
+        return LaunchedStep(tokens, *queue_host_copy(tokens))
 
     @torch.inference_mode()
     def forward(self, step: "StepInput") -> torch.Tensor:

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kimiserve.utils.host_copy import queue_host_copy
+
 PLACEHOLDER = -1
 """The host-side id at a draft position whose token is on the device (never fed to a model)."""
 
@@ -35,13 +37,7 @@ class DeviceDrafts:
     @classmethod
     def of(cls, tokens: torch.Tensor) -> "DeviceDrafts":
         """Queue the copy of `tokens` to the host (pinned, no wait)."""
-        if tokens.device.type != "cuda":
-            return cls(tokens, tokens)
-        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-        host.copy_(tokens, non_blocking=True)
-        copied = torch.cuda.Event()
-        copied.record()
-        return cls(tokens, host, copied)
+        return cls(tokens, *queue_host_copy(tokens))
 
     def values(self, row: int) -> list[int]:
         """Row `row`'s drafts on the host (waits for the copy the first time: done by then in practice)."""
