@@ -300,6 +300,24 @@ def rotate_query(q: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
 _MXFP4_LAUNCH = (128, 8, 2)
 
 
+def _scores_out(out: torch.Tensor | None, rows_name: str, rows: int, max_context: int,
+                device: torch.device) -> torch.Tensor:
+    """The scan's fp32 [rows, max_context] output: `out` checked, or a new one."""
+    if out is None:
+        return torch.empty(rows, max_context, dtype=torch.float32, device=device)
+    if out.shape != (rows, max_context) or out.dtype != torch.float32 or out.stride(1) != 1:
+        raise ValueError(f"out must be fp32 [{rows_name}, max_context] = [{rows}, {max_context}] with unit stride "
+                         "along tokens")
+    return out
+
+
+def _dot_operands(q: torch.Tensor, key_scales: torch.Tensor | None, dtype: torch.dtype) -> tuple[torch.dtype, bool]:
+    """(the dtype of the scan's dots, whether q is split into a hi/lo pair of it): fp8 keys with bf16 run fp16
+    dots; a q wider than the dot dtype (and not bf16) is split."""
+    dot_dtype = torch.float16 if key_scales is not None and dtype == torch.bfloat16 else dtype
+    return dot_dtype, dot_dtype != torch.float32 and q.dtype not in (dot_dtype, torch.bfloat16)
+
+
 def paged_indexer_scores(
     q: torch.Tensor,
     weights: torch.Tensor,
@@ -364,15 +382,11 @@ def paged_indexer_scores(
                          "(MXFP4 keys: any power of two >= 16)")
     if max_context is None:
         max_context = int(context_lens.max())
-    if out is None:
-        out = torch.empty(B, max_context, dtype=torch.float32, device=q.device)
-    elif out.shape != (B, max_context) or out.dtype != torch.float32 or out.stride(1) != 1:
-        raise ValueError(f"out must be fp32 [B, max_context] = [{B}, {max_context}] with unit stride along tokens")
+    out = _scores_out(out, "B", B, max_context, q.device)
     if B == 0 or max_context == 0:
         return out
     emulate = q.device.type != "cuda"
-    dot_dtype = torch.float16 if key_scales is not None and dtype == torch.bfloat16 else dtype
-    split_q = dot_dtype != torch.float32 and q.dtype not in (dot_dtype, torch.bfloat16)
+    dot_dtype, split_q = _dot_operands(q, key_scales, dtype)
     grid = (triton.cdiv(max_context, block_s * tiles), B)
     common = dict(BLOCK_H=max(16, triton.next_power_of_2(H)), BLOCK_S=block_s, TILES=tiles,
                   DT=_DOT_DTYPES[dot_dtype], SPLIT_Q=split_q, EMULATE=emulate,

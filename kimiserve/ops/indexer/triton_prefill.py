@@ -22,7 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kimiserve.ops.indexer.triton import _DOT_DTYPES, _default_block_s, _operand, paged_indexer_scores, rotate_query
+from kimiserve.ops.indexer.triton import (_DOT_DTYPES, _default_block_s, _dot_operands, _operand, _scores_out,
+                                         paged_indexer_scores, rotate_query)
 
 BLOCK_Q = 1
 """Query rows per program by default; 1 runs the decode kernel (one row per program) until the H200
@@ -134,15 +135,11 @@ def prefill_indexer_scores(
     block_s = _default_block_s(page) if block_s is None else block_s
     if page % block_s or block_s < 16 or block_s & (block_s - 1):
         raise ValueError(f"block_s {block_s} must be a power of two >= 16 dividing block_size {page}")
-    if out is None:
-        out = torch.empty(n, max_context, dtype=torch.float32, device=q.device)
-    elif out.shape != (n, max_context) or out.dtype != torch.float32 or out.stride(1) != 1:
-        raise ValueError(f"out must be fp32 [n, max_context] = [{n}, {max_context}] with unit stride along tokens")
+    out = _scores_out(out, "n", n, max_context, q.device)
     if n == 0 or max_context == 0:
         return out
     emulate = q.device.type != "cuda"
-    dot_dtype = torch.float16 if key_scales is not None and dtype == torch.bfloat16 else dtype
-    split_q = dot_dtype != torch.float32 and q.dtype not in (dot_dtype, torch.bfloat16)
+    dot_dtype, split_q = _dot_operands(q, key_scales, dtype)
     ks = key_scales if key_scales is not None else key_cache  # unused placeholder without scales
     grid = (triton.cdiv(max_context, block_s * tiles), triton.cdiv(n, block_q))
     _prefill_scores_kernel[grid](
