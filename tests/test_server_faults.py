@@ -154,7 +154,18 @@ the bound it grew by 1.1 GB in 71 s): 4 MiB of queued output allowed (--max-queu
 plus what the socket buffers, the engine's 64 sequences and Python's allocator keep."""
 
 
-@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc for the server's memory")
+def start_unread_stream(port: int, n: int) -> socket.socket:
+    """POST a large streamed completion (n samples x 1200 tokens with 20 logprobs each) on a raw socket
+    with a small receive buffer, and read nothing: the caller decides when (if ever) to read."""
+    body = json.dumps({"prompt": [1, 2, 3], "n": n, "max_tokens": 1200, "logprobs": 20, "ignore_eos": True,
+                       "temperature": 1.0, "stream": True}).encode()
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    return sock
+
+
 def test_a_stream_cut_by_the_send_timeout_closes_its_connection_without_a_server_error():
     """The send-timeout path on its own: the queue bound is far away, so the only thing that ends the
     unread stream is --stream-send-timeout. The server closes the connection (the client reaches EOF),
@@ -163,12 +174,7 @@ def test_a_stream_cut_by_the_send_timeout_closes_its_connection_without_a_server
     args = ("--max-model-len", "1300", "--num-pages", "3000", "--max-num-seqs", "64",
             "--max-queued-output-bytes", str(512 * 2**20), "--stream-send-timeout", "1")
     with running_server(*args) as s:
-        body = json.dumps({"prompt": [1, 2, 3], "n": 16, "max_tokens": 1200, "logprobs": 20, "ignore_eos": True,
-                           "temperature": 1.0, "stream": True}).encode()
-        sock = socket.create_connection(("127.0.0.1", s.port))
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        sock = start_unread_stream(s.port, n=16)
         assert wait_until(lambda: "closed a stream whose client read nothing" in s.stderr(), timeout=600), s.stderr()
         sock.settimeout(120)
         while sock.recv(1 << 20):  # the server closed the connection
@@ -180,17 +186,13 @@ def test_a_stream_cut_by_the_send_timeout_closes_its_connection_without_a_server
     # running_server's exit check: no ERROR line in the server's stderr
 
 
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc for the server's memory")
 def test_an_unread_stream_is_held_to_a_bound_then_aborted_and_cut_off():
     args = ("--max-model-len", "1300", "--num-pages", "3000", "--max-num-seqs", "64",
             "--max-queued-output-bytes", str(4 * 2**20), "--stream-send-timeout", "3")
     with running_server(*args) as s:
         base = rss_mb(s.proc.pid)
-        body = json.dumps({"prompt": [1, 2, 3], "n": 64, "max_tokens": 1200, "logprobs": 20, "ignore_eos": True,
-                           "temperature": 1.0, "stream": True}).encode()
-        sock = socket.create_connection(("127.0.0.1", s.port))
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        sock = start_unread_stream(s.port, n=64)
         peak, started = base, time.monotonic()
         aborted = False
         while time.monotonic() - started < 600:  # the request is aborted while nobody reads the socket
