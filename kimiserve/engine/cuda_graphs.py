@@ -163,7 +163,7 @@ class DecodeGraphs(GraphSet):
         if self.disabled or size is None or n == 0:
             return None
         if self.lora is not None and self.lora.version != self._lora_version:
-            self.graphs.clear()  # captured before a projection got LoRA buffers: they do not read them
+            self._release_graphs()  # captured before a projection got LoRA buffers: they do not read them
             self._lora_version = self.lora.version
         bucket = self.context_bucket(max(c.context_start for c in chunks) + 1)
         key = (size, bucket)
@@ -174,6 +174,14 @@ class DecodeGraphs(GraphSet):
         graph.replay()
         self.replays += 1
         return logits[:n]
+
+    def _release_graphs(self) -> None:
+        """Drop every graph and their memory pool: the next capture starts a new pool. (Capturing into the
+        old one after its last graph is gone trips the CUDA caching allocator's `use_count > 0` assert.)"""
+        if self.graphs and self.inputs.device.type == "cuda":
+            torch.cuda.synchronize(self.inputs.device)  # no replay still reading the pool
+        self.graphs.clear()
+        self.memory_pool = None
 
     def _cols(self, bucket: int) -> int:
         return math.ceil(bucket / self.pool.block_size)

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from kimiserve.ops.batch_invariant import reference as bi
+from kimiserve.utils.host_copy import queue_device_copy
 
 
 def _stack(pairs: list[tuple[torch.Tensor, torch.Tensor] | None], rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -36,8 +37,7 @@ def _stack(pairs: list[tuple[torch.Tensor, torch.Tensor] | None], rank: int) -> 
 
 def small_tensor(values, dtype: torch.dtype, device) -> torch.Tensor:
     """A small host list as a tensor on `device`, without making the host wait for the device (pinned on CUDA)."""
-    t = torch.tensor(values, dtype=dtype)
-    return t.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else t.to(device)
+    return queue_device_copy(torch.tensor(values, dtype=dtype), device)
 
 
 class LoRABatch:

@@ -9,14 +9,12 @@ import torch
 from kimiserve.cache.formats import rotates_index_keys
 from kimiserve.cache.pool import PagePool
 from kimiserve.ops.backend import REFERENCE_OPS, DecodeOps
+from kimiserve.utils.host_copy import queue_device_copy
 
 
 def _to_device_fn(device):
     """Host tensor -> device: through pinned memory on CUDA (the host does not wait for the device)."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return lambda t: t.to(device)
-    return lambda t: t.pin_memory().to(device, non_blocking=True)
+    return lambda t: queue_device_copy(t, device)
 
 
 @dataclass

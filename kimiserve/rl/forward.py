@@ -39,6 +39,7 @@ from kimiserve.ops.batch_invariant import reference as bi
 from kimiserve.ops.batch_invariant.attention import mla_attention
 from kimiserve.ops.mla.reference import split_kv_b
 from kimiserve.ops.quant.reference import dequantize_mxfp4, hadamard
+from kimiserve.utils.host_copy import queue_device_copy
 
 @dataclass
 class Segment:
@@ -144,15 +145,12 @@ def _kda_rows(ctx, W1: int):
     snap_at = [ctx.kda_snapshot_row(j) for j in range(len(segs))]
     host = (tap0, torch.tensor([s.start for s in segs]),
             torch.tensor([s.length for s in segs]), torch.tensor([-1 if t is None else t for t in snap_at]))
-    taps, starts, lengths, snap_t = (_to_device(t, device) for t in host)
+    taps, starts, lengths, snap_t = (queue_device_copy(t, device) for t in host)
     rows = (base, taps, snap_at, starts, lengths, snap_t)
     ctx.__dict__["_kda_rows"] = (W1, rows)
     return rows
 
 
-def _to_device(t: torch.Tensor, device) -> torch.Tensor:
-    """A host tensor on `device` without making the host wait for the device (pinned on CUDA)."""
-    return t.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else t.to(device)
 
 
 def straight_through(x: torch.Tensor, fn) -> torch.Tensor:
@@ -186,7 +184,7 @@ class PagedContext:
         for j, c in enumerate(chunks):
             row_base[c.start : c.end] = offsets[j]
         self.pages, self.offsets, self.base, self.state_pages = (
-            _to_device(t, device) for t in (pages, ctx % bs, row_base, torch.stack([c.state_pages for c in chunks])))
+            queue_device_copy(t, device) for t in (pages, ctx % bs, row_base, torch.stack([c.state_pages for c in chunks])))
 
     def store_mla(self, layer: int, latent_rows: torch.Tensor, keys: torch.Tensor | None) -> None:
         pool = self.pool

@@ -1,4 +1,4 @@
-"""A device tensor's copy to the host, queued without waiting."""
+"""Copies between the host and the device, queued without making the host wait."""
 
 from __future__ import annotations
 
@@ -15,3 +15,11 @@ def queue_host_copy(tensor: torch.Tensor) -> tuple[torch.Tensor, "torch.cuda.Eve
     copied = torch.cuda.Event()
     copied.record()
     return host, copied
+
+
+def queue_device_copy(tensor: torch.Tensor, device) -> torch.Tensor:
+    """`tensor` on `device`. A host tensor goes to a CUDA device through pinned memory, non-blocking (the host
+    does not wait); a tensor already on a device (or any copy off CUDA) is a plain `.to`."""
+    if torch.device(device).type == "cuda" and tensor.device.type == "cpu":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
