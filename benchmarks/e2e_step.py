@@ -294,8 +294,6 @@ def main() -> int:
     p.add_argument("--prefill-warmups", type=int, default=1,
                    help="untimed prompts of each prefill row's length run before the timed one")
     p.add_argument("--moe", choices=("triton", "torch"), default="triton")
-    p.add_argument("--prefill-kernels", action="store_true",
-                   help="run the prefill kernels not yet run on a GPU (kimiserve.ops.backend.prefill_kernels)")
     p.add_argument("--quick", action="store_true", help="the same rows, 8 timed steps and 1 expert-count step each")
     p.add_argument("--dry-run", action="store_true", help="tiny preset on the CPU, small sizes")
     p.add_argument("--out", default="benchmarks/results/e2e_step.json")
@@ -319,10 +317,6 @@ def main() -> int:
         device=device.type, max_model_len=longest + args.steps + count_steps + 16, max_num_seqs=max(batches, default=1),
         enable_prefix_caching=True, max_num_batched_tokens=args.max_num_batched_tokens, seed=0,
         **({"num_pages": 3000} if args.dry_run else {"kv_cache_memory_gib": args.cache_gib})))
-    if args.prefill_kernels:
-        from kimiserve.ops.backend import prefill_kernels
-
-        engine.runner.ops = prefill_kernels(engine.runner.ops)
     result["ops"] = engine.runner.ops.name
     plan = [(b, c) for c in contexts for b in batches] + [(1, c) for c in singles]
     for batch, context in plan:

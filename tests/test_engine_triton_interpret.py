@@ -43,7 +43,7 @@ def test_engine_with_triton_mla_ops_matches_reference_ops(kv):
 
 
 def test_engine_with_the_prefill_kernels_matches_reference_ops():
-    """`backend.prefill_kernels` (not yet run on a GPU) over the MLA kernels: the query-tiled scan on fp8
+    """`backend.prefill_kernels` (the CUDA default since the H200 run of session 4) over the MLA kernels: the query-tiled scan on fp8
     keys, sparse MLA rounding in the kernel (and KDA's short conv and gated norm)."""
     from kimiserve.ops.backend import prefill_kernels
 

@@ -63,7 +63,7 @@ def test_head_matmul(rows, heads, head_dim, latent, dtype):
 
 def test_engine_with_glue_kernels_matches_reference_ops():
     """The tiny engine (attention residuals, latent MoE, MLA and KDA layers) with the glue kernels and the
-    prefill kernels not yet run on a GPU (`backend.prefill_kernels`: KDA's short conv and gated norm, the
+    prefill kernels (`backend.prefill_kernels`, the CUDA default: KDA's short conv and gated norm, the
     query-tiled index scan, sparse MLA rounding in the kernel): the reference-ops engine's greedy tokens,
     and its logits at every step within fp32 rounding."""
     import dataclasses

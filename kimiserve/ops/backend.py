@@ -112,27 +112,25 @@ def fused_glue_ops(ops: DecodeOps) -> DecodeOps:
                                head_matmul=head_matmul_triton.head_matmul)
 
 
-PREFILL_SCAN_BLOCK_Q = 4
-"""Query rows per program of the query-tiled index scan in `prefill_kernels` (4: the interpreter- and
-GPU-test tiling; the H200 sweep of benchmarks/prefill_attention.py is to pick it)."""
+PREFILL_SCAN_BLOCK_Q = 8
+"""Query rows per program of the query-tiled index scan on CUDA: the fastest tiling with every mask right in
+the H200 sweep (benchmarks/prefill_attention.py, 2026-12-01 session 4: 8 rows x 8 key tiles, 4 warps, 2 stages,
+1.33 ms against the decode kernel's 2.21-2.33 ms for 512 rows over 32K / 128K fp8 keys)."""
 
 
 def prefill_kernels(ops: DecodeOps) -> DecodeOps:
-    """`ops` with the prefill kernels that have not yet run on a GPU, for the benchmarks and tests that
-    try them (`benchmarks/e2e_step.py --prefill-kernels`; the next device session flips them to the
-    default once they pass there, benchmarks/DEVICE_PLAN.md): the query-tiled index scan
-    (`PREFILL_SCAN_BLOCK_Q` rows per program), sparse MLA rounding its output to the model dtype in the
-    kernel, and KDA's short conv (+ L2 norms) and gated output norm as Triton kernels. The defaults they
-    replace are the GPU-verified paths: the decode scan kernel one row per program, the sparse kernel's
-    fp32 output cast by torch, the pure-torch KDA glue. Raises ImportError without Triton."""
+    """`ops` with the prefill kernels (what `select_decode_ops` runs on CUDA; the interpreter tests apply it
+    to their own op sets): the query-tiled index scan (`PREFILL_SCAN_BLOCK_Q` rows per program), sparse MLA
+    rounding its output to the model dtype in the kernel, and KDA's short conv (+ L2 norms) and gated output
+    norm as Triton kernels. On the H200 (session 4) they took the `small` preset's 32K prefill from 1.68 to
+    1.34 s and 128K from 7.30 to 5.76 s (benchmarks/e2e_step.py). Raises ImportError without Triton."""
     from kimiserve.ops.conv import triton as conv_tt
     from kimiserve.ops.indexer import triton_prefill as indexer_prefill_tt
     from kimiserve.ops.mla import triton as mla_tt
     from kimiserve.ops.norm import triton as norm_tt
 
     return dataclasses.replace(
-        ops, name=f"{ops.name}+prefill-kernels",
-        prefill_indexer_scores=functools.partial(indexer_prefill_tt.prefill_indexer_scores, block_q=PREFILL_SCAN_BLOCK_Q),
+        ops, prefill_indexer_scores=functools.partial(indexer_prefill_tt.prefill_indexer_scores, block_q=PREFILL_SCAN_BLOCK_Q),
         sparse_mla_prefill=functools.partial(mla_tt.paged_sparse_mla_prefill, round_in_kernel=True),
         short_conv=conv_tt.short_conv, gated_rms_norm=norm_tt.gated_rms_norm)
 
@@ -152,9 +150,9 @@ def select_decode_ops(device: torch.device) -> DecodeOps:
         warnings.warn(f"Triton kernels unavailable ({e}); the GPU runs the pure-torch reference ops")
         return REFERENCE_OPS
     kda_prefill, kda_decode = _kda_ops()
-    return fused_glue_ops(DecodeOps("triton", cache_write_tt.write_mla_tokens, indexer_tt.paged_indexer_scores,
+    return prefill_kernels(fused_glue_ops(DecodeOps("triton", cache_write_tt.write_mla_tokens, indexer_tt.paged_indexer_scores,
                      topk_tt.topk_indices, mla_tt.paged_sparse_mla_decode, mla_tt.paged_dense_mla_decode,
                      kda_prefill, kda_decode, prefill_in_place=True,
                      prefill_indexer_scores=indexer_prefill_tt.prefill_indexer_scores,
                      sparse_mla_prefill=mla_tt.paged_sparse_mla_prefill,
-                     kda_decode_step=functools.partial(kda_decode_step_tt.kda_decode_step, fallback=kda_decode)))
+                     kda_decode_step=functools.partial(kda_decode_step_tt.kda_decode_step, fallback=kda_decode))))

@@ -485,9 +485,14 @@ def paged_sparse_mla_decode(q_latent, q_pe, latent_cache, latent_scale, block_ta
                    scale, dtype, config, out)
 
 
-PREFILL_CONFIG = DecodeConfig(block_n=64, num_stages=1, num_splits=1)
-"""Prefill rows: many rows fill the GPU without splitting a row's selection; the decode tiling
-otherwise, until the H200 sweep of benchmarks/prefill_attention.py (64-head blocks among others)."""
+PREFILL_CONFIG = DecodeConfig(block_h=64, block_n=64, num_warps=8, num_stages=1, reload=False, num_splits=1)
+"""Prefill rows: many rows fill the GPU without splitting a row's selection. 64 heads x 64 tokens, 8 warps,
+no pipelining, the latent tile kept in registers: the fastest of the H200 sweep (benchmarks/prefill_attention.py,
+session 4: 116 / 103 TFLOP/s for 512 rows x 96 heads x top-2048 at 32K / 128K, against 72-74 for the decode
+tiling). Heads of fewer than 64: `PREFILL_CONFIG_FEW_HEADS`."""
+
+PREFILL_CONFIG_FEW_HEADS = DecodeConfig(block_n=64, num_stages=1, num_splits=1)
+"""Prefill rows of at most 32 heads: the decode tiling (a 64-head block would be half padding)."""
 
 
 def paged_sparse_mla_prefill(q_latent, q_pe, latent_cache, latent_scale, block_table, indices, scale, dtype,
@@ -496,8 +501,8 @@ def paged_sparse_mla_prefill(q_latent, q_pe, latent_cache, latent_scale, block_t
     """`reference.paged_sparse_mla_prefill`: query rows [n, H, L] / [n, H, R] of one sequence (pages
     `block_table` [M]) over their selected tokens indices [n, k] -> [n, H, L] in `dtype` (into `out`:
     contiguous in its last dim), rounded once from the kernel's fp32 result. The decode kernel with one
-    split per row (`PREFILL_CONFIG`). round_in_kernel: the kernel stores `dtype` itself (not yet run on a
-    GPU); else (the default, the GPU-verified path) it stores fp32 and torch rounds."""
+    split per row (`PREFILL_CONFIG`). round_in_kernel: the kernel stores `dtype` itself (what the engine runs,
+    `backend.prefill_kernels`); else it stores fp32 and torch rounds."""
     if block_table.dim() != 1:
         raise ValueError(f"block_table must be one sequence's page ids [M], got shape {tuple(block_table.shape)}")
     B, H, L = q_latent.shape
@@ -509,7 +514,7 @@ def paged_sparse_mla_prefill(q_latent, q_pe, latent_cache, latent_scale, block_t
         elif dtype == torch.float32 or not fold:
             config = default_config(dtype, not fold)
         else:
-            config = PREFILL_CONFIG
+            config = PREFILL_CONFIG if H > 32 else PREFILL_CONFIG_FEW_HEADS
     cfg = dataclasses.replace(config, num_splits=1)
     if out is not None and out.dtype != dtype:
         raise ValueError(f"out must be of the compute dtype {dtype}, got {out.dtype}")
