@@ -117,6 +117,9 @@ class TrainArgs:
     """Held-out examples (another seed) per evaluation."""
     export_every_minutes: float = 3.0
     """Intermediate export every this many minutes."""
+    reference_forms: bool = False
+    """Train through the slower forms of the same computation (KDA's per-pair decays, every routed
+    expert on every token), as before the fast ones: for A/B timing."""
     num_workers: int = 4
     """Batch-making worker processes (0: in the training process)."""
     quick: bool = False
@@ -324,6 +327,8 @@ def train(config: ModelConfig, args: TrainArgs, log=print) -> tuple[torch.nn.Mod
     batches = iter(loader)  # workers fork before the model touches the device
     model = build_model(config.replace(routed_experts_mxfp4=False), torch.float32, seed=args.seed, device=device)
     params = enable_training(model)
+    for m in moe_layers(model):
+        m.train_every_expert = args.reference_forms
     n_params = sum(p.numel() for p in model.parameters())
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
@@ -366,7 +371,8 @@ def train(config: ModelConfig, args: TrainArgs, log=print) -> tuple[torch.nn.Mod
         fake_quant = frac >= args.fake_quant_from
         for m in moe_layers(model):
             m.fake_quant = fake_quant
-        ctx_args = dict(sparse=frac >= args.sparse_from, kda_chunk_size=args.kda_chunk_size)
+        ctx_args = dict(sparse=frac >= args.sparse_from, kda_chunk_size=args.kda_chunk_size,
+                        tiled_kda=not args.reference_forms)
         t0 = time.time()
         oom = False
         try:
@@ -431,7 +437,7 @@ def train(config: ModelConfig, args: TrainArgs, log=print) -> tuple[torch.nn.Mod
             log(json.dumps({"event": "export", "step": step, "folder": str(out)}))
             last_export = time.time()
             _write_log(out, records)
-    ctx_args = dict(sparse=True, kda_chunk_size=args.kda_chunk_size)
+    ctx_args = dict(sparse=True, kda_chunk_size=args.kda_chunk_size, tiled_kda=not args.reference_forms)
     for m in moe_layers(model):
         m.fake_quant = True  # the exported experts are MXFP4
     rec = {"event": "final_eval", "step": step, "minutes": round((time.time() - start) / 60, 3),

@@ -15,7 +15,7 @@ from kimiserve.model.layers import Linear, Source, Weights, make_param, read, sh
 from kimiserve.model.parallel_layers import ColumnParallelLinear, RowParallelLinear, context, divide
 from kimiserve.model.training import TrainContext
 from kimiserve.ops.kda.paged import KDADecodeWeights, short_conv
-from kimiserve.ops.kda.reference import chunk_kda, chunk_kda_batched, kda_gate, recurrent_kda
+from kimiserve.ops.kda.reference import chunk_kda, chunk_kda_batched, chunk_kda_tiled, kda_gate, recurrent_kda
 from kimiserve.ops.norm.reference import gated_rms_norm
 
 
@@ -124,7 +124,8 @@ class KimiDeltaAttention(nn.Module):
             norm = ctx.ops.gated_rms_norm
         else:
             train = isinstance(ctx, TrainContext)
-            o, _, _ = self.mix(q, k, v, g, beta, chunk_size=ctx.kda_chunk_size if train else 64, train=train)
+            o, _, _ = self.mix(q, k, v, g, beta, chunk_size=ctx.kda_chunk_size if train else 64, train=train,
+                               tiled=train and ctx.tiled_kda)
         return norm(o, heads(gate), self.o_norm.weight, self.eps)
 
     def paged_forward(self, q, k, v, f, b, gate, batch: ForwardBatch) -> torch.Tensor:
@@ -160,15 +161,20 @@ class KimiDeltaAttention(nn.Module):
         return short_conv(q, k, v, self.decode_weights, self.num_heads, conv_state)
 
     def mix(self, q, k, v, g, beta, conv_state=None, state=None, recurrent=False, chunk_size: int = 64,
-            train: bool = False):
+            train: bool = False, tiled: bool = False):
         """Short conv + delta rule over [B, T] tokens from (conv_state [B, 3, P, W-1], state [B, H, K, V])
         (zeros when None). Returns (o [B, T, H, V], new conv state, new recurrent state).
 
         train: the chunked form with all chunks batched but the state recurrence (fewer, larger kernels),
-        recomputed in the backward pass (its [C, C, K] decays per token are the bulk of a step's memory)."""
+        recomputed in the backward pass (its [C, C, K] decays per token are the bulk of a step's memory);
+        tiled: with the intra-chunk scores as tiled matmuls (`chunk_kda_tiled`, tiles set by the gate's bound)."""
         q, k, v, conv = self.short_conv(q, k, v, conv_state)
         if recurrent:
             o, state = recurrent_kda(q, k, v, g, beta, initial_state=state)
+        elif tiled:
+            bound = None if self.lower_bound is None else -self.lower_bound
+            o, state = torch.utils.checkpoint.checkpoint(chunk_kda_tiled, q, k, v, g, beta, None, state, chunk_size,
+                                                         bound, use_reentrant=False)
         elif train:
             o, state = torch.utils.checkpoint.checkpoint(chunk_kda_batched, q, k, v, g, beta, None, state, chunk_size,
                                                          use_reentrant=False)

@@ -156,6 +156,9 @@ class RoutedExperts(nn.Module):
         """None: the fused kernel wherever `fused_moe_for` offers one; False: always the torch forms."""
         self.fake_quant = False
         """Training mode: run float weights rounded through MXFP4 (straight-through gradient)."""
+        self.train_every_expert = False
+        """Training mode: every expert on every token, unrouted pairs weighted 0 (the form before the
+        routed pairs only: the same result, kept for A/B timing)."""
         self.routed_load: torch.Tensor | None = None
         """Training mode: tokens routed to each expert since the trainer last read it."""
         self.eval()  # an inference module (the routed-expert kernels) until a trainer calls .train()
@@ -205,7 +208,7 @@ class RoutedExperts(nn.Module):
 
     def _forward(self, x, ids, weights, out_dtype: torch.dtype) -> torch.Tensor:
         if self.training:
-            return routed_experts_train_forward(self, x, ids, weights).to(out_dtype)
+            return routed_experts_train_forward(self, x, ids, weights, self.train_every_expert).to(out_dtype)
         if self.lora is not None and self.lora.applies():
             return self.lora.forward(self, x, ids, weights, out_dtype)
         fused = fused_moe_for(x.device.type) if self.use_fused is not False else None

@@ -30,6 +30,9 @@ class TrainContext:
     """MLA attends only to the indexer's top-k keys (as served); False: dense causal attention."""
     kda_chunk_size: int = 64
     """Chunk of KDA's chunked form: its memory grows with it, its sequential steps shrink."""
+    tiled_kda: bool = True
+    """KDA's intra-chunk scores as tiled matmuls (`chunk_kda_tiled`); False: the per-pair [C, C, K]
+    decays (`chunk_kda_batched`, the form before: the same result, kept for A/B timing)."""
     indexer_losses: list[torch.Tensor] = field(default_factory=list)
     """One KL term per MLA layer with an indexer, appended by the forward."""
 
@@ -81,21 +84,39 @@ def mla_train_forward(attn, x: torch.Tensor, ctx: TrainContext) -> torch.Tensor:
     return attn.output(x, o)
 
 
-def routed_experts_train_forward(experts, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """`RoutedExperts` training forward (float weights): every expert on every token, combined with the
-    routing weights (0 for unrouted pairs), so gradients reach the router through `weights`. Counts the
-    tokens routed to each expert into `experts.routed_load` (for the bias-based load balancing)."""
+def routed_experts_train_forward(experts, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                                 every_expert: bool = False) -> torch.Tensor:
+    """`RoutedExperts` training forward (float weights): each token through its routed experts (the pairs
+    sorted by expert, one matmul chain per expert: one host sync for the counts), combined with the
+    routing weights, so gradients reach the router through `weights`. every_expert: every expert on
+    every token with unrouted pairs weighted 0 instead (the same sums and gradients, 1/k of the
+    experts' work useful; recomputed in the backward pass). Counts the tokens routed to each expert
+    into `experts.routed_load` (for the bias-based load balancing)."""
     if experts.mxfp4:
         raise ValueError("training needs float routed experts: build the model with routed_experts_mxfp4=False")
     w1, w2, w3 = (getattr(experts, n) for n in experts.NAMES)
     if experts.fake_quant:
         w1, w2, w3 = fake_quant_mxfp4(w1), fake_quant_mxfp4(w2), fake_quant_mxfp4(w3)
     E = experts.num_experts
-    dense = torch.zeros(x.shape[0], E, dtype=x.dtype, device=x.device).scatter(1, ids, weights.to(x.dtype))
     load = torch.bincount(ids.reshape(-1), minlength=E).detach()
     experts.routed_load = load if experts.routed_load is None else experts.routed_load + load
+    if not every_expert:
+        return _routed_pairs(experts.act, x, w1, w2, w3, ids, weights, load.tolist())
+    dense = torch.zeros(x.shape[0], E, dtype=x.dtype, device=x.device).scatter(1, ids, weights.to(x.dtype))
     # recomputed in the backward pass: the [E, N, I] activations would be a step's largest saved tensors
     return torch.utils.checkpoint.checkpoint(_every_expert, experts.act, x, w1, w2, w3, dense, use_reentrant=False)
+
+
+def _routed_pairs(act, x, w1, w2, w3, ids, weights, counts: list[int]):
+    """sum_j weights[n, j] * expert_{ids[n, j]}(x[n]), the (token, expert) pairs grouped by expert."""
+    k = ids.shape[1]
+    order = ids.reshape(-1).argsort(stable=True)
+    tokens = order // k
+    parts = []
+    for e, xe in enumerate(x[tokens].split(counts)):
+        parts.append(act(xe @ w1[e].to(x.dtype).T, xe @ w3[e].to(x.dtype).T) @ w2[e].to(x.dtype).T)
+    y = torch.cat(parts) * weights.reshape(-1)[order].to(x.dtype).unsqueeze(1)
+    return x.new_zeros(x.shape[0], w2.shape[1]).index_add(0, tokens, y)
 
 
 def _every_expert(act, x, w1, w2, w3, dense):

@@ -180,3 +180,78 @@ def chunk_kda_batched(
         S = keep[:, :, n] * S + k_out[:, :, n] @ D
     o = torch.stack(outs, dim=2).permute(0, 2, 3, 1, 4).reshape(B, N * C, H, V)[:, :T]
     return o.to(out_dtype), S
+
+
+def _tile_size(C: int, gate_bound: float | None, max_exponent: float = 40.0) -> int:
+    """The largest power-of-two tile (dividing C) over which (tile - 1) steps of decay at most `gate_bound`
+    each stay within exp(max_exponent) (1: no bound)."""
+    s = 1
+    while gate_bound is not None and C % (2 * s) == 0 and (2 * s - 1) * gate_bound <= max_exponent:
+        s *= 2
+    return s
+
+
+def _decayed_scores(a: torch.Tensor, k: torch.Tensor, G: torch.Tensor, s: int) -> torch.Tensor:
+    """sum_c a_ic k_jc exp(G_ic - G_jc) for every pair of steps i, j of a chunk (only j <= i is meaningful;
+    the rest is finite garbage for the caller to mask) as matmuls: a, k, G [..., C, K] -> [..., C, C].
+
+    The chunk's columns are cut into tiles of s steps; with e the last step of column tile b,
+    exp(G_i - G_j) = exp(G_i - G_e) exp(G_e - G_j): the column factor is in [exp(-(s-1) bound), 1], the
+    row factor <= 1 for rows after the tile and <= exp((s-1) bound) inside it (`_tile_size` keeps
+    that small); rows before the tile (all j > i) are zeroed before the exp, so nothing overflows."""
+    C, K = G.shape[-2:]
+    nt = C // s
+    G_end = G[..., s - 1 :: s, :]  # [..., nt, K]
+    rows = torch.arange(C, device=G.device)
+    before = rows.view(1, C) < (torch.arange(nt, device=G.device) * s).view(nt, 1)  # [nt, C]: rows before tile b
+    row = torch.exp((G.unsqueeze(-3) - G_end.unsqueeze(-2)).masked_fill(before[..., None], float("-inf")))
+    row = row * a.unsqueeze(-3)  # [..., nt, C, K]
+    tiles = lambda t: t.reshape(*t.shape[:-2], nt, s, K)  # noqa: E731
+    col = torch.exp(G_end.unsqueeze(-2) - tiles(G)) * tiles(k)  # [..., nt, s, K]
+    scores = row @ col.transpose(-1, -2)  # [..., nt, C(i), s(j)]
+    return scores.movedim(-3, -2).reshape(*G.shape[:-2], C, C)
+
+
+def chunk_kda_tiled(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    chunk_size: int = 64,
+    gate_bound: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`chunk_kda_batched` (the training form) with the intra-chunk scores A and Aqk as matmuls over tiles
+    of steps (`_decayed_scores`) instead of per-pair [C, C, K] decays: a step's intermediates shrink from
+    C*K to (C/s)*K values a head, the bulk of a training step's memory traffic otherwise. Equal to it up
+    to rounding. gate_bound: the largest |g| of a step (-lower_bound of the K3 gate), which sets the tile
+    s; None (an unbounded gate): s = 1, the per-pair decays' cost again."""
+    dt, out_dtype, scale = _prepare(q, k, v, g, beta, initial_state, scale)
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    C = chunk_size
+    q, k, v, g, beta, causal, strict, eye = _split_chunks(q, k, v, g, beta, dt, C)
+    N = q.shape[2]
+    s = _tile_size(C, gate_bound)
+    beta = beta.unsqueeze(-1)  # [B, H, N, C, 1]
+    q = q * scale
+    G = g.cumsum(dim=-2)
+    A = (_decayed_scores(k, k, G, s) * beta).masked_fill(~strict, 0.0)
+    rhs = torch.cat([beta * v, beta * (torch.exp(G) * k)], dim=-1)
+    UW = torch.linalg.solve_triangular(eye + A, rhs, upper=False, unitriangular=True)
+    U, W = UW[..., :V], UW[..., V:]
+    Aqk = _decayed_scores(q, k, G, s).masked_fill(~causal, 0.0)
+    G_last = G[..., -1:, :]  # [B, H, N, 1, K]
+    q_in = torch.exp(G) * q  # reads the entry state
+    k_out = (torch.exp(G_last - G) * k).transpose(-1, -2)  # [B, H, N, K, C]: writes the exit state
+    keep = torch.exp(G_last).transpose(-1, -2)  # [B, H, N, K, 1]
+    S = q.new_zeros(B, H, K, V) if initial_state is None else initial_state.to(dt)
+    outs = []
+    for n in range(N):
+        D = U[:, :, n] - W[:, :, n] @ S
+        outs.append(q_in[:, :, n] @ S + Aqk[:, :, n] @ D)
+        S = keep[:, :, n] * S + k_out[:, :, n] @ D
+    o = torch.stack(outs, dim=2).permute(0, 2, 3, 1, 4).reshape(B, N * C, H, V)[:, :T]
+    return o.to(out_dtype), S
