@@ -78,7 +78,7 @@ def test_fast_training_forms_give_the_loss_and_gradients_of_the_forms_before(spa
         params = enable_training(model)
         for m in moe_layers(model):
             m.fake_quant, m.train_every_expert = fake_quant, reference
-        ctx = TrainContext(sparse=sparse, kda_chunk_size=32, tiled_kda=not reference)
+        ctx = TrainContext(sparse=sparse, kda_chunk_size=32, fast=not reference)
         ce, kl, n, correct = batch_loss(model, ids, mask, ctx)
         (ce + kl).backward()
         loads = [m.routed_load.clone() for m in moe_layers(model)]

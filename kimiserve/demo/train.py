@@ -372,7 +372,7 @@ def train(config: ModelConfig, args: TrainArgs, log=print) -> tuple[torch.nn.Mod
         for m in moe_layers(model):
             m.fake_quant = fake_quant
         ctx_args = dict(sparse=frac >= args.sparse_from, kda_chunk_size=args.kda_chunk_size,
-                        tiled_kda=not args.reference_forms)
+                        fast=not args.reference_forms)
         t0 = time.time()
         oom = False
         try:
@@ -437,7 +437,7 @@ def train(config: ModelConfig, args: TrainArgs, log=print) -> tuple[torch.nn.Mod
             log(json.dumps({"event": "export", "step": step, "folder": str(out)}))
             last_export = time.time()
             _write_log(out, records)
-    ctx_args = dict(sparse=True, kda_chunk_size=args.kda_chunk_size, tiled_kda=not args.reference_forms)
+    ctx_args = dict(sparse=True, kda_chunk_size=args.kda_chunk_size, fast=not args.reference_forms)
     for m in moe_layers(model):
         m.fake_quant = True  # the exported experts are MXFP4
     rec = {"event": "final_eval", "step": step, "minutes": round((time.time() - start) / 60, 3),

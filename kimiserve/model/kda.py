@@ -125,7 +125,7 @@ class KimiDeltaAttention(nn.Module):
         else:
             train = isinstance(ctx, TrainContext)
             o, _, _ = self.mix(q, k, v, g, beta, chunk_size=ctx.kda_chunk_size if train else 64, train=train,
-                               tiled=train and ctx.tiled_kda)
+                               tiled=train and ctx.fast)
         return norm(o, heads(gate), self.o_norm.weight, self.eps)
 
     def paged_forward(self, q, k, v, f, b, gate, batch: ForwardBatch) -> torch.Tensor:
@@ -167,14 +167,14 @@ class KimiDeltaAttention(nn.Module):
 
         train: the chunked form with all chunks batched but the state recurrence (fewer, larger kernels),
         recomputed in the backward pass (its [C, C, K] decays per token are the bulk of a step's memory);
-        tiled: with the intra-chunk scores as tiled matmuls (`chunk_kda_tiled`, tiles set by the gate's bound)."""
+        tiled: with the intra-chunk scores as tiled matmuls instead (`chunk_kda_tiled`, tiles set by the gate's
+        bound), not recomputed: its intermediates are a few per-token vectors a head."""
         q, k, v, conv = self.short_conv(q, k, v, conv_state)
         if recurrent:
             o, state = recurrent_kda(q, k, v, g, beta, initial_state=state)
         elif tiled:
             bound = None if self.lower_bound is None else -self.lower_bound
-            o, state = torch.utils.checkpoint.checkpoint(chunk_kda_tiled, q, k, v, g, beta, None, state, chunk_size,
-                                                         bound, use_reentrant=False)
+            o, state = chunk_kda_tiled(q, k, v, g, beta, None, state, chunk_size, bound)
         elif train:
             o, state = torch.utils.checkpoint.checkpoint(chunk_kda_batched, q, k, v, g, beta, None, state, chunk_size,
                                                          use_reentrant=False)

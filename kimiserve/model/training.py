@@ -5,11 +5,13 @@ A `TrainContext` passed as the model's attention context selects them: KDA runs 
 indexer, which gets no gradient through a hard top-k, is trained DeepSeek-V3.2-style: a KL loss
 between the MLA attention distribution (summed over heads, renormalised, detached) and the softmax
 of the indexer's scores over the same keys; the indexer reads detached inputs, so that loss moves
-the indexer alone. Routed experts take a dense-dispatch form in training mode (every expert on
-every token, unrouted pairs weighted 0: a handful of batched einsums, no host sync), with optional
-MXFP4 fake quantisation (straight-through) of their weights. KDA's chunk form and the experts are
-recomputed in the backward pass (activation checkpointing): their intermediates are per token
-[C, C, K] decays and [E, I] activations, the bulk of a step's memory otherwise.
+the indexer alone. Routed experts run each token through its routed experts in training mode (the
+pairs grouped by expert; one host sync for the counts), with optional MXFP4 fake quantisation
+(straight-through) of their weights. KDA's intra-chunk scores are tiled matmuls (`chunk_kda_tiled`)
+and MLA runs through `F.scaled_dot_product_attention`. The forms before these (`TrainContext.fast`
+False, `RoutedExperts.train_every_expert`: per-pair [C, C, K] decays and every expert on every token,
+both recomputed in the backward pass) compute the same, with many times the memory traffic; they
+stay for A/B timing (`benchmarks/train_step.py`, `scripts/train_demo.py --reference-forms`).
 """
 
 from __future__ import annotations
@@ -30,9 +32,11 @@ class TrainContext:
     """MLA attends only to the indexer's top-k keys (as served); False: dense causal attention."""
     kda_chunk_size: int = 64
     """Chunk of KDA's chunked form: its memory grows with it, its sequential steps shrink."""
-    tiled_kda: bool = True
-    """KDA's intra-chunk scores as tiled matmuls (`chunk_kda_tiled`); False: the per-pair [C, C, K]
-    decays (`chunk_kda_batched`, the form before: the same result, kept for A/B timing)."""
+    fast: bool = True
+    """The forms that compute the same with less memory traffic: KDA's intra-chunk scores as tiled
+    matmuls (`chunk_kda_tiled`) and MLA through `F.scaled_dot_product_attention` (the probabilities the
+    indexer's KL needs recomputed without autograd); False: the forms before (per-pair [C, C, K]
+    decays, attention through an autograd softmax), kept for A/B timing."""
     indexer_losses: list[torch.Tensor] = field(default_factory=list)
     """One KL term per MLA layer with an indexer, appended by the forward."""
 
@@ -76,12 +80,28 @@ def mla_train_forward(attn, x: torch.Tensor, ctx: TrainContext) -> torch.Tensor:
     w_kc, w_vc = split_kv_b(attn.kv_b_proj.weight, attn.num_heads, attn.nope)
     k_nope = torch.einsum("bsl,hdl->bshd", c, w_kc)
     v = torch.einsum("bsl,hdl->bshd", c, w_vc)
-    logits = torch.einsum("bthd,bshd->bhts", q_nope, k_nope) + torch.einsum("bthr,bsr->bhts", q_pe, k_pe)
-    probs = torch.softmax((logits * attn.scale).float().masked_fill(~mask.unsqueeze(1), float("-inf")), dim=-1)
-    o = torch.einsum("bhts,bshd->bthd", probs.to(v.dtype), v).reshape(B, T, -1)
+    if ctx.fast:
+        H = attn.num_heads
+        q = torch.cat([q_nope, q_pe], dim=-1).transpose(1, 2)
+        k = torch.cat([k_nope, k_pe.unsqueeze(2).expand(-1, -1, H, -1)], dim=-1).transpose(1, 2)
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v.transpose(1, 2), attn_mask=mask.unsqueeze(1) if ctx.sparse else None, is_causal=not ctx.sparse,
+            scale=attn.scale).transpose(1, 2).reshape(B, T, -1)
+        if scores is not None:
+            with torch.no_grad():
+                probs = _attention_probs(attn, q_nope, q_pe, k_nope, k_pe, mask)
+    else:
+        probs = _attention_probs(attn, q_nope, q_pe, k_nope, k_pe, mask)
+        o = torch.einsum("bhts,bshd->bthd", probs.to(v.dtype), v).reshape(B, T, -1)
     if scores is not None:
         ctx.indexer_losses.append(indexer_kl(probs, scores, mask))
     return attn.output(x, o)
+
+
+def _attention_probs(attn, q_nope, q_pe, k_nope, k_pe, mask: torch.Tensor) -> torch.Tensor:
+    """fp32 MLA attention probabilities [B, H, T, S] over the keys in `mask` [B, T, S]."""
+    logits = torch.einsum("bthd,bshd->bhts", q_nope, k_nope) + torch.einsum("bthr,bsr->bhts", q_pe, k_pe)
+    return torch.softmax((logits * attn.scale).float().masked_fill(~mask.unsqueeze(1), float("-inf")), dim=-1)
 
 
 def routed_experts_train_forward(experts, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,

@@ -191,9 +191,10 @@ def _tile_size(C: int, gate_bound: float | None, max_exponent: float = 40.0) -> 
     return s
 
 
-def _decayed_scores(a: torch.Tensor, k: torch.Tensor, G: torch.Tensor, s: int) -> torch.Tensor:
-    """sum_c a_ic k_jc exp(G_ic - G_jc) for every pair of steps i, j of a chunk (only j <= i is meaningful;
-    the rest is finite garbage for the caller to mask) as matmuls: a, k, G [..., C, K] -> [..., C, C].
+def _decayed_scores(q: torch.Tensor, k: torch.Tensor, G: torch.Tensor, s: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """sum_c a_ic k_jc exp(G_ic - G_jc) for every pair of steps i, j of a chunk, for a = k and a = q (only
+    j <= i is meaningful; the rest is finite garbage for the caller to mask), as matmuls: q, k, G
+    [..., C, K] -> (the k-k scores, the q-k scores) [..., C, C].
 
     The chunk's columns are cut into tiles of s steps; with e the last step of column tile b,
     exp(G_i - G_j) = exp(G_i - G_e) exp(G_e - G_j): the column factor is in [exp(-(s-1) bound), 1], the
@@ -205,11 +206,11 @@ def _decayed_scores(a: torch.Tensor, k: torch.Tensor, G: torch.Tensor, s: int) -
     rows = torch.arange(C, device=G.device)
     before = rows.view(1, C) < (torch.arange(nt, device=G.device) * s).view(nt, 1)  # [nt, C]: rows before tile b
     row = torch.exp((G.unsqueeze(-3) - G_end.unsqueeze(-2)).masked_fill(before[..., None], float("-inf")))
-    row = row * a.unsqueeze(-3)  # [..., nt, C, K]
     tiles = lambda t: t.reshape(*t.shape[:-2], nt, s, K)  # noqa: E731
-    col = torch.exp(G_end.unsqueeze(-2) - tiles(G)) * tiles(k)  # [..., nt, s, K]
-    scores = row @ col.transpose(-1, -2)  # [..., nt, C(i), s(j)]
-    return scores.movedim(-3, -2).reshape(*G.shape[:-2], C, C)
+    col = (torch.exp(G_end.unsqueeze(-2) - tiles(G)) * tiles(k)).transpose(-1, -2)  # [..., nt, K, s]
+    both = row.unsqueeze(-4) * torch.stack([k, q], dim=-3).unsqueeze(-3)  # [..., 2, nt, C, K]
+    scores = (both @ col.unsqueeze(-4)).movedim(-3, -2).reshape(*G.shape[:-2], 2, C, C)
+    return scores[..., 0, :, :], scores[..., 1, :, :]
 
 
 def chunk_kda_tiled(
@@ -238,11 +239,12 @@ def chunk_kda_tiled(
     beta = beta.unsqueeze(-1)  # [B, H, N, C, 1]
     q = q * scale
     G = g.cumsum(dim=-2)
-    A = (_decayed_scores(k, k, G, s) * beta).masked_fill(~strict, 0.0)
+    A, Aqk = _decayed_scores(q, k, G, s)
+    A = (A * beta).masked_fill(~strict, 0.0)
+    Aqk = Aqk.masked_fill(~causal, 0.0)
     rhs = torch.cat([beta * v, beta * (torch.exp(G) * k)], dim=-1)
     UW = torch.linalg.solve_triangular(eye + A, rhs, upper=False, unitriangular=True)
     U, W = UW[..., :V], UW[..., V:]
-    Aqk = _decayed_scores(q, k, G, s).masked_fill(~causal, 0.0)
     G_last = G[..., -1:, :]  # [B, H, N, 1, K]
     q_in = torch.exp(G) * q  # reads the entry state
     k_out = (torch.exp(G_last - G) * k).transpose(-1, -2)  # [B, H, N, K, C]: writes the exit state
