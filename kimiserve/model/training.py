@@ -132,9 +132,9 @@ def _routed_pairs(act, x, w1, w2, w3, ids, weights, counts: list[int]):
     k = ids.shape[1]
     order = ids.reshape(-1).argsort(stable=True)
     tokens = order // k
-    parts = []
-    for e, xe in enumerate(x[tokens].split(counts)):
-        parts.append(act(xe @ w1[e].to(x.dtype).T, xe @ w3[e].to(x.dtype).T) @ w2[e].to(x.dtype).T)
+    parts = []  # experts by unbind: its backward stacks once (indexing w[e] writes a whole zero tensor per expert)
+    for xe, w1e, w2e, w3e in zip(x[tokens].split(counts), *(w.to(x.dtype).unbind(0) for w in (w1, w2, w3))):
+        parts.append(act(xe @ w1e.T, xe @ w3e.T) @ w2e.T)
     y = torch.cat(parts) * weights.reshape(-1)[order].to(x.dtype).unsqueeze(1)
     return x.new_zeros(x.shape[0], w2.shape[1]).index_add(0, tokens, y)
 

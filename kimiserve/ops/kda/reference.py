@@ -251,9 +251,11 @@ def chunk_kda_tiled(
     keep = torch.exp(G_last).transpose(-1, -2)  # [B, H, N, K, 1]
     S = q.new_zeros(B, H, K, V) if initial_state is None else initial_state.to(dt)
     outs = []
-    for n in range(N):
-        D = U[:, :, n] - W[:, :, n] @ S
-        outs.append(q_in[:, :, n] @ S + Aqk[:, :, n] @ D)
-        S = keep[:, :, n] * S + k_out[:, :, n] @ D
+    # per-chunk views by unbind: its backward stacks once (indexing [:, :, n] would write a whole zero
+    # tensor per chunk in the backward, traffic growing with the square of the chunk count)
+    for U_n, W_n, q_n, Aqk_n, keep_n, k_n in zip(*(t.unbind(2) for t in (U, W, q_in, Aqk, keep, k_out))):
+        D = U_n - W_n @ S
+        outs.append(q_n @ S + Aqk_n @ D)
+        S = keep_n * S + k_n @ D
     o = torch.stack(outs, dim=2).permute(0, 2, 3, 1, 4).reshape(B, N * C, H, V)[:, :T]
     return o.to(out_dtype), S
