@@ -69,12 +69,16 @@ def test_chunk_kda_tiled_fp32_at_the_strongest_gate_matches_batched():
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-5)
 
 
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
 @pytest.mark.parametrize("sparse,fake_quant", [(False, False), (True, True)])
-def test_fast_training_forms_give_the_loss_and_gradients_of_the_forms_before(sparse, fake_quant):
-    ids, mask = (torch.from_numpy(a) for a in next(iter(BatchStream(0, 1024, 200, 40, pool=16))))
+def test_fast_training_forms_give_the_loss_and_gradients_of_the_forms_before(sparse, fake_quant, device):
+    ids, mask = (torch.from_numpy(a).to(device) for a in next(iter(BatchStream(0, 1024, 200, 40, pool=16))))
     results = []
     for reference in (True, False):
-        model = build_model(tiny_train_config(routed_experts_mxfp4=False), torch.float32, seed=0)
+        model = build_model(tiny_train_config(routed_experts_mxfp4=False), torch.float32, seed=0, device=device)
         params = enable_training(model)
         for m in moe_layers(model):
             m.fake_quant, m.train_every_expert = fake_quant, reference
