@@ -4,7 +4,9 @@ forms against the forms before them (`--reference-forms`), at fixed shapes on ra
 The step is `scripts/train_demo.py`'s (`kimiserve.demo.train`: fp32 weights, TF32 matmuls and fused
 AdamW on CUDA, `batch_loss` over every position); the batch is B rows of T tokens (a length bucket of
 the corpus). One JSON line per configuration: the median step time of `--steps` timed steps after
-`--warmup`, tokens/s, peak memory on CUDA. `--profile` adds the top ops of one step (torch.profiler).
+`--warmup`, tokens/s, peak memory on CUDA. `--profile` adds the top ops of one step (torch.profiler),
+`--traffic` the bytes its ops write per token and their count (a load-independent proxy of a
+memory-bound GPU's time; the optimizer's writes included).
 
     PYTHONPATH=. OMP_NUM_THREADS=1 python benchmarks/train_step.py --batch 2 --seq-len 512 --forms both
     PYTHONPATH=. python benchmarks/train_step.py --device cuda --batch 96 --seq-len 1024 --forms both
@@ -27,6 +29,31 @@ from kimiserve.model.training import TrainContext, enable_training
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+VIEW_OPS = {"view", "_unsafe_view", "expand", "permute", "transpose", "t", "select", "slice", "unsqueeze", "squeeze",
+            "as_strided", "detach", "alias", "split", "split_with_sizes", "unbind", "diagonal", "movedim", "reshape"}
+
+
+def written_bytes(step) -> tuple[int, int]:
+    """(bytes of the tensors the ops of `step()` write, not counting views; the op count): on a memory-bound
+    device, a proxy of the step's time that does not depend on the machine's load."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        written, ops = 0, 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func.__name__.split(".")[0] not in VIEW_OPS:
+                outs = out if isinstance(out, (tuple, list)) else [out]
+                self.written += sum(o.numel() * o.element_size() for o in outs if isinstance(o, torch.Tensor))
+                self.ops += 1
+            return out
+
+    with Count() as count:
+        step()
+    return count.written, count.ops
 
 
 def measure(args, reference: bool) -> dict:
@@ -71,6 +98,10 @@ def measure(args, reference: bool) -> dict:
            "tokens_per_s": round(args.batch * args.seq_len / step_s)}
     if device.type == "cuda":
         rec["gpu_mem_gb"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 1)
+    if args.traffic:
+        written, ops = written_bytes(step)
+        rec["written_mb_per_token"] = round(written / (args.batch * args.seq_len) / 1e6, 2)
+        rec["ops_per_step"] = ops
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 
@@ -96,6 +127,7 @@ def main() -> None:
     p.add_argument("--fake-quant", action="store_true", help="MXFP4-rounded routed experts (the run's last 20%%)")
     p.add_argument("--kda-chunk-size", type=int, default=TrainArgs.kda_chunk_size)
     p.add_argument("--profile", type=int, default=0, help="print this many top ops of one step")
+    p.add_argument("--traffic", action="store_true", help="add the bytes the ops of one step write per token")
     args = p.parse_args()
     forms = {"fast": [False], "reference": [True], "both": [True, False]}[args.forms]
     for reference in forms:

@@ -87,9 +87,10 @@ def mla_train_forward(attn, x: torch.Tensor, ctx: TrainContext) -> torch.Tensor:
         o = torch.nn.functional.scaled_dot_product_attention(
             q, k, v.transpose(1, 2), attn_mask=mask.unsqueeze(1) if ctx.sparse else None, is_causal=not ctx.sparse,
             scale=attn.scale).transpose(1, 2).reshape(B, T, -1)
-        if scores is not None:
+        if scores is not None:  # the KL's target: no autograd, so one matmul and in-place passes
             with torch.no_grad():
-                probs = _attention_probs(attn, q_nope, q_pe, k_nope, k_pe, mask)
+                logits = torch.matmul(q, k.transpose(-1, -2)).float().mul_(attn.scale)
+                probs = torch.softmax(logits.masked_fill_(~mask.unsqueeze(1), float("-inf")), dim=-1)
     else:
         probs = _attention_probs(attn, q_nope, q_pe, k_nope, k_pe, mask)
         o = torch.einsum("bhts,bshd->bthd", probs.to(v.dtype), v).reshape(B, T, -1)
