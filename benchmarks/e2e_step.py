@@ -46,6 +46,7 @@ ttft_s, matmul_fraction.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -60,6 +61,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from kimiserve.bench.contexts import check_seeded, seed_contexts  # noqa: E402
 from kimiserve.engine.args import EngineArgs  # noqa: E402
 from kimiserve.engine.engine import LLMEngine  # noqa: E402
+from kimiserve.model.expert_layout import moe_layouts  # noqa: E402
 from kimiserve.model.inspect import count_params, index_key_bytes, kda_state_bytes_per_layer, latent_bytes  # noqa: E402
 from kimiserve.sampling_params import SamplingParams  # noqa: E402
 from kimiserve.utils.run_info import git_commit  # noqa: E402
@@ -294,6 +296,9 @@ def main() -> int:
     p.add_argument("--prefill-warmups", type=int, default=1,
                    help="untimed prompts of each prefill row's length run before the timed one")
     p.add_argument("--moe", choices=("triton", "torch"), default="triton")
+    p.add_argument("--moe-layout", choices=("checkpoint", "shift"), default=None,
+                   help="the MXFP4 routed experts' code layout for the fused MoE kernel (kimiserve.ops.backend."
+                        "shift_moe_layout; default: the engine's choice)")
     p.add_argument("--quick", action="store_true", help="the same rows, 8 timed steps and 1 expert-count step each")
     p.add_argument("--dry-run", action="store_true", help="tiny preset on the CPU, small sizes")
     p.add_argument("--out", default="benchmarks/results/e2e_step.json")
@@ -317,7 +322,14 @@ def main() -> int:
         device=device.type, max_model_len=longest + args.steps + count_steps + 16, max_num_seqs=max(batches, default=1),
         enable_prefix_caching=True, max_num_batched_tokens=args.max_num_batched_tokens, seed=0,
         **({"num_pages": 3000} if args.dry_run else {"kv_cache_memory_gib": args.cache_gib})))
+    if args.moe_layout is not None:
+        from kimiserve.ops.backend import shift_moe_layout
+
+        ops = engine.runner.ops
+        engine.runner.ops = shift_moe_layout(ops) if args.moe_layout == "shift" else dataclasses.replace(
+            ops, moe_layout="checkpoint")
     result["ops"] = engine.runner.ops.name
+    result["moe_layouts"] = moe_layouts(engine.model)
     plan = [(b, c) for c in contexts for b in batches] + [(1, c) for c in singles]
     for batch, context in plan:
         row = decode_row(engine, batch, context, copy, args.steps, args.source_tokens, count_steps)
@@ -334,7 +346,7 @@ def main() -> int:
               f"{row['flops'] / 1e12:.1f} TFLOP (warm-up runs: {', '.join(f'{w:.2f}' for w in row['warmup_s'])} s)",
               flush=True)
     print(f"\n{result['device']}, commit {result['commit']}: copy {copy:.0f} GB/s, bf16 matmul {matmul:.1f} TFLOP/s, "
-          f"MoE {args.moe}")
+          f"MoE {args.moe}, ops {result['ops']}, MXFP4 expert layouts {result['moe_layouts']}")
     save()
     return 0
 

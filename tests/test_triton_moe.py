@@ -389,3 +389,40 @@ def test_tiny_model_fused_equals_torch_forms():
     fused = model(ids)
     _set_fused(model, False)
     assert rel_rms(fused, model(ids)) < 1e-4
+
+
+def test_engine_shift_layout_matches_checkpoint_layout():
+    """The bf16 tiny engine on CUDA (eager prefill, graph-captured decode) with the experts re-laid for the
+    "shift" decode (`ops.backend.shift_moe_layout`): the checkpoint layout's ("lut") tokens and logits
+    (both decodes exact: the same bf16 operands), on the preset's weights and after a weight sync that
+    puts one layer's scale bytes past MAX_SHIFT_SCALE (that layer back to the checkpoint layout, the
+    graphs captured again)."""
+    from engine_utils import GREEDY, make_engine, random_prompts, run
+    from kimiserve.config import load_preset
+    from kimiserve.model.expert_layout import moe_layouts
+    from kimiserve.model.model import build_model
+    from kimiserve.ops.backend import shift_moe_layout
+    from kimiserve.ops.moe.mxfp4_layout import MAX_SHIFT_SCALE
+    from kimiserve.rl.weight_sync import sync_weights
+    from kimiserve.sampling_params import SamplingParams
+
+    prompts, params = random_prompts([3, 70, 150]), SamplingParams(max_tokens=12, **GREEDY)
+    new = build_model(load_preset("tiny"), torch.bfloat16, seed=1)
+    new.model.layers[1].block_sparse_moe.experts.w1_scale[0, 0, 0] = MAX_SHIFT_SCALE + 2
+    results = []
+    for shift in (False, True):
+        engine = make_engine("bfloat16", "fp8", device="cuda", max_num_batched_tokens=64)
+        if shift:
+            engine.runner.ops = shift_moe_layout(engine.runner.ops)
+        assert moe_layouts(engine.model) == {"shift" if shift else "checkpoint": 6}
+        for _ in range(2):
+            outs = run(engine, prompts, params)
+            results.append(([outs[f"r{i}"].outputs[0].token_ids for i in range(3)], dict(engine.recorded)))
+            engine.recorded.clear()
+            sync_weights(engine, new)
+        assert moe_layouts(engine.model) == ({"checkpoint": 1, "shift": 5} if shift else {"checkpoint": 6})
+        assert engine.runner.graphs is not None and engine.runner.graphs.replays > 0
+        engine.check_idle()
+    for (ref_tokens, ref_logits), (tokens, logits) in zip(results[:2], results[2:]):
+        assert tokens == ref_tokens and logits.keys() == ref_logits.keys()
+        assert max(rel_rms(logits[k], ref_logits[k]) for k in ref_logits) < 1e-6

@@ -166,3 +166,36 @@ def test_tiny_model_with_fused_moe(monkeypatch):
     monkeypatch.setattr(moe_module, "fused_moe_for", lambda device_type: tt.fused_moe)
     got = model(ids)
     assert rel_rms(got, want) < 1e-4
+
+
+def test_engine_shift_layout_matches_checkpoint_layout(monkeypatch):
+    """The bf16 tiny engine with the fused kernel (interpreted) as the CPU's MoE: the experts re-laid for
+    the "shift" decode (`ops.backend.shift_moe_layout`), served, then synced to new weights, give the
+    tokens and logits of the checkpoint layout's ("lut") engine with those weights, bit for bit (both
+    decodes are exact)."""
+    from engine_utils import GREEDY, make_engine, random_prompts, run
+    from kimiserve.engine import runner as runner_module
+    from kimiserve.model.expert_layout import moe_layouts
+    from kimiserve.ops.backend import REFERENCE_OPS, shift_moe_layout
+    from kimiserve.rl.weight_sync import sync_weights
+    from kimiserve.sampling_params import SamplingParams
+
+    monkeypatch.setattr(moe_module, "fused_moe_for", lambda device_type: tt.fused_moe)
+    monkeypatch.setattr(runner_module, "fused_moe_for", lambda device_type: tt.fused_moe)
+    prompts = random_prompts([9, 20], seed=4)
+    new = build_model(load_preset("tiny"), torch.bfloat16, seed=1)
+    results = []
+    for ops in (REFERENCE_OPS, shift_moe_layout(REFERENCE_OPS)):
+        engine = make_engine("bfloat16")
+        engine.runner.ops = ops
+        assert moe_layouts(engine.model) == {ops.moe_layout: 6}
+        if ops.moe_layout == "shift":  # serve a step on the preset's weights first
+            run(engine, prompts[:1], SamplingParams(max_tokens=1, **GREEDY))
+            engine.recorded.clear()
+        sync_weights(engine, new)
+        assert moe_layouts(engine.model) == {ops.moe_layout: 6}
+        outs = run(engine, prompts, SamplingParams(max_tokens=2, **GREEDY))
+        results.append(([outs[f"r{i}"].outputs[0].token_ids for i in range(2)], dict(engine.recorded)))
+    (ref_tokens, ref_logits), (tokens, logits) = results
+    assert tokens == ref_tokens and logits.keys() == ref_logits.keys()
+    assert all(torch.equal(logits[k], ref_logits[k]) for k in ref_logits)

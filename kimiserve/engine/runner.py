@@ -15,8 +15,10 @@ from kimiserve.engine.sampler import SampleRequest, Sampler, TokenLogprobs, prom
 from kimiserve.engine.scheduler import SchedulerOutput
 from kimiserve.engine.spec_decode.device_drafts import write_drafts
 from kimiserve.model.batch import ForwardBatch, SequenceChunk
+from kimiserve.model.expert_layout import apply_moe_layout
 from kimiserve.model.model import KimiForCausalLM
-from kimiserve.ops.backend import select_decode_ops
+from kimiserve.ops.backend import DecodeOps, select_decode_ops
+from kimiserve.ops.moe.dispatch import fused_moe_for
 from kimiserve.utils.host_copy import queue_host_copy
 
 
@@ -101,6 +103,10 @@ class ModelRunner:
         self.lora = None
         """The engine's `kimiserve.lora.registry.LoRARegistry` when it serves adapters."""
         self.device = next(model.parameters()).device
+        self.graphs = None
+        """DecodeGraphs replaying decode-only steps (CUDA), or None: every step runs eagerly."""
+        self.verify_graphs = None
+        """`spec_decode.verify_graphs.VerifyGraphs` replaying verify steps (CUDA, speculation on), or None."""
         self.ops = select_decode_ops(self.device)
         self.eos_token_id = eos_token_id
         self._plain_rows: tuple[int, list[SampleRequest]] | None = None
@@ -110,10 +116,6 @@ class ModelRunner:
         """(ForwardBatch, step chunk indices of its verify chunks) of the latest step with verify chunks,
         until `commit_verified` replays the accepted tokens into the KDA state pages; (None, each step
         chunk's verify flag) when that step ran as a verify graph."""
-        self.graphs = None
-        """DecodeGraphs replaying decode-only steps (CUDA), or None: every step runs eagerly."""
-        self.verify_graphs = None
-        """`spec_decode.verify_graphs.VerifyGraphs` replaying verify steps (CUDA, speculation on), or None."""
         parallel = getattr(model, "parallel", None)
         self.parallel = parallel
         self.dcp = None
@@ -122,6 +124,26 @@ class ModelRunner:
             from kimiserve.distributed.dcp import DcpGroup
 
             self.dcp = DcpGroup.of(parallel)
+
+    @property
+    def ops(self) -> DecodeOps:
+        """The step's ops (`ops.backend`). Setting them also re-lays the MXFP4 routed experts' codes as
+        `ops.moe_layout` says where this device runs the fused MoE kernel (else the checkpoint layout)."""
+        return self._ops
+
+    @ops.setter
+    def ops(self, ops: DecodeOps) -> None:
+        self._ops = ops
+        layout = ops.moe_layout if fused_moe_for(self.device.type) is not None else "checkpoint"
+        if apply_moe_layout(self.model, layout):
+            self.forget_graphs()
+
+    def forget_graphs(self) -> None:
+        """Drop the captured decode and verify graphs (they capture again on next use): after a change
+        they did not capture (the routed experts' code layout)."""
+        for graph_set in (self.graphs, self.verify_graphs):
+            if graph_set is not None:
+                graph_set.graphs.clear()
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> list[ChunkResult]:

@@ -22,6 +22,7 @@ from safetensors.torch import save_file
 
 from kimiserve.config import RANDOM_PRESETS, ModelConfig, load_preset, model_folder
 from kimiserve.distributed.parallel_state import ParallelContext
+from kimiserve.model.expert_layout import weights_written
 from kimiserve.model.model import KimiForCausalLM, build_model
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -80,7 +81,11 @@ def save_checkpoint(model: KimiForCausalLM, folder: str | os.PathLike, max_shard
     sizes = [0]
     for entry in checkpoint_layout(model):
         param = params[entry.param_name]
-        tensor = param.data if entry.expert is None else param.data[entry.expert]
+        if entry.param_name.endswith("_packed"):  # MXFP4 codes: the checkpoint layout whatever the model holds
+            base, leaf = entry.param_name.rsplit(".", 1)
+            tensor = model.get_submodule(base).checkpoint_codes(leaf.removesuffix("_packed"), entry.expert)
+        else:
+            tensor = param.data if entry.expert is None else param.data[entry.expert]
         tensor = entry.to_checkpoint(tensor).contiguous().clone()
         nbytes = tensor.numel() * tensor.element_size()
         if sizes[-1] and sizes[-1] + nbytes > max_shard_bytes:
@@ -118,7 +123,8 @@ def load_weights(model: KimiForCausalLM, folder: str | os.PathLike) -> None:
 
     Each parameter's `weight_loader` gets the tensor as a safetensors slice and reads only its rank's
     part (`get_slice`, never `get_tensor`). Raises ValueError naming missing tensors, unexpected
-    tensors and shape mismatches.
+    tensors and shape mismatches. Routed-expert codes land in the layout their layer holds
+    (`expert_layout.weights_written`).
     """
     folder = Path(folder)
     layout = {e.name: e for e in checkpoint_layout(model)}
@@ -146,6 +152,7 @@ def load_weights(model: KimiForCausalLM, folder: str | os.PathLike) -> None:
                     param.weight_loader(param, source, name)
                 else:
                     param.weight_loader(param, source, name, entry.expert)
+    weights_written(model, params)
 
 
 def load_model(

@@ -16,11 +16,15 @@ from kimiserve.model.parallel_layers import ColumnParallelLinear, RowParallelLin
 from kimiserve.ops.activation.reference import silu_and_mul
 from kimiserve.ops.backend import REFERENCE_OPS, DecodeOps
 from kimiserve.ops.moe.dispatch import fused_moe_for
+from kimiserve.ops.moe.mxfp4_layout import MAX_SHIFT_SCALE, from_shift_layout, to_shift_layout
 from kimiserve.ops.moe.reference import experts_forward, route
 from kimiserve.ops.quant.reference import MXFP4_GROUP, dequantize_mxfp4
 
 # batches of up to this many tokens take the routing-independent expert forms (the largest captured decode batch)
 STATIC_MOE_TOKENS = 256
+MXFP4_LAYOUTS = ("checkpoint", "shift")
+RELAYOUT_CHUNK_BYTES = 1 << 28
+"""Codes re-laid per slice of experts of about this many bytes (the transient copy stays small)."""
 
 
 def gated_activation(config: ModelConfig, ops: DecodeOps = REFERENCE_OPS):
@@ -122,6 +126,12 @@ class RoutedExperts(nn.Module):
     On CUDA with Triton the forward is the fused kernel (`ops.moe.triton.fused_moe`: weights
     dequantised in registers, only the routed experts read); elsewhere the pure-torch forms below.
     `use_fused = False` forces the torch forms (the tests' oracle on CUDA).
+
+    MXFP4 code layout: `<w>_packed` holds the codes as the checkpoint stores them, or (`use_layout("shift")`,
+    the engine's choice, `kimiserve.model.expert_layout`) re-laid for the fused kernel's cheaper "shift"
+    decode (`ops.moe.mxfp4_layout`). Everything but the fused kernel reads the codes through
+    `checkpoint_codes`; whatever writes checkpoint codes into the parameters other than at build time
+    calls `weights_written` after (a weight sync).
     """
 
     NAMES = ("w1", "w2", "w3")
@@ -161,6 +171,10 @@ class RoutedExperts(nn.Module):
         routed pairs only: the same result, kept for A/B timing)."""
         self.routed_load: torch.Tensor | None = None
         """Training mode: tokens routed to each expert since the trainer last read it."""
+        self.mxfp4_layout = "checkpoint"
+        """The layout `<w>_packed` holds its codes in now (the fused kernel's `mxfp4_layout`)."""
+        self.wanted_layout = "checkpoint"
+        """The layout asked for (`use_layout`); "shift" falls back to "checkpoint" while `shift_blocker` says why."""
         self.eval()  # an inference module (the routed-expert kernels) until a trainer calls .train()
         for name in self.NAMES:
             out, inp = (h, local_inter) if name == "w2" else (local_inter, h)
@@ -180,9 +194,17 @@ class RoutedExperts(nn.Module):
             self.register_buffer("local_index", table, persistent=False)
             """Global expert id -> index among this rank's experts (-1: another rank's)."""
 
+    def checkpoint_codes(self, name: str, experts: torch.Tensor | int | None = None) -> torch.Tensor:
+        """`<name>_packed` (or its rows `experts`) in the checkpoint layout: the parameter (or its indexed
+        rows) itself when it holds that layout, else a new tensor. The one reader of the codes besides
+        the fused kernel: torch forms, LoRA, the RL forward, checkpoint export, weight sync sources."""
+        packed = getattr(self, f"{name}_packed")
+        codes = packed if experts is None else packed[experts]
+        return codes if self.mxfp4_layout == "checkpoint" else from_shift_layout(codes)
+
     def expert_weight(self, name: str, e: int) -> torch.Tensor:
         if self.mxfp4:
-            return dequantize_mxfp4(getattr(self, f"{name}_packed")[e], getattr(self, f"{name}_scale")[e], self.dtype)
+            return dequantize_mxfp4(self.checkpoint_codes(name, e), getattr(self, f"{name}_scale")[e], self.dtype)
         return getattr(self, name)[e]
 
     def run_expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
@@ -192,9 +214,53 @@ class RoutedExperts(nn.Module):
     def stacked_weight(self, name: str, experts: torch.Tensor) -> torch.Tensor:
         """Weights of the given experts [M] stacked: [M, out, in] in the model dtype."""
         if self.mxfp4:
-            return dequantize_mxfp4(getattr(self, f"{name}_packed")[experts], getattr(self, f"{name}_scale")[experts],
+            return dequantize_mxfp4(self.checkpoint_codes(name, experts), getattr(self, f"{name}_scale")[experts],
                                     self.dtype)
         return getattr(self, name)[experts]
+
+    def shift_blocker(self) -> str | None:
+        """Why these experts cannot hold the shift layout now, or None (float experts: nothing to re-lay)."""
+        if not self.mxfp4:
+            return None
+        if self.dtype != torch.bfloat16:
+            return f"the shift decode runs bf16 only (model dtype {str(self.dtype).removeprefix('torch.')})"
+        top = max(int(getattr(self, f"{n}_scale").max()) if getattr(self, f"{n}_scale").numel() else 0
+                  for n in self.NAMES)
+        if top > MAX_SHIFT_SCALE:
+            return f"scale bytes up to {top} > MAX_SHIFT_SCALE = {MAX_SHIFT_SCALE} (weights of magnitude >= 16)"
+        return None
+
+    def use_layout(self, layout: str) -> str | None:
+        """Hold the MXFP4 codes in `layout` ("checkpoint" or "shift") from now on, re-laid in place now and
+        after each `weights_written`. Returns why the layer keeps the checkpoint layout instead, or None."""
+        if layout not in MXFP4_LAYOUTS:
+            raise ValueError(f"MXFP4 layout must be one of {MXFP4_LAYOUTS}, got {layout!r}")
+        self.wanted_layout = layout
+        return self._settle(frozenset())
+
+    def weights_written(self, leaves) -> str | None:
+        """After checkpoint-layout values were copied into the parameters `leaves` ("w1_packed", "w2_scale",
+        ...; a weight sync): the codes re-laid as `use_layout` asked, or every weight back to the checkpoint
+        layout when the new scales forbid the shift layout. Returns why the layer keeps the checkpoint
+        layout against the wanted one, or None."""
+        return self._settle(frozenset(n.removesuffix("_packed") for n in leaves if n.endswith("_packed")))
+
+    @torch.no_grad()
+    def _settle(self, fresh: frozenset) -> str | None:
+        """fresh: the weights whose `_packed` holds checkpoint codes now, whatever `mxfp4_layout` says."""
+        if not self.mxfp4:
+            return None
+        reason = self.shift_blocker() if self.wanted_layout == "shift" else None
+        target = "shift" if self.wanted_layout == "shift" and reason is None else "checkpoint"
+        for name in self.NAMES:
+            if ("checkpoint" if name in fresh else self.mxfp4_layout) != target:
+                codes = getattr(self, f"{name}_packed").data
+                move = to_shift_layout if target == "shift" else from_shift_layout
+                step = max(1, RELAYOUT_CHUNK_BYTES // max(1, codes[0].numel()))
+                for start in range(0, codes.shape[0], step):
+                    codes[start:start + step] = move(codes[start:start + step])
+        self.mxfp4_layout = target
+        return reason
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -246,7 +312,8 @@ class RoutedExperts(nn.Module):
         beta, linear_beta = self.situ_betas
         if self.mxfp4:
             w1, w2, w3 = self.w1_packed, self.w2_packed, self.w3_packed
-            scales = dict(w1_scale=self.w1_scale, w2_scale=self.w2_scale, w3_scale=self.w3_scale)
+            scales = dict(w1_scale=self.w1_scale, w2_scale=self.w2_scale, w3_scale=self.w3_scale,
+                          mxfp4_layout=self.mxfp4_layout)
         else:
             w1, w2, w3, scales = self.w1, self.w2, self.w3, {}
         return fused(x, w1, w2, w3, ids, weights.float(), activation=self.activation, situ_beta=beta,

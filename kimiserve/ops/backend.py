@@ -74,6 +74,10 @@ class DecodeOps:
     head_matmul: Callable = mla_ref.head_matmul
     """(x [B, H, I], w [H, I, O]) -> [B, H, O] in the compute dtype: MLA's query absorption (w_kc) and output
     projection (w_vc transposed) of the decode rows"""
+    moe_layout: str = "checkpoint"
+    """The layout MXFP4 routed experts hold their codes in where the fused MoE kernel runs (`ModelRunner.ops`
+    re-lays them once when set): "checkpoint" (the "lut" decode) or "shift" (`ops.moe.mxfp4_layout`, the
+    cheaper "shift" decode; layers whose scale bytes exceed MAX_SHIFT_SCALE keep the checkpoint layout)."""
 
     def __post_init__(self):
         if self.kda_decode_step is None:
@@ -133,6 +137,14 @@ def prefill_kernels(ops: DecodeOps) -> DecodeOps:
         ops, prefill_indexer_scores=functools.partial(indexer_prefill_tt.prefill_indexer_scores, block_q=PREFILL_SCAN_BLOCK_Q),
         sparse_mla_prefill=functools.partial(mla_tt.paged_sparse_mla_prefill, round_in_kernel=True),
         short_conv=conv_tt.short_conv, gated_rms_norm=norm_tt.gated_rms_norm)
+
+
+def shift_moe_layout(ops: DecodeOps) -> DecodeOps:
+    """`ops` with the MXFP4 routed experts re-laid for the fused MoE kernel's "shift" decode, not yet run
+    on a GPU (interpreter-checked only), for the benchmarks and tests that try it (`benchmarks/e2e_step.py
+    --moe-layout shift`; once the GPU passes it, `select_decode_ops` passes moe_layout="shift",
+    GPU_REQUEST.md). The default it replaces is the checkpoint layout with the GPU-verified "lut" decode."""
+    return dataclasses.replace(ops, name=f"{ops.name}+moe-shift", moe_layout="shift")
 
 
 def select_decode_ops(device: torch.device) -> DecodeOps:

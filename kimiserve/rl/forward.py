@@ -284,11 +284,11 @@ def dense_experts(experts, name: str) -> torch.Tensor:
     (24 ms per call at 8K rows on the H200). Costs 2 bytes per weight on the device beside the codes."""
     packed, scales = getattr(experts, f"{name}_packed"), getattr(experts, f"{name}_scale")
     store = experts.__dict__.setdefault("_invariant_dense", {})
-    key = (packed.data_ptr(), _version(packed), scales.data_ptr(), _version(scales))
+    key = (packed.data_ptr(), _version(packed), scales.data_ptr(), _version(scales), experts.mxfp4_layout)
     hit = store.get(name)
     if hit is None or hit[0] != key:
         with torch.inference_mode(False), torch.no_grad():  # a plain tensor: the trainer's autograd may save it
-            store[name] = (key, dequantize_mxfp4(packed, scales, experts.dtype))
+            store[name] = (key, dequantize_mxfp4(experts.checkpoint_codes(name), scales, experts.dtype))
     return store[name][1]
 
 

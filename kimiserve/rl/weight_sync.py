@@ -22,9 +22,12 @@ import torch
 
 
 def named_weights(source) -> dict[str, torch.Tensor]:
-    """A model (its named parameters) or a mapping of names to tensors."""
+    """A model (its named parameters, routed-expert codes in the checkpoint layout) or a mapping of names
+    to tensors (in the checkpoint layout)."""
     if isinstance(source, torch.nn.Module):
-        return {name: p.detach() for name, p in source.named_parameters()}
+        from kimiserve.model.expert_layout import named_checkpoint_tensors
+
+        return named_checkpoint_tensors(source)
     if isinstance(source, Mapping):
         return dict(source)
     raise ValueError(f"weights must be a model or a mapping of parameter names to tensors, got {type(source).__name__}")
@@ -32,7 +35,8 @@ def named_weights(source) -> dict[str, torch.Tensor]:
 
 def sync_weights(engine, source, names: Iterable[str] | None = None) -> int:
     """Copy `source`'s tensors (all, or those in `names`) into the engine's parameters of the same names
-    and empty its prefix cache. `engine`: an LLMEngine or an LLM. Returns the number of tensors copied.
+    and empty its prefix cache; routed-expert codes (checkpoint layout) are re-laid into the layout the
+    engine holds (`model.expert_layout`). `engine`: an LLMEngine or an LLM. Returns the number of tensors copied.
     ValueError (before anything is copied) for an unknown name or a shape mismatch; RuntimeError while
     requests are running."""
     engine = getattr(engine, "engine", engine)
@@ -50,6 +54,10 @@ def sync_weights(engine, source, names: Iterable[str] | None = None) -> int:
     with torch.no_grad():
         for name, value in weights.items():
             params[name].data.copy_(value.to(params[name].device))
+    from kimiserve.model.expert_layout import weights_written
+
+    if weights_written(engine.model, weights):  # codes re-laid as the engine holds them
+        engine.runner.forget_graphs()  # a layer changed layout: graphs captured the old decode
     engine.allocator.evict_all()
     engine.weight_version = getattr(engine, "weight_version", 0) + 1
     return len(weights)
