@@ -296,9 +296,10 @@ def main() -> int:
     p.add_argument("--prefill-warmups", type=int, default=1,
                    help="untimed prompts of each prefill row's length run before the timed one")
     p.add_argument("--moe", choices=("triton", "torch"), default="triton")
-    p.add_argument("--moe-layout", choices=("checkpoint", "shift"), default=None,
-                   help="the MXFP4 routed experts' code layout for the fused MoE kernel (kimiserve.ops.backend."
-                        "shift_moe_layout; default: the engine's choice)")
+    p.add_argument("--moe-layout", default="",
+                   help="the MXFP4 routed experts' code layout(s) for the fused MoE kernel, comma-separated, "
+                        "'checkpoint' and/or 'shift' (kimiserve.ops.backend.shift_moe_layout): the decode rows "
+                        "run for each, re-laid in place between them ('': the engine's choice)")
     p.add_argument("--quick", action="store_true", help="the same rows, 8 timed steps and 1 expert-count step each")
     p.add_argument("--dry-run", action="store_true", help="tiny preset on the CPU, small sizes")
     p.add_argument("--out", default="benchmarks/results/e2e_step.json")
@@ -322,20 +323,25 @@ def main() -> int:
         device=device.type, max_model_len=longest + args.steps + count_steps + 16, max_num_seqs=max(batches, default=1),
         enable_prefix_caching=True, max_num_batched_tokens=args.max_num_batched_tokens, seed=0,
         **({"num_pages": 3000} if args.dry_run else {"kv_cache_memory_gib": args.cache_gib})))
-    if args.moe_layout is not None:
-        from kimiserve.ops.backend import shift_moe_layout
-
-        ops = engine.runner.ops
-        engine.runner.ops = shift_moe_layout(ops) if args.moe_layout == "shift" else dataclasses.replace(
-            ops, moe_layout="checkpoint")
-    result["ops"] = engine.runner.ops.name
-    result["moe_layouts"] = moe_layouts(engine.model)
+    layouts = [x for x in args.moe_layout.split(",") if x] or [None]
+    if any(x not in (None, "checkpoint", "shift") for x in layouts):
+        p.error(f"--moe-layout takes 'checkpoint' and/or 'shift', got {args.moe_layout!r}")
+    base_ops = engine.runner.ops
     plan = [(b, c) for c in contexts for b in batches] + [(1, c) for c in singles]
-    for batch, context in plan:
-        row = decode_row(engine, batch, context, copy, args.steps, args.source_tokens, count_steps)
-        result["rows"].append(row)
-        save()
-        print_decode(row)
+    for layout in layouts:
+        if layout is not None:
+            from kimiserve.ops.backend import shift_moe_layout
+
+            engine.runner.ops = (shift_moe_layout(base_ops) if layout == "shift"
+                                 else dataclasses.replace(base_ops, moe_layout="checkpoint"))
+        result["ops"], result["moe_layouts"] = engine.runner.ops.name, moe_layouts(engine.model)
+        print(f"ops {result['ops']}: MXFP4 expert layouts {result['moe_layouts']}", flush=True)
+        for batch, context in plan:
+            row = decode_row(engine, batch, context, copy, args.steps, args.source_tokens, count_steps)
+            row["ops"], row["moe_layouts"] = result["ops"], result["moe_layouts"]
+            result["rows"].append(row)
+            save()
+            print_decode(row, f"[{layout}] " if layout else "")
     for tokens in prefills:
         row = prefill_row(engine, tokens, matmul, args.prefill_warmups)
         result["rows"].append(row)

@@ -397,6 +397,8 @@ def test_engine_shift_layout_matches_checkpoint_layout():
     (both decodes exact: the same bf16 operands), on the preset's weights and after a weight sync that
     puts one layer's scale bytes past MAX_SHIFT_SCALE (that layer back to the checkpoint layout, the
     graphs captured again)."""
+    import dataclasses
+
     from engine_utils import GREEDY, make_engine, random_prompts, run
     from kimiserve.config import load_preset
     from kimiserve.model.expert_layout import moe_layouts
@@ -412,8 +414,8 @@ def test_engine_shift_layout_matches_checkpoint_layout():
     results = []
     for shift in (False, True):
         engine = make_engine("bfloat16", "fp8", device="cuda", max_num_batched_tokens=64)
-        if shift:
-            engine.runner.ops = shift_moe_layout(engine.runner.ops)
+        ops = engine.runner.ops
+        engine.runner.ops = shift_moe_layout(ops) if shift else dataclasses.replace(ops, moe_layout="checkpoint")
         assert moe_layouts(engine.model) == {"shift" if shift else "checkpoint": 6}
         for _ in range(2):
             outs = run(engine, prompts, params)
