@@ -249,13 +249,15 @@ def chunk_kda_tiled(
     q_in = torch.exp(G) * q  # reads the entry state
     k_out = (torch.exp(G_last - G) * k).transpose(-1, -2)  # [B, H, N, K, C]: writes the exit state
     keep = torch.exp(G_last).transpose(-1, -2)  # [B, H, N, K, 1]
-    S = q.new_zeros(B, H, K, V) if initial_state is None else initial_state.to(dt)
-    outs = []
+    # the state recurrence on [B * H] batches, each product-and-add one baddbmm (fewer kernels a chunk);
     # per-chunk views by unbind: its backward stacks once (indexing [:, :, n] would write a whole zero
     # tensor per chunk in the backward, traffic growing with the square of the chunk count)
-    for U_n, W_n, q_n, Aqk_n, keep_n, k_n in zip(*(t.unbind(2) for t in (U, W, q_in, Aqk, keep, k_out))):
-        D = U_n - W_n @ S
-        outs.append(q_n @ S + Aqk_n @ D)
-        S = keep_n * S + k_n @ D
-    o = torch.stack(outs, dim=2).permute(0, 2, 3, 1, 4).reshape(B, N * C, H, V)[:, :T]
-    return o.to(out_dtype), S
+    flat = lambda t: t.reshape(B * H, *t.shape[2:])  # noqa: E731
+    S = flat(q.new_zeros(B, H, K, V) if initial_state is None else initial_state.to(dt))
+    outs = []
+    for U_n, W_n, q_n, Aqk_n, keep_n, k_n in zip(*(flat(t).unbind(1) for t in (U, W, q_in, Aqk, keep, k_out))):
+        D = torch.baddbmm(U_n, W_n, S, alpha=-1)
+        outs.append(torch.baddbmm(torch.bmm(q_n, S), Aqk_n, D))
+        S = torch.baddbmm(keep_n * S, k_n, D)
+    o = torch.stack(outs, dim=1).view(B, H, N, C, V).permute(0, 2, 3, 1, 4).reshape(B, N * C, H, V)[:, :T]
+    return o.to(out_dtype), S.view(B, H, K, V)
