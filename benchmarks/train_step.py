@@ -75,7 +75,8 @@ def measure(args, reference: bool) -> dict:
     def step():
         opt.zero_grad(set_to_none=True)
         ctx = TrainContext(sparse=args.sparse, kda_chunk_size=args.kda_chunk_size, fast=not reference)
-        ce, kl, _, _ = batch_loss(model, ids, mask, ctx)
+        with torch.autocast(device.type, torch.bfloat16, enabled=args.autocast_bf16):
+            ce, kl, _, _ = batch_loss(model, ids, mask, ctx)
         (ce + kl).backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
@@ -94,6 +95,7 @@ def measure(args, reference: bool) -> dict:
     step_s = statistics.median(times)
     rec = {"forms": "reference" if reference else "fast", "model": args.model, "device": str(device),
            "batch": [args.batch, args.seq_len], "sparse": args.sparse, "fake_quant": args.fake_quant,
+           "autocast_bf16": args.autocast_bf16, "kda_chunk_size": args.kda_chunk_size,
            "step_s": round(step_s, 4), "min_step_s": round(min(times), 4),
            "tokens_per_s": round(args.batch * args.seq_len / step_s)}
     if device.type == "cuda":
@@ -125,6 +127,7 @@ def main() -> None:
     p.add_argument("--forms", default="both", choices=("fast", "reference", "both"))
     p.add_argument("--sparse", action="store_true", help="MLA over the indexer's top-k (the run's second half)")
     p.add_argument("--fake-quant", action="store_true", help="MXFP4-rounded routed experts (the run's last 20%%)")
+    p.add_argument("--autocast-bf16", action="store_true", help="the forward under bf16 autocast (TrainArgs.autocast_bf16)")
     p.add_argument("--kda-chunk-size", type=int, default=TrainArgs.kda_chunk_size)
     p.add_argument("--profile", type=int, default=0, help="print this many top ops of one step")
     p.add_argument("--traffic", action="store_true", help="add the bytes the ops of one step write per token")

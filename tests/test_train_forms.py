@@ -96,3 +96,17 @@ def test_fast_training_forms_give_the_loss_and_gradients_of_the_forms_before(spa
         assert (a is None) == (b is None)
         if a is not None:
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_bf16_autocast_training_loss_is_close_to_fp32_and_its_gradients_finite():
+    """TrainArgs.autocast_bf16 (opt-in): the fast forms under bf16 autocast run end to end."""
+    ids, mask = (torch.from_numpy(a) for a in next(iter(BatchStream(0, 1024, 200, 40, pool=16))))
+    model = build_model(tiny_train_config(routed_experts_mxfp4=False), torch.float32, seed=0)
+    params = enable_training(model)
+    with torch.no_grad():
+        ce32, _, _, _ = batch_loss(model, ids, mask, TrainContext(kda_chunk_size=32))
+    with torch.autocast("cpu", torch.bfloat16):
+        ce, kl, _, _ = batch_loss(model, ids, mask, TrainContext(sparse=True, kda_chunk_size=32))
+    (ce + kl).backward()
+    assert abs(ce.item() - ce32.item()) < 0.02 * ce32.item()
+    assert all(torch.isfinite(p.grad).all() for p in params if p.grad is not None)

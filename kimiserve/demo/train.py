@@ -120,6 +120,10 @@ class TrainArgs:
     reference_forms: bool = False
     """Train through the slower forms of the same computation (KDA's per-pair decays, every routed
     expert on every token), as before the fast ones: for A/B timing."""
+    autocast_bf16: bool = False
+    """Run the training forward under bf16 autocast (matmuls and attention in bf16; fp32 weights, optimizer
+    and evaluation): opt-in, not the fp32 arithmetic of the default, and not validated for the demo's
+    accuracy."""
     num_workers: int = 4
     """Batch-making worker processes (0: in the training process)."""
     quick: bool = False
@@ -380,7 +384,8 @@ def train(config: ModelConfig, args: TrainArgs, log=print) -> tuple[torch.nn.Mod
             stats = torch.zeros(3, device=device)  # summed loss, mean indexer KL, correct tokens: read when logged
             for part_ids, part_mask in zip(ids.chunk(micro), mask.chunk(micro)):
                 ctx = TrainContext(**ctx_args)
-                ce, kl, n, correct = batch_loss(model, part_ids, part_mask, ctx)
+                with torch.autocast(device.type, torch.bfloat16, enabled=args.autocast_bf16):
+                    ce, kl, n, correct = batch_loss(model, part_ids, part_mask, ctx)
                 ((ce * n / max(total, 1)) + kl / micro).backward()
                 stats += torch.stack([ce.detach() * n, kl.detach() / micro, correct.float()])
         except torch.cuda.OutOfMemoryError:  # (torch.OutOfMemoryError on recent torch)
