@@ -138,3 +138,16 @@ def test_weight_sync_after_relayout():
     # a later sync whose scales allow it brings that layer back to the wanted shift layout
     sync_weights(engine, build_model(load_preset("tiny"), torch.bfloat16, seed=1))
     assert set(moe_layouts(engine.model)) == {"shift"}
+
+
+def test_random_init_into_a_relaid_model():
+    """init_random_weights on a model holding the shift layout: the same checkpoint codes as a fresh build."""
+    from kimiserve.model.model import init_random_weights
+
+    model = build_model(load_preset("tiny"), torch.bfloat16, seed=0)
+    want = codes_of(build_model(load_preset("tiny"), torch.bfloat16, seed=5))
+    apply_moe_layout(model, "shift")
+    init_random_weights(model, seed=5)
+    assert moe_layouts(model) == {"shift": len(experts_of(model))}
+    for n, m in experts_of(model).items():
+        assert all(torch.equal(m.checkpoint_codes(w), want[f"{n}.{w}"]) for w in m.NAMES)

@@ -267,6 +267,9 @@ def init_random_weights(model: KimiForCausalLM, seed: int = 0) -> KimiForCausalL
             param.weight_loader(param, value, entry.name)
         else:
             param.weight_loader(param, value, entry.name, entry.expert)
+    from kimiserve.model.expert_layout import weights_written
+
+    weights_written(model, params)  # the loaders wrote checkpoint codes: re-laid if the model holds another layout
     return model
 
 
