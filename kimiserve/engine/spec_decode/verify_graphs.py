@@ -190,14 +190,13 @@ class VerifyGraphs(GraphSet):
 
     def _replay_kept(self, size: int, inputs: dict[int, tuple]) -> None:
         """The replay graph's body: position t of every sequence on its real state pages where it keeps
-        token t, else on the reserved ones. The page ids of every layer and position are chosen at once,
-        [layers, T, size] int32 (what the decode kernel takes), not by two ops per layer and position."""
+        token t, else on the reserved ones. (One where for every layer and position into an int32 [layers, T,
+        size] tensor, 6e2b0ef, gave wrong tokens on the H200 in session 4 and was reverted; see BENCHMARKS.md.)"""
         pages, kept = self.state_pages[:size], self.kept[:size]
-        keep = kept[None, None, :] > self.rows[: self.T, None]  # [1, T, size]
-        ids = torch.where(keep, pages.t()[:, None, :], self.pad_state_pages[:, None, None]).to(torch.int32)
         for layer in kda_layers(self.model):
             i = layer.cache_index
-            layer.replay_verified(self.pool, self.ops, inputs[i], [(slice(None), ids[i, t]) for t in range(self.T)])
+            steps = [(slice(None), torch.where(kept > t, pages[:, i], self.pad_state_pages[i])) for t in range(self.T)]
+            layer.replay_verified(self.pool, self.ops, inputs[i], steps)
 
     def _forwards(self, size: int, bucket: int):
         """(the verify forward, the replay) of this shape, as functions of no arguments on the static buffers."""
