@@ -6,6 +6,14 @@ know how many tokens the server made before the abort landed, so the comparison 
 generated tokens of finished requests = `kimiserve:request_generation_tokens_sum` (observed at
 finish) must equal the clients' usage sum exactly; the rest of `generation_tokens_total` belongs
 to the aborted requests and must lie between what their clients received and a few steps more.
+
+A client that hangs up is not always an abort: the server writes a stream's chunks into the socket
+without waiting for the client to read them, so a client starved of CPU (a loaded machine: the test
+process runs 64 clients on the cores the server uses) can read its second chunk after the server has
+generated all HANG_UP_MAX_TOKENS and finished the request with "length". The server then sees the
+disconnect of a finished request (nothing to abort), and counts a success of exactly
+HANG_UP_MAX_TOKENS tokens; the accounting below counts those, rather than assuming every hang-up
+aborted (which saw 452 successes for 450 finished clients under load).
 """
 
 from __future__ import annotations
@@ -110,15 +118,21 @@ def test_500_streams_64_concurrent_with_hang_ups(server):
     done_gen = sum(r["usage"]["completion_tokens"] for r in finished)
     tok = load_tokenizer("tiny")
     hung_prompt = sum(len(tok.encode(bodies[r["i"]][1]["prompt"])) for r in hung)
-    received = sum(r["chunks"] for r in hung)
 
-    assert delta('kimiserve:request_success_total{finished_reason="stop"}') + \
-        delta('kimiserve:request_success_total{finished_reason="length"}') == len(finished)
-    assert delta('kimiserve:request_success_total{finished_reason="abort"}') == len(hung)
-    assert delta("kimiserve:e2e_request_latency_seconds_count") == len(finished)
-    assert delta("kimiserve:request_generation_tokens_sum") == done_gen
+    # hung-up requests are ignore_eos: the server can finish them only with "length"
+    finished_by = {reason: sum(r["finish"] == reason for r in finished) for reason in ("stop", "length")}
+    assert delta('kimiserve:request_success_total{finished_reason="stop"}') == finished_by["stop"]
+    completed_hung = int(delta('kimiserve:request_success_total{finished_reason="length"}')) - finished_by["length"]
+    assert 0 <= completed_hung <= len(hung), completed_hung
+    aborted = len(hung) - completed_hung
+    assert delta('kimiserve:request_success_total{finished_reason="abort"}') == aborted
+    assert delta("kimiserve:e2e_request_latency_seconds_count") == len(finished) + completed_hung
+    assert delta("kimiserve:request_generation_tokens_sum") == done_gen + completed_hung * HANG_UP_MAX_TOKENS
     assert delta("kimiserve:prompt_tokens_total") == done_prompt + hung_prompt
-    aborted_gen = delta("kimiserve:generation_tokens_total") - done_gen
-    assert received <= aborted_gen < len(hung) * 40 < len(hung) * HANG_UP_MAX_TOKENS, (received, aborted_gen)
+    assert all(r["chunks"] == HANG_UP_AFTER for r in hung)  # a chunk a token, and no stream of them ended early
+    aborted_gen = delta("kimiserve:generation_tokens_total") - done_gen - completed_hung * HANG_UP_MAX_TOKENS
+    received = HANG_UP_AFTER * aborted
+    assert received <= aborted_gen <= aborted * 40, (received, aborted_gen, aborted)  # 40: a third of their max_tokens
     print(f"\n{TOTAL} streams in {elapsed:.1f}s; {int(done_gen)} tokens to finished clients, "
-          f"{int(aborted_gen)} generated for the {len(hung)} that hung up (they read {received})")
+          f"{int(aborted_gen)} generated for the {aborted} of the {len(hung)} that hung up which the server aborted "
+          f"(they read {received}); {completed_hung} had finished before the server saw the hang-up")
