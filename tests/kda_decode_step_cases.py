@@ -10,6 +10,11 @@ from kimiserve.ops.kda import paged
 # (rows, heads, head_dim, conv taps, gate lower bound): head dims that are and are not powers of two
 CASES = [(1, 1, 16, 4, -5.0), (3, 5, 24, 4, -5.0), (7, 3, 128, 4, None), (2, 2, 64, 3, -5.0), (5, 4, 40, 2, None)]
 
+# the split form (block_v): (rows, heads, head_dim, conv taps, gate lower bound, V block); V a multiple
+# of the block and not (24 = 16 + 8, 40 = 32 + 8), one block and several, a block over V
+SPLIT_CASES = [(1, 2, 24, 4, -5.0, 16), (3, 5, 40, 4, None, 32), (7, 3, 128, 4, -5.0, 32), (3, 2, 64, 3, None, 64),
+               (7, 4, 40, 2, -5.0, 16), (1, 3, 16, 4, None, 32)]
+
 
 def page_view(pages: int, shape: tuple[int, ...], dtype, device, gen, scale=1.0):
     """Pages of `shape` with a page stride past the page's size (as in the packed pool)."""
@@ -20,7 +25,21 @@ def page_view(pages: int, shape: tuple[int, ...], dtype, device, gen, scale=1.0)
     return buf[:, :n].view(pages, *shape)
 
 
-def check_decode_step(kernel, device, dtype, rows, H, K, W, lower_bound, seed=0):
+def nan_filled_empty(monkeypatch):
+    """Make torch.empty return NaN-filled float tensors for the rest of the test (outputs and scratch
+    the kernel allocates then hold NaN wherever it does not write)."""
+    empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        t = empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", poisoned)
+
+
+def check_decode_step(kernel, device, dtype, rows, H, K, W, lower_bound, seed=0, same_as=None):
+    """`kernel` against the reference on random pages; with `same_as` (another kernel), their outputs
+    and state pages also agree to fp32 rounding."""
     gen = torch.Generator().manual_seed(seed)
     rnd = lambda *s, scale=1.0: (torch.randn(*s, generator=gen) * scale).to(device)  # noqa: E731
     P = H * K
@@ -49,3 +68,10 @@ def check_decode_step(kernel, device, dtype, rows, H, K, W, lower_bound, seed=0)
     others = torch.ones(num_pages, dtype=torch.bool)
     others[page_ids.cpu()] = False
     assert torch.equal(states_out[others.to(device)], states[others.to(device)]), "pages of other sequences changed"
+    if same_as is not None:
+        conv_other, states_other = conv.clone(), states.clone()
+        other = same_as(q, k, v, f, b, gate, weights, conv_other, states_other, page_ids)
+        assert torch.isfinite(other).all()
+        assert torch.equal(conv_other, conv_out)
+        assert rel_rms(states_other, states_out) < 1e-6
+        assert rel_rms(got, other) < (1e-6 if dtype == torch.float32 else 1e-2)

@@ -4,7 +4,7 @@ and the reference against the layer's own ops (on the CPU)."""
 import pytest
 import torch
 
-from kda_decode_step_cases import CASES, check_decode_step
+from kda_decode_step_cases import CASES, SPLIT_CASES, check_decode_step, nan_filled_empty
 from kimiserve.ops.kda import paged
 
 
@@ -15,6 +15,22 @@ def test_kernel_matches_reference(rows, H, K, W, lower_bound, dtype):
     from kimiserve.ops.kda import triton_decode
 
     check_decode_step(triton_decode.kda_decode_step, "cuda", dtype, rows, H, K, W, lower_bound, seed=rows + K)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows, H, K, W, lower_bound, block_v", SPLIT_CASES + [
+    (64, 12, 128, 4, -5.0, 32), (64, 12, 128, 4, None, 64), (8, 96, 128, 4, -5.0, 32), (5, 4, 40, 2, None, 128)])
+def test_split_form_matches_reference(rows, H, K, W, lower_bound, block_v, dtype, monkeypatch):
+    """The V-split form against the reference and the single kernel, its allocations NaN-filled."""
+    import functools
+
+    from kimiserve.ops.kda import triton_decode
+
+    nan_filled_empty(monkeypatch)
+    split = functools.partial(triton_decode.kda_decode_step, block_v=block_v)
+    single = functools.partial(triton_decode.kda_decode_step, block_v=None)
+    check_decode_step(split, "cuda", dtype, rows, H, K, W, lower_bound, seed=rows * 17 + K, same_as=single)
 
 
 @pytest.mark.parametrize("rows, H, K, W, lower_bound", CASES[:2])

@@ -12,7 +12,7 @@ import triton_interpreter_shims
 
 triton_interpreter_shims.enable_or_skip_module()
 
-from kda_decode_step_cases import CASES, check_decode_step  # noqa: E402
+from kda_decode_step_cases import CASES, SPLIT_CASES, check_decode_step, nan_filled_empty  # noqa: E402
 from kimiserve.ops.kda import triton_decode  # noqa: E402
 
 
@@ -22,9 +22,31 @@ def test_kernel_matches_reference(rows, H, K, W, lower_bound, dtype):
     check_decode_step(triton_decode.kda_decode_step, "cpu", dtype, rows, H, K, W, lower_bound, seed=rows * 31 + K)
 
 
-@pytest.mark.parametrize("kv", ["bf16", "fp8"])
-def test_engine_with_fused_kda_decode_matches_reference_ops(kv):
-    """The tiny engine with the kernel as its KDA decode step: the reference-ops engine's greedy tokens,
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows, H, K, W, lower_bound, block_v", SPLIT_CASES)
+def test_split_form_matches_reference(rows, H, K, W, lower_bound, block_v, dtype, monkeypatch):
+    """The V-split form (three kernels) against the reference, and against the single kernel, with the
+    output and scratch it allocates NaN-filled."""
+    import functools
+
+    nan_filled_empty(monkeypatch)
+    split = functools.partial(triton_decode.kda_decode_step, block_v=block_v)
+    single = functools.partial(triton_decode.kda_decode_step, block_v=None)
+    check_decode_step(split, "cpu", dtype, rows, H, K, W, lower_bound, seed=rows * 17 + K, same_as=single)
+
+
+def test_block_v_must_be_a_power_of_two():
+    args = [torch.zeros(1, 16)] * 3
+    for bad in (0, 24, -16, 32.0, True, "32"):
+        with pytest.raises(ValueError, match="block_v"):
+            triton_decode.kda_decode_step(*args, None, None, None, None, None, torch.zeros(2, 1, 16, 16), None,
+                                          block_v=bad)
+
+
+@pytest.mark.parametrize("kv, block_v", [("bf16", None), ("fp8", None), ("bf16", 8)])
+def test_engine_with_fused_kda_decode_matches_reference_ops(kv, block_v):
+    """The tiny engine with the kernel (block_v None: the single kernel; 8: the split form, the tiny
+    preset's V = 16 in two blocks) as its KDA decode step: the reference-ops engine's greedy tokens,
     and its logits at every step within fp32 rounding."""
     import dataclasses
     import functools
@@ -34,5 +56,5 @@ def test_engine_with_fused_kda_decode_matches_reference_ops(kv):
     from kimiserve.ops.kda import paged
 
     fused = dataclasses.replace(REFERENCE_OPS, name="fused-kda-interpreted", kda_decode_step=functools.partial(
-        triton_decode.kda_decode_step, fallback=paged.kda_decode))
+        triton_decode.kda_decode_step, fallback=paged.kda_decode, block_v=block_v))
     assert_ops_match_reference_ops(fused, kv, random_prompts([40, 90, 7], seed=11))

@@ -11,6 +11,10 @@ dtype before the norm (as the reference's o is), and the normed output is rounde
 One program per (sequence, head) holds that head's whole [K, V] fp32 state tile (K, V <= 128: 64 KB
 in registers at 8 warps), so the state page is read and written once, the conv state page once,
 and the head's output is complete for the norm; no atomics, no host synchronisation (CUDA graphs).
+
+A split form for larger batches (`block_v`, see below the single kernel): the conv, norms and gates
+in a first kernel, the delta rule over [K, block_v] slices of the state in a second, the norm in a
+third, with the same values. Not the default for any size until timed on the GPU (`default_block_v`).
 """
 
 from __future__ import annotations
@@ -100,12 +104,134 @@ def _kda_decode_step_kernel(
     tl.store(out_ptr + row.to(tl.int64) * (H * V) + h * V + vv, o.to(OUT_DTYPE), mask=mv)
 
 
-def kda_decode_step(q, k, v, f, b, gate, weights, conv, states, page_ids, fallback=None):
+# The split form for larger batches: three kernels, so that a head's V columns spread over programs.
+# 1. `_kda_mix_kernel`, one program per (sequence, head): the short convs (each conv page read and
+#    shifted once, by the one program that owns its channels: no race), SiLU, the L2 norms, the
+#    decay exp(g), beta; q * scale, k, decay, v and beta go to an fp32 scratch row per head, each
+#    value computed with the same operations and rounding points as the single kernel.
+# 2. `_kda_delta_kernel`, one program per (sequence, head, BV columns of V): the delta rule on the
+#    [K, BV] slice of the state page in place (columns are independent: the residual and the output
+#    of a column only sum over K), o rounded to the model dtype into the output.
+# 3. `_kda_norm_kernel`, one program per (sequence, head): the gated RMSNorm over the head's whole
+#    o row, in place in the output.
+# The kernels follow each other on the stream: no atomics, no host synchronisation (CUDA graphs).
+
+
+@triton.jit
+def _kda_mix_kernel(
+    q_ptr, k_ptr, v_ptr, f_ptr, b_ptr, row_stride, b_stride,
+    qw_ptr, kw_ptr, vw_ptr, a_log_ptr, dt_bias_ptr,
+    conv_ptr, conv_page_stride, pages_ptr, mixed_ptr, lower_bound, scale,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, BW: tl.constexpr, HAS_LOWER_BOUND: tl.constexpr,
+):
+    row = tl.program_id(0)
+    h = tl.program_id(1)
+    page = tl.load(pages_ptr + row).to(tl.int64)
+    OUT_DTYPE = v_ptr.dtype.element_ty  # the model dtype, the output's
+    kk = tl.arange(0, BK)
+    vv = tl.arange(0, BV)
+    mk = kk < K
+    mv = vv < V
+    P = H * K
+    conv_base = conv_ptr + page * conv_page_stride
+    x_off = row.to(tl.int64) * row_stride
+
+    q = _conv_silu(q_ptr + x_off, qw_ptr, conv_base, h * K + kk, mk, W, BW, OUT_DTYPE)
+    k = _conv_silu(k_ptr + x_off, kw_ptr, conv_base + P * (W - 1), h * K + kk, mk, W, BW, OUT_DTYPE)
+    v = _conv_silu(v_ptr + x_off, vw_ptr, conv_base + 2 * P * (W - 1), h * V + vv, mv, W, BW, OUT_DTYPE)
+    q = (q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6)).to(OUT_DTYPE).to(tl.float32)
+    k = (k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)).to(OUT_DTYPE).to(tl.float32)
+
+    f = tl.load(f_ptr + x_off + h * K + kk, mask=mk, other=0.0).to(tl.float32)
+    f = f + tl.load(dt_bias_ptr + h * K + kk, mask=mk, other=0.0)
+    a = tl.exp(tl.load(a_log_ptr + h))
+    if HAS_LOWER_BOUND:
+        g = lower_bound * tl.sigmoid(a * f)
+    else:
+        g = -a * tl.where(f > 20.0, f, tl.log(1.0 + tl.exp(tl.minimum(f, 20.0))))
+    beta = tl.sigmoid(tl.load(b_ptr + row.to(tl.int64) * b_stride + h).to(tl.float32))
+
+    # the head's scratch row: [q * scale (K), k (K), exp(g) (K), v (V), beta]
+    base = mixed_ptr + (row.to(tl.int64) * H + h) * (3 * K + V + 1)
+    tl.store(base + kk, q * scale, mask=mk)
+    tl.store(base + K + kk, k, mask=mk)
+    tl.store(base + 2 * K + kk, tl.exp(g), mask=mk)
+    tl.store(base + 3 * K + vv, v, mask=mv)
+    tl.store(base + 3 * K + V, beta)
+
+
+@triton.jit
+def _kda_delta_kernel(
+    mixed_ptr, out_ptr, state_ptr, state_page_stride, pages_ptr,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+):
+    row = tl.program_id(0)
+    h = tl.program_id(1)
+    page = tl.load(pages_ptr + row).to(tl.int64)
+    OUT_DTYPE = out_ptr.dtype.element_ty
+    kk = tl.arange(0, BK)
+    vv = tl.program_id(2) * BV + tl.arange(0, BV)
+    mk = kk < K
+    mv = vv < V
+    base = mixed_ptr + (row.to(tl.int64) * H + h) * (3 * K + V + 1)
+    q = tl.load(base + kk, mask=mk, other=0.0)
+    k = tl.load(base + K + kk, mask=mk, other=0.0)
+    decay = tl.load(base + 2 * K + kk, mask=mk, other=0.0)
+    v = tl.load(base + 3 * K + vv, mask=mv, other=0.0)
+    beta = tl.load(base + 3 * K + V)
+
+    s_off = page * state_page_stride + h * K * V + kk[:, None] * V + vv[None, :]
+    m_s = mk[:, None] & mv[None, :]
+    S = tl.load(state_ptr + s_off, mask=m_s, other=0.0)
+    S = S * decay[:, None]
+    residual = v - tl.sum(S * k[:, None], axis=0)
+    S = S + (beta * k)[:, None] * residual[None, :]
+    tl.store(state_ptr + s_off, S, mask=m_s)
+    o = tl.sum(S * q[:, None], axis=0)
+    tl.store(out_ptr + row.to(tl.int64) * (H * V) + h * V + vv, o.to(OUT_DTYPE), mask=mv)
+
+
+@triton.jit
+def _kda_norm_kernel(out_ptr, gate_ptr, row_stride, norm_w_ptr, norm_eps, H: tl.constexpr, V: tl.constexpr,
+                     BV: tl.constexpr):
+    row = tl.program_id(0)
+    h = tl.program_id(1)
+    OUT_DTYPE = out_ptr.dtype.element_ty
+    vv = tl.arange(0, BV)
+    mv = vv < V
+    o_ptrs = out_ptr + row.to(tl.int64) * (H * V) + h * V + vv
+    o = tl.load(o_ptrs, mask=mv, other=0.0).to(tl.float32)
+    o = o * tl.rsqrt(tl.sum(tl.where(mv, o * o, 0.0), axis=0) / V + norm_eps)
+    gate = tl.load(gate_ptr + row.to(tl.int64) * row_stride + h * V + vv, mask=mv, other=0.0).to(tl.float32)
+    o = o * tl.load(norm_w_ptr + vv, mask=mv, other=0.0) * tl.sigmoid(gate)
+    tl.store(o_ptrs, o.to(OUT_DTYPE), mask=mv)
+
+
+def default_block_v(batch: int, H: int, K: int, V: int) -> int | None:
+    """The V block of the split form for a batch of `batch` sequences at `H` heads of K x V, or None for
+    the single kernel. The single kernel for every size until the split form has been timed on the GPU
+    (GPU_REQUEST.md / benchmarks/DEVICE_PLAN.md: `benchmarks/kda_decode_step.py --block-v 32,64`); if
+    it wins from batch 8 up, this becomes `return 32 if batch >= 8 else None`."""
+    return None
+
+
+def kda_decode_step(q, k, v, f, b, gate, weights, conv, states, page_ids, fallback=None, block_v="auto"):
     """See `kimiserve.ops.kda.paged.kda_decode_step`: q, k, v, f, gate [Bd, H * K] (one token per
     sequence, model dtype), b [Bd, H]; conv the pool's conv view [P, 3, H * K, W - 1], states its
     recurrent view [P, H, K, V] fp32, page_ids [Bd] distinct. Updates those pages in place and returns
-    the gated, normed output [Bd, H, V]. Shapes the kernel does not take (head dims over 128, pages
-    not contiguous) run the reference composition around `fallback` (a `kda_decode`)."""
+    the gated, normed output [Bd, H, V]. Shapes the kernels do not take (head dims over 128, pages
+    not contiguous) run the reference composition around `fallback` (a `kda_decode`).
+
+    block_v: None for the single kernel (one program per sequence and head), a power of two for the
+    split form (the head's V columns in blocks of block_v over programs; three kernels), "auto" for
+    `default_block_v`'s choice. Both forms compute the same values (the split form sums each state
+    column over K, as the single kernel does)."""
+    if block_v == "auto":
+        block_v = default_block_v(q.shape[0], *states.shape[1:])
+    if block_v is not None and (isinstance(block_v, bool) or not isinstance(block_v, int) or block_v < 1
+                                or block_v & (block_v - 1)):
+        raise ValueError(f"block_v must be None, 'auto' or a power of two (a V block size), got {block_v!r}")
     H, K, V = states.shape[1:]
     W = weights.q_conv.shape[-1]
     Bd = q.shape[0]
@@ -122,16 +248,33 @@ def kda_decode_step(q, k, v, f, b, gate, weights, conv, states, page_ids, fallba
     row_stride = xs[0].stride(0)
     b = b.contiguous()
     lower = weights.lower_bound
+    pages = page_ids.to(torch.int32)
+    sizes = dict(BK=triton.next_power_of_2(K), BW=triton.next_power_of_2(W - 1), HAS_LOWER_BOUND=lower is not None)
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
-        _kda_decode_step_kernel[(Bd, H)](
-            *xs[:3], xs[3], b, xs[4], out, row_stride, b.stride(0),
-            weights.q_conv, weights.k_conv, weights.v_conv, weights.A_log, weights.dt_bias, weights.norm_weight,
-            conv, conv.stride(0), states, states.stride(0), page_ids.to(torch.int32),
-            0.0 if lower is None else float(lower), K ** -0.5, float(weights.eps),
-            H=H, K=K, V=V, W=W, BK=triton.next_power_of_2(K), BV=triton.next_power_of_2(V),
-            BW=triton.next_power_of_2(W - 1), HAS_LOWER_BOUND=lower is not None, num_warps=8 if K * V > 4096 else 4,
+        if block_v is None:
+            _kda_decode_step_kernel[(Bd, H)](
+                *xs[:3], xs[3], b, xs[4], out, row_stride, b.stride(0),
+                weights.q_conv, weights.k_conv, weights.v_conv, weights.A_log, weights.dt_bias, weights.norm_weight,
+                conv, conv.stride(0), states, states.stride(0), pages,
+                0.0 if lower is None else float(lower), K ** -0.5, float(weights.eps),
+                H=H, K=K, V=V, W=W, BV=triton.next_power_of_2(V), **sizes, num_warps=8 if K * V > 4096 else 4,
+            )
+            return out
+        mixed = torch.empty(Bd, H, 3 * K + V + 1, dtype=torch.float32, device=v.device)
+        _kda_mix_kernel[(Bd, H)](
+            *xs[:4], b, row_stride, b.stride(0),
+            weights.q_conv, weights.k_conv, weights.v_conv, weights.A_log, weights.dt_bias,
+            conv, conv.stride(0), pages, mixed, 0.0 if lower is None else float(lower), K ** -0.5,
+            H=H, K=K, V=V, W=W, BV=triton.next_power_of_2(V), **sizes, num_warps=4,
         )
+        bv = min(block_v, triton.next_power_of_2(V))
+        _kda_delta_kernel[(Bd, H, triton.cdiv(V, bv))](
+            mixed, out, states, states.stride(0), pages, H=H, K=K, V=V, BK=sizes["BK"], BV=bv,
+            num_warps=8 if sizes["BK"] * bv > 4096 else 4,
+        )
+        _kda_norm_kernel[(Bd, H)](out, xs[4], row_stride, weights.norm_weight, float(weights.eps),
+                                  H=H, V=V, BV=triton.next_power_of_2(V), num_warps=4)
     return out
 
 
-__all__ = ["MAX_HEAD_DIM", "kda_decode_step", "supported"]
+__all__ = ["MAX_HEAD_DIM", "default_block_v", "kda_decode_step", "supported"]
