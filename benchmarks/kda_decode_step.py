@@ -97,6 +97,15 @@ def main() -> int:
         copy = float("nan")
     variants["torch reference"] = paged.kda_decode_step
     rows, failed = [], False
+    result = {"benchmark": "kda_decode_step", "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+              "torch": torch.__version__, "date": datetime.date.today().isoformat(), "commit": git_commit(),
+              "copy_gbps": copy}
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+
+    def write(rows):
+        with open(args.out, "w") as fh:
+            json.dump({**result, "rows": rows}, fh, indent=1)
+
     gen = torch.Generator().manual_seed(0)
     for H in heads:
         for B in batches:
@@ -133,12 +142,7 @@ def main() -> int:
             print(f"H {H:3d} batch {B:4d}: " + ", ".join(f"{r['variant']} {r['us']:.1f} us" for r in rows[-len(variants):])
                   + f"; roofline {rows[-1]['roofline_us'] or float('nan'):.1f} us; rel RMS vs previous: "
                   + ", ".join(checks), flush=True)
-    result = {"benchmark": "kda_decode_step", "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-              "torch": torch.__version__, "date": datetime.date.today().isoformat(), "commit": git_commit(),
-              "copy_gbps": copy, "rows": rows}
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as fh:
-        json.dump(result, fh, indent=1)
+            write(rows)  # after every (heads, batch): a run cut by a time limit keeps what it measured
     if failed:
         print("FAILED: a kernel variant's output is over 2e-2 rel RMS from the composition, or its conv pages differ")
     return int(failed)
