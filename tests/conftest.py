@@ -1,4 +1,5 @@
 import os
+import re
 
 import pytest
 import torch
@@ -43,6 +44,38 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# Session fixtures that cost seconds to build (spawned gloo ranks, a server). Under pytest-xdist's
+# `--dist loadfile` (the README's test command: `-n 2 --dist loadfile`) each test module is one unit
+# of work for one worker (its module-scoped engines and servers are built once), and here every
+# module that uses one of these also goes to the same worker, so that each is built once, not once
+# a worker.
+SHARED_SESSION_FIXTURES = ("ranks", "agent_server")
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    groups: dict[str, str] = {}
+
+    def unit_of(nodeid: str) -> str:
+        module = nodeid.split("::", 1)[0]
+        if module not in groups:
+            # the controller does not collect: the fixtures a module's tests and fixtures take, from its text
+            text = (config.rootpath / module).read_text() if (config.rootpath / module).is_file() else ""
+            params = {name for args in re.findall(r"\bdef \w+\(([^)]*)\)", text) for name in re.findall(r"\w+", args)}
+            groups[module] = next((name for name in SHARED_SESSION_FIXTURES if name in params), module)
+        return groups[module]
+
+    class ModuleScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return unit_of(nodeid)
+
+    return ModuleScheduling(config, log)
 
 
 @pytest.fixture(scope="session")
