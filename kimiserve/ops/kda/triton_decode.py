@@ -54,6 +54,49 @@ def _conv_silu(x_ptr, w_ptr, conv_base, chan, mask, W: tl.constexpr, BW: tl.cons
 
 
 @triton.jit
+def _mix_head(q_ptr, k_ptr, v_ptr, f_ptr, b_ptr, x_off, b_off, qw_ptr, kw_ptr, vw_ptr, a_log_ptr, dt_bias_ptr,
+              conv_base, h, lower_bound, kk, mk, vv, mv, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+              W: tl.constexpr, BW: tl.constexpr, HAS_LOWER_BOUND: tl.constexpr, OUT_DTYPE: tl.constexpr):
+    """Head h of one token before the delta rule: the short convs of q, k, v (conv pages shifted in place),
+    SiLU, the L2 norms of q and k (each rounded to the model dtype), the gate g (log decay) and beta."""
+    P = H * K
+    q = _conv_silu(q_ptr + x_off, qw_ptr, conv_base, h * K + kk, mk, W, BW, OUT_DTYPE)
+    k = _conv_silu(k_ptr + x_off, kw_ptr, conv_base + P * (W - 1), h * K + kk, mk, W, BW, OUT_DTYPE)
+    v = _conv_silu(v_ptr + x_off, vw_ptr, conv_base + 2 * P * (W - 1), h * V + vv, mv, W, BW, OUT_DTYPE)
+    q = (q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6)).to(OUT_DTYPE).to(tl.float32)
+    k = (k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)).to(OUT_DTYPE).to(tl.float32)
+
+    f = tl.load(f_ptr + x_off + h * K + kk, mask=mk, other=0.0).to(tl.float32)
+    f = f + tl.load(dt_bias_ptr + h * K + kk, mask=mk, other=0.0)
+    a = tl.exp(tl.load(a_log_ptr + h))
+    if HAS_LOWER_BOUND:
+        g = lower_bound * tl.sigmoid(a * f)
+    else:  # -a * softplus(f), softplus as torch computes it (linear above 20)
+        g = -a * tl.where(f > 20.0, f, tl.log(1.0 + tl.exp(tl.minimum(f, 20.0))))
+    beta = tl.sigmoid(tl.load(b_ptr + b_off + h).to(tl.float32))
+    return q, k, v, g, beta
+
+
+@triton.jit
+def _delta_rule(state_ptr, s_off, m_s, decay, k, v, beta, q_scaled):
+    """The delta-rule update of a [K, columns] state tile in place; returns the columns' output (fp32)."""
+    S = tl.load(state_ptr + s_off, mask=m_s, other=0.0)
+    S = S * decay[:, None]
+    residual = v - tl.sum(S * k[:, None], axis=0)
+    S = S + (beta * k)[:, None] * residual[None, :]
+    tl.store(state_ptr + s_off, S, mask=m_s)
+    return tl.sum(S * q_scaled[:, None], axis=0)
+
+
+@triton.jit
+def _gated_norm(o, gate_ptrs, norm_w_ptr, vv, mv, norm_eps, V: tl.constexpr):
+    """KDA's output norm of a head's whole row: RMSNorm(o) * weight * sigmoid(gate), fp32."""
+    o = o * tl.rsqrt(tl.sum(tl.where(mv, o * o, 0.0), axis=0) / V + norm_eps)
+    gate = tl.load(gate_ptrs, mask=mv, other=0.0).to(tl.float32)
+    return o * tl.load(norm_w_ptr + vv, mask=mv, other=0.0) * tl.sigmoid(gate)
+
+
+@triton.jit
 def _kda_decode_step_kernel(
     q_ptr, k_ptr, v_ptr, f_ptr, b_ptr, gate_ptr, out_ptr, row_stride, b_stride,
     qw_ptr, kw_ptr, vw_ptr, a_log_ptr, dt_bias_ptr, norm_w_ptr,
@@ -70,37 +113,16 @@ def _kda_decode_step_kernel(
     vv = tl.arange(0, BV)
     mk = kk < K
     mv = vv < V
-    P = H * K
-    conv_base = conv_ptr + page * conv_page_stride
     x_off = row.to(tl.int64) * row_stride
-
-    q = _conv_silu(q_ptr + x_off, qw_ptr, conv_base, h * K + kk, mk, W, BW, OUT_DTYPE)
-    k = _conv_silu(k_ptr + x_off, kw_ptr, conv_base + P * (W - 1), h * K + kk, mk, W, BW, OUT_DTYPE)
-    v = _conv_silu(v_ptr + x_off, vw_ptr, conv_base + 2 * P * (W - 1), h * V + vv, mv, W, BW, OUT_DTYPE)
-    q = (q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6)).to(OUT_DTYPE).to(tl.float32)
-    k = (k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)).to(OUT_DTYPE).to(tl.float32)
-
-    f = tl.load(f_ptr + x_off + h * K + kk, mask=mk, other=0.0).to(tl.float32)
-    f = f + tl.load(dt_bias_ptr + h * K + kk, mask=mk, other=0.0)
-    a = tl.exp(tl.load(a_log_ptr + h))
-    if HAS_LOWER_BOUND:
-        g = lower_bound * tl.sigmoid(a * f)
-    else:  # -a * softplus(f), softplus as torch computes it (linear above 20)
-        g = -a * tl.where(f > 20.0, f, tl.log(1.0 + tl.exp(tl.minimum(f, 20.0))))
-    beta = tl.sigmoid(tl.load(b_ptr + row.to(tl.int64) * b_stride + h).to(tl.float32))
+    q, k, v, g, beta = _mix_head(q_ptr, k_ptr, v_ptr, f_ptr, b_ptr, x_off, row.to(tl.int64) * b_stride,
+                                 qw_ptr, kw_ptr, vw_ptr, a_log_ptr, dt_bias_ptr, conv_ptr + page * conv_page_stride,
+                                 h, lower_bound, kk, mk, vv, mv, H, K, V, W, BW, HAS_LOWER_BOUND, OUT_DTYPE)
 
     s_off = page * state_page_stride + h * K * V + kk[:, None] * V + vv[None, :]
     m_s = mk[:, None] & mv[None, :]
-    S = tl.load(state_ptr + s_off, mask=m_s, other=0.0)
-    S = S * tl.exp(g)[:, None]
-    residual = v - tl.sum(S * k[:, None], axis=0)
-    S = S + (beta * k)[:, None] * residual[None, :]
-    tl.store(state_ptr + s_off, S, mask=m_s)
-    o = tl.sum(S * (q * scale)[:, None], axis=0).to(OUT_DTYPE).to(tl.float32)
+    o = _delta_rule(state_ptr, s_off, m_s, tl.exp(g), k, v, beta, q * scale).to(OUT_DTYPE).to(tl.float32)
 
-    o = o * tl.rsqrt(tl.sum(tl.where(mv, o * o, 0.0), axis=0) / V + norm_eps)
-    gate = tl.load(gate_ptr + x_off + h * V + vv, mask=mv, other=0.0).to(tl.float32)
-    o = o * tl.load(norm_w_ptr + vv, mask=mv, other=0.0) * tl.sigmoid(gate)
+    o = _gated_norm(o, gate_ptr + x_off + h * V + vv, norm_w_ptr, vv, mv, norm_eps, V)
     tl.store(out_ptr + row.to(tl.int64) * (H * V) + h * V + vv, o.to(OUT_DTYPE), mask=mv)
 
 
@@ -108,7 +130,7 @@ def _kda_decode_step_kernel(
 # 1. `_kda_mix_kernel`, one program per (sequence, head): the short convs (each conv page read and
 #    shifted once, by the one program that owns its channels: no race), SiLU, the L2 norms, the
 #    decay exp(g), beta; q * scale, k, decay, v and beta go to an fp32 scratch row per head, each
-#    value computed with the same operations and rounding points as the single kernel.
+#    value computed with the same operations and rounding points as the single kernel (`_mix_head`).
 # 2. `_kda_delta_kernel`, one program per (sequence, head, BV columns of V): the delta rule on the
 #    [K, BV] slice of the state page in place (columns are independent: the residual and the output
 #    of a column only sum over K), o rounded to the model dtype into the output.
@@ -133,24 +155,10 @@ def _kda_mix_kernel(
     vv = tl.arange(0, BV)
     mk = kk < K
     mv = vv < V
-    P = H * K
-    conv_base = conv_ptr + page * conv_page_stride
-    x_off = row.to(tl.int64) * row_stride
-
-    q = _conv_silu(q_ptr + x_off, qw_ptr, conv_base, h * K + kk, mk, W, BW, OUT_DTYPE)
-    k = _conv_silu(k_ptr + x_off, kw_ptr, conv_base + P * (W - 1), h * K + kk, mk, W, BW, OUT_DTYPE)
-    v = _conv_silu(v_ptr + x_off, vw_ptr, conv_base + 2 * P * (W - 1), h * V + vv, mv, W, BW, OUT_DTYPE)
-    q = (q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6)).to(OUT_DTYPE).to(tl.float32)
-    k = (k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)).to(OUT_DTYPE).to(tl.float32)
-
-    f = tl.load(f_ptr + x_off + h * K + kk, mask=mk, other=0.0).to(tl.float32)
-    f = f + tl.load(dt_bias_ptr + h * K + kk, mask=mk, other=0.0)
-    a = tl.exp(tl.load(a_log_ptr + h))
-    if HAS_LOWER_BOUND:
-        g = lower_bound * tl.sigmoid(a * f)
-    else:
-        g = -a * tl.where(f > 20.0, f, tl.log(1.0 + tl.exp(tl.minimum(f, 20.0))))
-    beta = tl.sigmoid(tl.load(b_ptr + row.to(tl.int64) * b_stride + h).to(tl.float32))
+    q, k, v, g, beta = _mix_head(q_ptr, k_ptr, v_ptr, f_ptr, b_ptr, row.to(tl.int64) * row_stride,
+                                 row.to(tl.int64) * b_stride, qw_ptr, kw_ptr, vw_ptr, a_log_ptr, dt_bias_ptr,
+                                 conv_ptr + page * conv_page_stride, h, lower_bound, kk, mk, vv, mv,
+                                 H, K, V, W, BW, HAS_LOWER_BOUND, OUT_DTYPE)
 
     # the head's scratch row: [q * scale (K), k (K), exp(g) (K), v (V), beta]
     base = mixed_ptr + (row.to(tl.int64) * H + h) * (3 * K + V + 1)
@@ -183,12 +191,7 @@ def _kda_delta_kernel(
 
     s_off = page * state_page_stride + h * K * V + kk[:, None] * V + vv[None, :]
     m_s = mk[:, None] & mv[None, :]
-    S = tl.load(state_ptr + s_off, mask=m_s, other=0.0)
-    S = S * decay[:, None]
-    residual = v - tl.sum(S * k[:, None], axis=0)
-    S = S + (beta * k)[:, None] * residual[None, :]
-    tl.store(state_ptr + s_off, S, mask=m_s)
-    o = tl.sum(S * q[:, None], axis=0)
+    o = _delta_rule(state_ptr, s_off, m_s, decay, k, v, beta, q)
     tl.store(out_ptr + row.to(tl.int64) * (H * V) + h * V + vv, o.to(OUT_DTYPE), mask=mv)
 
 
@@ -202,9 +205,7 @@ def _kda_norm_kernel(out_ptr, gate_ptr, row_stride, norm_w_ptr, norm_eps, H: tl.
     mv = vv < V
     o_ptrs = out_ptr + row.to(tl.int64) * (H * V) + h * V + vv
     o = tl.load(o_ptrs, mask=mv, other=0.0).to(tl.float32)
-    o = o * tl.rsqrt(tl.sum(tl.where(mv, o * o, 0.0), axis=0) / V + norm_eps)
-    gate = tl.load(gate_ptr + row.to(tl.int64) * row_stride + h * V + vv, mask=mv, other=0.0).to(tl.float32)
-    o = o * tl.load(norm_w_ptr + vv, mask=mv, other=0.0) * tl.sigmoid(gate)
+    o = _gated_norm(o, gate_ptr + row.to(tl.int64) * row_stride + h * V + vv, norm_w_ptr, vv, mv, norm_eps, V)
     tl.store(o_ptrs, o.to(OUT_DTYPE), mask=mv)
 
 
