@@ -139,6 +139,19 @@ def chunk_kda(
     return o.to(out_dtype), S
 
 
+def _wy_terms(q, k, v, G, beta, A, eye):
+    """The state-independent terms of every chunk at once, from the scaled q, k, v [B, H, N, C, .], the
+    cumulative log decays G, beta [B, H, N, C, 1] and the strictly lower k-k scores A [B, H, N, C, C]:
+    (U, W) solving (I + A) [U W] = [beta v, beta exp(G) k], the entry-state reader exp(G) q, the exit-state
+    writer (exp(G_C - G) k)^T [B, H, N, K, C] and the entry state's keep factor exp(G_C)^T [B, H, N, K, 1]."""
+    V = v.shape[-1]
+    rhs = torch.cat([beta * v, beta * (torch.exp(G) * k)], dim=-1)
+    UW = torch.linalg.solve_triangular(eye + A, rhs, upper=False, unitriangular=True)
+    G_last = G[..., -1:, :]  # [B, H, N, 1, K]
+    k_out = (torch.exp(G_last - G) * k).transpose(-1, -2)
+    return UW[..., :V], UW[..., V:], torch.exp(G) * q, k_out, torch.exp(G_last).transpose(-1, -2)
+
+
 def chunk_kda_batched(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -164,14 +177,8 @@ def chunk_kda_batched(
     G = g.cumsum(dim=-2)
     decay = torch.exp((G.unsqueeze(-2) - G.unsqueeze(-3)).masked_fill(~causal[..., None], float("-inf")))
     A = (torch.einsum("bhnik,bhnijk,bhnjk->bhnij", k, decay, k) * beta).masked_fill(~strict, 0.0)
-    rhs = torch.cat([beta * v, beta * (torch.exp(G) * k)], dim=-1)
-    UW = torch.linalg.solve_triangular(eye + A, rhs, upper=False, unitriangular=True)
-    U, W = UW[..., :V], UW[..., V:]
+    U, W, q_in, k_out, keep = _wy_terms(q, k, v, G, beta, A, eye)
     Aqk = torch.einsum("bhnik,bhnijk,bhnjk->bhnij", q, decay, k)
-    G_last = G[..., -1:, :]  # [B, H, N, 1, K]
-    q_in = torch.exp(G) * q  # reads the entry state
-    k_out = (torch.exp(G_last - G) * k).transpose(-1, -2)  # [B, H, N, K, C]: writes the exit state
-    keep = torch.exp(G_last).transpose(-1, -2)  # [B, H, N, K, 1]
     S = q.new_zeros(B, H, K, V) if initial_state is None else initial_state.to(dt)
     outs = []
     for n in range(N):
@@ -242,13 +249,7 @@ def chunk_kda_tiled(
     A, Aqk = _decayed_scores(q, k, G, s)
     A = (A * beta).masked_fill(~strict, 0.0)
     Aqk = Aqk.masked_fill(~causal, 0.0)
-    rhs = torch.cat([beta * v, beta * (torch.exp(G) * k)], dim=-1)
-    UW = torch.linalg.solve_triangular(eye + A, rhs, upper=False, unitriangular=True)
-    U, W = UW[..., :V], UW[..., V:]
-    G_last = G[..., -1:, :]  # [B, H, N, 1, K]
-    q_in = torch.exp(G) * q  # reads the entry state
-    k_out = (torch.exp(G_last - G) * k).transpose(-1, -2)  # [B, H, N, K, C]: writes the exit state
-    keep = torch.exp(G_last).transpose(-1, -2)  # [B, H, N, K, 1]
+    U, W, q_in, k_out, keep = _wy_terms(q, k, v, G, beta, A, eye)
     # the state recurrence on [B * H] batches, each product-and-add one baddbmm (fewer kernels a chunk);
     # per-chunk views by unbind: its backward stacks once (indexing [:, :, n] would write a whole zero
     # tensor per chunk in the backward, traffic growing with the square of the chunk count)
