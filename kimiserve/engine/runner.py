@@ -19,7 +19,7 @@ from kimiserve.model.expert_layout import apply_moe_layout
 from kimiserve.model.model import KimiForCausalLM
 from kimiserve.ops.backend import DecodeOps, select_decode_ops
 from kimiserve.ops.moe.dispatch import fused_moe_for
-from kimiserve.utils.host_copy import queue_host_copy
+from kimiserve.utils.host_copy import queue_device_copy, queue_host_copy
 
 
 MIN_PCP_TOKENS_PER_RANK = 2
@@ -418,10 +418,8 @@ class ModelRunner:
 def to_device(values, device: torch.device) -> torch.Tensor:
     """int64 device tensor of a host list or tensor (through pinned memory on CUDA: the host does not
     wait), or a device tensor as it is."""
-    if isinstance(values, torch.Tensor) and values.device.type != "cpu":
-        return values.to(device)
-    t = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=torch.int64)
-    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+    return queue_device_copy(values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=torch.int64),
+                             device)
 
 
 def _draft_states(request, drafts: list[int]):

@@ -40,6 +40,7 @@ from kimiserve.engine.bad_words import banned_tokens
 from kimiserve.ops.sampling import reference as ops
 from kimiserve.ops.sampling.bitmask import unpack_bitmask
 from kimiserve.sampling_params import SamplingParams
+from kimiserve.utils.host_copy import queue_device_copy
 
 _MASK64 = (1 << 64) - 1
 
@@ -142,11 +143,8 @@ def prompt_logprobs(logits: torch.Tensor, prompt_ids: list[int], n: int) -> list
 
 def _device_list(values: list, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
     """A small host list as a device tensor without blocking the host (through pinned memory on CUDA)."""
-    t = torch.tensor(values, dtype=dtype if dtype is not None else torch.int64 if isinstance(values[0], int)
-                     else torch.float32)
-    if device.type != "cuda":
-        return t
-    return t.pin_memory().to(device, non_blocking=True)
+    return queue_device_copy(torch.tensor(values, dtype=dtype if dtype is not None else torch.int64
+                                          if isinstance(values[0], int) else torch.float32), device)
 
 
 def _scatter_ones(target: torch.Tensor, ids_per_row: list[list[int]], accumulate: bool) -> torch.Tensor:
