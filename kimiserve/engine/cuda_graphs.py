@@ -69,6 +69,8 @@ class GraphSet:
     sizes: list[int]
     max_model_len: int
     memory_pool: tuple | None
+    graphs: dict
+    inputs: torch.Tensor
 
     def warm_up(self, *runs) -> None:
         """Run each of `runs` once eagerly on a side stream (kernels compiled, allocator settled), as a
@@ -81,6 +83,14 @@ class GraphSet:
             for run in runs:
                 run()
         torch.cuda.current_stream().wait_stream(stream)
+
+    def release(self) -> None:
+        """Drop every graph of the set and their memory pool: the next capture starts a new pool. (Capturing
+        into the old one after its last graph is gone trips the CUDA caching allocator's `use_count > 0` assert.)"""
+        if self.graphs and self.inputs.device.type == "cuda":
+            torch.cuda.synchronize(self.inputs.device)  # no replay still reading the pool
+        self.graphs.clear()
+        self.memory_pool = None
 
     def record(self, fn):
         """Capture fn() (no arguments, on the set's static buffers; after `warm_up`) as a CUDA graph in the
@@ -163,7 +173,7 @@ class DecodeGraphs(GraphSet):
         if self.disabled or size is None or n == 0:
             return None
         if self.lora is not None and self.lora.version != self._lora_version:
-            self._release_graphs()  # captured before a projection got LoRA buffers: they do not read them
+            self.release()  # captured before a projection got LoRA buffers: they do not read them
             self._lora_version = self.lora.version
         bucket = self.context_bucket(max(c.context_start for c in chunks) + 1)
         key = (size, bucket)
@@ -174,14 +184,6 @@ class DecodeGraphs(GraphSet):
         graph.replay()
         self.replays += 1
         return logits[:n]
-
-    def _release_graphs(self) -> None:
-        """Drop every graph and their memory pool: the next capture starts a new pool. (Capturing into the
-        old one after its last graph is gone trips the CUDA caching allocator's `use_count > 0` assert.)"""
-        if self.graphs and self.inputs.device.type == "cuda":
-            torch.cuda.synchronize(self.inputs.device)  # no replay still reading the pool
-        self.graphs.clear()
-        self.memory_pool = None
 
     def _cols(self, bucket: int) -> int:
         return math.ceil(bucket / self.pool.block_size)

@@ -143,7 +143,7 @@ class ModelRunner:
         they did not capture (the routed experts' code layout)."""
         for graph_set in (self.graphs, self.verify_graphs):
             if graph_set is not None:
-                graph_set.graphs.clear()
+                graph_set.release()
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> list[ChunkResult]:
