@@ -30,6 +30,10 @@ CANDIDATES = [
     {"BM": 64, "BN": 128, "BK": 64, "num_warps": 8, "num_stages": 4},
     {"BM": 128, "BN": 128, "BK": 64, "num_warps": 8, "num_stages": 3},
     {"BM": 128, "BN": 256, "BK": 64, "num_warps": 8, "num_stages": 3},
+    {"BM": 64, "BN": 16, "BK": 128, "num_warps": 4, "num_stages": 4},
+    {"BM": 64, "BN": 32, "BK": 128, "num_warps": 4, "num_stages": 6},
+    {"BM": 64, "BN": 64, "BK": 128, "num_warps": 4, "num_stages": 3},
+    {"BM": 64, "BN": 32, "BK": 256, "num_warps": 4, "num_stages": 3},
 ]
 
 
