@@ -1,7 +1,8 @@
 """The batch-invariant Triton matmul (`ops.batch_invariant.triton`) against torch's matmul (cuBLAS) on
 the `small` preset's projection shapes, at decode and prefill row counts, for candidate tile configs
 (the kernel's config may depend on the weight's shape, never on M; this picks them), and whether each
-config gives the first rows alone the bits they get among the most rows on this device. Prints and
+config gives the first rows alone the bits they get among the most rows on this device (and whether it
+gives the bits of the first candidate: tiles of the same K order may or may not change them). Prints and
 writes a JSON record.
 
     PYTHONPATH=. python benchmarks/batch_invariant_matmul.py --out benchmarks/results/batch_invariant_matmul_h200.json
@@ -54,8 +55,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     rows = [int(r) for r in args.rows.split(",")]
-    default = dict(bi_triton.CONFIG)
-    record = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d %H:%M"), "current": default,
+    chosen = bi_triton.tile_config
+    record = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d %H:%M"),
               "command": " ".join(["python", *sys.argv]), "results": []}
     shapes = {k: v for k, v in SHAPES.items() if not args.shapes or k in args.shapes.split(",")}
     for name, (N, K) in shapes.items():
@@ -63,13 +64,17 @@ def main(argv=None) -> int:
         big = torch.randn(max(rows), K, device="cuda", dtype=torch.bfloat16)
         for M in rows:
             x = big[:M]
-            row = {"shape": name, "M": M, "N": N, "K": K, "torch_ms": 1e3 * timed(lambda: x @ w.T)}
+            row = {"shape": name, "M": M, "N": N, "K": K, "torch_ms": 1e3 * timed(lambda: x @ w.T), "current": chosen(N, K)}
             for i, cfg in enumerate(CANDIDATES):
-                bi_triton.CONFIG = cfg
+                bi_triton.tile_config = lambda N, K, cfg=cfg: cfg
                 row[f"config{i}_ms"] = 1e3 * timed(lambda: bi_triton.matmul(x, w, out_dtype=torch.bfloat16))
                 if M == min(rows):  # the config's rows alone == among the most rows, on this device
-                    row[f"config{i}_invariant"] = bool(torch.equal(bi_triton.matmul(x, w), bi_triton.matmul(big, w)[:M]))
-            bi_triton.CONFIG = default
+                    y = bi_triton.matmul(x, w)
+                    row[f"config{i}_invariant"] = bool(torch.equal(y, bi_triton.matmul(big, w)[:M]))
+                    first = y if i == 0 else first  # whether tiles change the bits at all (same K order, other tiles)
+                    row[f"config{i}_bits_of_config0"] = bool(torch.equal(y, first))
+            bi_triton.tile_config = chosen
+            row["chosen_ms"] = 1e3 * timed(lambda: bi_triton.matmul(x, w, out_dtype=torch.bfloat16))
             best = min(range(len(CANDIDATES)), key=lambda i: row[f"config{i}_ms"])
             row["best"] = best
             print(json.dumps(row), flush=True)

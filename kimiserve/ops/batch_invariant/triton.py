@@ -23,13 +23,16 @@ import torch
 import triton
 import triton.language as tl
 
-CONFIG = {"BM": 64, "BN": 128, "BK": 64, "num_warps": 4, "num_stages": 4}
-"""The tile configuration (every M; BM and BK for every shape too: the device-side expert plan
-tiles rows by BM)."""
+CONFIG = {"BM": 64, "BN": 128, "BK": 64, "num_warps": 8, "num_stages": 4}
+"""The tile configuration of a weight wider than every `NARROW_CONFIGS` entry (every M; BM for every
+shape: the device-side expert plan tiles rows by BM). Eight warps: on the H200 (session 5,
+benchmarks/batch_invariant_matmul.py) no slower than four at 4 or 2,048 rows for any of K3.1's projection
+shapes, and 1.7x faster for KDA's fused q/k/v projection at 4 rows (0.089 vs 0.152 ms)."""
 
 
 NARROW_CONFIGS: tuple[tuple[int, dict], ...] = (
     (16, {"BM": 64, "BN": 16, "BK": 64, "num_warps": 4, "num_stages": 4}),  # the fp32 router: 1/8 of the products
+    (1024, {"BM": 64, "BN": 64, "BK": 64, "num_warps": 4, "num_stages": 4}),  # KDA's beta, MLA's kv_a: 1.2-1.3x
 )
 """(largest N, config) in increasing N: a weight of at most that many output rows takes that config
 (narrower tiles where `CONFIG` would compute padding columns or leave SMs idle at a few rows); same
