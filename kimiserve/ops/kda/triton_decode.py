@@ -14,7 +14,7 @@ and the head's output is complete for the norm; no atomics, no host synchronisat
 
 A split form for larger batches (`block_v`, see below the single kernel): the conv, norms and gates
 in a first kernel, the delta rule over [K, block_v] slices of the state in a second, the norm in a
-third, with the same values. Not the default for any size until timed on the GPU (`default_block_v`).
+third, with the same values; the default from 768 head-sequences up (`default_block_v`).
 """
 
 from __future__ import annotations
@@ -211,10 +211,11 @@ def _kda_norm_kernel(out_ptr, gate_ptr, row_stride, norm_w_ptr, norm_eps, H: tl.
 
 def default_block_v(batch: int, H: int, K: int, V: int) -> int | None:
     """The V block of the split form for a batch of `batch` sequences at `H` heads of K x V, or None for
-    the single kernel. The single kernel for every size until the split form has been timed on the GPU
-    (GPU_REQUEST.md / benchmarks/DEVICE_PLAN.md: `benchmarks/kda_decode_step.py --block-v 32,64`); if
-    it wins from batch 8 up, this becomes `return 32 if batch >= 8 else None`."""
-    return None
+    the single kernel. Timed on the H200 (session 5, `benchmarks/kda_decode_step.py --block-v 32,64`, 128 x
+    128 heads): the split form with 32-column blocks is 1.5-1.7x faster from 768 head-sequences up (96 heads x
+    batch 8: 43.8 vs 65.6 us; 12 heads x batch 64: 43.6 vs 67.1 us), level below (13.4 vs 13.6 us at 96 x 1,
+    15.7 vs 15.5 us at 12 x 8), where the single kernel keeps one launch."""
+    return 32 if batch * H >= 768 else None
 
 
 def kda_decode_step(q, k, v, f, b, gate, weights, conv, states, page_ids, fallback=None, block_v="auto"):
