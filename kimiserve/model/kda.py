@@ -103,8 +103,16 @@ class KimiDeltaAttention(nn.Module):
         serving tokens continuing from each sequence's state page. Other contexts do not concern KDA."""
         B, T, _ = x.shape
         H, K = self.num_heads, self.head_dim
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        f, b, gate = self.f_b_proj(self.f_a_proj(x)), self.b_proj(x), self.output_gate(x)
+        if isinstance(ctx, ForwardBatch):  # the projections of x through `ops.linears` (one GEMM on request)
+            gates = (self.g_proj,) if hasattr(self, "g_proj") else (self.g_a_proj,)
+            q, k, v, b, gate, f_low = ctx.ops.linears(x, (self.q_proj, self.k_proj, self.v_proj, self.b_proj, *gates,
+                                                          self.f_a_proj))
+            f = self.f_b_proj(f_low)
+            if not hasattr(self, "g_proj"):
+                gate = self.g_b_proj(gate)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            f, b, gate = self.f_b_proj(self.f_a_proj(x)), self.b_proj(x), self.output_gate(x)
         if isinstance(ctx, ForwardBatch) and ctx.pcp is None:
             o = self.paged_forward(q, k, v, f, b, gate, ctx)
         else:

@@ -52,7 +52,12 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, ops: DecodeOps = REFERENCE_OPS) -> torch.Tensor:
         act = self.act if ops is REFERENCE_OPS else gated_activation(self.config, ops)
-        return self.down_proj(act(self.gate_proj(x), self.up_proj(x)))
+        return self.down_proj(act(*ops.linears(x, (self.gate_proj, self.up_proj))))
+
+    def down(self, gate: torch.Tensor, up: torch.Tensor, ops: DecodeOps = REFERENCE_OPS) -> torch.Tensor:
+        """The forward after the gate and up projections."""
+        act = self.act if ops is REFERENCE_OPS else gated_activation(self.config, ops)
+        return self.down_proj(act(gate, up))
 
 
 class Router(nn.Module):
@@ -356,7 +361,12 @@ class SparseMoE(nn.Module):
         x = x.reshape(-1, shape[-1])
         ids, weights = self.gate(x, ops.route)
         latent = hasattr(self, "routed_expert_down_proj")
-        h = p.tp_all_gather(self.routed_expert_down_proj(x), dim=-1) if latent else x
+        shared = hasattr(self, "shared_experts")
+        # the projections of x through `ops.linears` (one GEMM on request)
+        reads = ((self.routed_expert_down_proj,) if latent else ()) + (
+            (self.shared_experts.gate_proj, self.shared_experts.up_proj) if shared else ())
+        projected = ops.linears(x, reads) if reads else ()
+        h = p.tp_all_gather(projected[0], dim=-1) if latent else x
         # a partial over the TP group stays fp32 until the sum (a bf16 partial moved bf16 EP-2 results by 2e-3)
         y = self.experts(h, ids, weights, torch.float32 if p.tp_size > 1 else None)
         if latent:
@@ -366,6 +376,6 @@ class SparseMoE(nn.Module):
             if p.tp_size > 1:
                 y = y[:, self.latent_slice]
             y = self.routed_expert_up_proj(y)
-        if hasattr(self, "shared_experts"):
-            y = y + self.shared_experts(x, ops)
+        if shared:
+            y = y + self.shared_experts.down(*projected[-2:], ops)
         return p.tp_all_reduce(y).to(x.dtype).view(shape)

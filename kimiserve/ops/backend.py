@@ -16,6 +16,7 @@ from kimiserve.ops.attn_res import reference as attn_res_ref
 from kimiserve.ops.cache_write import reference as cache_write_ref
 from kimiserve.ops.indexer import reference as indexer_ref
 from kimiserve.ops.kda import paged as kda_ref
+from kimiserve.ops.linear import reference as linear_ref
 from kimiserve.ops.mla import reference as mla_ref
 from kimiserve.ops.moe import reference as moe_ref
 from kimiserve.ops.norm import reference as norm_ref
@@ -74,6 +75,10 @@ class DecodeOps:
     head_matmul: Callable = mla_ref.head_matmul
     """(x [B, H, I], w [H, I, O]) -> [B, H, O] in the compute dtype: MLA's query absorption (w_kc) and output
     projection (w_vc transposed) of the decode rows"""
+    linears: Callable = linear_ref.separate_linears
+    """(x [..., in], modules) -> each projection module's output: the projections of a layer that read the same
+    input (KDA's q, k, v, beta, output gate and gate down-projection; the shared experts' gate and up with the
+    latent MoE's down projection; a dense MLP's gate and up)"""
     moe_layout: str = "checkpoint"
     """The layout MXFP4 routed experts hold their codes in where the fused MoE kernel runs (`ModelRunner.ops`
     re-lays them once when set): "checkpoint" (the "lut" decode) or "shift" (`ops.moe.mxfp4_layout`, the
@@ -137,6 +142,16 @@ def prefill_kernels(ops: DecodeOps) -> DecodeOps:
         ops, prefill_indexer_scores=functools.partial(indexer_prefill_tt.prefill_indexer_scores, block_q=PREFILL_SCAN_BLOCK_Q),
         sparse_mla_prefill=functools.partial(mla_tt.paged_sparse_mla_prefill, round_in_kernel=True),
         short_conv=conv_tt.short_conv, gated_rms_norm=norm_tt.gated_rms_norm)
+
+
+def fewer_kernel_ops(ops: DecodeOps) -> DecodeOps:
+    """`ops` with fewer kernels per decode step (opt-in: not yet run on a GPU, so `select_decode_ops` does not
+    apply it): the projections of a layer that read the same input as one GEMM over their stacked weights
+    (`ops.linear.merged`; kimi-demo's decode step: 200 -> 155 kernels counted as they launch on CUDA,
+    `benchmarks/spec_graph_kernels.py --ops cuda|fewer`)."""
+    from kimiserve.ops.linear import merged
+
+    return dataclasses.replace(ops, name=f"{ops.name}+fewer-kernels", linears=merged.merged_linears)
 
 
 def shift_moe_layout(ops: DecodeOps) -> DecodeOps:
