@@ -96,15 +96,16 @@ def prompts_of(kind: str, batch: int, seed: int) -> list[list[int]]:
 
 
 def method_k(args, method: str) -> tuple[str, int]:
-    """("off" | "ngram" | "draft", K) of a --methods entry: a name, or name:K for another K than --k."""
-    name, _, k = method.partition(":")
+    """("off" | "ngram" | "draft", K) of a --methods entry: a name, or name:K for another K than --k; either
+    with "+fewer" after it for the engine with `backend.fewer_kernel_ops` (target and draft model)."""
+    name, _, k = method.removesuffix("+fewer").partition(":")
     if name not in ("off", "ngram", "draft"):
         raise SystemExit(f"unknown method {method!r}: off, ngram or draft (optionally :K)")
     return name, 0 if name == "off" else int(k) if k else args.k
 
 
 def make_engine(args, method: str) -> LLMEngine:
-    spec = None
+    spec, entry = None, method
     method, k = method_k(args, method)
     if method == "ngram":
         spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": args.lookup_max}
@@ -112,10 +113,42 @@ def make_engine(args, method: str) -> LLMEngine:
         spec = {"method": "draft_model", "model": args.draft_model or args.model, "num_speculative_tokens": k}
         if args.draft_seed is not None:
             spec["draft_seed"] = args.draft_seed
-    return LLMEngine(EngineArgs(model=args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
-                                num_pages=args.num_pages, kv_cache_memory_gib=args.kv_cache_memory_gib,
-                                enforce_eager=args.enforce_eager, enable_prefix_caching=False,
-                                speculative_config=spec))
+    engine = LLMEngine(EngineArgs(model=args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
+                                  num_pages=args.num_pages, kv_cache_memory_gib=args.kv_cache_memory_gib,
+                                  enforce_eager=args.enforce_eager, enable_prefix_caching=False,
+                                  speculative_config=spec))
+    if entry.endswith("+fewer"):
+        if not args.device.startswith("cuda"):
+            if os.environ.get("KIMISERVE_TRITON_INTERPRET") != "1":
+                raise SystemExit(f"{entry}: fewer_kernel_ops runs Triton kernels: --device cuda, or set "
+                                 "KIMISERVE_TRITON_INTERPRET=1 for Triton's CPU interpreter")
+            sys.path.insert(0, str(REPO / "tests"))
+            import triton_interpreter_shims
+
+            triton_interpreter_shims.enable()
+        from kimiserve.ops.backend import fewer_kernel_ops
+
+        use_ops(engine, fewer_kernel_ops)
+    return engine
+
+
+def use_ops(engine: LLMEngine, transform) -> None:
+    """The target's and the draft model's runners and graph sets on `transform(ops)` (graphs captured before
+    are dropped: they capture again on next use)."""
+    proposer = getattr(engine, "proposer", None)
+    for runner in (engine.runner, getattr(proposer, "runner", None)):
+        if runner is None:
+            continue
+        runner.ops = transform(runner.ops)
+        for kind in ("graphs", "verify_graphs"):
+            graphs = getattr(runner, kind, None)
+            if graphs is not None:
+                graphs.release()
+                graphs.ops = runner.ops
+    loop = getattr(proposer, "loop_graphs", None)
+    if loop is not None:
+        loop.release()
+        loop.ops = proposer.runner.ops
 
 
 def graph_replays(engine) -> dict[str, int]:
@@ -251,7 +284,9 @@ def main(argv=None) -> int:
     ap.add_argument("--batch-sizes", default=None, help="default 1,4,16 (--quick: 1,2)")
     ap.add_argument("--kinds", default="repetitive,agentic")
     ap.add_argument("--methods", default="off,ngram,draft",
-                    help="comma-separated: off, ngram, draft, each speculative one optionally as name:K (its K, not --k)")
+                    help="comma-separated: off, ngram, draft, each speculative one optionally as name:K (its K, not --k); "
+                         "any of them with +fewer (e.g. off+fewer, draft:3+fewer): that engine on "
+                         "kimiserve.ops.backend.fewer_kernel_ops, interleaved with the others for an A/B")
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--lookup-max", type=int, default=4)
     ap.add_argument("--draft-model", default=None, help="default: the target's own preset (accepts every greedy draft)")

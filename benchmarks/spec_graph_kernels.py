@@ -80,7 +80,8 @@ def count(args, p, patch) -> int:
     counter = Counter()
     if args.ops != "reference":
         count_triton_launches(counter, patch)
-    glue = ("rms_norm", "layer_norm", "add_read_norm", "route", "situ_and_mul", "head_matmul", "linears")
+    glue = ("rms_norm", "layer_norm", "add_read_norm", "route", "situ_and_mul", "head_matmul", "linears", "linear_add",
+            "gate_output")
     sets = {}
     for owner, runner in (("target", engine.runner), ("draft", getattr(engine.proposer, "runner", None))):
         if runner is None:

@@ -35,6 +35,9 @@ ROUTE_CASES = [  # (rows, experts, top_k, groups, top groups, score function, bi
 HEAD_MATMUL_CASES = [(1, 3, 24, 40), (17, 5, 16, 72), (2, 4, 128, 512)]  # (rows, heads, head dim, latent)
 GATED_NORM_CASES = [(1, 3, 128), (17, 5, 24), (70, 4, 33)]  # (tokens, heads, head dim)
 SITU_CASES = [(1, 300, 25.0), (17, 300, None), (4, 3072, 25.0)]  # (rows, width, linear beta)
+GATE_OUTPUT_CASES = [  # (rows, width, gated, o in fp32, gate a strided view)
+    (1, 200, True, True, True), (17, 333, True, True, False), (5, 1100, False, True, False), (3, 77, True, False, True),
+]
 
 
 @contextlib.contextmanager
@@ -138,6 +141,20 @@ def check_situ(kernel, device, dtype, rows, width, linear_beta, seed=0):
     with poisoned_outputs():
         got = kernel(gate, up, 4.0, linear_beta)
     _check(got, activation_ref.situ_and_mul(gate, up, 4.0, linear_beta), dtype, "situ_and_mul")
+
+
+def check_gate_output(kernel, device, dtype, rows, width, gated, o_fp32, strided_gate, seed=0):
+    """MLA's output gate as the decode rows run it: o as the attention ops return it (fp32 or the model dtype),
+    the gate a row view of a wider projection output (`ops.linear.merged`) or its own tensor."""
+    rnd = _gen(seed)
+    o = (rnd(rows, width) * 2).to(torch.float32 if o_fp32 else dtype).to(device)
+    gate = None
+    if gated:
+        wide = (rnd(rows, width + 5) * 3).to(dtype).to(device)
+        gate = wide[:, 3 : 3 + width] if strided_gate else wide[:, :width].contiguous()
+    with poisoned_outputs():
+        got = kernel(o, gate, dtype)
+    _check(got, activation_ref.gate_output(o, gate, dtype), dtype, "gate_output")
 
 
 def check_head_matmul(kernel, device, dtype, rows, heads, head_dim, latent, seed=0):

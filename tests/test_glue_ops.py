@@ -56,6 +56,17 @@ def test_situ_and_mul(rows, width, linear_beta, dtype):
 
 @gpu
 @pytest.mark.parametrize("dtype", cases.DTYPES)
+@pytest.mark.parametrize("rows, width, gated, o_fp32, strided_gate",
+                         cases.GATE_OUTPUT_CASES + [(64, 12288, True, True, True), (256, 1536, True, True, False)])
+def test_gate_output(rows, width, gated, o_fp32, strided_gate, dtype):
+    from kimiserve.ops.activation import triton as activation_tt
+
+    cases.check_gate_output(activation_tt.gate_output, "cuda", dtype, rows, width, gated, o_fp32, strided_gate,
+                            seed=rows)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", cases.DTYPES)
 @pytest.mark.parametrize("rows, heads, head_dim, latent", cases.HEAD_MATMUL_CASES + [(64, 96, 128, 512)])
 def test_head_matmul(rows, heads, head_dim, latent, dtype):
     from kimiserve.ops.mla import head_matmul_triton

@@ -56,6 +56,12 @@ def test_situ_and_mul(rows, width, linear_beta, dtype):
 
 
 @pytest.mark.parametrize("dtype", cases.DTYPES)
+@pytest.mark.parametrize("rows, width, gated, o_fp32, strided_gate", cases.GATE_OUTPUT_CASES)
+def test_gate_output(rows, width, gated, o_fp32, strided_gate, dtype):
+    cases.check_gate_output(activation_tt.gate_output, "cpu", dtype, rows, width, gated, o_fp32, strided_gate, seed=rows)
+
+
+@pytest.mark.parametrize("dtype", cases.DTYPES)
 @pytest.mark.parametrize("rows, heads, head_dim, latent", cases.HEAD_MATMUL_CASES)
 def test_head_matmul(rows, heads, head_dim, latent, dtype):
     cases.check_head_matmul(head_matmul_triton.head_matmul, "cpu", dtype, rows, heads, head_dim, latent, seed=rows)
@@ -73,6 +79,21 @@ def test_engine_with_glue_kernels_matches_reference_ops():
 
     ops = dataclasses.replace(prefill_kernels(fused_glue_ops(REFERENCE_OPS)), name="glue-kernels-interpreted")
     assert_ops_match_reference_ops(ops, "bf16", random_prompts([40, 90, 7], seed=5))
+
+
+def test_engine_with_fewer_kernel_ops_matches_reference_ops():
+    """The tiny engine with `backend.fewer_kernel_ops` (stacked projections, addmm and the Triton output gate of
+    MLA's decode rows) gives the reference-ops engine's tokens, logits up to near-tie selections."""
+    import dataclasses
+
+    from engine_utils import assert_ops_match_up_to_ties, random_prompts
+    from kimiserve.ops.backend import REFERENCE_OPS, fewer_kernel_ops
+
+    ops, gated = fewer_kernel_ops(REFERENCE_OPS), []
+    assert ops.gate_output is activation_tt.gate_output
+    counted = lambda o, gate, dtype: gated.append(gate is not None) or activation_tt.gate_output(o, gate, dtype)  # noqa: E731
+    assert_ops_match_up_to_ties(dataclasses.replace(ops, gate_output=counted), random_prompts([40, 90, 7], seed=6))
+    assert len(gated) >= 10 and all(gated)  # the tiny MLA layers' decode rows, with their output gate
 
 
 def test_cases_outside_the_kernels_run_the_references():

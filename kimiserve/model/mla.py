@@ -96,21 +96,30 @@ class MLAAttention(nn.Module):
         if config.has_indexer:
             self.indexer = Indexer(config, dtype)
 
-    def query(self, x: torch.Tensor, norm: Callable = rms_norm) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def input_projections(self) -> tuple:
+        """The projections of the layer's input x at the top of the layer: q_a (or q), kv_a and the index key's wk."""
+        first = self.q_a_proj if hasattr(self, "q_a_proj") else self.q_proj
+        return (first, self.kv_a_proj_with_mqa) + ((self.indexer.wk,) if hasattr(self, "indexer") else ())
+
+    def query(self, x: torch.Tensor, norm: Callable = rms_norm,
+              projected: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(q_nope [B, T, H, dn], q_pe [B, T, H, dr], q-LoRA latent or x for the indexer); norm: the
-        q-LoRA RMSNorm's op (`DecodeOps.rms_norm` on the serving path)."""
+        q-LoRA RMSNorm's op (`DecodeOps.rms_norm` on the serving path); projected: q_a's (or q's) output of x
+        when computed already."""
         B, T, _ = x.shape
         if hasattr(self, "q_a_proj"):
-            latent = self.q_a_layernorm(self.q_a_proj(x), norm)
+            latent = self.q_a_layernorm(self.q_a_proj(x) if projected is None else projected, norm)
             q = self.q_b_proj(latent)
         else:
-            latent, q = x, self.q_proj(x)
+            latent, q = x, self.q_proj(x) if projected is None else projected
         q = q.view(B, T, self.num_heads, self.nope + self.rope)
         return q[..., : self.nope], q[..., self.nope :], latent
 
-    def latent(self, x: torch.Tensor, norm: Callable = rms_norm) -> tuple[torch.Tensor, torch.Tensor]:
-        """What the cache holds per token: (normed latent c [B, T, L], k_pe [B, T, dr])."""
-        kv = self.kv_a_proj_with_mqa(x)
+    def latent(self, x: torch.Tensor, norm: Callable = rms_norm,
+               projected: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """What the cache holds per token: (normed latent c [B, T, L], k_pe [B, T, dr]); projected: kv_a's
+        output of x when computed already."""
+        kv = self.kv_a_proj_with_mqa(x) if projected is None else projected
         c, k_pe = kv[..., : self.kv_lora_rank], kv[..., self.kv_lora_rank :]
         return self.kv_a_layernorm(c, norm), k_pe
 
@@ -143,10 +152,15 @@ class MLAAttention(nn.Module):
         o = mla_absorbed(q_nope, q_pe, c, k_pe, w_kc, w_vc, self.scale, mask).reshape(B, T, -1)
         return self.output(x, o)
 
-    def output(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
-        if hasattr(self, "g_proj"):
-            o = o * torch.sigmoid(self.g_proj(x))
-        return self.o_proj(o)
+    def output(self, x: torch.Tensor, o: torch.Tensor, gate: torch.Tensor | None = None,
+               gating: Callable | None = None) -> torch.Tensor:
+        """o_proj of the attention output o (in x's dtype, or with `gating`, `DecodeOps.gate_output`, any float
+        dtype), times the output gate sigmoid(g_proj(x)) first (gate: g_proj's output of x when computed already)."""
+        if hasattr(self, "g_proj") and gate is None:
+            gate = self.g_proj(x)
+        if gating is not None:
+            return self.o_proj(gating(o, gate, x.dtype))
+        return self.o_proj(o if gate is None else o * torch.sigmoid(gate))
 
     def forward_paged(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """Packed tokens x [1, N, d] of several sequences: write their latents and index keys to the
@@ -158,9 +172,13 @@ class MLAAttention(nn.Module):
             return self.forward_token_sharded(x, batch)
         layer, pool, ops = self.cache_index, batch.pool, batch.ops
         N, L = x.shape[1], self.kv_lora_rank
-        q_nope, q_pe, q_latent = self.query(x, ops.rms_norm)
-        c, k_pe = self.latent(x, ops.rms_norm)
-        keys = self.indexer.keys(x, ops.layer_norm)[0] if hasattr(self, "indexer") else None
+        # the projections of x through `ops.linears` (one GEMM on request)
+        reads = self.input_projections() + ((self.g_proj,) if hasattr(self, "g_proj") else ())
+        projected = ops.linears(x, reads)
+        gate = projected[-1] if hasattr(self, "g_proj") else None
+        q_nope, q_pe, q_latent = self.query(x, ops.rms_norm, projected[0])
+        c, k_pe = self.latent(x, ops.rms_norm, projected[1])
+        keys = self.indexer.keys_from_projection(projected[2], ops.layer_norm)[0] if hasattr(self, "indexer") else None
         latent_rows = torch.cat([c, k_pe], dim=-1)[0]
         if batch.write_rows is not None:  # DCP: this rank stores only the tokens it owns
             latent_rows = latent_rows[batch.write_rows]
@@ -170,7 +188,7 @@ class MLAAttention(nn.Module):
         if batch.decode_only:  # the rows themselves, no gather or scatter
             o = self.attend_pages(x[0], q_nope[0], q_pe[0], q_latent[0], w_kc, w_vc, batch.decode_block_tables,
                                   batch.decode_context_lens, batch.decode_max_context, batch)
-            return self.output(x, o.to(x.dtype).reshape(1, N, -1))
+            return self.output(x, o.reshape(1, N, -1), gate, ops.gate_output)
         o = x.new_empty(1, N, self.num_heads, self.v_dim)
         rows = batch.decode_rows
         if rows.numel():
@@ -214,7 +232,7 @@ class MLAAttention(nn.Module):
             o[:, span] = mla_absorbed(
                 q_nope[:, span], q_pe[:, span], latent[..., :L], latent[..., L:], w_kc, w_vc, self.scale, mask
             )
-        return self.output(x, o.reshape(1, N, -1))
+        return self.output(x, o.reshape(1, N, -1), gate)
 
     def attend_chunk(self, x, q_nope, q_pe, q_latent, w_kc, w_vc, chunk, batch: ForwardBatch) -> torch.Tensor:
         """A prefill chunk's rows [n, ...] (of one sequence, at positions batch.positions[chunk rows]) attend

@@ -54,10 +54,10 @@ class MLP(nn.Module):
         act = self.act if ops is REFERENCE_OPS else gated_activation(self.config, ops)
         return self.down_proj(act(*ops.linears(x, (self.gate_proj, self.up_proj))))
 
-    def down(self, gate: torch.Tensor, up: torch.Tensor, ops: DecodeOps = REFERENCE_OPS) -> torch.Tensor:
-        """The forward after the gate and up projections."""
+    def down_onto(self, gate: torch.Tensor, up: torch.Tensor, addend: torch.Tensor, ops: DecodeOps = REFERENCE_OPS):
+        """addend + the forward after the gate and up projections (`ops.linear_add`)."""
         act = self.act if ops is REFERENCE_OPS else gated_activation(self.config, ops)
-        return self.down_proj(act(gate, up))
+        return ops.linear_add(act(gate, up), self.down_proj, addend)
 
 
 class Router(nn.Module):
@@ -377,5 +377,5 @@ class SparseMoE(nn.Module):
                 y = y[:, self.latent_slice]
             y = self.routed_expert_up_proj(y)
         if shared:
-            y = y + self.shared_experts.down(*projected[-2:], ops)
+            y = self.shared_experts.down_onto(*projected[-2:], y, ops)
         return p.tp_all_reduce(y).to(x.dtype).view(shape)

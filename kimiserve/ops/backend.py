@@ -77,8 +77,13 @@ class DecodeOps:
     projection (w_vc transposed) of the decode rows"""
     linears: Callable = linear_ref.separate_linears
     """(x [..., in], modules) -> each projection module's output: the projections of a layer that read the same
-    input (KDA's q, k, v, beta, output gate and gate down-projection; the shared experts' gate and up with the
-    latent MoE's down projection; a dense MLP's gate and up)"""
+    input (KDA's q, k, v, beta, output gate and gate down-projection; MLA's q_a, kv_a, index key and output gate;
+    the shared experts' gate and up with the latent MoE's down projection; a dense MLP's gate and up)"""
+    linear_add: Callable = linear_ref.linear_add
+    """(x, module, addend) -> addend + module(x): the shared experts' down projection onto the routed output"""
+    gate_output: Callable = activation_ref.gate_output
+    """(o [..., n] fp32 or dtype, gate [..., n] | None, dtype) -> o in dtype times sigmoid(gate): MLA's output gate
+    on the decode rows' attention output"""
     moe_layout: str = "checkpoint"
     """The layout MXFP4 routed experts hold their codes in where the fused MoE kernel runs (`ModelRunner.ops`
     re-lays them once when set): "checkpoint" (the "lut" decode) or "shift" (`ops.moe.mxfp4_layout`, the
@@ -147,11 +152,15 @@ def prefill_kernels(ops: DecodeOps) -> DecodeOps:
 def fewer_kernel_ops(ops: DecodeOps) -> DecodeOps:
     """`ops` with fewer kernels per decode step (opt-in: not yet run on a GPU, so `select_decode_ops` does not
     apply it): the projections of a layer that read the same input as one GEMM over their stacked weights
-    (`ops.linear.merged`; kimi-demo's decode step: 200 -> 155 kernels counted as they launch on CUDA,
-    `benchmarks/spec_graph_kernels.py --ops cuda|fewer`)."""
+    (`ops.linear.merged`), the shared experts' down projection accumulating onto the routed output (addmm), and
+    MLA's output cast + sigmoid gate as one Triton kernel. kimi-demo's bf16 decode graph as it launches on CUDA
+    (`benchmarks/spec_graph_kernels.py --ops cuda|fewer --dtype bfloat16`, CPU count): 212 -> 150 kernels (KDA
+    layer 9 -> 4, MoE block 12 -> 9, MLA layer 23 -> 18). Raises ImportError without Triton."""
+    from kimiserve.ops.activation import triton as activation_tt
     from kimiserve.ops.linear import merged
 
-    return dataclasses.replace(ops, name=f"{ops.name}+fewer-kernels", linears=merged.merged_linears)
+    return dataclasses.replace(ops, name=f"{ops.name}+fewer-kernels", linears=merged.merged_linears,
+                               linear_add=merged.linear_add, gate_output=activation_tt.gate_output)
 
 
 def shift_moe_layout(ops: DecodeOps) -> DecodeOps:

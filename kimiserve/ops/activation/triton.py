@@ -54,3 +54,33 @@ def situ_and_mul(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta:
                        float(linear_beta) if linear_beta is not None else 1.0, LINEAR_TANH=linear_beta is not None,
                        DTYPE=TL_DTYPES[gate.dtype], BLOCK=BLOCK, num_warps=4)
     return out
+
+
+@triton.jit
+def _gate_output_kernel(o_ptr, g_ptr, out_ptr, n_cols, o_stride, g_stride,
+                        HAS_GATE: tl.constexpr, DTYPE: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < n_cols
+    o = tl.load(o_ptr + row * o_stride + cols, mask=ok, other=0.0).to(DTYPE)
+    if HAS_GATE:
+        g = tl.load(g_ptr + row * g_stride + cols, mask=ok, other=0.0).to(tl.float32)
+        s = tl.sigmoid(g).to(DTYPE)
+        o = (o.to(tl.float32) * s.to(tl.float32)).to(DTYPE)
+    tl.store(out_ptr + row * n_cols + cols, o, mask=ok)
+
+
+def gate_output(o: torch.Tensor, gate: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """`reference.gate_output` in one kernel (the cast, sigmoid and product of MLA's output, each rounded to
+    `dtype` as torch rounds it): o [..., n] (fp32 or `dtype`), gate [..., n] in `dtype` or None -> [..., n]."""
+    if (o.dtype not in TL_DTYPES or dtype not in TL_DTYPES or o.numel() == 0
+            or (gate is not None and (gate.shape != o.shape or gate.dtype != dtype))):
+        return reference.gate_output(o, gate, dtype)
+    n = o.shape[-1]
+    o2, g2 = (None if t is None else t.reshape(-1, n) if t.reshape(-1, n).stride(-1) == 1 else t.reshape(-1, n).contiguous()
+              for t in (o, gate))
+    out = torch.empty(o.shape, dtype=dtype, device=o.device)
+    grid = (o2.shape[0], triton.cdiv(n, BLOCK))
+    _gate_output_kernel[grid](o2, o2 if g2 is None else g2, out, n, o2.stride(0), 0 if g2 is None else g2.stride(0),
+                              HAS_GATE=g2 is not None, DTYPE=TL_DTYPES[dtype], BLOCK=BLOCK, num_warps=4)
+    return out
