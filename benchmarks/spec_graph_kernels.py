@@ -10,9 +10,9 @@ device time (kimi-demo's decode step: ~640 kernels in ~0.6 ms on the H200).
 
 Prints, per graph (the target's decode / verify / KDA replay graphs, the draft model's), its replays in one
 greedy request on a repeated 32-token span and the kernels per replay. `--by-op` also prints, for the
-decode graphs (the target's, the draft model's), the kernels of one replay by part of the model (KDA layer, MLA layer, MoE block,
-dense MLP, the residual reads + norms between sublayers, embedding, logits), per layer, and the aten ops
-of each part with their counts.
+decode, verify and KDA replay graphs of the target and the draft model, the kernels of one replay by part
+of the model (KDA layer, MLA layer, MoE block, dense MLP, the residual reads + norms between sublayers,
+embedding, logits, outside the model), per layer, and the aten ops of each part with their counts.
 
 `--ops`: which glue ops (`DecodeOps` norms, residual reads, router, SiTU, MLA head matmuls, and the fields
 `fewer_kernel_ops` sets) count how. "reference" (the default, the figures in BENCHMARKS.md): their pure-torch
@@ -125,12 +125,12 @@ def count(args, p, patch) -> int:
     patch.setattr(cuda_graphs.GraphSet, "record", labelled)
     per = collections.defaultdict(list)
     rows_of = {}  # graph label -> the kernel rows of its last replay
-    replay = EagerGraph.replay
-
-    def counted(self):
+    def counted(self):  # `EagerGraph.replay` with its copy into the recorded outputs (the emulation's, not a kernel) uncounted
         start = len(counter.rows)
         with counter:
-            replay(self)
+            new = self.fn()
+        if isinstance(self.out, torch.Tensor):
+            self.out.copy_(new)
         rows_of[self.label] = [r for r in counter.rows[start:] if r[3] not in NO_KERNEL]
         per[self.label].append(len(rows_of[self.label]))
 
@@ -148,8 +148,9 @@ def count(args, p, patch) -> int:
         print(f"{name:28s} {len(counts):7d} {sum(counts) / len(counts):18.1f}")
     if args.by_op:
         for owner, runner in (("target", engine.runner), ("draft", getattr(engine.proposer, "runner", None))):
-            if f"{owner} decode" in rows_of:
-                print_by_op(runner.model, rows_of[f"{owner} decode"], args.ops, f"{owner} decode")
+            for graph in ("decode", "verify", "verify KDA replay"):
+                if f"{owner} {graph}" in rows_of:
+                    print_by_op(runner.model, rows_of[f"{owner} {graph}"], args.ops, f"{owner} {graph}")
     return 0
 
 
@@ -181,7 +182,9 @@ def model_part(model, path: str, fn: str) -> str:
     if "layers" not in parts:
         if "embed_tokens" in path:
             return "embedding"
-        return "logits (lm_head)" if "logits" in fn or "forward_batch" in fn else "final read + norm"
+        if path == "model":
+            return "final read + norm"
+        return "logits (lm_head)" if "logits" in fn or "forward_batch" in fn else "outside the model"
     i = parts.index("layers")
     layer = model.model.layers[int(parts[i + 1])]
     sub = parts[i + 2] if len(parts) > i + 2 else ""

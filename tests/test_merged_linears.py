@@ -129,6 +129,6 @@ def test_spec_graph_kernels_by_op_sums_to_the_decode_graph(monkeypatch, capsys):
     per_replay = float(re.search(r"^target decode\s+\d+\s+([\d.]+)$", out, re.M).group(1))
     total = int(re.search(r"one replay by model part .*: (\d+) kernels", out).group(1))
     parts = dict(re.findall(r"^(KDA layer|MLA layer|MoE block|dense MLP|residual reads \+ norms|embedding|"
-                            r"logits \(lm_head\)|final read \+ norm)\s+(\d+)", out, re.M))
+                            r"logits \(lm_head\)|final read \+ norm|outside the model)\s+(\d+)", out, re.M))
     assert total == per_replay and sum(map(int, parts.values())) == total
     assert {"KDA layer", "MLA layer", "MoE block", "dense MLP", "embedding"} <= set(parts)
