@@ -232,7 +232,7 @@ class MLAAttention(nn.Module):
             o[:, span] = mla_absorbed(
                 q_nope[:, span], q_pe[:, span], latent[..., :L], latent[..., L:], w_kc, w_vc, self.scale, mask
             )
-        return self.output(x, o.reshape(1, N, -1), gate)
+        return self.output(x, o.reshape(1, N, -1), gate, ops.gate_output)
 
     def attend_chunk(self, x, q_nope, q_pe, q_latent, w_kc, w_vc, chunk, batch: ForwardBatch) -> torch.Tensor:
         """A prefill chunk's rows [n, ...] (of one sequence, at positions batch.positions[chunk rows]) attend

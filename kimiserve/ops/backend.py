@@ -83,7 +83,7 @@ class DecodeOps:
     """(x, module, addend) -> addend + module(x): the shared experts' down projection onto the routed output"""
     gate_output: Callable = activation_ref.gate_output
     """(o [..., n] fp32 or dtype, gate [..., n] | None, dtype) -> o in dtype times sigmoid(gate): MLA's output gate
-    on the decode rows' attention output"""
+    on the attention output of a serving batch's rows"""
     moe_layout: str = "checkpoint"
     """The layout MXFP4 routed experts hold their codes in where the fused MoE kernel runs (`ModelRunner.ops`
     re-lays them once when set): "checkpoint" (the "lut" decode) or "shift" (`ops.moe.mxfp4_layout`, the
