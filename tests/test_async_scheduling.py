@@ -14,6 +14,9 @@ from kimiserve.engine.args import EngineArgs
 from kimiserve.engine.engine import LLMEngine
 from kimiserve.sampling_params import SamplingParams
 
+pytestmark = pytest.mark.fixed_threads  # each test compares the overlapped loop with the synchronous one in one
+# process: the same batches at the same thread count on both sides, so the 2-thread pass would assert nothing new
+
 MIXED = [
     SamplingParams(max_tokens=20, temperature=0),
     SamplingParams(max_tokens=7, temperature=0, ignore_eos=True),
