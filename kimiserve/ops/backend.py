@@ -154,8 +154,10 @@ def fewer_kernel_ops(ops: DecodeOps) -> DecodeOps:
     apply it): the projections of a layer that read the same input as one GEMM over their stacked weights
     (`ops.linear.merged`), the shared experts' down projection accumulating onto the routed output (addmm), and
     MLA's output cast + sigmoid gate as one Triton kernel. kimi-demo's bf16 decode graph as it launches on CUDA
-    (`benchmarks/spec_graph_kernels.py --ops cuda|fewer --dtype bfloat16`, CPU count): 212 -> 150 kernels (KDA
-    layer 9 -> 4, MoE block 12 -> 9, MLA layer 23 -> 18). Raises ImportError without Triton."""
+    (`benchmarks/spec_graph_kernels.py --ops cuda|fewer --dtype bfloat16`, CPU count): 211 -> 149 kernels (KDA
+    layer 9 -> 4, MoE block 12 -> 9, MLA layer 23 -> 18). Set it before the engine's graphs capture (or release
+    them): the first call with a group stacks its weights, and graphs captured earlier read the weights' old
+    storage. Raises ImportError without Triton."""
     from kimiserve.ops.activation import triton as activation_tt
     from kimiserve.ops.linear import merged
 
