@@ -14,6 +14,7 @@ from kimiserve.model.batch import ForwardBatch
 from kimiserve.model.layers import Linear, Source, Weights, make_param, read, sharded_loader, source_shape
 from kimiserve.model.parallel_layers import ColumnParallelLinear, RowParallelLinear, context, divide
 from kimiserve.model.training import TrainContext
+from kimiserve.ops.backend import REFERENCE_OPS
 from kimiserve.ops.kda.paged import KDADecodeWeights, short_conv
 from kimiserve.ops.kda.reference import chunk_kda, chunk_kda_batched, chunk_kda_tiled, kda_gate, recurrent_kda
 from kimiserve.ops.norm.reference import gated_rms_norm
@@ -103,16 +104,14 @@ class KimiDeltaAttention(nn.Module):
         serving tokens continuing from each sequence's state page. Other contexts do not concern KDA."""
         B, T, _ = x.shape
         H, K = self.num_heads, self.head_dim
-        if isinstance(ctx, ForwardBatch):  # the projections of x through `ops.linears` (one GEMM on request)
-            gates = (self.g_proj,) if hasattr(self, "g_proj") else (self.g_a_proj,)
-            q, k, v, b, gate, f_low = ctx.ops.linears(x, (self.q_proj, self.k_proj, self.v_proj, self.b_proj, *gates,
-                                                          self.f_a_proj))
-            f = self.f_b_proj(f_low)
-            if not hasattr(self, "g_proj"):
-                gate = self.g_b_proj(gate)
-        else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-            f, b, gate = self.f_b_proj(self.f_a_proj(x)), self.b_proj(x), self.output_gate(x)
+        # the projections of x through `ops.linears` (one GEMM on request on the serving path)
+        ops = ctx.ops if isinstance(ctx, ForwardBatch) else REFERENCE_OPS
+        full_rank_gate = hasattr(self, "g_proj")
+        q, k, v, b, gate, f_low = ops.linears(x, (self.q_proj, self.k_proj, self.v_proj, self.b_proj,
+                                                  self.g_proj if full_rank_gate else self.g_a_proj, self.f_a_proj))
+        f = self.f_b_proj(f_low)
+        if not full_rank_gate:
+            gate = self.g_b_proj(gate)
         if isinstance(ctx, ForwardBatch) and ctx.pcp is None:
             o = self.paged_forward(q, k, v, f, b, gate, ctx)
         else:
