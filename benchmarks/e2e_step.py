@@ -48,6 +48,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import itertools
 import json
 import os
 import statistics
@@ -300,6 +301,10 @@ def main() -> int:
                    help="the MXFP4 routed experts' code layout(s) for the fused MoE kernel, comma-separated, "
                         "'checkpoint' and/or 'shift' (kimiserve.ops.backend.shift_moe_layout): the decode rows "
                         "run for each, re-laid in place between them ('': the engine's choice)")
+    p.add_argument("--projections", default="",
+                   help="comma-separated 'stacked' and/or 'separate': the decode rows run with the CUDA default's "
+                        "stacked projection GEMMs (kimiserve.ops.backend.fewer_kernel_ops) and/or each projection "
+                        "apart (separate_kernel_ops), interleaved per layout ('': the engine's choice)")
     p.add_argument("--quick", action="store_true", help="the same rows, 8 timed steps and 1 expert-count step each")
     p.add_argument("--dry-run", action="store_true", help="tiny preset on the CPU, small sizes")
     p.add_argument("--out", default="benchmarks/results/e2e_step.json")
@@ -326,22 +331,29 @@ def main() -> int:
     layouts = [x for x in args.moe_layout.split(",") if x] or [None]
     if any(x not in (None, "checkpoint", "shift") for x in layouts):
         p.error(f"--moe-layout takes 'checkpoint' and/or 'shift', got {args.moe_layout!r}")
+    projections = [x for x in args.projections.split(",") if x] or [None]
+    if any(x not in (None, "stacked", "separate") for x in projections):
+        p.error(f"--projections takes 'stacked' and/or 'separate', got {args.projections!r}")
     base_ops = engine.runner.ops
     plan = [(b, c) for c in contexts for b in batches] + [(1, c) for c in singles]
-    for layout in layouts:
-        if layout is not None:
-            from kimiserve.ops.backend import shift_moe_layout
+    for layout, projection in itertools.product(layouts, projections):
+        from kimiserve.ops import backend
 
-            engine.runner.ops = (shift_moe_layout(base_ops) if layout == "shift"
-                                 else dataclasses.replace(base_ops, moe_layout="checkpoint"))
+        ops = base_ops
+        if layout is not None:
+            ops = backend.shift_moe_layout(ops) if layout == "shift" else dataclasses.replace(ops, moe_layout="checkpoint")
+        if projection is not None:
+            ops = backend.fewer_kernel_ops(ops) if projection == "stacked" else backend.separate_kernel_ops(ops)
+        engine.runner.ops = ops  # the graph sets capture again with them
         result["ops"], result["moe_layouts"] = engine.runner.ops.name, moe_layouts(engine.model)
         print(f"ops {result['ops']}: MXFP4 expert layouts {result['moe_layouts']}", flush=True)
+        label = "".join(f"[{x}] " for x in (layout, projection) if x)
         for batch, context in plan:
             row = decode_row(engine, batch, context, copy, args.steps, args.source_tokens, count_steps)
             row["ops"], row["moe_layouts"] = result["ops"], result["moe_layouts"]
             result["rows"].append(row)
             save()
-            print_decode(row, f"[{layout}] " if layout else "")
+            print_decode(row, label)
     for tokens in prefills:
         row = prefill_row(engine, tokens, matmul, args.prefill_warmups)
         result["rows"].append(row)

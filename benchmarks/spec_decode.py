@@ -97,8 +97,9 @@ def prompts_of(kind: str, batch: int, seed: int) -> list[list[int]]:
 
 def method_k(args, method: str) -> tuple[str, int]:
     """("off" | "ngram" | "draft", K) of a --methods entry: a name, or name:K for another K than --k; either
-    with "+fewer" after it for the engine with `backend.fewer_kernel_ops` (target and draft model)."""
-    name, _, k = method.removesuffix("+fewer").partition(":")
+    with "+fewer" after it for the engine with `backend.fewer_kernel_ops` (target and draft model; a CUDA
+    engine's default), or "+separate" for `backend.separate_kernel_ops` (each projection apart)."""
+    name, _, k = method.removesuffix("+fewer").removesuffix("+separate").partition(":")
     if name not in ("off", "ngram", "draft"):
         raise SystemExit(f"unknown method {method!r}: off, ngram or draft (optionally :K)")
     return name, 0 if name == "off" else int(k) if k else args.k
@@ -129,6 +130,10 @@ def make_engine(args, method: str) -> LLMEngine:
         from kimiserve.ops.backend import fewer_kernel_ops
 
         use_ops(engine, fewer_kernel_ops)
+    elif entry.endswith("+separate"):
+        from kimiserve.ops.backend import separate_kernel_ops
+
+        use_ops(engine, separate_kernel_ops)
     return engine
 
 
@@ -285,8 +290,9 @@ def main(argv=None) -> int:
     ap.add_argument("--kinds", default="repetitive,agentic")
     ap.add_argument("--methods", default="off,ngram,draft",
                     help="comma-separated: off, ngram, draft, each speculative one optionally as name:K (its K, not --k); "
-                         "any of them with +fewer (e.g. off+fewer, draft:3+fewer): that engine on "
-                         "kimiserve.ops.backend.fewer_kernel_ops, interleaved with the others for an A/B")
+                         "any of them with +fewer (e.g. off+fewer, draft:3+fewer) or +separate: that engine on "
+                         "kimiserve.ops.backend.fewer_kernel_ops (a CUDA engine's default) or separate_kernel_ops "
+                         "(each projection apart), interleaved with the others for an A/B")
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--lookup-max", type=int, default=4)
     ap.add_argument("--draft-model", default=None, help="default: the target's own preset (accepts every greedy draft)")

@@ -79,7 +79,10 @@ def test_cuda_decode_ops_run_the_glue_kernels():
     from kimiserve.ops.backend import select_decode_ops
     from kimiserve.ops.norm import triton as norm_tt
 
-    assert select_decode_ops(torch.device("cuda")).rms_norm is norm_tt.rms_norm
+    from kimiserve.ops.linear import merged
+
+    ops = select_decode_ops(torch.device("cuda"))
+    assert ops.rms_norm is norm_tt.rms_norm and ops.linears is merged.merged_linears  # fewer_kernel_ops: the default
 
 
 def test_reference_add_read_norm_is_the_layers_composition():

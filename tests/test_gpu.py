@@ -178,7 +178,7 @@ def test_small_preset_kernels_teacher_forced_5000_tokens(capsys, kv):
                 if dtype == "bfloat16":
                     tokens = run_engine(engine, [prompt], params)["r0"].outputs[0].token_ids
             else:
-                assert engine.runner.ops.name == "triton" and engine.runner.ops.prefill_in_place
+                assert engine.runner.ops.name.startswith("triton") and engine.runner.ops.prefill_in_place
             rows[dtype, ops], times[dtype, ops] = _teacher_forced(engine, prompt, tokens, params)
             if ops == "kernels":
                 graphs = engine.runner.graphs

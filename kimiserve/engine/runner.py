@@ -128,15 +128,19 @@ class ModelRunner:
     @property
     def ops(self) -> DecodeOps:
         """The step's ops (`ops.backend`). Setting them also re-lays the MXFP4 routed experts' codes as
-        `ops.moe_layout` says where this device runs the fused MoE kernel (else the checkpoint layout)."""
+        `ops.moe_layout` says where this device runs the fused MoE kernel (else the checkpoint layout), and
+        hands them to the decode and verify graph sets, whose graphs capture again with them."""
         return self._ops
 
     @ops.setter
     def ops(self, ops: DecodeOps) -> None:
         self._ops = ops
         layout = ops.moe_layout if fused_moe_for(self.device.type) is not None else "checkpoint"
-        if apply_moe_layout(self.model, layout):
-            self.forget_graphs()
+        apply_moe_layout(self.model, layout)
+        for graph_set in (getattr(self, "graphs", None), getattr(self, "verify_graphs", None)):
+            if graph_set is not None:
+                graph_set.release()
+                graph_set.ops = ops
 
     def forget_graphs(self) -> None:
         """Drop the captured decode and verify graphs (they capture again on next use): after a change

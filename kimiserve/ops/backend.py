@@ -150,19 +150,28 @@ def prefill_kernels(ops: DecodeOps) -> DecodeOps:
 
 
 def fewer_kernel_ops(ops: DecodeOps) -> DecodeOps:
-    """`ops` with fewer kernels per decode step (opt-in: not yet run on a GPU, so `select_decode_ops` does not
-    apply it): the projections of a layer that read the same input as one GEMM over their stacked weights
+    """`ops` with fewer kernels per decode step (what `select_decode_ops` gives a CUDA engine since session 6):
+    the projections of a layer that read the same input as one GEMM over their stacked weights
     (`ops.linear.merged`), the shared experts' down projection accumulating onto the routed output (addmm), and
     MLA's output cast + sigmoid gate as one Triton kernel. kimi-demo's bf16 decode graph as it launches on CUDA
     (`benchmarks/spec_graph_kernels.py --ops cuda|fewer --dtype bfloat16`, CPU count): 211 -> 149 kernels (KDA
-    layer 9 -> 4, MoE block 12 -> 9, MLA layer 23 -> 18). Set it before the engine's graphs capture (or release
-    them): the first call with a group stacks its weights, and graphs captured earlier read the weights' old
-    storage. Raises ImportError without Triton."""
+    layer 9 -> 4, MoE block 12 -> 9, MLA layer 23 -> 18); on the H200 its decode graph replays in 0.48 instead of
+    0.61 ms (1.27x the tokens/s at batch 1, same greedy tokens; BENCHMARKS.md, "Session 6 on the H200"). The
+    first eager call with a group stacks its weights (a call under CUDA graph capture with an unstacked group
+    runs the projections apart); graphs captured before a parameter was replaced (not copied into) read the
+    old storage. Raises ImportError without Triton."""
     from kimiserve.ops.activation import triton as activation_tt
     from kimiserve.ops.linear import merged
 
     return dataclasses.replace(ops, name=f"{ops.name}+fewer-kernels", linears=merged.merged_linears,
                                linear_add=merged.linear_add, gate_output=activation_tt.gate_output)
+
+
+def separate_kernel_ops(ops: DecodeOps) -> DecodeOps:
+    """`ops` with each projection, the shared experts' down projection and add, and MLA's output gate as their
+    reference compositions: the other side of `fewer_kernel_ops`' A/B (the CUDA engine before session 6)."""
+    return dataclasses.replace(ops, name=f"{ops.name}+separate-projections", linears=linear_ref.separate_linears,
+                               linear_add=linear_ref.linear_add, gate_output=activation_ref.gate_output)
 
 
 def shift_moe_layout(ops: DecodeOps) -> DecodeOps:
@@ -188,9 +197,10 @@ def select_decode_ops(device: torch.device) -> DecodeOps:
         warnings.warn(f"Triton kernels unavailable ({e}); the GPU runs the pure-torch reference ops")
         return REFERENCE_OPS
     kda_prefill, kda_decode = _kda_ops()
-    return prefill_kernels(fused_glue_ops(DecodeOps("triton", cache_write_tt.write_mla_tokens, indexer_tt.paged_indexer_scores,
-                     topk_tt.topk_indices, mla_tt.paged_sparse_mla_decode, mla_tt.paged_dense_mla_decode,
-                     kda_prefill, kda_decode, prefill_in_place=True, moe_layout="shift",
-                     prefill_indexer_scores=indexer_prefill_tt.prefill_indexer_scores,
-                     sparse_mla_prefill=mla_tt.paged_sparse_mla_prefill,
-                     kda_decode_step=functools.partial(kda_decode_step_tt.kda_decode_step, fallback=kda_decode))))
+    kernels = DecodeOps("triton", cache_write_tt.write_mla_tokens, indexer_tt.paged_indexer_scores,
+                        topk_tt.topk_indices, mla_tt.paged_sparse_mla_decode, mla_tt.paged_dense_mla_decode,
+                        kda_prefill, kda_decode, prefill_in_place=True, moe_layout="shift",
+                        prefill_indexer_scores=indexer_prefill_tt.prefill_indexer_scores,
+                        sparse_mla_prefill=mla_tt.paged_sparse_mla_prefill,
+                        kda_decode_step=functools.partial(kda_decode_step_tt.kda_decode_step, fallback=kda_decode))
+    return fewer_kernel_ops(prefill_kernels(fused_glue_ops(kernels)))

@@ -5,7 +5,8 @@ projection; a dense MLP's gate and up.
 
 The stacked weight is built once, at the first call with a group, and the modules' weights become row
 views of it (no second copy of the weights; a checkpoint load or weight sync that copies into the
-parameters writes the stacked weight). Each call checks the views are still in place (host pointers
+parameters writes the stacked weight; a group first met under CUDA graph capture is an error, which the
+graph sets' warm-up before each capture rules out). Each call checks the views are still in place (host pointers
 only) and restacks when a parameter was replaced; groups with LoRA slots, other projection types or
 mixed dtypes run each module on its own (`reference.separate_linears`).
 
@@ -58,6 +59,9 @@ def merged_linears(x: torch.Tensor, modules: tuple) -> tuple[torch.Tensor, ...]:
     owner = modules[0]
     stacked = owner.__dict__.get("_stacked_with")
     if stacked is None or stacked[0] != tuple(map(id, modules)) or not _in_place(stacked[1], modules):
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("merged_linears: a projection group is stacked by its first eager call (a graph set's "
+                               "warm-up); under capture the graph would replay the stacking copy")
         stacked = (tuple(map(id, modules)), _stack(modules))
         owner.__dict__["_stacked_with"] = stacked
     weight = stacked[1][0]
