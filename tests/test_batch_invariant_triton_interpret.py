@@ -340,6 +340,57 @@ def test_rms_norm_backward_is_the_torch_gradient():
             torch.testing.assert_close(a, b)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_glue_kernels_match_the_torch_forms_and_rows_do_not_depend_on_the_batch(monkeypatch, dtype):
+    """The serving path's SiTU and read + norm kernels as the invariant forward's GPU forms: close to the
+    torch (tree) forms, and each row's bits the same alone, in other batches and at other places."""
+    from kimiserve.ops.batch_invariant import reference as bi
+
+    monkeypatch.setattr(bi, "on_triton", lambda x: True)
+    g = torch.Generator().manual_seed(11)
+    rnd = lambda *shape, scale=1.0: (torch.randn(*shape, generator=g) * scale).to(dtype).to(DEVICE)  # noqa: E731
+    N, D, inter = 29, 200, 333
+    gate, up = rnd(N, inter, scale=3), rnd(N, inter, scale=3)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    got = bi.situ_and_mul(gate, up, 4.0, 25.0)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), bi._situ_and_mul_torch(gate, up, 4.0, 25.0).float(), rtol=tol, atol=tol)
+    for rows in (slice(0, 1), slice(17, 18), slice(2, 27)):
+        assert torch.equal(bi.situ_and_mul(gate[rows], up[rows], 4.0, 25.0), got[rows])
+    running, rn, rp, nw = rnd(N, D), rnd(D), rnd(1, D), rnd(D)
+    for n_blocks in (0, 1, 3):
+        blocks = [rnd(N, D) for _ in range(n_blocks)]
+        out = bi.read_norm(running, blocks, rn, rp, nw, 1e-5)
+        want = bi._read_norm_torch(running, blocks, rn, rp, nw, 1e-5)
+        assert out.dtype == dtype and not out.isnan().any()
+        torch.testing.assert_close(out.float(), want.float(), rtol=tol, atol=tol)
+        for rows in (slice(0, 1), slice(17, 18), slice(2, 27)):
+            assert torch.equal(bi.read_norm(running[rows], [b[rows] for b in blocks], rn, rp, nw, 1e-5), out[rows])
+
+
+def test_glue_kernels_backward_is_the_torch_gradient(monkeypatch):
+    from kimiserve.ops.batch_invariant import reference as bi
+
+    monkeypatch.setattr(bi, "on_triton", lambda x: True)
+    g = torch.Generator().manual_seed(12)
+    leaf = lambda *shape: torch.randn(*shape, generator=g).to(DEVICE).requires_grad_(True)  # noqa: E731
+    gate, up = leaf(6, 50), leaf(6, 50)
+    out, ref = bi.situ_and_mul(gate, up, 4.0, 25.0), bi._situ_and_mul_torch(gate, up, 4.0, 25.0)
+    c = torch.randn_like(out)
+    for a, b in zip(torch.autograd.grad((out * c).sum(), (gate, up)), torch.autograd.grad((ref * c).sum(), (gate, up))):
+        torch.testing.assert_close(a, b)
+    running, rn, rp, nw, blocks = leaf(6, 40), leaf(40), leaf(1, 40), leaf(40), [leaf(6, 40), leaf(6, 40)]
+    leaves = (running, rn, rp, nw, *blocks)
+    out, ref = bi.read_norm(running, blocks, rn, rp, nw, 1e-5), bi._read_norm_torch(running, blocks, rn, rp, nw, 1e-5)
+    c = torch.randn_like(out)
+    for a, b in zip(torch.autograd.grad((out * c).sum(), leaves), torch.autograd.grad((ref * c).sum(), leaves)):
+        torch.testing.assert_close(a, b)
+    out = bi.read_norm(running, [], None, None, nw, 1e-5)  # no blocks: the norm alone
+    ref = bi._read_norm_torch(running, [], None, None, nw, 1e-5)
+    for a, b in zip(torch.autograd.grad(out.sum(), (running, nw)), torch.autograd.grad(ref.sum(), (running, nw))):
+        torch.testing.assert_close(a, b)
+
+
 def test_mxfp4_matmul_is_the_matmul_of_the_dequantised_weight(monkeypatch):
     from kimiserve.ops.batch_invariant import reference as bi
     from kimiserve.ops.quant.reference import dequantize_mxfp4, quantize_mxfp4

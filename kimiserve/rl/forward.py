@@ -333,24 +333,31 @@ class InvariantForward:
             blocks: list[torch.Tensor] = []
             for layer in m.layers:
                 h, blocks = self.attn_res_layer(layer, h, blocks, ctx)
-            h = bi.attn_res_read(h, blocks, m.output_attn_res_norm.weight, m.output_attn_res_proj.weight,
-                                 self.config.rms_norm_eps)
+            return self.read_norm(h, blocks, m.output_attn_res_norm, m.output_attn_res_proj, m.norm)
         return self.norm(m.norm, h)
 
     def logits(self, h: torch.Tensor, lora=None, rows: torch.Tensor | None = None) -> torch.Tensor:
         return bi.linear(h, self.model.lm_head_weight).float()
 
     def attn_res_layer(self, layer, running, blocks, ctx):
-        eps = self.config.rms_norm_eps
-        x = (bi.attn_res_read(running, blocks, layer.self_attention_res_norm.weight,
-                              layer.self_attention_res_proj.weight, eps) if blocks else running)
+        x = self.read_norm(running, blocks, layer.self_attention_res_norm, layer.self_attention_res_proj,
+                           layer.input_layernorm)
         live = running
         if layer.layer % layer.block_size == 0:
             blocks, live = [*blocks, running], None
-        a = self.attention(layer.self_attn, self.norm(layer.input_layernorm, x), ctx)
+        a = self.attention(layer.self_attn, x, ctx)
         live = a if live is None else live + a
-        x = bi.attn_res_read(live, blocks, layer.mlp_res_norm.weight, layer.mlp_res_proj.weight, eps)
-        return live + self.ffn(layer, self.norm(layer.post_attention_layernorm, x)), blocks
+        x = self.read_norm(live, blocks, layer.mlp_res_norm, layer.mlp_res_proj, layer.post_attention_layernorm)
+        return live + self.ffn(layer, x), blocks
+
+    def read_norm(self, running, blocks, read_norm, read_proj, norm) -> torch.Tensor:
+        """The attention-residual read (eps: the config's) and the RMSNorm after it (its module's eps); one
+        kernel per row on CUDA when the two eps agree, as they do in the checkpoints."""
+        eps = self.config.rms_norm_eps
+        if norm.eps != eps:
+            x = bi.attn_res_read(running, blocks, read_norm.weight, read_proj.weight, eps) if blocks else running
+            return self.norm(norm, x)
+        return bi.read_norm(running, blocks, read_norm.weight, read_proj.weight, norm.weight, eps)
 
     # pieces ------------------------------------------------------------------------------------
     @staticmethod

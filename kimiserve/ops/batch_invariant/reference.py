@@ -341,12 +341,50 @@ def softplus(x: torch.Tensor) -> torch.Tensor:
     return torch.where(x > 20, x, torch.log1p(torch.exp(x.clamp(max=20))))
 
 
-def situ_and_mul(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float | None) -> torch.Tensor:
+def _situ_and_mul_torch(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float | None) -> torch.Tensor:
     g, u = gate.float(), up.float()
     act = beta * torch.tanh(g / beta) * sigmoid(g)
     if linear_beta is not None:
         u = linear_beta * torch.tanh(u / linear_beta)
     return (act * u).to(gate.dtype)
+
+
+def _glue_kernels():
+    """(`ops.activation.triton`, `ops.attn_res.triton`): the serving path's row kernels, which the GPU
+    form of the invariant forward shares (elementwise, or one program per row whose configuration depends
+    on the row width only: a row's bits never depend on the batch); None without Triton."""
+    try:
+        from kimiserve.ops.activation import triton as activation_tt
+        from kimiserve.ops.attn_res import triton as attn_res_tt
+    except ImportError:
+        return None
+    return activation_tt, attn_res_tt
+
+
+class _SiTUAndMul(torch.autograd.Function):
+    """Forward: the Triton SiTU kernel (fp32 inside, one rounding); backward: autograd through the torch form."""
+
+    @staticmethod
+    def forward(ctx, gate, up, beta, linear_beta):
+        ctx.save_for_backward(gate, up)
+        ctx.beta, ctx.linear_beta = beta, linear_beta
+        return _glue_kernels()[0].situ_and_mul(gate, up, beta, linear_beta)
+
+    @staticmethod
+    def backward(ctx, grad):
+        gate, up = ctx.saved_tensors
+        with torch.enable_grad():
+            g, u = gate.detach().requires_grad_(), up.detach().requires_grad_()
+            dg, du = torch.autograd.grad(_situ_and_mul_torch(g, u, ctx.beta, ctx.linear_beta), (g, u), grad)
+        return dg, du, None, None
+
+
+def situ_and_mul(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float | None) -> torch.Tensor:
+    """SiTU(gate) * (linear_beta tanh(up / linear_beta)) in fp32, rounded once (elementwise: batch-invariant
+    as it is); on CUDA the serving path's one Triton kernel instead of ~16 torch kernels."""
+    if on_triton(gate) and _glue_kernels() is not None and gate.shape == up.shape:
+        return _SiTUAndMul.apply(gate, up, beta, linear_beta)
+    return _situ_and_mul_torch(gate, up, beta, linear_beta)
 
 
 def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -441,6 +479,49 @@ def attn_res_read(running: torch.Tensor, blocks: list[torch.Tensor], norm_weight
     scores = tree_sum(v * query, -1) * torch.rsqrt(tree_mean(v * v, -1) + eps)
     probs = softmax(scores, -1)
     return tree_sum(probs.unsqueeze(-1) * v, -2).to(running.dtype)
+
+
+def _read_norm_torch(running, blocks, read_norm_weight, read_proj_weight, norm_weight, eps):
+    x = attn_res_read(running, list(blocks), read_norm_weight, read_proj_weight, eps) if blocks else running
+    return _rms_norm_torch(x, norm_weight, eps)
+
+
+class _ReadNorm(torch.autograd.Function):
+    """Forward: the serving path's `attn_res.triton.add_read_norm` (one program per row); backward:
+    autograd through the torch form (`attn_res_read` then `rms_norm`)."""
+
+    @staticmethod
+    def forward(ctx, eps, running, read_norm_weight, read_proj_weight, norm_weight, *blocks):
+        ctx.eps = eps
+        ctx.save_for_backward(running, read_norm_weight, read_proj_weight, norm_weight, *blocks)
+        return _glue_kernels()[1].add_read_norm(running, None, list(blocks), read_norm_weight, read_proj_weight,
+                                                 norm_weight, eps)[0]
+
+    @staticmethod
+    def backward(ctx, grad):
+        saved = ctx.saved_tensors
+        with torch.enable_grad():
+            leaves = [t.detach().requires_grad_(need) if t is not None else None
+                      for t, need in zip(saved, ctx.needs_input_grad[1:])]
+            running, rn, rp, nw, *blocks = leaves
+            out = _read_norm_torch(running, blocks, rn, rp, nw, ctx.eps)
+            wanted = [t for t in leaves if t is not None and t.requires_grad]
+            grads = iter(torch.autograd.grad(out, wanted, grad, allow_unused=True) if wanted else ())
+        return (None, *(next(grads) if t is not None and t.requires_grad else None for t in leaves))
+
+
+def read_norm(running: torch.Tensor, blocks: list[torch.Tensor], read_norm_weight: torch.Tensor | None,
+              read_proj_weight: torch.Tensor | None, norm_weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """A sublayer's normed input: the attention-residual read of `blocks` (`attn_res_read`; none: `running`
+    itself), then `rms_norm` with the same eps. On CUDA one Triton program per row (the serving path's
+    `add_read_norm`, its reductions fixed by the row width) instead of ~26 torch kernels."""
+    fused = on_triton(running) and _glue_kernels() is not None and _glue_kernels()[1].supported(running, norm_weight)
+    if fused and blocks and not (read_norm_weight.is_contiguous() and read_proj_weight.is_contiguous()):
+        fused = False
+    if fused:
+        return _ReadNorm.apply(eps, running, read_norm_weight if blocks else None,
+                               read_proj_weight if blocks else None, norm_weight, *blocks)
+    return _read_norm_torch(running, blocks, read_norm_weight, read_proj_weight, norm_weight, eps)
 
 
 def tree_add(terms: list[torch.Tensor]) -> torch.Tensor:
