@@ -10,11 +10,15 @@ torch time of the model's full-sequence forward over the prefill batch.
 
     PYTHONPATH=. OMP_NUM_THREADS=1 python benchmarks/batch_invariant.py            # tiny, CPU
     PYTHONPATH=. python benchmarks/batch_invariant.py --model small --device cuda --batch 16 --prompt-len 2048
+
+`--split-k-programs N` (CUDA) adds a third engine, batch-invariant with split-K in its matmuls
+(`ops.batch_invariant.triton.SPLIT_K_PROGRAMS` = N while it is built and run), measured the same way.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -45,6 +49,21 @@ def matmul_rate(device: str, n: int = 2048) -> float:
         a @ b
     sync(device)
     return 2 * n ** 3 * reps / (time.perf_counter() - t)
+
+
+@contextlib.contextmanager
+def split_k(programs: int):
+    """`SPLIT_K_PROGRAMS` = programs inside (nothing at 0: the module is Triton's, CUDA only)."""
+    if programs <= 0:
+        yield
+        return
+    from kimiserve.ops.batch_invariant import triton as bi_triton
+
+    before, bi_triton.SPLIT_K_PROGRAMS = bi_triton.SPLIT_K_PROGRAMS, programs
+    try:
+        yield
+    finally:
+        bi_triton.SPLIT_K_PROGRAMS = before
 
 
 def run_to_end(engine: LLMEngine) -> dict:
@@ -121,6 +140,8 @@ def main(argv=None) -> int:
     parser.add_argument("--kv-cache-dtype", default="auto")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.7,
                         help="both engines' (GPU) cache budget: the rest is left for activations and graphs")
+    parser.add_argument("--split-k-programs", type=int, default=0,
+                        help="also measure batch-invariant mode with split-K at this SPLIT_K_PROGRAMS (CUDA; 0: not)")
     parser.add_argument("--out", default=None, help="default: benchmarks/results/batch_invariant_<device>.json")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
@@ -128,11 +149,16 @@ def main(argv=None) -> int:
     prompts = [torch.randint(0, vocab, (args.prompt_len,)).tolist() for _ in range(args.batch)]
     rate = matmul_rate(args.device)
     results = {}
-    for mode, flag in (("default", False), ("batch_invariant", True)):
+    modes = [("default", False, 0), ("batch_invariant", True, 0)]
+    if args.split_k_programs > 0:
+        modes.append(("batch_invariant_split_k", True, args.split_k_programs))
+    for mode, flag, split_programs in modes:
         t = time.perf_counter()
-        results[mode] = measure(args, flag, prompts)
+        with split_k(split_programs):
+            results[mode] = measure(args, flag, prompts)
         print(mode, json.dumps(results[mode]), f"({time.perf_counter() - t:.1f} s with build and warm-up)", flush=True)
     d, b = results["default"], results["batch_invariant"]
+    split = results.get("batch_invariant_split_k")
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     except OSError:
@@ -145,6 +171,10 @@ def main(argv=None) -> int:
         "slowdown_prefill": d["prefill_tokens_per_s"] / b["prefill_tokens_per_s"],
         "slowdown_decode": d["decode_tokens_per_s"] / b["decode_tokens_per_s"],
     }
+    if split is not None:
+        record["split_k_programs"] = args.split_k_programs
+        record["slowdown_prefill_split_k"] = d["prefill_tokens_per_s"] / split["prefill_tokens_per_s"]
+        record["slowdown_decode_split_k"] = d["decode_tokens_per_s"] / split["decode_tokens_per_s"]
     out = args.out or os.path.join(os.path.dirname(__file__), "results", f"batch_invariant_{args.device.split(':')[0]}.json")
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with open(out, "w") as f:

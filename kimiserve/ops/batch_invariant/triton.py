@@ -1,11 +1,13 @@
 """Triton batch-invariant matmul (the GPU form of `reference.linear` for one weight matrix).
 
 y[m, n] = sum_k x[m, k] w[n, k], tiled with a configuration fixed by the weight's shape [N, K] alone,
-whatever M is (no split-K, no autotuning, no M-dependent tile choice, M not specialised on: `tile_config`;
-BM is one for every shape): every output element is accumulated
-over K in BLOCK_K chunks in increasing k, each chunk one `tl.dot` of fixed-shape [BM, BK] x [BK, BN]
-tiles into the fp32 accumulator, so a row's result does not depend on how many rows there are or where
-it sits in its tile (rows past M load as zeros). bf16 / fp16 operands of one dtype go through the
+whatever M is (no autotuning, no M-dependent tile choice, M not specialised on: `tile_config`; BM is one
+for every shape): every output element is accumulated over K in BLOCK_K steps in increasing k, each step
+one `tl.dot` of fixed-shape [BM, BK] x [BK, BN] tiles into the fp32 accumulator, so a row's result does
+not depend on how many rows there are or where it sits in its tile (rows past M load as zeros). With
+split-K (`split_k`, opt-in: `SPLIT_K_PROGRAMS`) the steps are cut into chunks fixed by the weight's shape
+too, each summed from zero and the chunk sums added in chunk order; whether the chunks of a tile run in
+one program or in programs of their own (a small M) changes where they run, not the bits. bf16 / fp16 operands of one dtype go through the
 tensor cores (fp32 accumulate); anything else is computed in fp32 with IEEE products (no TF32). The
 recipe of thinking-machines' batch_invariant_ops and vLLM's batch-invariant mode (one tile config per
 dtype, a sequential K loop), as a plain grid rather than a persistent kernel.
@@ -47,36 +49,127 @@ def tile_config(N: int, K: int) -> dict:
             return config
     return CONFIG
 
+
+SPLIT_K_PROGRAMS = 0
+"""Split-K (off at 0): a weight with fewer than this many output tiles (`tile_config`'s BN) is cut along K
+into `split_k` chunks, so that one row tile has at most (about) this many (tile, chunk) programs. Each chunk is summed
+from zero and the chunk sums are added in chunk order, whatever M is (the chunks are a function of the
+weight's shape alone); how the work is spread is M's business only: a grid that leaves SMs idle runs one
+program per (tile, chunk) and adds their fp32 partials in a second kernel, a larger one runs every chunk
+of a tile in one program (no partials in memory), with the same bits. Off until measured on the GPU
+(benchmarks/batch_invariant_matmul.py --split-k-programs); 264 is two programs per H200 SM, what fits
+at once with the 8-warp tiles' shared memory (4 stages of 64 x 64 + 64 x 128 bf16: 96 KB)."""
+
+SPLIT_K_MAX = 16
+"""At most this many K chunks."""
+
+SPLIT_K_MIN_STEPS = 4
+"""A K chunk spans at least this many BK steps (the loads pipeline within a chunk)."""
+
+
+def split_k(N: int, K: int, config: dict) -> tuple[int, int]:
+    """(chunks, BK steps per chunk) of a product with a weight [N, K] under `config`: a function of the
+    weight's shape only (`SPLIT_K_PROGRAMS`); (1, all steps) without split-K."""
+    steps = triton.cdiv(K, config["BK"])
+    tiles = triton.cdiv(N, config["BN"])
+    if SPLIT_K_PROGRAMS <= 0 or tiles >= SPLIT_K_PROGRAMS:
+        return 1, steps
+    want = min(SPLIT_K_PROGRAMS // tiles, SPLIT_K_MAX, steps // SPLIT_K_MIN_STEPS)
+    if want <= 1:
+        return 1, steps
+    chunk = triton.cdiv(steps, want)
+    return triton.cdiv(steps, chunk), chunk
+
+
+@dataclass(frozen=True)
+class MatmulPlan:
+    """How `matmul` runs a product: the tiles and K chunks (`tile_config`, `split_k`: the weight's shape
+    alone, so the bits) and the programs per output tile along K (`parts`: 1, or `chunks` when spread)."""
+
+    config: dict
+    chunks: int
+    chunk: int
+    parts: int
+
+    @property
+    def spread(self) -> bool:
+        return self.parts > 1
+
+
+def matmul_plan(B: int, M: int, N: int, K: int, device: torch.device, spread: bool | None = None) -> MatmulPlan:
+    """The plan of `matmul` for B products of [M, K] rows with [N, K] weights; `spread` None: spread the
+    chunks over programs when the output tiles alone would leave SMs idle."""
+    c = tile_config(N, K)
+    chunks, chunk = split_k(N, K, c)
+    if spread is None:
+        spread = triton.cdiv(M, c["BM"]) * triton.cdiv(N, c["BN"]) * B < _sm_count(device)
+    return MatmulPlan(c, chunks, chunk, chunks if spread else 1)
+
+
+def _sm_count(device: torch.device) -> int:
+    """The device's SM count (the interpreter's CPU: an H200's 132)."""
+    if device.type != "cuda":
+        return 132
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 _TENSOR_CORE_DTYPES = (torch.bfloat16, torch.float16)
 
 
 @triton.jit(do_not_specialize=["M"])
-def _matmul_kernel(x_ptr, w_ptr, y_ptr, M, N, K, sxb, sxm, sxk, swb, swn, swk, syb, sym, syn,
-                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr):
+def _matmul_kernel(x_ptr, w_ptr, y_ptr, M, N, K, B, sxb, sxm, sxk, swb, swn, swk, syb, sym, syn, chunk, span,
+                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr, CHUNKED: tl.constexpr):
+    """One [BM, BN] output tile of batch b = z % B over the `span` K steps (of BK) from (z // B) * span.
+    CHUNKED: K is cut into chunks of `chunk` steps from k = 0, each accumulated from zero and added to the
+    tile's total in increasing chunk order. A program either runs every chunk (span = all steps, z = b)
+    and stores the total, or one chunk (span = chunk) and stores that chunk's fp32 sum to block z of y,
+    which `_sum_parts_kernel` adds up in the same order: the same bits either way."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    pid_b = tl.program_id(2).to(tl.int64)
+    pid_z = tl.program_id(2)
+    pid_b = (pid_z % B).to(tl.int64)
+    steps = tl.cdiv(K, BK)
+    i0 = (pid_z // B) * span
+    i1 = tl.minimum(i0 + span, steps)
     x_ptr += pid_b * sxb
     w_ptr += pid_b * swb
-    y_ptr += pid_b * syb
+    y_ptr += pid_z.to(tl.int64) * syb
     rm = pid_m * BM + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)
     rm64, rn64 = rm.to(tl.int64), rn.to(tl.int64)  # offsets past 2^31 elements (a vocab-sized weight)
-    x_ptrs = x_ptr + rm64[:, None] * sxm + rk[None, :] * sxk
-    w_ptrs = w_ptr + rn64[None, :] * swn + rk[:, None] * swk
+    x_ptrs = x_ptr + rm64[:, None] * sxm + (i0 * BK + rk[None, :]) * sxk
+    w_ptrs = w_ptr + rn64[None, :] * swn + (i0 * BK + rk[:, None]) * swk
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for k0 in range(0, K, BK):
+    total = tl.zeros((BM, BN), dtype=tl.float32)
+    for i in range(i0, i1):
+        k0 = i * BK
         a = tl.load(x_ptrs, mask=(rm[:, None] < M) & (k0 + rk[None, :] < K), other=0.0)
         b = tl.load(w_ptrs, mask=(rn[None, :] < N) & (k0 + rk[:, None] < K), other=0.0)
         if IEEE:
             acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
         else:
             acc = tl.dot(a, b, acc)
+        if CHUNKED:
+            if ((i + 1) % chunk == 0) | (i + 1 == i1):  # a chunk's last step
+                total += acc
+                acc = tl.zeros((BM, BN), dtype=tl.float32)
         x_ptrs += BK * sxk
         w_ptrs += BK * swk
-    tl.store(y_ptr + rm64[:, None] * sym + rn64[None, :] * syn, acc.to(y_ptr.dtype.element_ty),
+    out = total if CHUNKED else acc
+    tl.store(y_ptr + rm64[:, None] * sym + rn64[None, :] * syn, out.to(y_ptr.dtype.element_ty),
              mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+@triton.jit
+def _sum_parts_kernel(p_ptr, y_ptr, numel, parts, BLOCK: tl.constexpr):
+    """y = the fp32 sum of `parts` contiguous blocks of `numel` partials, added in block order from zero."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    total = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in range(0, parts):
+        total += tl.load(p_ptr + s * numel + offs, mask=mask, other=0.0)
+    tl.store(y_ptr + offs, total.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -242,10 +335,13 @@ def grouped_matmul(x: torch.Tensor, weights, plan: TilePlan, out_dtype: torch.dt
     return y
 
 
-def matmul(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def matmul(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype = torch.float32,
+           spread: bool | None = None) -> torch.Tensor:
     """x [M, K] @ w [N, K]^T -> [M, N] in `out_dtype` (the fp32 sum rounded once), batch-invariant
     (see the module doc). Also batched: x [B, M, K] and w [B, N, K] -> [B, M, N], each b on its own
-    (the same tiles as B separate calls)."""
+    (the same tiles as B separate calls). With split-K chunks (`split_k`), `spread` says whether each
+    (tile, chunk) gets its own program and the partials a second kernel (None: when the tiles alone
+    would leave SMs idle); the bits are the same either way."""
     batched = x.dim() == 3
     if x.dim() not in (2, 3) or w.dim() != x.dim() or x.shape[-1] != w.shape[-1] or (batched and x.shape[0] != w.shape[0]):
         raise ValueError(f"matmul needs x [M, K] and w [N, K] (or [B, M, K] and [B, N, K]), got {tuple(x.shape)} "
@@ -256,9 +352,18 @@ def matmul(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype = torch.floa
     y = torch.empty(B, M, N, dtype=out_dtype, device=x.device)
     if B and M and N:
         ieee = not (x.dtype == w.dtype and x.dtype in _TENSOR_CORE_DTYPES)
-        c = tile_config(N, K)
-        grid = (triton.cdiv(M, c["BM"]), triton.cdiv(N, c["BN"]), B)
-        _matmul_kernel[grid](x3, w3, y, M, N, K, *x3.stride(), *w3.stride(), *y.stride(),
-                             BM=c["BM"], BN=c["BN"], BK=c["BK"], IEEE=ieee, num_warps=c["num_warps"],
-                             num_stages=c["num_stages"])
+        plan = matmul_plan(B, M, N, K, x.device, spread)
+        c, parts = plan.config, plan.parts
+        out = y if parts == 1 else torch.empty(parts * B, M, N, dtype=torch.float32, device=x.device)
+        _matmul_kernel[(triton.cdiv(M, c["BM"]), triton.cdiv(N, c["BN"]), parts * B)](
+            x3, w3, out, M, N, K, B, *x3.stride(), *w3.stride(), *out.stride(), plan.chunk,
+            plan.chunk if parts > 1 else triton.cdiv(K, c["BK"]), BM=c["BM"], BN=c["BN"], BK=c["BK"], IEEE=ieee,
+            CHUNKED=plan.chunks > 1, num_warps=c["num_warps"], num_stages=c["num_stages"])
+        if parts > 1:
+            numel = B * M * N
+            _sum_parts_kernel[(triton.cdiv(numel, SUM_BLOCK),)](out, y, numel, parts, BLOCK=SUM_BLOCK, num_warps=4)
     return y if batched else y[0]
+
+
+SUM_BLOCK = 1024
+"""Elements per program of the partials' sum."""
