@@ -1,4 +1,4 @@
-"""500 streaming requests from 64 concurrent clients, a tenth of them hanging up early: no 5xx, no
+"""250 streaming requests from 64 concurrent clients, a tenth of them hanging up early: no 5xx, no
 leaked pages, and the server's counters equal what the clients saw.
 
 Counting: a finished request's tokens are in its usage chunk. A client that hangs up does not
@@ -31,7 +31,7 @@ from server_utils import metrics, running_server, wait_until
 
 pytestmark = pytest.mark.fixed_threads  # ranks / servers run with one torch thread: OMP_NUM_THREADS changes nothing
 
-CONCURRENCY, TOTAL, HANG_UP_EVERY = 64, 500, 10
+CONCURRENCY, TOTAL, HANG_UP_EVERY = 64, 250, 10  # about four waves of 64 streams (500 until the CI trim: 35 s of the first pass)
 HANG_UP_AFTER = 2  # data chunks (= tokens on /v1/completions) read before hanging up
 HANG_UP_MAX_TOKENS = 120
 WORDS = "the quick brown fox jumps over a lazy dog kimi serves tokens fast and well today".split()
@@ -94,7 +94,7 @@ async def load(url: str) -> tuple[list[dict], list[tuple[str, dict]]]:
         return await asyncio.gather(*(run(i) for i in range(TOTAL))), bodies
 
 
-def test_500_streams_64_concurrent_with_hang_ups(server):
+def test_250_streams_64_concurrent_with_hang_ups(server):
     before = metrics(server.url)
     start = time.monotonic()
     results, bodies = asyncio.run(load(server.url))
