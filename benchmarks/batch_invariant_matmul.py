@@ -1,7 +1,8 @@
 """The batch-invariant Triton matmul (`ops.batch_invariant.triton`) against torch's matmul (cuBLAS) on
 the `small` preset's projection shapes (every linear of a decode step, with how many times a step runs
 it), at decode and prefill row counts: the current tiles (`tile_config`), the same tiles with split-K
-(`SPLIT_K_PROGRAMS`, `--split-k-programs`), and with `--candidates` other tile configs (the kernel's
+(`SPLIT_K_PROGRAMS`, `--split-k-programs`) in its two loop forms (`split`, `split_nested`:
+`SPLIT_K_NESTED`), split-K with 128-row tiles for the wide weights (`split_bm128`), and with `--candidates` other tile configs (the kernel's
 config may depend on the weight's shape, never on M; this picks them). Device time per call: a CUDA
 graph of `--reps` calls replayed (no launch overhead, as in the engine's decode graphs), the weight
 rotated over up to 128 copies of 256 MB in all (a decode step reads each weight once, from HBM, not L2).
@@ -56,6 +57,11 @@ CANDIDATES = [
 ]
 """`--candidates`: other tiles (without split-K) for the sweep."""
 
+WIDE_ROWS = {"BM": 128, "BN": 128, "BK": 64, "num_warps": 8, "num_stages": 3}
+"""Variant `split_bm128`: these tiles for weights of more than 1,024 rows, with split-K (session 5's sweep:
+1.2-1.3x faster than the current tiles at 2,048 rows, slower at 4 rows without split-K). Not a library
+config: `TilePlan` tiles the grouped expert matmul's rows by `CONFIG["BM"]`, so it would need its own."""
+
 
 def device_ms(calls, reps: int) -> float:
     """Device ms per call of `calls[i % len(calls)]`, i < reps, captured in one CUDA graph and replayed
@@ -100,12 +106,14 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     dev = args.device
     rows = [int(r) for r in args.rows.split(",")]
-    chosen, split_programs = bi_triton.tile_config, bi_triton.SPLIT_K_PROGRAMS
-    variants = {"current": (chosen, 0)}
+    chosen, split_programs, nested = bi_triton.tile_config, bi_triton.SPLIT_K_PROGRAMS, bi_triton.SPLIT_K_NESTED
+    variants = {"current": (chosen, 0, False)}  # (tile_config, SPLIT_K_PROGRAMS, SPLIT_K_NESTED)
     if args.split_k_programs > 0:
-        variants["split"] = (chosen, args.split_k_programs)
+        variants["split"] = (chosen, args.split_k_programs, False)
+        variants["split_nested"] = (chosen, args.split_k_programs, True)
+        variants["split_bm128"] = (lambda N, K: WIDE_ROWS if N > 1024 else chosen(N, K), args.split_k_programs, False)
     if args.candidates:
-        variants.update({f"config{i}": (lambda N, K, cfg=cfg: cfg, 0) for i, cfg in enumerate(CANDIDATES)})
+        variants.update({f"config{i}": (lambda N, K, cfg=cfg: cfg, 0, False) for i, cfg in enumerate(CANDIDATES)})
     record = {"device": torch.cuda.get_device_name() if dev.startswith("cuda") else dev, "date": time.strftime("%Y-%m-%d %H:%M"),
               "command": " ".join(["python", *sys.argv]), "reps": args.reps, "results": [], "candidates": CANDIDATES}
     shapes = {k: v for k, v in SHAPES.items() if not args.shapes or k in args.shapes.split(",")}
@@ -121,17 +129,17 @@ def main(argv=None) -> int:
                 c = chosen(N, K)
                 row = {"shape": name, "M": M, "N": N, "K": K, "dtype": str(dtype), "calls_per_step": calls,
                        "current": c, "torch_ms": device_ms([lambda w=w: x @ w.T for w in ws], reps)}
-                for v, (config_of, programs) in variants.items():
-                    bi_triton.tile_config, bi_triton.SPLIT_K_PROGRAMS = config_of, programs
+                for v, (config_of, programs, nest) in variants.items():
+                    bi_triton.tile_config, bi_triton.SPLIT_K_PROGRAMS, bi_triton.SPLIT_K_NESTED = config_of, programs, nest
                     out = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
                     row[f"{v}_ms"] = device_ms([lambda w=w: bi_triton.matmul(x, w, out_dtype=out) for w in ws], reps)
-                    if v == "split":
+                    if v.startswith("split"):
                         plan = bi_triton.matmul_plan(1, M, N, K, x.device)
-                        row["split_chunks"], row["split_spread"] = plan.chunks, plan.spread
+                        row[f"{v}_chunks"], row[f"{v}_spread"] = plan.chunks, plan.spread
                         if M < max(rows):  # these rows alone == among the most rows (all chunks in one program)
-                            row["split_rows_alone_equal_among_all"] = bool(torch.equal(
+                            row[f"{v}_rows_alone_equal_among_all"] = bool(torch.equal(
                                 bi_triton.matmul(x, ws[0]), bi_triton.matmul(big, ws[0], spread=False)[:M]))
-                    bi_triton.tile_config, bi_triton.SPLIT_K_PROGRAMS = chosen, split_programs
+                    bi_triton.tile_config, bi_triton.SPLIT_K_PROGRAMS, bi_triton.SPLIT_K_NESTED = chosen, split_programs, nested
                 for v in ["torch", *variants]:
                     per_step[M][v] += calls * row[f"{v}_ms"]
                 print(json.dumps(row), flush=True)
@@ -140,7 +148,7 @@ def main(argv=None) -> int:
             if dev.startswith("cuda"):
                 torch.cuda.empty_cache()
     finally:
-        bi_triton.tile_config, bi_triton.SPLIT_K_PROGRAMS = chosen, split_programs
+        bi_triton.tile_config, bi_triton.SPLIT_K_PROGRAMS, bi_triton.SPLIT_K_NESTED = chosen, split_programs, nested
     record["per_step"] = {str(M): v for M, v in per_step.items()}
     print("per decode step of `small` (ms, these shapes x their calls):", json.dumps(record["per_step"]), flush=True)
     if args.out:

@@ -81,8 +81,10 @@ def test_split_k_chunks_are_a_function_of_the_weight_shape(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("M,K,N", [(70, 200, 40), (3, 161, 33)])
-def test_split_k_matmul_is_the_chunked_order_and_rows_do_not_depend_on_the_batch(split, dtype, M, K, N):
+@pytest.mark.parametrize("M,K,N,nested", [(70, 200, 40, False), (3, 161, 33, False), (70, 200, 40, True)])
+def test_split_k_matmul_is_the_chunked_order_and_rows_do_not_depend_on_the_batch(split, monkeypatch, dtype, M, K, N,
+                                                                                 nested):
+    monkeypatch.setattr(bi_triton, "SPLIT_K_NESTED", nested)
     c = bi_triton.tile_config(N, K)
     chunks, chunk = bi_triton.split_k(N, K, c)
     assert chunks > 1
@@ -93,6 +95,10 @@ def test_split_k_matmul_is_the_chunked_order_and_rows_do_not_depend_on_the_batch
     torch.testing.assert_close(y, F.linear(x.double(), w.double()).float(), rtol=1e-4, atol=1e-4)
     if INTERPRET:
         assert torch.equal(y, chunked_order(x, w, chunk * c["BK"]))
+    monkeypatch.setattr(bi_triton, "SPLIT_K_NESTED", not nested)  # the other loop form: the same bits
+    for spread in (True, False):
+        assert torch.equal(bi_triton.matmul(x, w, spread=spread), y), spread
+    monkeypatch.setattr(bi_triton, "SPLIT_K_NESTED", nested)
     assert torch.equal(bi_triton.matmul(x, w, spread=True), y)  # one program per chunk, partials summed
     assert torch.equal(bi_triton.matmul(x, w), y)
     for lo, hi in [(0, 1), (M - 1, M), (1, M)]:
@@ -131,6 +137,9 @@ def test_split_k_rows_alone_equal_rows_among_2048_on_cuda(monkeypatch, N, K):
     big = bi_triton.matmul(x, w, spread=False)
     for M in (1, 4, 64):
         assert torch.equal(bi_triton.matmul(x[:M], w), big[:M]), M
+    monkeypatch.setattr(bi_triton, "SPLIT_K_NESTED", True)  # the other loop form of the chunks: the same bits
+    assert torch.equal(bi_triton.matmul(x, w, spread=False), big)
+    assert torch.equal(bi_triton.matmul(x[:4], w), big[:4])
     torch.testing.assert_close(big[:64], F.linear(x[:64].double(), w.double()).float(), rtol=1e-3, atol=1e-2)
 
 

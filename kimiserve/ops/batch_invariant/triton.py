@@ -67,6 +67,13 @@ SPLIT_K_MIN_STEPS = 4
 """A K chunk spans at least this many BK steps (the loads pipeline within a chunk)."""
 
 
+SPLIT_K_NESTED = False
+"""The kernel's form of a tile's chunks in one program (the prefill case): False one K loop closing a chunk
+at its last step, True a loop over chunks around each chunk's K loop. Same bits (the interpreter tests check
+both); which is faster at 2,048 rows is what `benchmarks/batch_invariant_matmul.py` (variant `split_nested`)
+measures on the GPU, after which the other goes."""
+
+
 def split_k(N: int, K: int, config: dict) -> tuple[int, int]:
     """(chunks, BK steps per chunk) of a product with a weight [N, K] under `config`: a function of the
     weight's shape only (`SPLIT_K_PROGRAMS`); (1, all steps) without split-K."""
@@ -118,12 +125,15 @@ _TENSOR_CORE_DTYPES = (torch.bfloat16, torch.float16)
 
 @triton.jit(do_not_specialize=["M"])
 def _matmul_kernel(x_ptr, w_ptr, y_ptr, M, N, K, B, sxb, sxm, sxk, swb, swn, swk, syb, sym, syn, chunk, span,
-                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr, CHUNKED: tl.constexpr):
+                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr, CHUNKED: tl.constexpr,
+                   NESTED: tl.constexpr):
     """One [BM, BN] output tile of batch b = z % B over the `span` K steps (of BK) from (z // B) * span.
     CHUNKED: K is cut into chunks of `chunk` steps from k = 0, each accumulated from zero and added to the
     tile's total in increasing chunk order. A program either runs every chunk (span = all steps, z = b)
     and stores the total, or one chunk (span = chunk) and stores that chunk's fp32 sum to block z of y,
-    which `_sum_parts_kernel` adds up in the same order: the same bits either way."""
+    which `_sum_parts_kernel` adds up in the same order: the same bits either way. NESTED (CHUNKED): the chunks as
+    a loop around each chunk's K loop instead of one K loop that closes a chunk at its last step (the
+    same products and adds; which one pipelines better is for the GPU to say: `SPLIT_K_NESTED`)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_z = tl.program_id(2)
@@ -142,20 +152,33 @@ def _matmul_kernel(x_ptr, w_ptr, y_ptr, M, N, K, B, sxb, sxm, sxk, swb, swn, swk
     w_ptrs = w_ptr + rn64[None, :] * swn + (i0 * BK + rk[:, None]) * swk
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     total = tl.zeros((BM, BN), dtype=tl.float32)
-    for i in range(i0, i1):
-        k0 = i * BK
-        a = tl.load(x_ptrs, mask=(rm[:, None] < M) & (k0 + rk[None, :] < K), other=0.0)
-        b = tl.load(w_ptrs, mask=(rn[None, :] < N) & (k0 + rk[:, None] < K), other=0.0)
-        if IEEE:
-            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, b, acc)
-        if CHUNKED:
-            if ((i + 1) % chunk == 0) | (i + 1 == i1):  # a chunk's last step
-                total += acc
-                acc = tl.zeros((BM, BN), dtype=tl.float32)
-        x_ptrs += BK * sxk
-        w_ptrs += BK * swk
+    if NESTED:
+        for c in range(i0 // chunk, tl.cdiv(i1, chunk)):
+            part = tl.zeros((BM, BN), dtype=tl.float32)
+            for i in range(c * chunk, tl.minimum(c * chunk + chunk, i1)):
+                k0 = i * BK
+                a = tl.load(x_ptrs + (k0 - i0 * BK) * sxk, mask=(rm[:, None] < M) & (k0 + rk[None, :] < K), other=0.0)
+                b = tl.load(w_ptrs + (k0 - i0 * BK) * swk, mask=(rn[None, :] < N) & (k0 + rk[:, None] < K), other=0.0)
+                if IEEE:
+                    part = tl.dot(a.to(tl.float32), b.to(tl.float32), part, input_precision="ieee")
+                else:
+                    part = tl.dot(a, b, part)
+            total += part
+    else:
+        for i in range(i0, i1):
+            k0 = i * BK
+            a = tl.load(x_ptrs, mask=(rm[:, None] < M) & (k0 + rk[None, :] < K), other=0.0)
+            b = tl.load(w_ptrs, mask=(rn[None, :] < N) & (k0 + rk[:, None] < K), other=0.0)
+            if IEEE:
+                acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b, acc)
+            if CHUNKED:
+                if ((i + 1) % chunk == 0) | (i + 1 == i1):  # a chunk's last step
+                    total += acc
+                    acc = tl.zeros((BM, BN), dtype=tl.float32)
+            x_ptrs += BK * sxk
+            w_ptrs += BK * swk
     out = total if CHUNKED else acc
     tl.store(y_ptr + rm64[:, None] * sym + rn64[None, :] * syn, out.to(y_ptr.dtype.element_ty),
              mask=(rm[:, None] < M) & (rn[None, :] < N))
@@ -358,7 +381,7 @@ def matmul(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype = torch.floa
         _matmul_kernel[(triton.cdiv(M, c["BM"]), triton.cdiv(N, c["BN"]), parts * B)](
             x3, w3, out, M, N, K, B, *x3.stride(), *w3.stride(), *out.stride(), plan.chunk,
             plan.chunk if parts > 1 else triton.cdiv(K, c["BK"]), BM=c["BM"], BN=c["BN"], BK=c["BK"], IEEE=ieee,
-            CHUNKED=plan.chunks > 1, num_warps=c["num_warps"], num_stages=c["num_stages"])
+            CHUNKED=plan.chunks > 1, NESTED=SPLIT_K_NESTED and plan.chunks > 1, num_warps=c["num_warps"], num_stages=c["num_stages"])
         if parts > 1:
             numel = B * M * N
             _sum_parts_kernel[(triton.cdiv(numel, SUM_BLOCK),)](out, y, numel, parts, BLOCK=SUM_BLOCK, num_warps=4)
