@@ -186,7 +186,7 @@ def test_n_samples_and_preemption_keep_each_matcher(engines):
               for i, s in enumerate(schemas)]
     prompts = [list(range(40 + i, 140 + i)) for i in range(6)]
     roomy = run(engines(max_model_len=256), prompts, params)
-    tight_engine = engines(max_model_len=256, num_pages=16, enable_prefix_caching=False)
+    tight_engine = engines(max_model_len=256, num_pages=40, enable_prefix_caching=False)  # preempts ~12 times
     tight = run(tight_engine, prompts, params)
     assert tight_engine.stats()["preemptions"] > 0
     for i, s in enumerate(schemas):
