@@ -149,6 +149,10 @@ def prefill_kernels(ops: DecodeOps) -> DecodeOps:
         short_conv=conv_tt.short_conv, gated_rms_norm=norm_tt.gated_rms_norm)
 
 
+def _projection_base(name: str) -> str:
+    return name.replace("+fewer-kernels", "").replace("+separate-projections", "")
+
+
 def fewer_kernel_ops(ops: DecodeOps) -> DecodeOps:
     """`ops` with fewer kernels per decode step (what `select_decode_ops` gives a CUDA engine since session 6):
     the projections of a layer that read the same input as one GEMM over their stacked weights
@@ -163,14 +167,14 @@ def fewer_kernel_ops(ops: DecodeOps) -> DecodeOps:
     from kimiserve.ops.activation import triton as activation_tt
     from kimiserve.ops.linear import merged
 
-    return dataclasses.replace(ops, name=f"{ops.name}+fewer-kernels", linears=merged.merged_linears,
+    return dataclasses.replace(ops, name=f"{_projection_base(ops.name)}+fewer-kernels", linears=merged.merged_linears,
                                linear_add=merged.linear_add, gate_output=activation_tt.gate_output)
 
 
 def separate_kernel_ops(ops: DecodeOps) -> DecodeOps:
     """`ops` with each projection, the shared experts' down projection and add, and MLA's output gate as their
     reference compositions: the other side of `fewer_kernel_ops`' A/B (the CUDA engine before session 6)."""
-    return dataclasses.replace(ops, name=f"{ops.name}+separate-projections", linears=linear_ref.separate_linears,
+    return dataclasses.replace(ops, name=f"{_projection_base(ops.name)}+separate-projections", linears=linear_ref.separate_linears,
                                linear_add=linear_ref.linear_add, gate_output=activation_ref.gate_output)
 
 
