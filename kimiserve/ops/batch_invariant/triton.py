@@ -19,6 +19,7 @@ invariance); benchmarks/batch_invariant_matmul.py measures the candidates.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -108,11 +109,14 @@ def matmul_plan(B: int, M: int, N: int, K: int, device: torch.device, spread: bo
     chunks over programs when the output tiles alone would leave SMs idle."""
     c = tile_config(N, K)
     chunks, chunk = split_k(N, K, c)
+    if chunks == 1:
+        return MatmulPlan(c, 1, chunk, 1)
     if spread is None:
         spread = triton.cdiv(M, c["BM"]) * triton.cdiv(N, c["BN"]) * B < _sm_count(device)
     return MatmulPlan(c, chunks, chunk, chunks if spread else 1)
 
 
+@functools.lru_cache(maxsize=None)
 def _sm_count(device: torch.device) -> int:
     """The device's SM count (the interpreter's CPU: an H200's 132)."""
     if device.type != "cuda":
