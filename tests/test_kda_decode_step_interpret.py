@@ -12,7 +12,7 @@ import triton_interpreter_shims
 
 triton_interpreter_shims.enable_or_skip_module()
 
-from kda_decode_step_cases import CASES, SPLIT_CASES, check_decode_step, nan_filled_empty  # noqa: E402
+from kda_decode_step_cases import CASES, ONE_LAUNCH_CASES, SPLIT_CASES, check_decode_step, nan_filled_empty  # noqa: E402
 from kimiserve.ops.kda import triton_decode  # noqa: E402
 
 
@@ -33,6 +33,42 @@ def test_split_form_matches_reference(rows, H, K, W, lower_bound, block_v, dtype
     split = functools.partial(triton_decode.kda_decode_step, block_v=block_v)
     single = functools.partial(triton_decode.kda_decode_step, block_v=None)
     check_decode_step(split, "cpu", dtype, rows, H, K, W, lower_bound, seed=rows * 17 + K, same_as=single)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows, H, K, W, lower_bound, block_v", ONE_LAUNCH_CASES)
+def test_one_launch_form_matches_reference(rows, H, K, W, lower_bound, block_v, dtype, monkeypatch):
+    """The one-launch split form (counters) over two steps on the same pages and counters (the second
+    launch finds them reset) against the reference, and bit-equal to the three-kernel split form (the
+    interpreter sums in one fixed order), outputs and the split form's scratch NaN-filled."""
+    import functools
+
+    nan_filled_empty(monkeypatch)
+    counters = triton_decode.StepCounters()
+    one = functools.partial(triton_decode.kda_decode_step, block_v=block_v, counters=counters)
+    split = functools.partial(triton_decode.kda_decode_step, block_v=block_v)
+    check_decode_step(one, "cpu", dtype, rows, H, K, W, lower_bound, seed=rows * 13 + K, same_as=split, steps=2,
+                      exact=True)
+    (buffer,) = counters.buffers[torch.device("cpu")]
+    assert buffer.numel() >= rows * H and not buffer.any(), "counters not reset to zero"
+
+
+def test_step_counters_grow_and_keep_what_they_outgrew():
+    counters = triton_decode.StepCounters(capacity=4)
+    cpu = torch.device("cpu")
+    small = counters.get(3, cpu)
+    assert small.numel() == 4 and small.dtype == torch.int32 and not small.any()
+    assert counters.get(4, cpu) is small
+    big = counters.get(5, cpu)
+    assert big.numel() == 8 and counters.buffers[cpu] == [small, big]  # graphs captured on `small` keep it
+
+
+def test_one_launch_form_needs_a_power_of_two_block():
+    args = [torch.zeros(1, 16)] * 3
+    for bad in (None, "auto", 24, 0, True):
+        with pytest.raises(ValueError, match="one-launch form"):
+            triton_decode.kda_decode_step(*args, None, None, None, None, None, torch.zeros(2, 1, 16, 16), None,
+                                          block_v=bad, counters=triton_decode.StepCounters())
 
 
 def test_block_v_must_be_a_power_of_two():

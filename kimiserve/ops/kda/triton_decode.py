@@ -33,9 +33,9 @@ def supported(K: int, V: int, conv_size: int) -> bool:
 
 
 @triton.jit
-def _conv_silu(x_ptr, w_ptr, conv_base, chan, mask, W: tl.constexpr, BW: tl.constexpr, OUT_DTYPE: tl.constexpr):
+def _conv_value(x_ptr, w_ptr, conv_base, chan, mask, W: tl.constexpr, BW: tl.constexpr, OUT_DTYPE: tl.constexpr):
     """SiLU(sum_j w[c, j] * [state, x][c, j]) for the channels `chan` of one token, rounded to the model
-    dtype; writes the shifted conv state (its last W-1 inputs) back to the page."""
+    dtype (returned in fp32), and the token's inputs x of those channels; the conv page is only read."""
     ww = tl.arange(0, BW)
     m_state = mask[:, None] & (ww[None, :] < W - 1)
     state = tl.load(conv_base + chan[:, None] * (W - 1) + ww[None, :], mask=m_state, other=0.0)
@@ -44,13 +44,49 @@ def _conv_silu(x_ptr, w_ptr, conv_base, chan, mask, W: tl.constexpr, BW: tl.cons
     w_cur = tl.load(w_ptr + chan * W + (W - 1), mask=mask, other=0.0)
     y = tl.sum(state.to(tl.float32) * w_state, axis=1) + x.to(tl.float32) * w_cur
     y = y * tl.sigmoid(y)
+    return y.to(OUT_DTYPE).to(tl.float32), x
+
+
+@triton.jit
+def _conv_shift(x, conv_base, chan, mask, W: tl.constexpr, BW: tl.constexpr):
+    """Writes the shifted conv state of the channels `chan` (their last W-1 inputs, x the newest) to the page."""
+    ww = tl.arange(0, BW)
+    m_state = mask[:, None] & (ww[None, :] < W - 1)
     # new state [s_1 .. s_{W-2}, x]: the state read one column to the right, x in the last column
     m_shift = mask[:, None] & (ww[None, :] < W - 2)
     shifted = tl.load(conv_base + chan[:, None] * (W - 1) + ww[None, :] + 1, mask=m_shift, other=0.0)
     new_state = tl.where(ww[None, :] == W - 2, x[:, None], shifted)
     tl.debug_barrier()  # every lane has read the state before any lane overwrites it
     tl.store(conv_base + chan[:, None] * (W - 1) + ww[None, :], new_state, mask=m_state)
-    return y.to(OUT_DTYPE).to(tl.float32)
+
+
+@triton.jit
+def _conv_silu(x_ptr, w_ptr, conv_base, chan, mask, W: tl.constexpr, BW: tl.constexpr, OUT_DTYPE: tl.constexpr):
+    """`_conv_value`, then the channels' conv state shifted in place."""
+    y, x = _conv_value(x_ptr, w_ptr, conv_base, chan, mask, W, BW, OUT_DTYPE)
+    _conv_shift(x, conv_base, chan, mask, W, BW)
+    return y
+
+
+@triton.jit
+def _l2_normalize(x, OUT_DTYPE: tl.constexpr):
+    """x / ||x|| (fp32, eps 1e-6 under the root) rounded to the model dtype, returned in fp32."""
+    return (x * tl.rsqrt(tl.sum(x * x, axis=0) + 1e-6)).to(OUT_DTYPE).to(tl.float32)
+
+
+@triton.jit
+def _gate_beta(f_ptr, b_ptr, x_off, b_off, a_log_ptr, dt_bias_ptr, h, lower_bound, kk, mk, K: tl.constexpr,
+               HAS_LOWER_BOUND: tl.constexpr):
+    """Head h's gate g (log decay, fp32 [K]) and beta (fp32) of one token."""
+    f = tl.load(f_ptr + x_off + h * K + kk, mask=mk, other=0.0).to(tl.float32)
+    f = f + tl.load(dt_bias_ptr + h * K + kk, mask=mk, other=0.0)
+    a = tl.exp(tl.load(a_log_ptr + h))
+    if HAS_LOWER_BOUND:
+        g = lower_bound * tl.sigmoid(a * f)
+    else:  # -a * softplus(f), softplus as torch computes it (linear above 20)
+        g = -a * tl.where(f > 20.0, f, tl.log(1.0 + tl.exp(tl.minimum(f, 20.0))))
+    beta = tl.sigmoid(tl.load(b_ptr + b_off + h).to(tl.float32))
+    return g, beta
 
 
 @triton.jit
@@ -63,18 +99,9 @@ def _mix_head(q_ptr, k_ptr, v_ptr, f_ptr, b_ptr, x_off, b_off, qw_ptr, kw_ptr, v
     q = _conv_silu(q_ptr + x_off, qw_ptr, conv_base, h * K + kk, mk, W, BW, OUT_DTYPE)
     k = _conv_silu(k_ptr + x_off, kw_ptr, conv_base + P * (W - 1), h * K + kk, mk, W, BW, OUT_DTYPE)
     v = _conv_silu(v_ptr + x_off, vw_ptr, conv_base + 2 * P * (W - 1), h * V + vv, mv, W, BW, OUT_DTYPE)
-    q = (q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6)).to(OUT_DTYPE).to(tl.float32)
-    k = (k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)).to(OUT_DTYPE).to(tl.float32)
-
-    f = tl.load(f_ptr + x_off + h * K + kk, mask=mk, other=0.0).to(tl.float32)
-    f = f + tl.load(dt_bias_ptr + h * K + kk, mask=mk, other=0.0)
-    a = tl.exp(tl.load(a_log_ptr + h))
-    if HAS_LOWER_BOUND:
-        g = lower_bound * tl.sigmoid(a * f)
-    else:  # -a * softplus(f), softplus as torch computes it (linear above 20)
-        g = -a * tl.where(f > 20.0, f, tl.log(1.0 + tl.exp(tl.minimum(f, 20.0))))
-    beta = tl.sigmoid(tl.load(b_ptr + b_off + h).to(tl.float32))
-    return q, k, v, g, beta
+    g, beta = _gate_beta(f_ptr, b_ptr, x_off, b_off, a_log_ptr, dt_bias_ptr, h, lower_bound, kk, mk, K,
+                         HAS_LOWER_BOUND)
+    return _l2_normalize(q, OUT_DTYPE), _l2_normalize(k, OUT_DTYPE), v, g, beta
 
 
 @triton.jit
@@ -209,6 +236,94 @@ def _kda_norm_kernel(out_ptr, gate_ptr, row_stride, norm_w_ptr, norm_eps, H: tl.
     tl.store(o_ptrs, o.to(OUT_DTYPE), mask=mv)
 
 
+# The one-launch split form for small batches (`counters` given): one kernel over (sequence, head, V block),
+# so that a batch-1 step spreads each head's state over n_blocks programs without three launches.
+# Each program recomputes its head's q and k (short conv read from the conv page, not written; SiLU, L2
+# norm), the gate and beta, and the short conv of its own V columns only (those channels' conv state is
+# its alone: shifted in place at once); runs the delta rule on its [K, BV] state slice; writes its o
+# columns (rounded to the model dtype); then counts itself in at the (sequence, head)'s counter (an
+# acq_rel atomic after a block barrier: its o columns and its reads of the q, k conv state come before).
+# The program that arrives last (old count n_blocks - 1; any block, in whatever order they ran) reads the
+# head's whole o row back from global memory, writes the gated RMSNorm over it in place, shifts the q and
+# k conv state of the head (every other program has read it: they arrived before), and resets the
+# counter to 0 for the next launch (a CUDA graph replays the same counters).
+
+
+@triton.jit
+def _kda_one_launch_kernel(
+    q_ptr, k_ptr, v_ptr, f_ptr, b_ptr, gate_ptr, out_ptr, row_stride, b_stride,
+    qw_ptr, kw_ptr, vw_ptr, a_log_ptr, dt_bias_ptr, norm_w_ptr,
+    conv_ptr, conv_page_stride, state_ptr, state_page_stride, pages_ptr, counters_ptr,
+    lower_bound, scale, norm_eps,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    BV_ROW: tl.constexpr, BW: tl.constexpr, HAS_LOWER_BOUND: tl.constexpr,
+):
+    row = tl.program_id(0)
+    h = tl.program_id(1)
+    page = tl.load(pages_ptr + row).to(tl.int64)
+    OUT_DTYPE = out_ptr.dtype.element_ty
+    P = H * K
+    kk = tl.arange(0, BK)
+    vv = tl.program_id(2) * BV + tl.arange(0, BV)
+    mk = kk < K
+    mv = vv < V
+    x_off = row.to(tl.int64) * row_stride
+    conv_base = conv_ptr + page * conv_page_stride
+    q, x_q = _conv_value(q_ptr + x_off, qw_ptr, conv_base, h * K + kk, mk, W, BW, OUT_DTYPE)
+    k, x_k = _conv_value(k_ptr + x_off, kw_ptr, conv_base + P * (W - 1), h * K + kk, mk, W, BW, OUT_DTYPE)
+    v = _conv_silu(v_ptr + x_off, vw_ptr, conv_base + 2 * P * (W - 1), h * V + vv, mv, W, BW, OUT_DTYPE)
+    g, beta = _gate_beta(f_ptr, b_ptr, x_off, row.to(tl.int64) * b_stride, a_log_ptr, dt_bias_ptr, h, lower_bound,
+                         kk, mk, K, HAS_LOWER_BOUND)
+    q = _l2_normalize(q, OUT_DTYPE)
+    k = _l2_normalize(k, OUT_DTYPE)
+
+    s_off = page * state_page_stride + h * K * V + kk[:, None] * V + vv[None, :]
+    m_s = mk[:, None] & mv[None, :]
+    o = _delta_rule(state_ptr, s_off, m_s, tl.exp(g), k, v, beta, q * scale)
+    o_row = out_ptr + row.to(tl.int64) * (H * V) + h * V
+    tl.store(o_row + vv, o.to(OUT_DTYPE), mask=mv)
+
+    tl.debug_barrier()  # all of this block's stores and loads before its arrival
+    counter = counters_ptr + row * H + h
+    arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+    if arrived == tl.num_programs(2) - 1:
+        _conv_shift(x_q, conv_base, h * K + kk, mk, W, BW)
+        _conv_shift(x_k, conv_base + P * (W - 1), h * K + kk, mk, W, BW)
+        ww = tl.arange(0, BV_ROW)
+        mw = ww < V
+        o_all = tl.load(o_row + ww, mask=mw, other=0.0, cache_modifier=".cg").to(tl.float32)  # from L2
+        o_all = _gated_norm(o_all, gate_ptr + x_off + h * V + ww, norm_w_ptr, ww, mw, norm_eps, V)
+        tl.store(o_row + ww, o_all.to(OUT_DTYPE), mask=mw)
+        tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+
+
+class StepCounters:
+    """The one-launch split form's arrival counters: int32 zeros, one per (sequence, head), a buffer per
+    device, grown on demand; every launch leaves them zero again, so one instance serves every layer (they
+    run one after another on a stream) and every CUDA-graph replay. Held by whoever holds the op (e.g. the
+    `functools.partial` of `kda_decode_step` on a `DecodeOps`): not process-global. Two launches on
+    different streams at once must not share one. A buffer cannot grow while a CUDA graph captures (its
+    zero fill would not run): give `capacity` >= the largest batch x heads, or call the step once at the
+    largest batch before capturing. Outgrown buffers are kept (graphs captured earlier still point at them)."""
+
+    def __init__(self, capacity: int = 0):
+        self.capacity = capacity
+        self.buffers: dict[torch.device, list[torch.Tensor]] = {}
+
+    def get(self, n: int, device: torch.device) -> torch.Tensor:
+        held = self.buffers.setdefault(device, [])
+        if held and held[-1].numel() >= n:
+            return held[-1]
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise ValueError(f"the one-launch KDA decode step needs {n} counters on {device} but holds "
+                             f"{held[-1].numel() if held else 0} and cannot allocate zeroed ones while a CUDA graph "
+                             "captures: make StepCounters(capacity) with capacity >= max batch x heads, or run the "
+                             "step once at the largest batch before capturing")
+        held.append(torch.zeros(max(n, self.capacity, 2 * held[-1].numel() if held else 0), dtype=torch.int32,
+                                device=device))
+        return held[-1]
+
+
 def default_block_v(batch: int, H: int, K: int, V: int) -> int | None:
     """The V block of the split form for a batch of `batch` sequences at `H` heads of K x V, or None for
     the single kernel. Timed on the H200 (session 5, `benchmarks/kda_decode_step.py --block-v 32,64`, 128 x
@@ -218,7 +333,8 @@ def default_block_v(batch: int, H: int, K: int, V: int) -> int | None:
     return 32 if batch * H >= 768 else None
 
 
-def kda_decode_step(q, k, v, f, b, gate, weights, conv, states, page_ids, fallback=None, block_v="auto"):
+def kda_decode_step(q, k, v, f, b, gate, weights, conv, states, page_ids, fallback=None, block_v="auto",
+                    counters: StepCounters | None = None):
     """See `kimiserve.ops.kda.paged.kda_decode_step`: q, k, v, f, gate [Bd, H * K] (one token per
     sequence, model dtype), b [Bd, H]; conv the pool's conv view [P, 3, H * K, W - 1], states its
     recurrent view [P, H, K, V] fp32, page_ids [Bd] distinct. Updates those pages in place and returns
@@ -227,12 +343,20 @@ def kda_decode_step(q, k, v, f, b, gate, weights, conv, states, page_ids, fallba
 
     block_v: None for the single kernel (one program per sequence and head), a power of two for the
     split form (the head's V columns in blocks of block_v over programs; three kernels), "auto" for
-    `default_block_v`'s choice. Both forms compute the same values (the split form sums each state
-    column over K, as the single kernel does)."""
+    `default_block_v`'s choice. counters (a `StepCounters`, with a power-of-two block_v): the one-launch
+    split form instead (opt-in: not yet run on a GPU). All forms compute the same values (each state
+    column sums over K as in the single kernel); the one-launch form repeats the split form's operations
+    on each value, so under the interpreter it is bit-equal to it, and on a GPU only the compiler's
+    choice of thread layout for a sum (the L2 norms over K, the RMS over V) can move a last bit."""
+    def power_of_two(n) -> bool:
+        return isinstance(n, int) and not isinstance(n, bool) and n >= 1 and not n & (n - 1)
+
+    if counters is not None and not power_of_two(block_v):
+        raise ValueError(f"the one-launch form (counters given) needs block_v a power of two (a V block size), "
+                         f"got {block_v!r}")
     if block_v == "auto":
         block_v = default_block_v(q.shape[0], *states.shape[1:])
-    if block_v is not None and (isinstance(block_v, bool) or not isinstance(block_v, int) or block_v < 1
-                                or block_v & (block_v - 1)):
+    if block_v is not None and not power_of_two(block_v):
         raise ValueError(f"block_v must be None, 'auto' or a power of two (a V block size), got {block_v!r}")
     H, K, V = states.shape[1:]
     W = weights.q_conv.shape[-1]
@@ -262,6 +386,17 @@ def kda_decode_step(q, k, v, f, b, gate, weights, conv, states, page_ids, fallba
                 H=H, K=K, V=V, W=W, BV=triton.next_power_of_2(V), **sizes, num_warps=8 if K * V > 4096 else 4,
             )
             return out
+        bv = min(block_v, triton.next_power_of_2(V))
+        if counters is not None:
+            _kda_one_launch_kernel[(Bd, H, triton.cdiv(V, bv))](
+                *xs[:3], xs[3], b, xs[4], out, row_stride, b.stride(0),
+                weights.q_conv, weights.k_conv, weights.v_conv, weights.A_log, weights.dt_bias, weights.norm_weight,
+                conv, conv.stride(0), states, states.stride(0), pages, counters.get(Bd * H, v.device),
+                0.0 if lower is None else float(lower), K ** -0.5, float(weights.eps),
+                H=H, K=K, V=V, W=W, BV=bv, BV_ROW=triton.next_power_of_2(V), **sizes,
+                num_warps=8 if sizes["BK"] * bv > 4096 else 4,
+            )
+            return out
         mixed = torch.empty(Bd, H, 3 * K + V + 1, dtype=torch.float32, device=v.device)
         _kda_mix_kernel[(Bd, H)](
             *xs[:4], b, row_stride, b.stride(0),
@@ -269,7 +404,6 @@ def kda_decode_step(q, k, v, f, b, gate, weights, conv, states, page_ids, fallba
             conv, conv.stride(0), pages, mixed, 0.0 if lower is None else float(lower), K ** -0.5,
             H=H, K=K, V=V, W=W, BV=triton.next_power_of_2(V), **sizes, num_warps=4,
         )
-        bv = min(block_v, triton.next_power_of_2(V))
         _kda_delta_kernel[(Bd, H, triton.cdiv(V, bv))](
             mixed, out, states, states.stride(0), pages, H=H, K=K, V=V, BK=sizes["BK"], BV=bv,
             num_warps=8 if sizes["BK"] * bv > 4096 else 4,
@@ -279,4 +413,4 @@ def kda_decode_step(q, k, v, f, b, gate, weights, conv, states, page_ids, fallba
     return out
 
 
-__all__ = ["MAX_HEAD_DIM", "default_block_v", "kda_decode_step", "supported"]
+__all__ = ["MAX_HEAD_DIM", "StepCounters", "default_block_v", "kda_decode_step", "supported"]
