@@ -3,9 +3,11 @@ batch 1): the fused Triton kernel (`ops/kda/triton_decode.py`) against the compo
 before it (torch short conv over the gathered conv pages, L2 norms, gate, beta, fla-core's
 `fused_recurrent_kda` on the state pages in place, torch gated RMSNorm) and against fla's delta-rule
 kernel alone, each replayed from a CUDA graph (as the engine's decode steps run). The kernel in its
-two forms: "fused" (one program per sequence and head) and "split BV=n" (`block_v=n`: the head's V
-columns over programs in blocks of n, three kernels); each kernel variant's output and conv pages
-after one call are checked against the composition before it (rel RMS; conv pages bit-equal).
+forms: "fused" (one program per sequence and head), "split BV=n" (`block_v=n`: the head's V columns
+over programs in blocks of n, three kernels) and "one BV=n" (`--block-v one<n>`: the same blocks in one
+launch, the last block of a head to finish doing its norm; `counters`); each kernel variant's output and
+conv pages after one call are checked against the composition before it (rel RMS; conv pages
+bit-equal), and a "one BV=n" beside a "split BV=n" for bit-equality with it.
 
 Sizes: a K3.1 layer (96 heads x 128, conv 4) on one GPU and one TP8 rank's share (12 heads); state
 and conv pages as strided views of a pool (page stride past the page). Bytes per step: the fp32
@@ -13,6 +15,7 @@ state read and written (2 x H x K x V x 4 per sequence), the conv state read and
 [H * K] inputs, beta's logits and the output; the copy bandwidth is measured in the same run.
 
     python benchmarks/kda_decode_step.py [--batches 1,8,64,256] [--heads 96,12] [--block-v 32,64] [--out PATH]
+    python benchmarks/kda_decode_step.py --batches 1,2,4,8 --block-v 32,one32,one16   # the one-launch form
     python benchmarks/kda_decode_step.py --cpu-smoke     # Triton interpreter, tiny sizes (plumbing)
 """
 
@@ -65,7 +68,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batches", default="1,8,64,256")
     parser.add_argument("--heads", default="96,12", help="KDA heads per GPU (96: one GPU; 12: a TP8 rank)")
-    parser.add_argument("--block-v", default="32,64", help="V blocks of the split form to time ('' for none)")
+    parser.add_argument("--block-v", default="32,64", help="V blocks of the split form to time ('' for none); "
+                        "one<n> (e.g. one32): the one-launch split form with blocks of n")
     parser.add_argument("--cpu-smoke", action="store_true")
     parser.add_argument("--out", default="benchmarks/results/kda_decode_step.json")
     args = parser.parse_args()
@@ -78,9 +82,12 @@ def main() -> int:
     from kimiserve.ops.kda import triton_decode
 
     variants = {"fused": functools.partial(triton_decode.kda_decode_step, fallback=paged.kda_decode, block_v=None)}
-    for bv in (int(x) for x in args.block_v.split(",") if x):
-        variants[f"split BV={bv}"] = functools.partial(triton_decode.kda_decode_step, fallback=paged.kda_decode,
-                                                       block_v=bv)
+    for spec in (x for x in args.block_v.split(",") if x):
+        one = spec.startswith("one")
+        bv = int(spec[3:] if one else spec)
+        variants[f"{'one' if one else 'split'} BV={bv}"] = functools.partial(
+            triton_decode.kda_decode_step, fallback=paged.kda_decode, block_v=bv,
+            counters=triton_decode.StepCounters() if one else None)
     kernels = [name for name in variants]
     if device == "cuda":
         from kimiserve.ops.kda import fla
@@ -136,8 +143,12 @@ def main() -> int:
                 if row["variant"] in kernels:
                     row["vs_previous_rel_rms"] = rel_rms(outs[row["variant"]], outs[previous])
                     row["conv_pages_equal_previous"] = torch.equal(convs[row["variant"]], convs[previous])
+                    split = row["variant"].replace("one", "split")
+                    if row["variant"].startswith("one") and split in outs:
+                        row["bit_equal_split"] = torch.equal(outs[row["variant"]], outs[split])
+                    bits = {True: " (= split)", False: " (split's bits differ)"}.get(row.get("bit_equal_split"), "")
                     checks.append(f"{row['variant']} {row['vs_previous_rel_rms']:.1e}"
-                                  + ("" if row["conv_pages_equal_previous"] else " CONV PAGES DIFFER"))
+                                  + ("" if row["conv_pages_equal_previous"] else " CONV PAGES DIFFER") + bits)
                     failed |= not (row["vs_previous_rel_rms"] < 2e-2 and row["conv_pages_equal_previous"])
             print(f"H {H:3d} batch {B:4d}: " + ", ".join(f"{r['variant']} {r['us']:.1f} us" for r in rows[-len(variants):])
                   + f"; roofline {rows[-1]['roofline_us'] or float('nan'):.1f} us; rel RMS vs previous: "

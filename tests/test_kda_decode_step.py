@@ -4,7 +4,7 @@ and the reference against the layer's own ops (on the CPU)."""
 import pytest
 import torch
 
-from kda_decode_step_cases import CASES, SPLIT_CASES, check_decode_step, nan_filled_empty
+from kda_decode_step_cases import CASES, ONE_LAUNCH_CASES, SPLIT_CASES, check_decode_step, nan_filled_empty, page_view
 from kimiserve.ops.kda import paged
 
 
@@ -31,6 +31,90 @@ def test_split_form_matches_reference(rows, H, K, W, lower_bound, block_v, dtype
     split = functools.partial(triton_decode.kda_decode_step, block_v=block_v)
     single = functools.partial(triton_decode.kda_decode_step, block_v=None)
     check_decode_step(split, "cuda", dtype, rows, H, K, W, lower_bound, seed=rows * 17 + K, same_as=single)
+
+
+# K3.1's heads (96 on one GPU, 12 on a TP8 rank) at the small batches the one-launch form is for
+ONE_LAUNCH_GPU_CASES = [(1, 96, 128, 4, -5.0, 32), (1, 96, 128, 4, None, 16), (2, 12, 128, 4, -5.0, 16),
+                        (8, 96, 128, 4, -5.0, 64), (64, 12, 128, 4, None, 32)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows, H, K, W, lower_bound, block_v", ONE_LAUNCH_CASES + ONE_LAUNCH_GPU_CASES)
+def test_one_launch_form_matches_reference(rows, H, K, W, lower_bound, block_v, dtype, monkeypatch):
+    """The one-launch split form (counters) over two steps on the same pages and counters against the
+    reference and the three-kernel split form; outputs and scratch NaN-filled; counters zero after."""
+    import functools
+
+    from kimiserve.ops.kda import triton_decode
+
+    nan_filled_empty(monkeypatch)
+    counters = triton_decode.StepCounters()
+    one = functools.partial(triton_decode.kda_decode_step, block_v=block_v, counters=counters)
+    split = functools.partial(triton_decode.kda_decode_step, block_v=block_v)
+    check_decode_step(one, "cuda", dtype, rows, H, K, W, lower_bound, seed=rows * 13 + K, same_as=split, steps=2)
+    (buffer,) = counters.buffers[torch.device("cuda", torch.cuda.current_device())]
+    assert buffer.numel() >= rows * H and not buffer.any(), "counters not reset to zero"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows, H, K, W, lower_bound, block_v", [ONE_LAUNCH_CASES[2], ONE_LAUNCH_GPU_CASES[0],
+                                                                  ONE_LAUNCH_GPU_CASES[1]])
+def test_one_launch_form_bit_equal_to_split_form(rows, H, K, W, lower_bound, block_v):
+    """Whether the GPU build keeps the split form's bits (the interpreter test asserts it). A failure here
+    alone (with test_one_launch_form_matches_reference passing) means the compiler summed a norm in
+    another order, not a wrong value."""
+    import functools
+
+    from kimiserve.ops.kda import triton_decode
+
+    one = functools.partial(triton_decode.kda_decode_step, block_v=block_v, counters=triton_decode.StepCounters())
+    split = functools.partial(triton_decode.kda_decode_step, block_v=block_v)
+    check_decode_step(one, "cuda", torch.bfloat16, rows, H, K, W, lower_bound, seed=5, same_as=split, steps=2,
+                      exact=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows, H, block_v", [(1, 96, 32), (3, 12, 16)])
+def test_one_launch_form_replays_in_a_cuda_graph(rows, H, block_v):
+    """The one-launch step captured once and replayed for three decode steps (fresh inputs copied into the
+    captured buffers) equals three eager reference steps: the counters come back to zero at every replay."""
+    from conftest import rel_rms
+    from kimiserve.ops.kda import triton_decode
+
+    K, W, dtype, device = 128, 4, torch.bfloat16, "cuda"
+    gen = torch.Generator().manual_seed(rows * 7 + H)
+    rnd = lambda *s, scale=1.0: (torch.randn(*s, generator=gen) * scale).to(device)  # noqa: E731
+    P = H * K
+    inputs = lambda: [*(rnd(rows, P).to(dtype) for _ in range(5)), rnd(rows, H).to(dtype)]  # noqa: E731
+    weights = paged.KDADecodeWeights(rnd(P, W, scale=0.5), rnd(P, W, scale=0.5), rnd(P, W, scale=0.5),
+                                     rnd(H, scale=0.5), rnd(P), -5.0, 1 + rnd(K, scale=0.1), 1e-5)
+    conv = page_view(rows + 2, (3, P, W - 1), dtype, device, gen)
+    states = page_view(rows + 2, (H, K, K), torch.float32, device, gen, scale=0.1)
+    page_ids = torch.randperm(rows + 2, generator=gen)[:rows].to(device)
+    conv_ref, states_ref = conv.clone(), states.clone()
+    counters = triton_decode.StepCounters(capacity=rows * H)
+    static = inputs()
+    q, k, v, f, gate, b = static
+    step = lambda c, s: triton_decode.kda_decode_step(q, k, v, f, b, gate, weights, c, s, page_ids,  # noqa: E731
+                                                      block_v=block_v, counters=counters)
+    step(conv.clone(), states.clone())  # compiles outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step(conv, states)
+    for n in range(3):
+        fresh = inputs()
+        for dst, src in zip(static, fresh):
+            dst.copy_(src)
+        graph.replay()
+        fq, fk, fv, ff, fgate, fb = fresh
+        want = paged.kda_decode_step(fq, fk, fv, ff, fb, fgate, weights, conv_ref, states_ref, page_ids)
+        assert rel_rms(out, want) < 2e-2, f"replay {n}: output rel RMS {rel_rms(out, want):.2e}"
+        assert torch.equal(conv, conv_ref), f"replay {n}: conv pages differ"
+        assert rel_rms(states[page_ids], states_ref[page_ids]) < 2e-2, f"replay {n}: state pages differ"
+    (buffer,) = counters.buffers[torch.device("cuda", torch.cuda.current_device())]
+    assert not buffer.any()
 
 
 @pytest.mark.parametrize("rows, H, K, W, lower_bound", CASES[:2])

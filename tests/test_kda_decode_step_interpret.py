@@ -60,7 +60,16 @@ def test_step_counters_grow_and_keep_what_they_outgrew():
     assert small.numel() == 4 and small.dtype == torch.int32 and not small.any()
     assert counters.get(4, cpu) is small
     big = counters.get(5, cpu)
-    assert big.numel() == 8 and counters.buffers[cpu] == [small, big]  # graphs captured on `small` keep it
+    assert big.numel() == 8 and len(counters.buffers[cpu]) == 2  # graphs captured on `small` keep it
+    assert counters.buffers[cpu][0] is small and counters.buffers[cpu][1] is big
+
+
+def test_step_counters_do_not_grow_while_a_graph_captures(monkeypatch):
+    """Growing during a capture would allocate counters whose zero fill never ran: a clear error instead
+    (checked on the CPU with the capture query faked; the buffer is never allocated)."""
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(ValueError, match="capacity"):
+        triton_decode.StepCounters().get(96, torch.device("cuda", 0))
 
 
 def test_one_launch_form_needs_a_power_of_two_block():
