@@ -17,8 +17,8 @@ SPLIT_CASES = [(1, 2, 24, 4, -5.0, 16), (3, 5, 40, 4, None, 32), (7, 3, 128, 4, 
 
 # the one-launch split form (block_v with counters): the same kinds of sizes; 40 in one 64-column block
 # (its only program is the last to arrive), 128 in four
-ONE_LAUNCH_CASES = [(1, 2, 24, 4, -5.0, 16), (3, 2, 40, 3, None, 16), (1, 2, 128, 4, -5.0, 32),
-                    (7, 2, 24, 2, None, 16), (1, 3, 16, 2, None, 8), (3, 2, 40, 4, -5.0, 64)]
+ONE_LAUNCH_CASES = [(1, 2, 24, 4, -5.0, 16), (3, 2, 40, 3, None, 16), (1, 2, 128, 4, None, 32),
+                    (7, 1, 16, 2, -5.0, 8), (3, 1, 40, 4, -5.0, 64)]
 
 
 def page_view(pages: int, shape: tuple[int, ...], dtype, device, gen, scale=1.0):

@@ -88,11 +88,12 @@ def test_block_v_must_be_a_power_of_two():
                                           block_v=bad)
 
 
-@pytest.mark.parametrize("kv, block_v", [("bf16", None), ("fp8", None), ("bf16", 8)])
+@pytest.mark.parametrize("kv, block_v", [("bf16", None), ("fp8", None), ("bf16", 8), ("bf16", "one8")])
 def test_engine_with_fused_kda_decode_matches_reference_ops(kv, block_v):
     """The tiny engine with the kernel (block_v None: the single kernel; 8: the split form, the tiny
-    preset's V = 16 in two blocks) as its KDA decode step: the reference-ops engine's greedy tokens,
-    and its logits at every step within fp32 rounding."""
+    preset's V = 16 in two blocks; one8: the one-launch form in those blocks, one set of counters for
+    every layer and step) as its KDA decode step: the reference-ops engine's greedy tokens, and its logits
+    at every step within fp32 rounding."""
     import dataclasses
     import functools
 
@@ -100,6 +101,8 @@ def test_engine_with_fused_kda_decode_matches_reference_ops(kv, block_v):
     from kimiserve.ops.backend import REFERENCE_OPS
     from kimiserve.ops.kda import paged
 
+    one = block_v == "one8"
     fused = dataclasses.replace(REFERENCE_OPS, name="fused-kda-interpreted", kda_decode_step=functools.partial(
-        triton_decode.kda_decode_step, fallback=paged.kda_decode, block_v=block_v))
+        triton_decode.kda_decode_step, fallback=paged.kda_decode, block_v=8 if one else block_v,
+        counters=triton_decode.StepCounters() if one else None))
     assert_ops_match_reference_ops(fused, kv, random_prompts([40, 90, 7], seed=11))

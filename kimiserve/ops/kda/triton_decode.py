@@ -48,16 +48,27 @@ def _conv_value(x_ptr, w_ptr, conv_base, chan, mask, W: tl.constexpr, BW: tl.con
 
 
 @triton.jit
-def _conv_shift(x, conv_base, chan, mask, W: tl.constexpr, BW: tl.constexpr):
-    """Writes the shifted conv state of the channels `chan` (their last W-1 inputs, x the newest) to the page."""
+def _conv_next_state(x, conv_base, chan, mask, W: tl.constexpr, BW: tl.constexpr):
+    """The shifted conv state of the channels `chan` ([s_1 .. s_{W-2}, x]: the state read one column to the
+    right, the token's input x in the last column), as a [channels, BW] tile; reads the page only."""
     ww = tl.arange(0, BW)
-    m_state = mask[:, None] & (ww[None, :] < W - 1)
-    # new state [s_1 .. s_{W-2}, x]: the state read one column to the right, x in the last column
     m_shift = mask[:, None] & (ww[None, :] < W - 2)
     shifted = tl.load(conv_base + chan[:, None] * (W - 1) + ww[None, :] + 1, mask=m_shift, other=0.0)
-    new_state = tl.where(ww[None, :] == W - 2, x[:, None], shifted)
+    return tl.where(ww[None, :] == W - 2, x[:, None], shifted)
+
+
+@triton.jit
+def _conv_store(new_state, conv_base, chan, mask, W: tl.constexpr, BW: tl.constexpr):
+    ww = tl.arange(0, BW)
+    tl.store(conv_base + chan[:, None] * (W - 1) + ww[None, :], new_state, mask=mask[:, None] & (ww[None, :] < W - 1))
+
+
+@triton.jit
+def _conv_shift(x, conv_base, chan, mask, W: tl.constexpr, BW: tl.constexpr):
+    """Writes the shifted conv state of the channels `chan` (their last W-1 inputs, x the newest) to the page."""
+    new_state = _conv_next_state(x, conv_base, chan, mask, W, BW)
     tl.debug_barrier()  # every lane has read the state before any lane overwrites it
-    tl.store(conv_base + chan[:, None] * (W - 1) + ww[None, :], new_state, mask=m_state)
+    _conv_store(new_state, conv_base, chan, mask, W, BW)
 
 
 @triton.jit
@@ -105,22 +116,34 @@ def _mix_head(q_ptr, k_ptr, v_ptr, f_ptr, b_ptr, x_off, b_off, qw_ptr, kw_ptr, v
 
 
 @triton.jit
-def _delta_rule(state_ptr, s_off, m_s, decay, k, v, beta, q_scaled):
-    """The delta-rule update of a [K, columns] state tile in place; returns the columns' output (fp32)."""
-    S = tl.load(state_ptr + s_off, mask=m_s, other=0.0)
+def _delta_rule_tile(S, decay, k, v, beta, q_scaled):
+    """The delta-rule update of a [K, columns] fp32 state tile; returns (the new tile, the columns' output)."""
     S = S * decay[:, None]
     residual = v - tl.sum(S * k[:, None], axis=0)
     S = S + (beta * k)[:, None] * residual[None, :]
+    return S, tl.sum(S * q_scaled[:, None], axis=0)
+
+
+@triton.jit
+def _delta_rule(state_ptr, s_off, m_s, decay, k, v, beta, q_scaled):
+    """The delta-rule update of a [K, columns] state tile in place; returns the columns' output (fp32)."""
+    S, o = _delta_rule_tile(tl.load(state_ptr + s_off, mask=m_s, other=0.0), decay, k, v, beta, q_scaled)
     tl.store(state_ptr + s_off, S, mask=m_s)
-    return tl.sum(S * q_scaled[:, None], axis=0)
+    return o
+
+
+@triton.jit
+def _rms_gate(o, gate, norm_w, mv, norm_eps, V: tl.constexpr):
+    """RMSNorm(o) * norm_w * sigmoid(gate) of a head's whole row, fp32 (gate and norm_w loaded)."""
+    o = o * tl.rsqrt(tl.sum(tl.where(mv, o * o, 0.0), axis=0) / V + norm_eps)
+    return o * norm_w * tl.sigmoid(gate)
 
 
 @triton.jit
 def _gated_norm(o, gate_ptrs, norm_w_ptr, vv, mv, norm_eps, V: tl.constexpr):
     """KDA's output norm of a head's whole row: RMSNorm(o) * weight * sigmoid(gate), fp32."""
-    o = o * tl.rsqrt(tl.sum(tl.where(mv, o * o, 0.0), axis=0) / V + norm_eps)
     gate = tl.load(gate_ptrs, mask=mv, other=0.0).to(tl.float32)
-    return o * tl.load(norm_w_ptr + vv, mask=mv, other=0.0) * tl.sigmoid(gate)
+    return _rms_gate(o, gate, tl.load(norm_w_ptr + vv, mask=mv, other=0.0), mv, norm_eps, V)
 
 
 @triton.jit
@@ -238,11 +261,13 @@ def _kda_norm_kernel(out_ptr, gate_ptr, row_stride, norm_w_ptr, norm_eps, H: tl.
 
 # The one-launch split form for small batches (`counters` given): one kernel over (sequence, head, V block),
 # so that a batch-1 step spreads each head's state over n_blocks programs without three launches.
-# Each program recomputes its head's q and k (short conv read from the conv page, not written; SiLU, L2
-# norm), the gate and beta, and the short conv of its own V columns only (those channels' conv state is
-# its alone: shifted in place at once); runs the delta rule on its [K, BV] state slice; writes its o
-# columns (rounded to the model dtype); then counts itself in at the (sequence, head)'s counter (an
-# acq_rel atomic after a block barrier: its o columns and its reads of the q, k conv state come before).
+# Each program issues all its global reads first (its [K, BV] state slice, the conv states and inputs,
+# the gate row, the norm weight: their latencies overlap), recomputes its head's q and k (short conv
+# read from the conv page, not written; SiLU, L2 norm), the gate and beta, and the short conv of its own
+# V columns only; runs the delta rule on its state slice; writes its o columns (rounded to the model
+# dtype) and, after a block barrier, its V columns' shifted conv state (those channels are its alone);
+# then counts itself in at the (sequence, head)'s counter (an acq_rel atomic after that barrier: its o
+# columns and its reads of the q, k conv state come before).
 # The program that arrives last (old count n_blocks - 1; any block, in whatever order they ran) reads the
 # head's whole o row back from global memory, writes the gated RMSNorm over it in place, shifts the q and
 # k conv state of the head (every other program has read it: they arrived before), and resets the
@@ -269,30 +294,42 @@ def _kda_one_launch_kernel(
     mv = vv < V
     x_off = row.to(tl.int64) * row_stride
     conv_base = conv_ptr + page * conv_page_stride
+    k_base = conv_base + P * (W - 1)
+    v_base = conv_base + 2 * P * (W - 1)
+    # every global read first, so that their latencies overlap: the state slice, the convs' states and
+    # inputs (and their next states), the gate row and the norm weight (for the norm, should this block
+    # be the head's last)
+    s_off = page * state_page_stride + h * K * V + kk[:, None] * V + vv[None, :]
+    m_s = mk[:, None] & mv[None, :]
+    S = tl.load(state_ptr + s_off, mask=m_s, other=0.0)
     q, x_q = _conv_value(q_ptr + x_off, qw_ptr, conv_base, h * K + kk, mk, W, BW, OUT_DTYPE)
-    k, x_k = _conv_value(k_ptr + x_off, kw_ptr, conv_base + P * (W - 1), h * K + kk, mk, W, BW, OUT_DTYPE)
-    v = _conv_silu(v_ptr + x_off, vw_ptr, conv_base + 2 * P * (W - 1), h * V + vv, mv, W, BW, OUT_DTYPE)
+    k, x_k = _conv_value(k_ptr + x_off, kw_ptr, k_base, h * K + kk, mk, W, BW, OUT_DTYPE)
+    v, x_v = _conv_value(v_ptr + x_off, vw_ptr, v_base, h * V + vv, mv, W, BW, OUT_DTYPE)
+    next_q = _conv_next_state(x_q, conv_base, h * K + kk, mk, W, BW)
+    next_k = _conv_next_state(x_k, k_base, h * K + kk, mk, W, BW)
+    next_v = _conv_next_state(x_v, v_base, h * V + vv, mv, W, BW)
     g, beta = _gate_beta(f_ptr, b_ptr, x_off, row.to(tl.int64) * b_stride, a_log_ptr, dt_bias_ptr, h, lower_bound,
                          kk, mk, K, HAS_LOWER_BOUND)
+    ww = tl.arange(0, BV_ROW)
+    mw = ww < V
+    gate = tl.load(gate_ptr + x_off + h * V + ww, mask=mw, other=0.0).to(tl.float32)
+    norm_w = tl.load(norm_w_ptr + ww, mask=mw, other=0.0)
     q = _l2_normalize(q, OUT_DTYPE)
     k = _l2_normalize(k, OUT_DTYPE)
 
-    s_off = page * state_page_stride + h * K * V + kk[:, None] * V + vv[None, :]
-    m_s = mk[:, None] & mv[None, :]
-    o = _delta_rule(state_ptr, s_off, m_s, tl.exp(g), k, v, beta, q * scale)
+    S, o = _delta_rule_tile(S, tl.exp(g), k, v, beta, q * scale)
+    tl.store(state_ptr + s_off, S, mask=m_s)
     o_row = out_ptr + row.to(tl.int64) * (H * V) + h * V
     tl.store(o_row + vv, o.to(OUT_DTYPE), mask=mv)
-
-    tl.debug_barrier()  # all of this block's stores and loads before its arrival
+    tl.debug_barrier()  # every lane's o columns stored and conv state read: before the arrival and the v store
+    _conv_store(next_v, v_base, h * V + vv, mv, W, BW)  # this block's v channels: no other block reads them
     counter = counters_ptr + row * H + h
     arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-    if arrived == tl.num_programs(2) - 1:
-        _conv_shift(x_q, conv_base, h * K + kk, mk, W, BW)
-        _conv_shift(x_k, conv_base + P * (W - 1), h * K + kk, mk, W, BW)
-        ww = tl.arange(0, BV_ROW)
-        mw = ww < V
+    if arrived == tl.num_programs(2) - 1:  # every other block has stored its o columns and read the q, k conv state
+        _conv_store(next_q, conv_base, h * K + kk, mk, W, BW)
+        _conv_store(next_k, k_base, h * K + kk, mk, W, BW)
         o_all = tl.load(o_row + ww, mask=mw, other=0.0, cache_modifier=".cg").to(tl.float32)  # from L2
-        o_all = _gated_norm(o_all, gate_ptr + x_off + h * V + ww, norm_w_ptr, ww, mw, norm_eps, V)
+        o_all = _rms_gate(o_all, gate, norm_w, mw, norm_eps, V)
         tl.store(o_row + ww, o_all.to(OUT_DTYPE), mask=mw)
         tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
