@@ -33,18 +33,24 @@ def supported(K: int, V: int, conv_size: int) -> bool:
 
 
 @triton.jit
-def _conv_value(x_ptr, w_ptr, conv_base, chan, mask, W: tl.constexpr, BW: tl.constexpr, OUT_DTYPE: tl.constexpr):
-    """SiLU(sum_j w[c, j] * [state, x][c, j]) for the channels `chan` of one token, rounded to the model
-    dtype (returned in fp32), and the token's inputs x of those channels; the conv page is only read."""
+def _conv_load(x_ptr, w_ptr, conv_base, chan, mask, W: tl.constexpr, BW: tl.constexpr):
+    """What the short conv of the channels `chan` of one token reads: (the conv state [channels, BW], the
+    token's inputs x, the weights of the state taps, the weight of the current tap)."""
     ww = tl.arange(0, BW)
     m_state = mask[:, None] & (ww[None, :] < W - 1)
     state = tl.load(conv_base + chan[:, None] * (W - 1) + ww[None, :], mask=m_state, other=0.0)
     x = tl.load(x_ptr + chan, mask=mask, other=0.0)
     w_state = tl.load(w_ptr + chan[:, None] * W + ww[None, :], mask=m_state, other=0.0)
     w_cur = tl.load(w_ptr + chan * W + (W - 1), mask=mask, other=0.0)
+    return state, x, w_state, w_cur
+
+
+@triton.jit
+def _conv_apply(state, x, w_state, w_cur, OUT_DTYPE: tl.constexpr):
+    """SiLU(sum_j w[c, j] * [state, x][c, j]), rounded to the model dtype, returned in fp32."""
     y = tl.sum(state.to(tl.float32) * w_state, axis=1) + x.to(tl.float32) * w_cur
     y = y * tl.sigmoid(y)
-    return y.to(OUT_DTYPE).to(tl.float32), x
+    return y.to(OUT_DTYPE).to(tl.float32)
 
 
 @triton.jit
@@ -73,8 +79,10 @@ def _conv_shift(x, conv_base, chan, mask, W: tl.constexpr, BW: tl.constexpr):
 
 @triton.jit
 def _conv_silu(x_ptr, w_ptr, conv_base, chan, mask, W: tl.constexpr, BW: tl.constexpr, OUT_DTYPE: tl.constexpr):
-    """`_conv_value`, then the channels' conv state shifted in place."""
-    y, x = _conv_value(x_ptr, w_ptr, conv_base, chan, mask, W, BW, OUT_DTYPE)
+    """SiLU(sum_j w[c, j] * [state, x][c, j]) for the channels `chan` of one token, rounded to the model
+    dtype (returned in fp32); writes the shifted conv state (its last W-1 inputs) back to the page."""
+    state, x, w_state, w_cur = _conv_load(x_ptr, w_ptr, conv_base, chan, mask, W, BW)
+    y = _conv_apply(state, x, w_state, w_cur, OUT_DTYPE)
     _conv_shift(x, conv_base, chan, mask, W, BW)
     return y
 
@@ -86,18 +94,24 @@ def _l2_normalize(x, OUT_DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _gate_beta(f_ptr, b_ptr, x_off, b_off, a_log_ptr, dt_bias_ptr, h, lower_bound, kk, mk, K: tl.constexpr,
-               HAS_LOWER_BOUND: tl.constexpr):
-    """Head h's gate g (log decay, fp32 [K]) and beta (fp32) of one token."""
-    f = tl.load(f_ptr + x_off + h * K + kk, mask=mk, other=0.0).to(tl.float32)
-    f = f + tl.load(dt_bias_ptr + h * K + kk, mask=mk, other=0.0)
-    a = tl.exp(tl.load(a_log_ptr + h))
+def _gate_beta_of(f, dt_bias, a_log, b_logit, lower_bound, HAS_LOWER_BOUND: tl.constexpr):
+    """The gate g (log decay, fp32) and beta (fp32) of a head from its loaded f, dt_bias, A_log and b."""
+    f = f.to(tl.float32) + dt_bias
+    a = tl.exp(a_log)
     if HAS_LOWER_BOUND:
         g = lower_bound * tl.sigmoid(a * f)
     else:  # -a * softplus(f), softplus as torch computes it (linear above 20)
         g = -a * tl.where(f > 20.0, f, tl.log(1.0 + tl.exp(tl.minimum(f, 20.0))))
-    beta = tl.sigmoid(tl.load(b_ptr + b_off + h).to(tl.float32))
-    return g, beta
+    return g, tl.sigmoid(b_logit.to(tl.float32))
+
+
+@triton.jit
+def _gate_beta(f_ptr, b_ptr, x_off, b_off, a_log_ptr, dt_bias_ptr, h, lower_bound, kk, mk, K: tl.constexpr,
+               HAS_LOWER_BOUND: tl.constexpr):
+    """Head h's gate g (log decay, fp32 [K]) and beta (fp32) of one token."""
+    return _gate_beta_of(tl.load(f_ptr + x_off + h * K + kk, mask=mk, other=0.0),
+                         tl.load(dt_bias_ptr + h * K + kk, mask=mk, other=0.0), tl.load(a_log_ptr + h),
+                         tl.load(b_ptr + b_off + h), lower_bound, HAS_LOWER_BOUND)
 
 
 @triton.jit
@@ -296,27 +310,31 @@ def _kda_one_launch_kernel(
     conv_base = conv_ptr + page * conv_page_stride
     k_base = conv_base + P * (W - 1)
     v_base = conv_base + 2 * P * (W - 1)
-    # every global read first, so that their latencies overlap: the state slice, the convs' states and
-    # inputs (and their next states), the gate row and the norm weight (for the norm, should this block
-    # be the head's last)
+    # every global read first, so that their latencies overlap: the state slice, the convs' states,
+    # inputs and weights (and their next states), the gate's inputs, and the gate row and the norm weight
+    # (for the norm, should this block be the head's last)
     s_off = page * state_page_stride + h * K * V + kk[:, None] * V + vv[None, :]
     m_s = mk[:, None] & mv[None, :]
     S = tl.load(state_ptr + s_off, mask=m_s, other=0.0)
-    q, x_q = _conv_value(q_ptr + x_off, qw_ptr, conv_base, h * K + kk, mk, W, BW, OUT_DTYPE)
-    k, x_k = _conv_value(k_ptr + x_off, kw_ptr, k_base, h * K + kk, mk, W, BW, OUT_DTYPE)
-    v, x_v = _conv_value(v_ptr + x_off, vw_ptr, v_base, h * V + vv, mv, W, BW, OUT_DTYPE)
+    state_q, x_q, w_q, w_q_cur = _conv_load(q_ptr + x_off, qw_ptr, conv_base, h * K + kk, mk, W, BW)
+    state_k, x_k, w_k, w_k_cur = _conv_load(k_ptr + x_off, kw_ptr, k_base, h * K + kk, mk, W, BW)
+    state_v, x_v, w_v, w_v_cur = _conv_load(v_ptr + x_off, vw_ptr, v_base, h * V + vv, mv, W, BW)
     next_q = _conv_next_state(x_q, conv_base, h * K + kk, mk, W, BW)
     next_k = _conv_next_state(x_k, k_base, h * K + kk, mk, W, BW)
     next_v = _conv_next_state(x_v, v_base, h * V + vv, mv, W, BW)
-    g, beta = _gate_beta(f_ptr, b_ptr, x_off, row.to(tl.int64) * b_stride, a_log_ptr, dt_bias_ptr, h, lower_bound,
-                         kk, mk, K, HAS_LOWER_BOUND)
+    f = tl.load(f_ptr + x_off + h * K + kk, mask=mk, other=0.0)
+    dt_bias = tl.load(dt_bias_ptr + h * K + kk, mask=mk, other=0.0)
+    a_log = tl.load(a_log_ptr + h)
+    b_logit = tl.load(b_ptr + row.to(tl.int64) * b_stride + h)
     ww = tl.arange(0, BV_ROW)
     mw = ww < V
     gate = tl.load(gate_ptr + x_off + h * V + ww, mask=mw, other=0.0).to(tl.float32)
     norm_w = tl.load(norm_w_ptr + ww, mask=mw, other=0.0)
-    q = _l2_normalize(q, OUT_DTYPE)
-    k = _l2_normalize(k, OUT_DTYPE)
 
+    q = _l2_normalize(_conv_apply(state_q, x_q, w_q, w_q_cur, OUT_DTYPE), OUT_DTYPE)
+    k = _l2_normalize(_conv_apply(state_k, x_k, w_k, w_k_cur, OUT_DTYPE), OUT_DTYPE)
+    v = _conv_apply(state_v, x_v, w_v, w_v_cur, OUT_DTYPE)
+    g, beta = _gate_beta_of(f, dt_bias, a_log, b_logit, lower_bound, HAS_LOWER_BOUND)
     S, o = _delta_rule_tile(S, tl.exp(g), k, v, beta, q * scale)
     tl.store(state_ptr + s_off, S, mask=m_s)
     o_row = out_ptr + row.to(tl.int64) * (H * V) + h * V
