@@ -117,6 +117,38 @@ def test_one_launch_form_replays_in_a_cuda_graph(rows, H, block_v):
     assert not buffer.any()
 
 
+def test_one_launch_kernel_compiles_for_the_h200():
+    """The one-launch kernel (not yet run on a GPU) through Triton's whole compiler for sm_90, on the CPU:
+    it builds, its arrival is one acq_rel atomic at GPU scope, and the last block reads the o row from L2."""
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("the Triton interpreter is on in this process")
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from kimiserve.ops.kda import triton_decode
+
+    fn = triton_decode._kda_one_launch_kernel
+    consts = dict(H=96, K=128, V=128, W=4, BK=128, BV=32, BV_ROW=128, BW=4, HAS_LOWER_BOUND=True)
+    names = list(fn.arg_names)
+    pointers = {"pages_ptr": "*i32", "counters_ptr": "*i32", **{n: "*bf16" for n in (
+        "q_ptr", "k_ptr", "v_ptr", "f_ptr", "b_ptr", "gate_ptr", "out_ptr", "conv_ptr")}}
+    sig = {n: "constexpr" if n in consts else pointers.get(n, "*fp32") if n.endswith("_ptr")
+           else "fp32" if n in ("lower_bound", "scale", "norm_eps") else "i32" for n in names}
+    try:
+        kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                                options=dict(num_warps=4))
+    except RuntimeError as e:  # no ptxas in this Triton build
+        if "ptxas" in str(e).lower():
+            pytest.skip(f"no ptxas: {e}")
+        raise
+    ptx = kernel.asm["ptx"]
+    assert ptx.count("atom.global.gpu.acq_rel.add") == 1
+    assert "ld.global.cg" in ptx and "cubin" in kernel.asm
+
+
 @pytest.mark.parametrize("rows, H, K, W, lower_bound", CASES[:2])
 def test_reference_is_the_layers_recurrent_form(rows, H, K, W, lower_bound):
     """The reference step equals one step of the full-sequence recurrent form from the same states."""
