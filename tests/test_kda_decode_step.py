@@ -40,7 +40,7 @@ ONE_LAUNCH_GPU_CASES = [(1, 96, 128, 4, -5.0, 32), (1, 96, 128, 4, None, 16), (2
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows, H, K, W, lower_bound, block_v", ONE_LAUNCH_CASES + ONE_LAUNCH_GPU_CASES)
+@pytest.mark.parametrize("rows, H, K, W, lower_bound, block_v", ONE_LAUNCH_CASES[:3] + ONE_LAUNCH_GPU_CASES)
 def test_one_launch_form_matches_reference(rows, H, K, W, lower_bound, block_v, dtype, monkeypatch):
     """The one-launch split form (counters) over two steps on the same pages and counters against the
     reference and the three-kernel split form; outputs and scratch NaN-filled; counters zero after."""
