@@ -14,7 +14,10 @@ and the head's output is complete for the norm; no atomics, no host synchronisat
 
 A split form for larger batches (`block_v`, see below the single kernel): the conv, norms and gates
 in a first kernel, the delta rule over [K, block_v] slices of the state in a second, the norm in a
-third, with the same values; the default from 768 head-sequences up (`default_block_v`).
+third, with the same values; the default from 768 head-sequences up (`default_block_v`). And a one-launch
+split form for small batches (`counters`, opt-in): the same V blocks in one kernel, each program recomputing
+its head's q, k, gate and beta, the last of a head's programs to finish (an atomic counter per sequence and
+head) doing the norm.
 """
 
 from __future__ import annotations
