@@ -53,6 +53,27 @@ def test_one_launch_form_matches_reference(rows, H, K, W, lower_bound, block_v, 
     assert buffer.numel() >= rows * H and not buffer.any(), "counters not reset to zero"
 
 
+def test_one_launch_form_any_block_may_arrive_last(monkeypatch):
+    """The interpreter runs a head's V blocks in increasing order; run them in decreasing order instead
+    (block 0 arrives last and normalises the row the others wrote): the same values."""
+    import functools
+
+    from triton.runtime import interpreter
+
+    builder = interpreter.interpreter_builder
+    in_order, reversed_blocks = builder.set_grid_idx, []
+
+    def set_grid_idx(x, y, z):
+        reversed_blocks.append(builder.grid_dim[2] - 1 - z)
+        in_order(x, y, reversed_blocks[-1])
+
+    monkeypatch.setattr(builder, "set_grid_idx", set_grid_idx)
+    one = functools.partial(triton_decode.kda_decode_step, block_v=16, counters=triton_decode.StepCounters())
+    split = functools.partial(triton_decode.kda_decode_step, block_v=16)
+    check_decode_step(one, "cpu", torch.bfloat16, 3, 2, 40, 4, -5.0, seed=3, same_as=split, steps=2, exact=True)
+    assert reversed_blocks[:3] == [2, 1, 0], "the interpreter no longer sets program ids through set_grid_idx"
+
+
 def test_step_counters_grow_and_keep_what_they_outgrew():
     counters = triton_decode.StepCounters(capacity=4)
     cpu = torch.device("cpu")
