@@ -35,6 +35,7 @@ from kimiserve.cache import formats
 from kimiserve.model.batch import ForwardBatch
 from kimiserve.model.mla import INDEX_KEY_NORM_EPS, MLAAttention
 from kimiserve.model.model import KimiForCausalLM
+from kimiserve.ops.batch_invariant import glue
 from kimiserve.ops.batch_invariant import reference as bi
 from kimiserve.ops.batch_invariant.attention import mla_attention
 from kimiserve.ops.mla.reference import split_kv_b
@@ -413,14 +414,8 @@ class InvariantForward:
     def kda(self, a, x: torch.Tensor, ctx) -> torch.Tensor:
         N, H, K = x.shape[0], a.num_heads, a.head_dim
         q, k, v = self.proj(a.q_proj, x), self.proj(a.k_proj, x), self.proj(a.v_proj, x)
-        f = self.proj(a.f_b_proj, self.proj(a.f_a_proj, x)).view(N, H, K).float()
-        decay = torch.exp(a.A_log.float()).view(H, 1)
-        z = f + a.dt_bias.float().view(H, K)
-        if a.lower_bound is not None:
-            g = a.lower_bound * bi.sigmoid(decay * z)
-        else:
-            g = -decay * bi.softplus(z)
-        beta = bi.sigmoid(self.proj(a.b_proj, x).float())
+        g, beta = glue.kda_gates(self.proj(a.f_b_proj, self.proj(a.f_a_proj, x)), self.proj(a.b_proj, x), a.A_log,
+                               a.dt_bias, a.lower_bound, H, K)
         o = self.kda_recurrence(a, torch.stack([q, k, v], 1).float(), g, beta, ctx).to(x.dtype)
         gate = self.proj(a.g_proj, x) if hasattr(a, "g_proj") else self.proj(a.g_b_proj, self.proj(a.g_a_proj, x))
         o = bi.gated_rms_norm(o, gate.view(N, H, K), a.o_norm.weight, a.eps)
@@ -440,13 +435,9 @@ class InvariantForward:
         # each segment's inputs after its conv state: ext[base[j] + W1 + t] is its token t's input
         ext = torch.cat([p for j, s in enumerate(segs) for p in (conv[j].permute(2, 0, 1), qkv[s.start : s.end])])
         base, taps, snap_at, starts, lengths, snap_t = _kda_rows(ctx, W1)
-        # the conv at every place of ext from its shifted slices, then each row's place (no [N, W, 3, P] window)
-        T = ext.shape[0] - W1
-        y = bi.causal_conv([ext[j : j + T] for j in range(W1 + 1)], conv_weight)[taps]  # [N, 3, P]
-        N = y.shape[0]
-        qh, kh = bi.l2_normalize(y[:, 0].view(N, H, K)), bi.l2_normalize(y[:, 1].view(N, H, K))
-        o, state, snaps = bi.kda_recurrence(qh, kh, y[:, 2].view(N, H, K), g, beta, state, starts, lengths, snap_t,
-                                            K ** -0.5)
+        # each row's conv from its W places of ext (no [N, W, 3, P] window), the same per-row op as decode's
+        qh, kh, vh = glue.kda_conv_norm(ext, taps, conv_weight, H, K)
+        o, state, snaps = bi.kda_recurrence(qh, kh, vh, g, beta, state, starts, lengths, snap_t, K ** -0.5)
         for j, t in enumerate(snap_at):
             if t is not None:
                 ctx.kda_snapshot(layer, j, ext[base[j] + t : base[j] + t + W1].permute(1, 2, 0), snaps[j])
@@ -460,10 +451,9 @@ class InvariantForward:
         state its last W - 1 inputs."""
         N = qkv.shape[0]
         window = torch.cat([conv.permute(0, 3, 1, 2), qkv.unsqueeze(1)], 1)  # [N, W, 3, P]
-        y = bi.causal_conv(list(window.unbind(1)), conv_weight)  # [N, 3, P]
-        qh, kh = bi.l2_normalize(y[:, 0].view(N, H, K)), bi.l2_normalize(y[:, 1].view(N, H, K))
+        qh, kh, vh = glue.kda_conv_norm(window, window.shape[1], conv_weight, H, K)  # row n's taps: window[n]
         rows = torch.arange(N, device=qkv.device)
-        o, state, _ = bi.kda_recurrence(qh, kh, y[:, 2].view(N, H, K), g, beta, state, rows, torch.ones_like(rows),
+        o, state, _ = bi.kda_recurrence(qh, kh, vh, g, beta, state, rows, torch.ones_like(rows),
                                         torch.full_like(rows, -1), K ** -0.5)
         ctx.kda_final(layer, window[:, 1:].permute(0, 2, 3, 1), state)
         return o
@@ -478,7 +468,7 @@ class InvariantForward:
 
     def moe(self, m, x: torch.Tensor) -> torch.Tensor:
         c = self.config
-        ids, weights = bi.route(bi.linear(x.float(), m.gate.weight), m.gate.e_score_correction_bias,
+        ids, weights = glue.route(bi.linear(x.float(), m.gate.weight), m.gate.e_score_correction_bias,
                                 c.num_experts_per_token, score_func=c.moe_router_activation_func,
                                 renormalize=c.moe_renormalize, scaling_factor=c.routed_scaling_factor)
         latent = hasattr(m, "routed_expert_down_proj")

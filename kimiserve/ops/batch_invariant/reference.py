@@ -247,6 +247,20 @@ class _GroupedMatmul(torch.autograd.Function):
         return (None if gx is None else gx.to(x.dtype), None if gw is None else gw.to(weights.dtype), None, None, None)
 
 
+PLAN_KERNEL_MAX_ROWS = 0
+"""On CUDA (Triton), `group_rows` builds the expert plan of at most this many (token, slot) rows in one
+launch (`triton_glue.tile_plan`: element for element `TilePlan.of`, ~15 kernels); 0: always `TilePlan.of`.
+Off until the GPU tests of GPU_REQUEST.md pass (2048 there)."""
+
+
+def _triton_glue():
+    try:
+        from kimiserve.ops.batch_invariant import triton_glue
+    except ImportError:
+        return None
+    return triton_glue
+
+
 def group_rows(x: torch.Tensor, groups: torch.Tensor, num_groups: int):
     """The plan of rows grouped by `groups` (int [N] in [0, num_groups), negative: none) for
     `stacked_linear` on x's device: on CUDA (Triton) a `triton.TilePlan`, made on the device (no host
@@ -254,6 +268,8 @@ def group_rows(x: torch.Tensor, groups: torch.Tensor, num_groups: int):
     if on_triton(x) and _cuda_matmul() is not None:
         from kimiserve.ops.batch_invariant.triton import TilePlan
 
+        if 0 < groups.shape[0] <= PLAN_KERNEL_MAX_ROWS and num_groups > 0 and _triton_glue() is not None:
+            return _triton_glue().tile_plan(groups, num_groups)
         return TilePlan.of(groups, num_groups)
     return RowGroups.of(groups)
 
@@ -652,20 +668,27 @@ def sparse_latent_attention(q_abs: torch.Tensor, q_pe: torch.Tensor, latents: to
     return tree_sum(probs.unsqueeze(-1) * picked[:, None, :, :L], -2)
 
 
+def _route_scores(logits: torch.Tensor, score_func: str) -> torch.Tensor:
+    if score_func == "sigmoid":
+        return sigmoid(logits)
+    if score_func == "softmax":
+        return softmax(logits, -1)
+    raise ValueError(f"score_func must be 'sigmoid' or 'softmax', got {score_func!r}")
+
+
+def _route_weights(scores: torch.Tensor, ids: torch.Tensor, renormalize: bool, scaling_factor: float) -> torch.Tensor:
+    weights = scores.gather(1, ids)
+    if renormalize and ids.shape[-1] > 1:
+        weights = weights / (tree_sum(weights, -1, keepdim=True) + 1e-20)
+    return weights * scaling_factor
+
+
 def route(router_logits: torch.Tensor, correction_bias: torch.Tensor | None, top_k: int, *, score_func: str,
           renormalize: bool, scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
     """`ops.moe.reference.route` without expert groups: ties between experts go to the smaller id,
     the renormalising sum is a tree sum."""
     logits = router_logits.float()
-    if score_func == "sigmoid":
-        scores = sigmoid(logits)
-    elif score_func == "softmax":
-        scores = softmax(logits, -1)
-    else:
-        raise ValueError(f"score_func must be 'sigmoid' or 'softmax', got {score_func!r}")
+    scores = _route_scores(logits, score_func)
     choice = scores if correction_bias is None else scores + correction_bias.float()
     ids = torch.sort(choice.detach(), dim=-1, descending=True, stable=True).indices[:, :top_k]
-    weights = scores.gather(1, ids)
-    if renormalize and top_k > 1:
-        weights = weights / (tree_sum(weights, -1, keepdim=True) + 1e-20)
-    return ids, weights * scaling_factor
+    return ids, _route_weights(scores, ids, renormalize, scaling_factor)

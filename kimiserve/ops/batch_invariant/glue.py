@@ -1,0 +1,145 @@
+"""The batch-invariant forward's glue around the KDA recurrence and the router: each op's torch form (the
+compositions of `reference` ops it replaces, bit for bit those) and, opt-in on CUDA, one Triton launch
+(`triton_glue`) with a backward through the torch form. The Triton forms are elementwise or one program
+per row whose configuration depends on the row's width only, and the same kernel serves prefill, decode
+and the trainer, so a token's bits depend on its own inputs alone (other bits than the torch forms').
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kimiserve.ops.batch_invariant import reference as bi
+
+KDA_GLUE_KERNELS = False
+"""On CUDA (Triton), the KDA layers' gates and short conv + L2 norms as one launch each
+(`triton_glue.kda_gates`, `triton_glue.kda_conv_norm`, the same kernels for prefill, decode and the
+trainer) instead of ~35 torch kernels per layer. Off (other bits than the torch forms' on CUDA) until the
+GPU tests of GPU_REQUEST.md pass on the H200."""
+
+MOE_ROUTE_KERNEL = False
+"""On CUDA (Triton), `route` as one program per row (`triton_glue.route`) instead of ~19 torch kernels
+per MoE layer. Off until the GPU tests of GPU_REQUEST.md pass."""
+
+
+def _kda_gates_torch(f, b, a_log, dt_bias, lower_bound, H: int, K: int):
+    """The KDA decay gate g [N, H, K] and beta [N, H] (fp32) from the f_b projection f [N, H * K] and the
+    b projection b [N, H]."""
+    N = f.shape[0]
+    decay = torch.exp(a_log.float()).view(H, 1)
+    z = f.view(N, H, K).float() + dt_bias.float().view(H, K)
+    if lower_bound is not None:
+        g = lower_bound * bi.sigmoid(decay * z)
+    else:
+        g = -decay * bi.softplus(z)
+    return g, bi.sigmoid(b.float())
+
+
+class _KDAGates(torch.autograd.Function):
+    """Forward: `triton_glue.kda_gates`; backward: autograd through the torch form."""
+
+    @staticmethod
+    def forward(ctx, f, b, a_log, dt_bias, lower_bound, H, K):
+        ctx.save_for_backward(f, b, a_log, dt_bias)
+        ctx.args = (lower_bound, H, K)
+        return bi._triton_glue().kda_gates(f, b, a_log, dt_bias, lower_bound, H, K)
+
+    @staticmethod
+    def backward(ctx, gg, gbeta):
+        saved = ctx.saved_tensors
+        with torch.enable_grad():
+            leaves = [t.detach().requires_grad_(need) for t, need in zip(saved, ctx.needs_input_grad)]
+            outs = _kda_gates_torch(*leaves, *ctx.args)
+            pairs = [(o, gr) for o, gr in zip(outs, (gg, gbeta)) if gr is not None]
+            wanted = [t for t in leaves if t.requires_grad]
+            grads = iter(torch.autograd.grad([o for o, _ in pairs], wanted, [gr for _, gr in pairs], allow_unused=True)
+                         if wanted and pairs else ())
+        return (*(next(grads) if t.requires_grad else None for t in leaves), None, None, None)
+
+
+def kda_gates(f: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor,
+              lower_bound: float | None, H: int, K: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(g [N, H, K], beta [N, H]) fp32 (`_kda_gates_torch`); on CUDA with `KDA_GLUE_KERNELS` one Triton
+    launch (elementwise: a row's bits are its own)."""
+    if KDA_GLUE_KERNELS and bi.on_triton(f) and bi._triton_glue() is not None:
+        return _KDAGates.apply(f, b, a_log, dt_bias, lower_bound, H, K)
+    return _kda_gates_torch(f, b, a_log, dt_bias, lower_bound, H, K)
+
+
+def _kda_conv_norm_torch(ext, taps, weight, H: int, K: int):
+    """The rows' short conv (`causal_conv` of their W taps ext[tap0 + j], tap0 = taps[n], or n * taps for
+    an int) and q/k `l2_normalize`d per head: ext [T, 3, P], weight [3, P, W] -> (q, k, v) [N, H, K] fp32."""
+    W = weight.shape[-1]
+    ext = ext.reshape(-1, 3, H * K)
+    if not isinstance(taps, torch.Tensor):
+        ext = ext.view(-1, W, 3, H * K)
+        y = bi.causal_conv(list(ext.unbind(1)), weight)
+    else:
+        y = bi.causal_conv([ext[taps + j] for j in range(W)], weight)
+    N = y.shape[0]
+    return bi.l2_normalize(y[:, 0].view(N, H, K)), bi.l2_normalize(y[:, 1].view(N, H, K)), y[:, 2].view(N, H, K)
+
+
+class _KDAConvNorm(torch.autograd.Function):
+    """Forward: `triton_glue.kda_conv_norm`; backward: autograd through the torch form."""
+
+    @staticmethod
+    def forward(ctx, ext, weight, taps, H, K):
+        is_t = isinstance(taps, torch.Tensor)
+        ctx.save_for_backward(ext, weight, *((taps,) if is_t else ()))
+        ctx.args = (None if is_t else taps, H, K)
+        return bi._triton_glue().kda_conv_norm(ext, taps, weight, H, K)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ext, weight, *taps = ctx.saved_tensors
+        stride, H, K = ctx.args
+        with torch.enable_grad():
+            leaves = [t.detach().requires_grad_(need) for t, need in zip((ext, weight), ctx.needs_input_grad)]
+            out = torch.stack(_kda_conv_norm_torch(leaves[0], taps[0] if taps else stride, leaves[1], H, K))
+            wanted = [t for t in leaves if t.requires_grad]
+            grads = iter(torch.autograd.grad(out, wanted, grad, allow_unused=True) if wanted else ())
+        return (*(next(grads) if t.requires_grad else None for t in leaves), None, None, None)
+
+
+def kda_conv_norm(ext: torch.Tensor, taps, weight: torch.Tensor, H: int, K: int):
+    """(q, k, v) of `_kda_conv_norm_torch`; on CUDA with `KDA_GLUE_KERNELS` one Triton launch for every
+    row (prefill, decode and the trainer alike: a row's bits are its W inputs')."""
+    if KDA_GLUE_KERNELS and bi.on_triton(ext) and bi._triton_glue() is not None:
+        return _KDAConvNorm.apply(ext, weight, taps, H, K).unbind(0)
+    return _kda_conv_norm_torch(ext, taps, weight, H, K)
+
+
+class _Route(torch.autograd.Function):
+    """Forward: `triton_glue.route`; backward: autograd through the torch weights of the kernel's ids."""
+
+    @staticmethod
+    def forward(ctx, logits, bias, top_k, score_func, renormalize, scaling_factor):
+        ids, weights = bi._triton_glue().route(logits, bias, top_k, score_func, renormalize, scaling_factor)
+        ctx.save_for_backward(logits, ids)
+        ctx.args = (score_func, renormalize, scaling_factor)
+        ctx.mark_non_differentiable(ids)
+        return ids, weights
+
+    @staticmethod
+    def backward(ctx, gids, gweights):
+        logits, ids = ctx.saved_tensors
+        score_func, renormalize, scaling_factor = ctx.args
+        with torch.enable_grad():
+            leaf = logits.detach().requires_grad_(True)
+            w = bi._route_weights(bi._route_scores(leaf, score_func), ids, renormalize, scaling_factor)
+            (grad,) = torch.autograd.grad(w, leaf, gweights)
+        return grad, None, None, None, None, None
+
+
+def route(router_logits: torch.Tensor, correction_bias: torch.Tensor | None, top_k: int, *, score_func: str,
+          renormalize: bool, scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`reference.route`; on CUDA with `MOE_ROUTE_KERNEL` one Triton program per row (`triton_glue.route`:
+    its reductions fixed by the expert count and top_k, the ids the same choice; the weights' gradient
+    through the torch form at those ids)."""
+    if MOE_ROUTE_KERNEL and bi.on_triton(router_logits) and router_logits.dim() == 2 and bi._triton_glue() is not None:
+        if score_func not in ("sigmoid", "softmax"):
+            raise ValueError(f"score_func must be 'sigmoid' or 'softmax', got {score_func!r}")
+        return _Route.apply(router_logits.float(), correction_bias, top_k, score_func, renormalize, scaling_factor)
+    return bi.route(router_logits, correction_bias, top_k, score_func=score_func, renormalize=renormalize,
+                    scaling_factor=scaling_factor)
