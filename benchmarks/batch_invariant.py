@@ -13,6 +13,9 @@ torch time of the model's full-sequence forward over the prefill batch.
 
 `--split-k-programs N` (CUDA) adds a third engine, batch-invariant with split-K in its matmuls
 (`ops.batch_invariant.triton.SPLIT_K_PROGRAMS` = N while it is built and run), measured the same way.
+`--glue-kernels` (CUDA) adds one more, batch-invariant with the opt-in glue kernels on
+(`glue.KDA_GLUE_KERNELS`, `glue.MOE_GLUE_KERNELS`, `reference.PLAN_KERNEL_MAX_ROWS` = 2048) and split-K
+at `--split-k-programs` (none at 0).
 """
 
 from __future__ import annotations
@@ -64,6 +67,23 @@ def split_k(programs: int):
         yield
     finally:
         bi_triton.SPLIT_K_PROGRAMS = before
+
+
+@contextlib.contextmanager
+def glue_kernels(on: bool):
+    """The opt-in glue kernels of `ops.batch_invariant.triton_glue` on inside (nothing when off)."""
+    if not on:
+        yield
+        return
+    from kimiserve.ops.batch_invariant import glue
+    from kimiserve.ops.batch_invariant import reference as bi
+
+    before = glue.KDA_GLUE_KERNELS, glue.MOE_GLUE_KERNELS, bi.PLAN_KERNEL_MAX_ROWS
+    glue.KDA_GLUE_KERNELS, glue.MOE_GLUE_KERNELS, bi.PLAN_KERNEL_MAX_ROWS = True, True, 2048
+    try:
+        yield
+    finally:
+        glue.KDA_GLUE_KERNELS, glue.MOE_GLUE_KERNELS, bi.PLAN_KERNEL_MAX_ROWS = before
 
 
 def run_to_end(engine: LLMEngine) -> dict:
@@ -142,6 +162,9 @@ def main(argv=None) -> int:
                         help="both engines' (GPU) cache budget: the rest is left for activations and graphs")
     parser.add_argument("--split-k-programs", type=int, default=0,
                         help="also measure batch-invariant mode with split-K at this SPLIT_K_PROGRAMS (CUDA; 0: not)")
+    parser.add_argument("--glue-kernels", action="store_true",
+                        help="also measure batch-invariant mode with the opt-in glue kernels (and split-K at "
+                             "--split-k-programs) (CUDA)")
     parser.add_argument("--out", default=None, help="default: benchmarks/results/batch_invariant_<device>.json")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
@@ -149,12 +172,14 @@ def main(argv=None) -> int:
     prompts = [torch.randint(0, vocab, (args.prompt_len,)).tolist() for _ in range(args.batch)]
     rate = matmul_rate(args.device)
     results = {}
-    modes = [("default", False, 0), ("batch_invariant", True, 0)]
+    modes = [("default", False, 0, False), ("batch_invariant", True, 0, False)]
     if args.split_k_programs > 0:
-        modes.append(("batch_invariant_split_k", True, args.split_k_programs))
-    for mode, flag, split_programs in modes:
+        modes.append(("batch_invariant_split_k", True, args.split_k_programs, False))
+    if args.glue_kernels:
+        modes.append(("batch_invariant_glue", True, args.split_k_programs, True))
+    for mode, flag, split_programs, glue in modes:
         t = time.perf_counter()
-        with split_k(split_programs):
+        with split_k(split_programs), glue_kernels(glue):
             results[mode] = measure(args, flag, prompts)
         print(mode, json.dumps(results[mode]), f"({time.perf_counter() - t:.1f} s with build and warm-up)", flush=True)
     d, b = results["default"], results["batch_invariant"]
@@ -175,6 +200,10 @@ def main(argv=None) -> int:
         record["split_k_programs"] = args.split_k_programs
         record["slowdown_prefill_split_k"] = d["prefill_tokens_per_s"] / split["prefill_tokens_per_s"]
         record["slowdown_decode_split_k"] = d["decode_tokens_per_s"] / split["decode_tokens_per_s"]
+    if "batch_invariant_glue" in results:
+        g = results["batch_invariant_glue"]
+        record["slowdown_prefill_glue"] = d["prefill_tokens_per_s"] / g["prefill_tokens_per_s"]
+        record["slowdown_decode_glue"] = d["decode_tokens_per_s"] / g["decode_tokens_per_s"]
     out = args.out or os.path.join(os.path.dirname(__file__), "results", f"batch_invariant_{args.device.split(':')[0]}.json")
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with open(out, "w") as f:

@@ -8,9 +8,9 @@ they run under (`kimiserve/rl/forward.py`), then listed per (method, op). A kern
 on the GPU each launch in a CUDA graph costs ~1-1.5 us.
 
     PYTHONPATH=. OMP_NUM_THREADS=1 python benchmarks/batch_invariant_kernel_count.py
-    PYTHONPATH=. OMP_NUM_THREADS=1 python benchmarks/batch_invariant_kernel_count.py --kda-glue --route-kernel --plan-kernel-max-rows 2048
+    PYTHONPATH=. OMP_NUM_THREADS=1 python benchmarks/batch_invariant_kernel_count.py --kda-glue --moe-glue --plan-kernel-max-rows 2048
 
-`--kda-glue` sets `glue.KDA_GLUE_KERNELS`, `--route-kernel` `glue.MOE_ROUTE_KERNEL`, `--plan-kernel-max-rows N`
+`--kda-glue` sets `glue.KDA_GLUE_KERNELS`, `--moe-glue` `glue.MOE_GLUE_KERNELS`, `--plan-kernel-max-rows N`
 `reference.PLAN_KERNEL_MAX_ROWS` (the opt-in kernels of `ops.batch_invariant.triton_glue`). ~1-5 minutes
 (the interpreter).
 """
@@ -107,7 +107,7 @@ def count_decode_step(decode_step: int) -> tuple[collections.Counter, collection
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--kda-glue", action="store_true", help="glue.KDA_GLUE_KERNELS = True")
-    p.add_argument("--route-kernel", action="store_true", help="glue.MOE_ROUTE_KERNEL = True")
+    p.add_argument("--moe-glue", action="store_true", help="glue.MOE_GLUE_KERNELS = True")
     p.add_argument("--plan-kernel-max-rows", type=int, default=0, help="reference.PLAN_KERNEL_MAX_ROWS")
     p.add_argument("--decode-step", type=int, default=3, help="which pure decode step to count (batch 4)")
     p.add_argument("--top", type=int, default=40, help="(method, op) rows to list")
@@ -116,15 +116,15 @@ def main() -> None:
     from kimiserve.ops.batch_invariant import glue
     from kimiserve.ops.batch_invariant import reference as bi
 
-    glue.KDA_GLUE_KERNELS, glue.MOE_ROUTE_KERNEL = args.kda_glue, args.route_kernel
+    glue.KDA_GLUE_KERNELS, glue.MOE_GLUE_KERNELS = args.kda_glue, args.moe_glue
     bi.PLAN_KERNEL_MAX_ROWS = args.plan_kernel_max_rows
     by_method, by_op = count_decode_step(args.decode_step)
     total = sum(by_method.values())
     if args.json:
-        print(json.dumps({"kda_glue": args.kda_glue, "route_kernel": args.route_kernel, "plan_kernel_max_rows": args.plan_kernel_max_rows,
+        print(json.dumps({"kda_glue": args.kda_glue, "moe_glue": args.moe_glue, "plan_kernel_max_rows": args.plan_kernel_max_rows,
                           "total": total, "by_method": dict(by_method.most_common())}))
         return
-    print(f"kda_glue={args.kda_glue} route_kernel={args.route_kernel} plan_kernel_max_rows={args.plan_kernel_max_rows}: {total} kernels in one decode step")
+    print(f"kda_glue={args.kda_glue} moe_glue={args.moe_glue} plan_kernel_max_rows={args.plan_kernel_max_rows}: {total} kernels in one decode step")
     for where, n in by_method.most_common():
         print(f"{n:5d} {where}")
     print()

@@ -1,5 +1,5 @@
 """The batch-invariant forward's glue kernels (`ops.batch_invariant.triton_glue`: KDA gates, KDA short conv +
-L2 norms, the one-launch expert plan) under Triton's CPU interpreter (no GPU needed), and on CUDA.
+L2 norms, the router, the slot combine, the one-launch expert plan) under Triton's CPU interpreter (no GPU needed), and on CUDA.
 
 Skipped unless KIMISERVE_TRITON_INTERPRET=1 (or CUDA is present); run in its own process:
 
@@ -40,7 +40,7 @@ def glue_on(monkeypatch):
     if INTERPRET:
         monkeypatch.setattr(bi, "on_triton", lambda x: True)
     monkeypatch.setattr(glue, "KDA_GLUE_KERNELS", True)
-    monkeypatch.setattr(glue, "MOE_ROUTE_KERNEL", True)
+    monkeypatch.setattr(glue, "MOE_GLUE_KERNELS", True)
 
 
 def _gate_inputs(N, H, K, dtype, seed):
@@ -142,6 +142,26 @@ def test_route_kernel_matches_the_torch_form_and_rows_do_not_depend_on_the_batch
     torch.testing.assert_close(leaf.grad, leaf_ref.grad)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_combine_slots_kernel_matches_the_torch_form_rows_alone_and_its_gradient(glue_on, dtype):
+    g = torch.Generator().manual_seed(14)
+    N, k, D = 9, 3, 1100  # D past one column block
+    y = torch.randn(N * k, D, generator=g).to(dtype).to(DEVICE)
+    w = torch.rand(N, k, generator=g).to(DEVICE)
+    out = glue.combine_slots(y, w, dtype)
+    assert out.dtype == dtype and out.shape == (N, D)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.float(), glue._combine_slots_torch(y, w, dtype).float(), rtol=tol, atol=tol)
+    for lo, hi in ((0, 1), (4, 5), (2, 8)):
+        assert torch.equal(glue.combine_slots(y[lo * k : hi * k], w[lo:hi], dtype), out[lo:hi])
+    yl, wl = y.float().requires_grad_(True), w.clone().requires_grad_(True)
+    c = torch.randn(N, D, generator=g).to(DEVICE)
+    a = torch.autograd.grad((glue.combine_slots(yl, wl, torch.float32) * c).sum(), (yl, wl))
+    b = torch.autograd.grad((glue._combine_slots_torch(yl, wl, torch.float32) * c).sum(), (yl, wl))
+    for x, z in zip(a, b):
+        torch.testing.assert_close(x, z)
+
+
 @pytest.mark.parametrize("M,G", [(1, 16), (16, 16), (150, 4), (130, 1), (7, 3), (200, 37)])
 def test_tile_plan_kernel_is_the_torch_plan(M, G):
     g = torch.Generator().manual_seed(M * 7 + G)
@@ -154,13 +174,15 @@ def test_tile_plan_kernel_is_the_torch_plan(M, G):
 
 
 def test_invariant_engine_on_the_glue_kernels_is_batch_invariant_and_equals_the_trainer(monkeypatch, glue_on):
-    """The interpret suite's engine == trainer test with the glue kernels on (the KDA gates and conv + norms
-    in prefill, chunked prefill, decode and the trainer; the one-launch expert plan)."""
+    """The interpret suite's engine == trainer test with the glue kernels on (the KDA gates and conv + norms,
+    the router and the slot combine in prefill, chunked prefill, decode and the trainer; the one-launch
+    expert plan), each of them run."""
     import test_batch_invariant_triton_interpret as base
 
     monkeypatch.setattr(bi, "PLAN_KERNEL_MAX_ROWS", 2048)
-    calls = {"gates": 0, "conv": 0, "plan": 0, "route": 0}
-    for name, key in (("kda_gates", "gates"), ("kda_conv_norm", "conv"), ("tile_plan", "plan"), ("route", "route")):
+    calls = {"gates": 0, "conv": 0, "plan": 0, "route": 0, "combine": 0}
+    for name, key in (("kda_gates", "gates"), ("kda_conv_norm", "conv"), ("tile_plan", "plan"), ("route", "route"),
+                      ("combine_slots", "combine")):
         fn = getattr(triton_glue, name)
 
         def counted(*a, _fn=fn, _key=key, **kw):

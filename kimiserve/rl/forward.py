@@ -512,4 +512,4 @@ class InvariantForward:
         y = linear("w2", act, h.shape[-1])
         if lora is not None:
             y = lora.apply_experts(f"{base}.w2", act, flat, slots, y)
-        return bi.tree_sum(y.float().view(N, k, -1) * weights.float().unsqueeze(-1), 1).to(h.dtype)
+        return glue.combine_slots(y, weights, h.dtype)

@@ -17,9 +17,10 @@ KDA_GLUE_KERNELS = False
 trainer) instead of ~35 torch kernels per layer. Off (other bits than the torch forms' on CUDA) until the
 GPU tests of GPU_REQUEST.md pass on the H200."""
 
-MOE_ROUTE_KERNEL = False
-"""On CUDA (Triton), `route` as one program per row (`triton_glue.route`) instead of ~19 torch kernels
-per MoE layer. Off until the GPU tests of GPU_REQUEST.md pass."""
+MOE_GLUE_KERNELS = False
+"""On CUDA (Triton), the MoE layers' `route` as one program per row (`triton_glue.route`) and the routed
+experts' weighted sum over a token's slots as one launch (`triton_glue.combine_slots`) instead of ~25
+torch kernels per MoE layer. Off until the GPU tests of GPU_REQUEST.md pass."""
 
 
 def _kda_gates_torch(f, b, a_log, dt_bias, lower_bound, H: int, K: int):
@@ -134,12 +135,46 @@ class _Route(torch.autograd.Function):
 
 def route(router_logits: torch.Tensor, correction_bias: torch.Tensor | None, top_k: int, *, score_func: str,
           renormalize: bool, scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """`reference.route`; on CUDA with `MOE_ROUTE_KERNEL` one Triton program per row (`triton_glue.route`:
+    """`reference.route`; on CUDA with `MOE_GLUE_KERNELS` one Triton program per row (`triton_glue.route`:
     its reductions fixed by the expert count and top_k, the ids the same choice; the weights' gradient
     through the torch form at those ids)."""
-    if MOE_ROUTE_KERNEL and bi.on_triton(router_logits) and router_logits.dim() == 2 and bi._triton_glue() is not None:
+    if MOE_GLUE_KERNELS and bi.on_triton(router_logits) and router_logits.dim() == 2 and bi._triton_glue() is not None:
         if score_func not in ("sigmoid", "softmax"):
             raise ValueError(f"score_func must be 'sigmoid' or 'softmax', got {score_func!r}")
         return _Route.apply(router_logits.float(), correction_bias, top_k, score_func, renormalize, scaling_factor)
     return bi.route(router_logits, correction_bias, top_k, score_func=score_func, renormalize=renormalize,
                     scaling_factor=scaling_factor)
+
+
+def _combine_slots_torch(y: torch.Tensor, weights: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    N, k = weights.shape
+    return bi.tree_sum(y.float().view(N, k, -1) * weights.float().unsqueeze(-1), 1).to(out_dtype)
+
+
+class _CombineSlots(torch.autograd.Function):
+    """Forward: `triton_glue.combine_slots`; backward: autograd through the torch form."""
+
+    @staticmethod
+    def forward(ctx, y, weights, out_dtype):
+        ctx.save_for_backward(y, weights)
+        ctx.out_dtype = out_dtype
+        return bi._triton_glue().combine_slots(y, weights, out_dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        saved = ctx.saved_tensors
+        with torch.enable_grad():
+            leaves = [t.detach().requires_grad_(need) for t, need in zip(saved, ctx.needs_input_grad)]
+            out = _combine_slots_torch(*leaves, ctx.out_dtype)
+            wanted = [t for t in leaves if t.requires_grad]
+            grads = iter(torch.autograd.grad(out, wanted, grad) if wanted else ())
+        return (*(next(grads) if t.requires_grad else None for t in leaves), None)
+
+
+def combine_slots(y: torch.Tensor, weights: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """The routed experts' outputs y [N * k, D] (token n's slot j at row n k + j) summed over each token's
+    slots with their weights [N, k], in fp32 (a `tree_sum` over the slots), rounded to out_dtype [N, D]; on
+    CUDA with `MOE_GLUE_KERNELS` one launch (the slots added in order, each element on its own)."""
+    if MOE_GLUE_KERNELS and bi.on_triton(y) and bi._triton_glue() is not None:
+        return _CombineSlots.apply(y, weights, out_dtype)
+    return _combine_slots_torch(y, weights, out_dtype)

@@ -202,3 +202,28 @@ def route(router_logits: torch.Tensor, correction_bias: torch.Tensor | None, top
                             HAS_BIAS=correction_bias is not None, RENORMALIZE=renormalize and top_k > 1,
                             num_warps=1 if BE <= 256 else 4)
     return ids, weights
+
+
+@triton.jit
+def _combine_kernel(y_ptr, w_ptr, out_ptr, D, TOP_K: tl.constexpr, BD: tl.constexpr):
+    n = tl.program_id(0).to(tl.int64)
+    dd = tl.program_id(1) * BD + tl.arange(0, BD)
+    m = dd < D
+    acc = tl.zeros((BD,), tl.float32)
+    for j in tl.static_range(TOP_K):  # the slots in order, whatever BD (each element its own sum)
+        w = tl.load(w_ptr + n * TOP_K + j).to(tl.float32)
+        acc += tl.load(y_ptr + (n * TOP_K + j) * D + dd, mask=m, other=0.0).to(tl.float32) * w
+    tl.store(out_ptr + n * D + dd, acc.to(out_ptr.dtype.element_ty), mask=m)
+
+
+def combine_slots(y: torch.Tensor, weights: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """y [N * k, D] (each token's slots one after the other), weights [N, k] -> sum_j weights[n, j] y[n k + j]
+    [N, D] in fp32, slot by slot, rounded once to out_dtype."""
+    N, k = weights.shape
+    D = y.shape[-1]
+    y, weights = y.contiguous(), weights.contiguous()
+    out = torch.empty(N, D, dtype=out_dtype, device=y.device)
+    if N and D:
+        BD = min(triton.next_power_of_2(D), 1024)
+        _combine_kernel[(N, triton.cdiv(D, BD))](y, weights, out, D, TOP_K=k, BD=BD, num_warps=4)
+    return out
