@@ -76,7 +76,8 @@ def _kda_conv_norm_torch(ext, taps, weight, H: int, K: int):
         ext = ext.view(-1, W, 3, H * K)
         y = bi.causal_conv(list(ext.unbind(1)), weight)
     else:
-        y = bi.causal_conv([ext[taps + j] for j in range(W)], weight)
+        T = ext.shape[0] - W + 1  # the conv at every place of ext from its shifted slices, then the rows' places
+        y = bi.causal_conv([ext[j : j + T] for j in range(W)], weight)[taps]
     N = y.shape[0]
     return bi.l2_normalize(y[:, 0].view(N, H, K)), bi.l2_normalize(y[:, 1].view(N, H, K)), y[:, 2].view(N, H, K)
 
