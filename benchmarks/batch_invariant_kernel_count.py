@@ -3,7 +3,7 @@
 The tiny model's invariant engine runs a few prompts; the third pure decode step runs with every op on
 its Triton form (`reference.on_triton` forced on, Triton's interpreter) under a torch dispatch mode:
 each Triton launch counts once (the torch ops inside a launch are not counted), each aten op that is not
-a view or an allocation counts once per call. The counts are grouped by the `InvariantForward` method
+a view, an allocation or a cast to the tensor's own dtype counts once per call. The counts are grouped by the `InvariantForward` method
 they run under (`kimiserve/rl/forward.py`), then listed per (method, op). A kernel count, not a time:
 on the GPU each launch in a CUDA graph costs ~1-1.5 us.
 
@@ -74,11 +74,13 @@ def count_decode_step(decode_step: int) -> tuple[collections.Counter, collection
     class Count(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             name = func.overloadpacket.__name__
-            if state["on"] and not state["inside_launch"] and name not in NOT_KERNELS:
+            out = func(*args, **(kwargs or {}))
+            no_op = name == "to" and out is args[0]  # a cast to the dtype it has: no kernel
+            if state["on"] and not state["inside_launch"] and name not in NOT_KERNELS and not no_op:
                 where = caller()
                 by_method[where] += 1
                 by_op[(where, name)] += 1
-            return func(*args, **(kwargs or {}))
+            return out
 
     forward_batch = inv.forward_batch
 
