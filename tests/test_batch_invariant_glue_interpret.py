@@ -7,26 +7,20 @@ Skipped unless KIMISERVE_TRITON_INTERPRET=1 (or CUDA is present); run in its own
 """
 
 import contextlib
-import os
 
 import pytest
 import torch
 
-INTERPRET = os.environ.get("KIMISERVE_TRITON_INTERPRET") == "1"
-if not INTERPRET and not torch.cuda.is_available():
-    pytest.skip("set KIMISERVE_TRITON_INTERPRET=1 (or run on CUDA) for the Triton batch-invariant kernels",
-                allow_module_level=True)
-if INTERPRET:
-    import triton_interpreter_shims  # noqa: E402
+import triton_interpreter_shims
 
-    triton_interpreter_shims.enable()
+DEVICE = triton_interpreter_shims.device_or_skip_module()
+INTERPRET = DEVICE == "cpu"
 
 from kimiserve.ops.batch_invariant import glue  # noqa: E402
 from kimiserve.ops.batch_invariant import reference as bi  # noqa: E402
 from kimiserve.ops.batch_invariant import triton as bi_triton  # noqa: E402
 from kimiserve.ops.batch_invariant import triton_glue  # noqa: E402
 
-DEVICE = "cpu" if INTERPRET else "cuda"
 
 
 @pytest.fixture(autouse=True)

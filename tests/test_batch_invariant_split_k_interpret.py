@@ -14,24 +14,18 @@ Skipped unless KIMISERVE_TRITON_INTERPRET=1 (or CUDA is present); run in its own
 """
 
 import contextlib
-import os
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-INTERPRET = os.environ.get("KIMISERVE_TRITON_INTERPRET") == "1"
-if not INTERPRET and not torch.cuda.is_available():
-    pytest.skip("set KIMISERVE_TRITON_INTERPRET=1 (or run on CUDA) for the Triton batch-invariant kernels",
-                allow_module_level=True)
-if INTERPRET:
-    import triton_interpreter_shims  # noqa: E402
+import triton_interpreter_shims
 
-    triton_interpreter_shims.enable()
+DEVICE = triton_interpreter_shims.device_or_skip_module()
+INTERPRET = DEVICE == "cpu"
 
 from kimiserve.ops.batch_invariant import triton as bi_triton  # noqa: E402
 
-DEVICE = "cpu" if INTERPRET else "cuda"
 SMALL_TILES = {"BM": 64, "BN": 32, "BK": 16, "num_warps": 4, "num_stages": 3}
 
 
@@ -148,15 +142,8 @@ def test_invariant_engine_with_split_k_is_batch_invariant_and_equals_the_trainer
     of more than one K step split along K, with 16-row tiles and 2 "SMs": a weight of one column tile
     spreads its chunks over programs for the engine's rows (decode rows, prefill chunks of 8) and runs them
     in one program for the trainer's 26 packed rows: alone == in a batch, engine == trainer."""
-    from engine_utils import random_prompts, run
-    from kimiserve.engine.args import EngineArgs
-    from kimiserve.engine.engine import LLMEngine
-    from kimiserve.ops.batch_invariant import reference as bi
-    from kimiserve.rl.trainer import PolicyTrainer
-    from kimiserve.sampling_params import SamplingParams
+    import test_batch_invariant_triton_interpret as base
 
-    if INTERPRET:
-        monkeypatch.setattr(bi, "on_triton", lambda x: True)
     tiles = {"BM": 16, "BN": 32, "BK": 32, "num_warps": 4, "num_stages": 3}
     monkeypatch.setattr(bi_triton, "tile_config", lambda N, K: tiles)
     monkeypatch.setitem(bi_triton.CONFIG, "BM", 16)  # the grouped matmul's plan tiles rows by it
@@ -173,18 +160,5 @@ def test_invariant_engine_with_split_k_is_batch_invariant_and_equals_the_trainer
         return matmul(x, w, out_dtype, spread)
 
     monkeypatch.setattr(bi_triton, "matmul", recorded)
-    make = lambda **k: LLMEngine(EngineArgs(model="tiny", dtype="bfloat16", device=DEVICE, max_model_len=256,  # noqa: E731
-                                            num_pages=64, batch_invariant=True, **k))
-    prompts = random_prompts([11, 3, 6], seed=3)  # 11 > the tiny index_topk (8): the sparse path
-    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=2, logprobs=0, ignore_eos=True) for s in range(3)]
-    e = make(max_num_batched_tokens=8)
-    outs = run(e, prompts, params)
-    alone = run(make(), [prompts[0]], params[0])["r0"]
-    lp = lambda o: torch.tensor([x.logprob for x in o.outputs[0].logprobs])  # noqa: E731
-    assert alone.outputs[0].token_ids == outs["r0"].outputs[0].token_ids
-    assert torch.equal(lp(alone), lp(outs["r0"]))
-    with torch.no_grad():
-        lps = PolicyTrainer.from_engine(e).logprobs(prompts, [outs[f"r{i}"].outputs[0].token_ids for i in range(3)])
-    for i, got in enumerate(lps):
-        assert torch.equal(got.cpu(), lp(outs[f"r{i}"]))
+    base.check_engine_alone_batched_and_trainer(monkeypatch, [11, 3, 6], seed=3, max_tokens=2)  # 11 > index_topk 8
     assert any(len(f) == 2 for f in forms.values()), forms  # some weights ran in both forms

@@ -10,24 +10,18 @@ same tests check the tensor cores themselves.
 """
 
 import contextlib
-import os
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-INTERPRET = os.environ.get("KIMISERVE_TRITON_INTERPRET") == "1"
-if not INTERPRET and not torch.cuda.is_available():
-    pytest.skip("set KIMISERVE_TRITON_INTERPRET=1 (or run on CUDA) for the Triton batch-invariant kernels",
-                allow_module_level=True)
-if INTERPRET:
-    import triton_interpreter_shims  # noqa: E402
+import triton_interpreter_shims
 
-    triton_interpreter_shims.enable()
+DEVICE = triton_interpreter_shims.device_or_skip_module()
+INTERPRET = DEVICE == "cpu"
 
 from kimiserve.ops.batch_invariant import triton as bi_triton  # noqa: E402
 
-DEVICE = "cpu" if INTERPRET else "cuda"
 
 
 @pytest.fixture(autouse=True)
@@ -272,9 +266,10 @@ def test_latent_attention_backward_is_the_torch_gradient():
         torch.testing.assert_close(a, b)
 
 
-def test_invariant_engine_on_the_kernels_is_batch_invariant_and_equals_the_trainer(monkeypatch):
-    """The tiny model (bf16 weights) in batch-invariant mode with every op on its Triton form: a
-    sequence alone == in a chunked batch of others, and the trainer's logprobs == the engine's."""
+def check_engine_alone_batched_and_trainer(monkeypatch, lengths: list[int], seed: int, max_tokens: int) -> None:
+    """The tiny model (bf16 weights) in batch-invariant mode with every op on its Triton form, prompts of
+    `lengths`: the first alone == in a batch of all of them prefilled in chunks of 8, and the trainer's
+    logprobs == the engine's (torch.equal)."""
     from engine_utils import random_prompts, run
     from kimiserve.engine.args import EngineArgs
     from kimiserve.engine.engine import LLMEngine
@@ -286,8 +281,9 @@ def test_invariant_engine_on_the_kernels_is_batch_invariant_and_equals_the_train
         monkeypatch.setattr(bi, "on_triton", lambda x: True)
     make = lambda **k: LLMEngine(EngineArgs(model="tiny", dtype="bfloat16", device=DEVICE, max_model_len=256,  # noqa: E731
                                             num_pages=64, batch_invariant=True, **k))
-    prompts = random_prompts([21, 4, 13], seed=2)  # 21 > the tiny index_topk (8): the sparse path
-    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=3, logprobs=0, ignore_eos=True) for s in range(3)]
+    prompts = random_prompts(lengths, seed=seed)
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=max_tokens, logprobs=0, ignore_eos=True)
+              for s in range(len(prompts))]
     e = make(max_num_batched_tokens=8)
     outs = run(e, prompts, params)
     alone = run(make(), [prompts[0]], params[0])["r0"]
@@ -295,9 +291,15 @@ def test_invariant_engine_on_the_kernels_is_batch_invariant_and_equals_the_train
     assert alone.outputs[0].token_ids == outs["r0"].outputs[0].token_ids
     assert torch.equal(lp(alone), lp(outs["r0"]))
     with torch.no_grad():
-        lps = PolicyTrainer.from_engine(e).logprobs(prompts, [outs[f"r{i}"].outputs[0].token_ids for i in range(3)])
+        lps = PolicyTrainer.from_engine(e).logprobs(prompts, [outs[f"r{i}"].outputs[0].token_ids
+                                                              for i in range(len(prompts))])
     for i, got in enumerate(lps):
         assert torch.equal(got.cpu(), lp(outs[f"r{i}"]))
+
+
+def test_invariant_engine_on_the_kernels_is_batch_invariant_and_equals_the_trainer(monkeypatch):
+    """`check_engine_alone_batched_and_trainer` on the kernels as they are."""
+    check_engine_alone_batched_and_trainer(monkeypatch, [21, 4, 13], seed=2, max_tokens=3)  # 21 > the tiny index_topk (8): the sparse path
 
 
 @pytest.mark.parametrize("dtype,wdtype", [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32),

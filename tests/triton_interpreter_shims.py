@@ -33,6 +33,21 @@ def enable_or_skip_module() -> None:
     enable()
 
 
+def device_or_skip_module() -> str:
+    """For a module of Triton checks that run on CUDA or under the interpreter, at its top: skip the whole
+    module when neither is there, `enable()` the interpreter under KIMISERVE_TRITON_INTERPRET=1 (before any
+    kernel module is imported). Returns the device the checks run on: "cpu" under the interpreter, else "cuda"."""
+    if os.environ.get("KIMISERVE_TRITON_INTERPRET") == "1":
+        enable()
+        return "cpu"
+    if not torch.cuda.is_available():
+        import pytest
+
+        pytest.skip("set KIMISERVE_TRITON_INTERPRET=1 (or run on CUDA) for the Triton batch-invariant kernels",
+                    allow_module_level=True)
+    return "cuda"
+
+
 def enable() -> None:
     os.environ["TRITON_INTERPRET"] = "1"
     import triton.language as tl
