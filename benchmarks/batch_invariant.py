@@ -11,11 +11,11 @@ torch time of the model's full-sequence forward over the prefill batch.
     PYTHONPATH=. OMP_NUM_THREADS=1 python benchmarks/batch_invariant.py            # tiny, CPU
     PYTHONPATH=. python benchmarks/batch_invariant.py --model small --device cuda --batch 16 --prompt-len 2048
 
-`--split-k-programs N` (CUDA) adds a third engine, batch-invariant with split-K in its matmuls
-(`ops.batch_invariant.triton.SPLIT_K_PROGRAMS` = N while it is built and run), measured the same way.
-`--glue-kernels` (CUDA) adds one more, batch-invariant with the opt-in glue kernels on
-(`glue.KDA_GLUE_KERNELS`, `glue.MOE_GLUE_KERNELS`, `reference.PLAN_KERNEL_MAX_ROWS` = 2048) and split-K
-at `--split-k-programs` (none at 0).
+On CUDA the batch-invariant engine runs split-K in its matmuls (`ops.batch_invariant.triton.SPLIT_K_PROGRAMS`,
+264 by default; `--split-k-programs N` sets it while the engine is built and run) and the glue kernels
+(`glue.KDA_GLUE_KERNELS`, `glue.MOE_GLUE_KERNELS`, `reference.PLAN_KERNEL_MAX_ROWS`), the defaults since session 7.
+`--plain-invariant` (CUDA) adds one more engine, batch-invariant with both off (split-K 0, the torch glue:
+the invariant mode of session 6), measured the same way.
 """
 
 from __future__ import annotations
@@ -55,35 +55,25 @@ def matmul_rate(device: str, n: int = 2048) -> float:
 
 
 @contextlib.contextmanager
-def split_k(programs: int):
-    """`SPLIT_K_PROGRAMS` = programs inside (nothing at 0: the module is Triton's, CUDA only)."""
-    if programs <= 0:
-        yield
-        return
-    from kimiserve.ops.batch_invariant import triton as bi_triton
-
-    before, bi_triton.SPLIT_K_PROGRAMS = bi_triton.SPLIT_K_PROGRAMS, programs
-    try:
-        yield
-    finally:
-        bi_triton.SPLIT_K_PROGRAMS = before
-
-
-@contextlib.contextmanager
-def glue_kernels(on: bool):
-    """The opt-in glue kernels of `ops.batch_invariant.triton_glue` on inside (nothing when off)."""
-    if not on:
+def invariant_kernels(split_k_programs: int | None, glue_kernels: bool):
+    """Inside: `SPLIT_K_PROGRAMS` = split_k_programs (None: the module's) and the glue kernels on or off
+    (nothing changes off CUDA: the modules are Triton's)."""
+    if not torch.cuda.is_available():
         yield
         return
     from kimiserve.ops.batch_invariant import glue
     from kimiserve.ops.batch_invariant import reference as bi
+    from kimiserve.ops.batch_invariant import triton as bi_triton
 
-    before = glue.KDA_GLUE_KERNELS, glue.MOE_GLUE_KERNELS, bi.PLAN_KERNEL_MAX_ROWS
-    glue.KDA_GLUE_KERNELS, glue.MOE_GLUE_KERNELS, bi.PLAN_KERNEL_MAX_ROWS = True, True, 2048
+    before = bi_triton.SPLIT_K_PROGRAMS, glue.KDA_GLUE_KERNELS, glue.MOE_GLUE_KERNELS, bi.PLAN_KERNEL_MAX_ROWS
+    if split_k_programs is not None:
+        bi_triton.SPLIT_K_PROGRAMS = split_k_programs
+    if not glue_kernels:
+        glue.KDA_GLUE_KERNELS, glue.MOE_GLUE_KERNELS, bi.PLAN_KERNEL_MAX_ROWS = False, False, 0
     try:
         yield
     finally:
-        glue.KDA_GLUE_KERNELS, glue.MOE_GLUE_KERNELS, bi.PLAN_KERNEL_MAX_ROWS = before
+        bi_triton.SPLIT_K_PROGRAMS, glue.KDA_GLUE_KERNELS, glue.MOE_GLUE_KERNELS, bi.PLAN_KERNEL_MAX_ROWS = before
 
 
 def run_to_end(engine: LLMEngine) -> dict:
@@ -160,11 +150,10 @@ def main(argv=None) -> int:
     parser.add_argument("--kv-cache-dtype", default="auto")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.7,
                         help="both engines' (GPU) cache budget: the rest is left for activations and graphs")
-    parser.add_argument("--split-k-programs", type=int, default=0,
-                        help="also measure batch-invariant mode with split-K at this SPLIT_K_PROGRAMS (CUDA; 0: not)")
-    parser.add_argument("--glue-kernels", action="store_true",
-                        help="also measure batch-invariant mode with the opt-in glue kernels (and split-K at "
-                             "--split-k-programs) (CUDA)")
+    parser.add_argument("--split-k-programs", type=int, default=None,
+                        help="SPLIT_K_PROGRAMS of the batch-invariant engine (CUDA; default: the module's; 0: none)")
+    parser.add_argument("--plain-invariant", action="store_true",
+                        help="also measure batch-invariant mode without split-K and glue kernels (CUDA)")
     parser.add_argument("--out", default=None, help="default: benchmarks/results/batch_invariant_<device>.json")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
@@ -172,18 +161,16 @@ def main(argv=None) -> int:
     prompts = [torch.randint(0, vocab, (args.prompt_len,)).tolist() for _ in range(args.batch)]
     rate = matmul_rate(args.device)
     results = {}
-    modes = [("default", False, 0, False), ("batch_invariant", True, 0, False)]
-    if args.split_k_programs > 0:
-        modes.append(("batch_invariant_split_k", True, args.split_k_programs, False))
-    if args.glue_kernels:
-        modes.append(("batch_invariant_glue", True, args.split_k_programs, True))
+    modes = [("default", False, None, True), ("batch_invariant", True, args.split_k_programs, True)]
+    if args.plain_invariant:
+        modes.append(("batch_invariant_plain", True, 0, False))
     for mode, flag, split_programs, glue in modes:
         t = time.perf_counter()
-        with split_k(split_programs), glue_kernels(glue):
+        with invariant_kernels(split_programs, glue):
             results[mode] = measure(args, flag, prompts)
         print(mode, json.dumps(results[mode]), f"({time.perf_counter() - t:.1f} s with build and warm-up)", flush=True)
     d, b = results["default"], results["batch_invariant"]
-    split = results.get("batch_invariant_split_k")
+    plain = results.get("batch_invariant_plain")
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     except OSError:
@@ -196,14 +183,13 @@ def main(argv=None) -> int:
         "slowdown_prefill": d["prefill_tokens_per_s"] / b["prefill_tokens_per_s"],
         "slowdown_decode": d["decode_tokens_per_s"] / b["decode_tokens_per_s"],
     }
-    if split is not None:
-        record["split_k_programs"] = args.split_k_programs
-        record["slowdown_prefill_split_k"] = d["prefill_tokens_per_s"] / split["prefill_tokens_per_s"]
-        record["slowdown_decode_split_k"] = d["decode_tokens_per_s"] / split["decode_tokens_per_s"]
-    if "batch_invariant_glue" in results:
-        g = results["batch_invariant_glue"]
-        record["slowdown_prefill_glue"] = d["prefill_tokens_per_s"] / g["prefill_tokens_per_s"]
-        record["slowdown_decode_glue"] = d["decode_tokens_per_s"] / g["decode_tokens_per_s"]
+    if torch.cuda.is_available():
+        from kimiserve.ops.batch_invariant import triton as bi_triton
+
+        record["split_k_programs"] = bi_triton.SPLIT_K_PROGRAMS if args.split_k_programs is None else args.split_k_programs
+    if plain is not None:
+        record["slowdown_prefill_plain"] = d["prefill_tokens_per_s"] / plain["prefill_tokens_per_s"]
+        record["slowdown_decode_plain"] = d["decode_tokens_per_s"] / plain["decode_tokens_per_s"]
     out = args.out or os.path.join(os.path.dirname(__file__), "results", f"batch_invariant_{args.device.split(':')[0]}.json")
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with open(out, "w") as f:

@@ -145,7 +145,7 @@ def main() -> int:
     from kimiserve.model.moe import RoutedExperts
     from kimiserve.sampling_params import SamplingParams
 
-    engine = LLMEngine(EngineArgs(model=args.preset, dtype=args.dtype, max_model_len=args.context + 64,
+    engine = LLMEngine(EngineArgs(model=args.preset, device="cpu", dtype=args.dtype, max_model_len=args.context + 64,
                                   num_pages=64 * args.batch + 64, enable_prefix_caching=False, seed=0))
     runner = engine.runner
     if args.ops == "fused":

@@ -42,7 +42,8 @@ def nan_filled_empty(monkeypatch):
     monkeypatch.setattr(torch, "empty", poisoned)
 
 
-def check_decode_step(kernel, device, dtype, rows, H, K, W, lower_bound, seed=0, same_as=None, steps=1, exact=False):
+def check_decode_step(kernel, device, dtype, rows, H, K, W, lower_bound, seed=0, same_as=None, steps=1, exact=False,
+                      states_close=1e-6):
     """`kernel` against the reference on random pages, for `steps` decode steps in a row on the same pages
     (each step's fresh inputs); with `same_as` (another kernel, run on its own copy of the pages), their
     outputs and state pages also agree to fp32 rounding (exact: bit for bit)."""
@@ -86,5 +87,6 @@ def check_decode_step(kernel, device, dtype, rows, H, K, W, lower_bound, seed=0,
                 assert torch.equal(states_other, states_out), f"step {step}: state pages not bit-equal"
                 assert torch.equal(got, other), f"step {step}: outputs not bit-equal"
             else:
-                assert rel_rms(states_other, states_out) < 1e-6
+                err = rel_rms(states_other, states_out)
+                assert err < states_close, f"step {step}: state pages rel RMS {err:.2e} against the other form"
                 assert rel_rms(got, other) < (1e-6 if dtype == torch.float32 else 1e-2)

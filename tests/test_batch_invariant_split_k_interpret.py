@@ -8,6 +8,9 @@
   (fp32 partials added by a second kernel) or all in one program per tile;
 - the tiny engine with split-K on every linear: a sequence alone == in a batch, engine == trainer.
 
+The small-K cases run on small tiles (`SMALL_TILES`) on CUDA too: with the real tiles a K of a few hundred
+is one chunk (`split_k` wants at least `SPLIT_K_MIN_STEPS` BK steps a chunk).
+
 Skipped unless KIMISERVE_TRITON_INTERPRET=1 (or CUDA is present); run in its own process:
 
     KIMISERVE_TRITON_INTERPRET=1 .venv/bin/python -m pytest tests/test_batch_invariant_split_k_interpret.py -q
@@ -37,10 +40,9 @@ def ordered_dots():
 
 @pytest.fixture
 def split(monkeypatch):
-    """Split-K on, with tiles small enough that K of a few hundred makes several chunks."""
+    """Split-K at 64 programs, with tiles small enough that K of a few hundred makes several chunks."""
     monkeypatch.setattr(bi_triton, "SPLIT_K_PROGRAMS", 64)
-    if INTERPRET:
-        monkeypatch.setattr(bi_triton, "tile_config", lambda N, K: SMALL_TILES)
+    monkeypatch.setattr(bi_triton, "tile_config", lambda N, K: SMALL_TILES)
 
 
 def chunked_order(x: torch.Tensor, w: torch.Tensor, chunk_k: int) -> torch.Tensor:
@@ -58,7 +60,8 @@ def chunked_order(x: torch.Tensor, w: torch.Tensor, chunk_k: int) -> torch.Tenso
 
 def test_split_k_chunks_are_a_function_of_the_weight_shape(monkeypatch):
     c = {"BM": 64, "BN": 128, "BK": 64, "num_warps": 8, "num_stages": 4}
-    assert bi_triton.split_k(7168, 12288, c) == (1, 192)  # off by default
+    monkeypatch.setattr(bi_triton, "SPLIT_K_PROGRAMS", 0)
+    assert bi_triton.split_k(7168, 12288, c) == (1, 192)  # off at 0
     monkeypatch.setattr(bi_triton, "SPLIT_K_PROGRAMS", 264)
     for N, K in [(12288, 7168), (7168, 12288), (6144, 7168), (3584, 7168), (1536, 7168), (96, 7168), (33792, 7168),
                  (18432, 1536), (4096, 1536), (512, 128), (16, 100)]:
@@ -123,6 +126,7 @@ def test_split_k_rows_alone_equal_rows_among_2048_on_cuda(monkeypatch, N, K):
     """The `small` preset's shapes: a decode row (chunks spread over programs) == the same row in a
     prefill of 2,048 rows (every chunk of a tile in one program), bf16 and the fp32 router."""
     monkeypatch.setattr(bi_triton, "SPLIT_K_PROGRAMS", 264)
+    monkeypatch.setattr(bi_triton, "SPLIT_K_NESTED", False)
     dtype = torch.float32 if N == 16 else torch.bfloat16
     g = torch.Generator().manual_seed(N)
     w = torch.randn(N, K, generator=g).to(dtype).to(DEVICE)

@@ -52,7 +52,10 @@ def test_one_launch_form_matches_reference(rows, H, K, W, lower_bound, block_v, 
     counters = triton_decode.StepCounters()
     one = functools.partial(triton_decode.kda_decode_step, block_v=block_v, counters=counters)
     split = functools.partial(triton_decode.kda_decode_step, block_v=block_v)
-    check_decode_step(one, "cuda", dtype, rows, H, K, W, lower_bound, seed=rows * 13 + K, same_as=split, steps=2)
+    # its norms run in another thread order than the split's: in bf16 state pages that flips ulps (session 7's H200
+    # run: over 1e-6 at 96 heads x 8 rows)
+    check_decode_step(one, "cuda", dtype, rows, H, K, W, lower_bound, seed=rows * 13 + K, same_as=split, steps=2,
+                      states_close=1e-6 if dtype == torch.float32 else 1e-2)
     (buffer,) = counters.buffers[torch.device("cuda", torch.cuda.current_device())]
     assert buffer.numel() >= rows * H and not buffer.any(), "counters not reset to zero"
 

@@ -1,6 +1,6 @@
 """The batch-invariant forward's glue around the KDA recurrence and the router: each op's torch form (the
 compositions of `reference` ops it replaces, bit for bit those) and, opt-in on CUDA, one Triton launch
-(`triton_glue`) with a backward through the torch form. The Triton forms are elementwise or one program
+(`triton_glue`, on by default) with a backward through the torch form. The Triton forms are elementwise or one program
 per row whose configuration depends on the row's width only, and the same kernel serves prefill, decode
 and the trainer, so a token's bits depend on its own inputs alone (other bits than the torch forms').
 """
@@ -11,16 +11,16 @@ import torch
 
 from kimiserve.ops.batch_invariant import reference as bi
 
-KDA_GLUE_KERNELS = False
+KDA_GLUE_KERNELS = True
 """On CUDA (Triton), the KDA layers' gates and short conv + L2 norms as one launch each
 (`triton_glue.kda_gates`, `triton_glue.kda_conv_norm`, the same kernels for prefill, decode and the
-trainer) instead of ~35 torch kernels per layer. Off (other bits than the torch forms' on CUDA) until the
-GPU tests of GPU_REQUEST.md pass on the H200."""
+trainer) instead of ~35 torch kernels per layer (other bits than the torch forms'; False: the torch forms).
+On since session 7 (H200: tests/test_batch_invariant_glue_interpret.py on CUDA, engine == trainer)."""
 
-MOE_GLUE_KERNELS = False
+MOE_GLUE_KERNELS = True
 """On CUDA (Triton), the MoE layers' `route` as one program per row (`triton_glue.route`) and the routed
 experts' weighted sum over a token's slots as one launch (`triton_glue.combine_slots`) instead of ~25
-torch kernels per MoE layer. Off until the GPU tests of GPU_REQUEST.md pass."""
+torch kernels per MoE layer (False: the torch forms). On since session 7."""
 
 
 def _kda_gates_torch(f, b, a_log, dt_bias, lower_bound, H: int, K: int):

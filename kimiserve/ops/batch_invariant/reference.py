@@ -247,10 +247,10 @@ class _GroupedMatmul(torch.autograd.Function):
         return (None if gx is None else gx.to(x.dtype), None if gw is None else gw.to(weights.dtype), None, None, None)
 
 
-PLAN_KERNEL_MAX_ROWS = 0
+PLAN_KERNEL_MAX_ROWS = 2048
 """On CUDA (Triton), `group_rows` builds the expert plan of at most this many (token, slot) rows in one
 launch (`triton_glue.tile_plan`: element for element `TilePlan.of`, ~15 kernels); 0: always `TilePlan.of`.
-Off until the GPU tests of GPU_REQUEST.md pass (2048 there)."""
+2048 since session 7 (its GPU tests passed on the H200)."""
 
 
 def _triton_glue():

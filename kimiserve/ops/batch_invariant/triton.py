@@ -5,7 +5,7 @@ whatever M is (no autotuning, no M-dependent tile choice, M not specialised on: 
 for every shape): every output element is accumulated over K in BLOCK_K steps in increasing k, each step
 one `tl.dot` of fixed-shape [BM, BK] x [BK, BN] tiles into the fp32 accumulator, so a row's result does
 not depend on how many rows there are or where it sits in its tile (rows past M load as zeros). With
-split-K (`split_k`, opt-in: `SPLIT_K_PROGRAMS`) the steps are cut into chunks fixed by the weight's shape
+split-K (`split_k`, `SPLIT_K_PROGRAMS`; 0 turns it off) the steps are cut into chunks fixed by the weight's shape
 too, each summed from zero and the chunk sums added in chunk order; whether the chunks of a tile run in
 one program or in programs of their own (a small M) changes where they run, not the bits. bf16 / fp16 operands of one dtype go through the
 tensor cores (fp32 accumulate); anything else is computed in fp32 with IEEE products (no TF32). The
@@ -51,15 +51,16 @@ def tile_config(N: int, K: int) -> dict:
     return CONFIG
 
 
-SPLIT_K_PROGRAMS = 0
+SPLIT_K_PROGRAMS = 264
 """Split-K (off at 0): a weight with fewer than this many output tiles (`tile_config`'s BN) is cut along K
 into `split_k` chunks, so that one row tile has at most (about) this many (tile, chunk) programs. Each chunk is summed
 from zero and the chunk sums are added in chunk order, whatever M is (the chunks are a function of the
 weight's shape alone); how the work is spread is M's business only: a grid that leaves SMs idle runs one
 program per (tile, chunk) and adds their fp32 partials in a second kernel, a larger one runs every chunk
-of a tile in one program (no partials in memory), with the same bits. Off until measured on the GPU
-(benchmarks/batch_invariant_matmul.py --split-k-programs); 264 is two programs per H200 SM, what fits
-at once with the 8-warp tiles' shared memory (4 stages of 64 x 64 + 64 x 128 bf16: 96 KB)."""
+of a tile in one program (no partials in memory), with the same bits. 264 is two programs per H200 SM, what
+fits at once with the 8-warp tiles' shared memory (4 stages of 64 x 64 + 64 x 128 bf16: 96 KB). On since
+session 7 (H200: a row alone == among 2,048 rows at every `small` projection shape; the matmuls of a 4-row
+decode step 7.26 -> 3.80 ms, cuBLAS 3.60; `benchmarks/batch_invariant_matmul.py`, BENCHMARKS.md)."""
 
 SPLIT_K_MAX = 16
 """At most this many K chunks."""
@@ -68,11 +69,11 @@ SPLIT_K_MIN_STEPS = 4
 """A K chunk spans at least this many BK steps (the loads pipeline within a chunk)."""
 
 
-SPLIT_K_NESTED = False
+SPLIT_K_NESTED = True
 """The kernel's form of a tile's chunks in one program (the prefill case): False one K loop closing a chunk
-at its last step, True a loop over chunks around each chunk's K loop. Same bits (the interpreter tests check
-both); which is faster at 2,048 rows is what `benchmarks/batch_invariant_matmul.py` (variant `split_nested`)
-measures on the GPU, after which the other goes."""
+at its last step, True a loop over chunks around each chunk's K loop. Same bits (the split-K tests check
+both); nested is the faster on the H200 (`benchmarks/batch_invariant_matmul.py`, session 7: a `small` step's
+matmuls at 2,048 rows 60.98 against 69.28 ms, at 4 rows 3.80 against 3.85 ms)."""
 
 
 def split_k(N: int, K: int, config: dict) -> tuple[int, int]:
