@@ -9,6 +9,12 @@ launch, the last block of a head to finish doing its norm; `counters`); each ker
 conv pages after one call are checked against the composition before it (rel RMS; conv pages
 bit-equal), and a "one BV=n" beside a "split BV=n" for bit-equality with it.
 
+Two times per variant: `us`, one call replayed from a graph of its own (so each replay pays the graph's
+launch, several us at batch 1), and `us_in_graph` (`--layers-in-graph N`, up to batch 64), one call's share
+of a graph of N calls each on its own copy of the state and conv pages, as N layers run inside one decode
+step's graph (the pages of N layers are past the L2 cache at 96 heads, as in a step, where other layers'
+weights pass through it between two KDA layers).
+
 Sizes: a K3.1 layer (96 heads x 128, conv 4) on one GPU and one TP8 rank's share (12 heads); state
 and conv pages as strided views of a pool (page stride past the page). Bytes per step: the fp32
 state read and written (2 x H x K x V x 4 per sequence), the conv state read and written, the five
@@ -64,12 +70,39 @@ def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt().clamp_min(1e-30))
 
 
+def layers_graph_time(fn, case, layers: int, fla=None) -> float:
+    """Milliseconds of one call of fn in a CUDA graph of `layers` calls, each on its own copy of the case's
+    conv and state pages (fn None: fla's delta rule alone on fixed gates, as in `main`)."""
+    from kimiserve.utils.cuda_timing import graph_time
+
+    q, k, v, f, b, gate, weights, conv, states, page_ids = case
+    pages = [(conv.clone(), states.clone()) for _ in range(layers)]
+    if fn is None:
+        B, P = q.shape
+        H = b.shape[1]
+        K = P // H
+        qh, kh, vh = (t.view(B, 1, H, K) for t in (q, k, v))
+        g = torch.full((B, 1, H, K), -0.1, device=q.device)
+        beta = torch.full((B, 1, H), 0.5, device=q.device)
+        calls = [functools.partial(fla.kda_decode, qh, kh, vh, g, beta, st, page_ids) for _, st in pages]
+    else:
+        calls = [functools.partial(fn, q, k, v, f, b, gate, weights, cv, st, page_ids) for cv, st in pages]
+
+    def every_layer():
+        for call in calls:
+            call()
+
+    return graph_time(every_layer) / layers
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batches", default="1,8,64,256")
     parser.add_argument("--heads", default="96,12", help="KDA heads per GPU (96: one GPU; 12: a TP8 rank)")
     parser.add_argument("--block-v", default="32,64", help="V blocks of the split form to time ('' for none); "
                         "one<n> (e.g. one32): the one-launch split form with blocks of n")
+    parser.add_argument("--layers-in-graph", type=int, default=16,
+                        help="calls (each on its own pages) in the graph of `us_in_graph` (0: not timed)")
     parser.add_argument("--cpu-smoke", action="store_true")
     parser.add_argument("--out", default="benchmarks/results/kda_decode_step.json")
     args = parser.parse_args()
@@ -132,8 +165,11 @@ def main() -> int:
                     convs[name] = conv.clone()
                     run = functools.partial(fn, *args_)
                 ms = graph_time(run) if device == "cuda" else graph_time(run, repeats=1)
+                in_graph = None
+                if device == "cuda" and args.layers_in_graph > 0 and B <= 64:
+                    in_graph = 1e3 * layers_graph_time(fn, case, args.layers_in_graph, fla if fn is None else None)
                 nbytes = step_bytes(B, H, K, W)
-                row = {"heads": H, "batch": B, "variant": name, "us": ms * 1e3, "bytes": nbytes,
+                row = {"heads": H, "batch": B, "variant": name, "us": ms * 1e3, "us_in_graph": in_graph, "bytes": nbytes,
                        "roofline_us": nbytes / (copy * 1e9) * 1e6 if copy == copy else None}
                 row["roofline_fraction"] = row["roofline_us"] / row["us"] if row["roofline_us"] else None
                 rows.append(row)
@@ -150,7 +186,9 @@ def main() -> int:
                     checks.append(f"{row['variant']} {row['vs_previous_rel_rms']:.1e}"
                                   + ("" if row["conv_pages_equal_previous"] else " CONV PAGES DIFFER") + bits)
                     failed |= not (row["vs_previous_rel_rms"] < 2e-2 and row["conv_pages_equal_previous"])
-            print(f"H {H:3d} batch {B:4d}: " + ", ".join(f"{r['variant']} {r['us']:.1f} us" for r in rows[-len(variants):])
+            print(f"H {H:3d} batch {B:4d}: " + ", ".join(
+                      f"{r['variant']} {r['us']:.1f} us" + ("" if r["us_in_graph"] is None else f" ({r['us_in_graph']:.1f} in graph)")
+                      for r in rows[-len(variants):])
                   + f"; roofline {rows[-1]['roofline_us'] or float('nan'):.1f} us; rel RMS vs previous: "
                   + ", ".join(checks), flush=True)
             write(rows)  # after every (heads, batch): a run cut by a time limit keeps what it measured
