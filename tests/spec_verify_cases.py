@@ -14,6 +14,7 @@ from kimiserve.cache.layout import CacheLayout
 from kimiserve.cache.pool import PagePool
 from kimiserve.config import load_preset
 from kimiserve.engine.spec_decode.verify import replay_verified
+from kimiserve.engine.spec_decode.verify_slots import KDAVerifySlots
 from kimiserve.model.batch import ForwardBatch, SequenceChunk
 from kimiserve.model.kda import KimiDeltaAttention
 
@@ -29,8 +30,9 @@ def make_layer(dtype, device, gen, lower_bound=-5.0, heads=4, head_dim=16):
 
 
 def check_verify_matches_decode(ops, device, dtype, lengths=(4, 1, 3, 2), accepted=(3, 1, 0, 2), seed=0,
-                                lower_bound=-5.0):
-    """lengths[j]: verify chunk j's tokens (pending token + drafts); accepted[j] of them kept (0: none)."""
+                                lower_bound=-5.0, slots=False):
+    """lengths[j]: verify chunk j's tokens (pending token + drafts); accepted[j] of them kept (0: none).
+    slots: through `ops.kda_verify_steps` into per-position slots (NaN-filled) and the commit's copy."""
     gen = torch.Generator().manual_seed(seed)
     cfg, layer = make_layer(dtype, device, gen, lower_bound)
     B, P, H = len(lengths), cfg.kda_num_heads * cfg.kda_head_dim, cfg.kda_num_heads
@@ -67,7 +69,14 @@ def check_verify_matches_decode(ops, device, dtype, lengths=(4, 1, 3, 2), accept
             packed[name].append(x[name][j, :n])
         row += n
     batch = ForwardBatch.build(pool, chunks, device, ops)
+    if slots:
+        B_verify = sum(n > 1 for n in lengths)
+        batch.verify_slots = KDAVerifySlots(pool, 1, T, B_verify)
+        batch.verify_slots.allocate()
+        batch.verify_slots.states.fill_(float("nan"))
+        batch.verify_slots.conv.fill_(float("nan"))
     o = layer.paged_forward(*(torch.cat(packed[n]).unsqueeze(0) for n in x), batch)
+    assert not slots or not batch.verify_inputs, "the slot path did not run (the per-position path kept inputs)"
     row = 0
     for j, n in enumerate(lengths):
         assert torch.equal(o[0, row : row + n], want[j, :n]), f"chunk {j}: verify outputs differ from decode's"

@@ -17,6 +17,17 @@ def test_verify_matches_decode_reference_ops(dtype, lower_bound):
                                 lower_bound=lower_bound)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_verify_slots_match_decode_reference_ops(dtype):
+    """The per-position slot path (`kda_verify_slot_ops`: the reference loop on the CPU) and its commit by copy."""
+    from kimiserve.ops.backend import kda_verify_slot_ops
+
+    ops = kda_verify_slot_ops(REFERENCE_OPS)
+    check_verify_matches_decode(ops, "cpu", dtype, slots=True)
+    check_verify_matches_decode(ops, "cpu", dtype, lengths=(6, 6, 2), accepted=(6, 4, 1), seed=1, lower_bound=None,
+                                slots=True)
+
+
 def test_chunked_form_verify_is_caught(monkeypatch):
     """The check can fail: a verify path through the chunked form (the same maths, summed in another
     order; what a prefill chunk runs) gives other bits than the decode step."""
@@ -46,3 +57,14 @@ def test_verify_matches_decode_cuda(dtype):
     check_verify_matches_decode(select_decode_ops(torch.device("cuda")), "cuda", dtype)
     check_verify_matches_decode(select_decode_ops(torch.device("cuda")), "cuda", dtype, lengths=(6, 6, 2),
                                 accepted=(6, 4, 1), seed=2, lower_bound=None)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the one-launch Triton verify kernel)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_verify_slots_match_decode_cuda(dtype):
+    from kimiserve.ops.backend import kda_verify_slot_ops
+
+    ops = kda_verify_slot_ops(select_decode_ops(torch.device("cuda")))
+    check_verify_matches_decode(ops, "cuda", dtype, slots=True)
+    check_verify_matches_decode(ops, "cuda", dtype, lengths=(6, 6, 2), accepted=(6, 4, 1), seed=2, lower_bound=None,
+                                slots=True)

@@ -107,6 +107,9 @@ class ModelRunner:
         """DecodeGraphs replaying decode-only steps (CUDA), or None: every step runs eagerly."""
         self.verify_graphs = None
         """`spec_decode.verify_graphs.VerifyGraphs` replaying verify steps (CUDA, speculation on), or None."""
+        self.verify_slots = None
+        """`spec_decode.verify_slots.KDAVerifySlots` (speculation on, `plan_verify_slots`): where verify steps save
+        the KDA states after each position when `ops.kda_verify_steps` is set (allocated on first use)."""
         self.ops = select_decode_ops(self.device)
         self.eos_token_id = eos_token_id
         self._plain_rows: tuple[int, list[SampleRequest]] | None = None
@@ -141,6 +144,19 @@ class ModelRunner:
             if graph_set is not None:
                 graph_set.release()
                 graph_set.ops = ops
+
+    def plan_verify_slots(self, num_tokens: int, max_num_seqs: int) -> None:
+        """Speculative verify steps of up to `num_tokens` positions: per-position KDA state slots for as many
+        chunks as the largest verify graph runs (within `verify_slots.MAX_SLOT_BYTES`), shared with the verify
+        graphs; used only while `ops.kda_verify_steps` is set."""
+        from kimiserve.engine.spec_decode.verify import kda_layers
+        from kimiserve.engine.spec_decode.verify_slots import KDAVerifySlots, max_verify_chunks
+
+        layers = len(kda_layers(self.model))
+        if layers and self.pool.recurrent is not None:
+            self.verify_slots = KDAVerifySlots(self.pool, layers, num_tokens, max_verify_chunks(max_num_seqs, num_tokens))
+            if self.verify_graphs is not None:
+                self.verify_graphs.slots = self.verify_slots
 
     def forget_graphs(self) -> None:
         """Drop the captured decode and verify graphs (they capture again on next use): after a change
@@ -283,6 +299,10 @@ class ModelRunner:
                 return logits
         seq_chunks = [c.to_sequence_chunk() for c in step.chunks]
         batch = ForwardBatch.build(self.pool, seq_chunks, self.device, self.ops, self.dcp)
+        slots = self.verify_slots
+        if (batch.verify_grid is not None and self.ops.kda_verify_steps is not None and slots is not None
+                and slots.fits(*batch.verify_grid.shape)):
+            batch.verify_slots = slots
         input_ids = to_device(step.token_ids, self.device)
         if step.device_drafts is not None:
             write_drafts(input_ids, step.device_drafts, lambda j: step.chunks[j].start)

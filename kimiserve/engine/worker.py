@@ -76,6 +76,9 @@ class Worker:
                 self.runner.verify_graphs = VerifyGraphs(self.model, self.pool, self.runner.ops, self.args.max_num_seqs,
                                                          max_model_len, num_pages, pad_states,
                                                          spec.num_speculative_tokens + 1)
+        spec = self.args.speculative()
+        if spec is not None:
+            self.runner.plan_verify_slots(spec.num_speculative_tokens + 1, self.args.max_num_seqs)
 
 
 def pages_needed(max_model_len: int, block_size: int, num_state: int) -> int:

@@ -102,6 +102,11 @@ class ForwardBatch:
     """Per position t < T: the verify chunks (int64 indices) that have a token t, None for all of them."""
     verify_state_pages: torch.Tensor | None = None
     """int64 [B, num_kda_layers]: each verify chunk's state pages."""
+    verify_lengths: torch.Tensor | None = None
+    """int32 [B]: each verify chunk's tokens (None: every chunk has T), as `verify_active` counts them."""
+    verify_slots: object | None = None
+    """`spec_decode.verify_slots.KDAVerifySlots` when the KDA layers run `ops.kda_verify_steps` into per-position
+    state slots (the commit copies from them), else None (position by position, then the replay)."""
 
     @classmethod
     def build(cls, pool: PagePool, chunks: list[SequenceChunk], device: torch.device | str,
@@ -122,7 +127,7 @@ class ForwardBatch:
             tables[i, : len(c.block_table)] = c.block_table
         states = torch.stack([c.state_pages for c in decode]) if decode else torch.zeros(0, 0, dtype=torch.int64)
         verify = [c for c in chunks if c.verify and c.num_tokens > 1]
-        verify_rows = verify_tables = verify_lens = grid = active = verify_states = None
+        verify_rows = verify_tables = verify_lens = grid = active = verify_states = verify_lengths = None
         if verify:
             lengths = [c.num_tokens for c in verify]
             T = max(lengths)
@@ -130,6 +135,7 @@ class ForwardBatch:
             active = [None if min(lengths) > t else torch.tensor([j for j, n in enumerate(lengths) if n > t]).to(device)
                       for t in range(T)]
             verify_states = torch.stack([c.state_pages for c in verify])
+            verify_lengths = torch.tensor(lengths, dtype=torch.int32)
             verify_rows = torch.cat([torch.arange(c.start, c.end) for c in verify])
             verify_lens = torch.cat([torch.arange(c.context_start, c.context_end) + 1 for c in verify])
             verify_tables = torch.zeros(len(verify_rows), max(len(c.block_table) for c in verify), dtype=torch.int64)
@@ -164,6 +170,7 @@ class ForwardBatch:
             verify_grid=None if grid is None else to(grid),
             verify_active=active,
             verify_state_pages=None if verify_states is None else to(verify_states),
+            verify_lengths=None if verify_lengths is None else to(verify_lengths),
         )
 
     @property

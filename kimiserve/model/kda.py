@@ -219,8 +219,17 @@ class KimiDeltaAttention(nn.Module):
         """Verify chunks (the pending token plus K drafts, rows `batch.verify_grid` [B, T]): position t
         of every chunk through `ops.kda_decode_step`, the op (and so the arithmetic) of a decode step, on
         copies of the chunks' conv and state pages; the pages stay at the committed state and the
-        inputs are kept for `replay_verified`, so a rejected draft costs no recompute of the prefix."""
+        inputs are kept for `replay_verified`, so a rejected draft costs no recompute of the prefix. With
+        `batch.verify_slots` (`ops.kda_verify_steps` set), every position in one `ops.kda_verify_steps` call
+        instead, which leaves the states after each position in the slots (the commit copies one per chunk)."""
         pool, i = batch.pool, self.cache_index
+        if batch.verify_slots is not None:  # one op for every position, the states after each kept in slots
+            B, T = batch.verify_grid.shape
+            conv_slots, state_slots = batch.verify_slots.layer(i, B, T)
+            batch.ops.kda_verify_steps(q[0], k[0], v[0], f[0], b[0], gate[0], self.decode_weights, pool.conv,
+                                       pool.recurrent, batch.verify_state_pages[:, i], batch.verify_grid,
+                                       batch.verify_lengths, batch.verify_active, o[0], conv_slots, state_slots)
+            return
         grid = batch.verify_grid.t().contiguous()  # [T, B]: position-major, position t of every chunk contiguous
         xs = tuple(t[0][grid] for t in (q, k, v, f, b, gate))  # copies [T, B, ...]: no view of the whole step
         batch.verify_inputs[i] = xs[:5]

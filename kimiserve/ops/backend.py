@@ -61,6 +61,13 @@ class DecodeOps:
     """(q, k, v, f, b, gate, KDADecodeWeights, conv [P, 3, HK, W-1], states [P, H, K, V], page_ids [Bd])
     -> o [Bd, H, V]: a KDA layer's whole decode step after the projections (`kda.paged.kda_decode_step`);
     None: that composition around `kda_decode`"""
+    kda_verify_steps: Callable | None = None
+    """(q, k, v, f, b, gate [N, ...], KDADecodeWeights, conv, states, page_ids [B], grid [B, T], lengths [B] | None,
+    active, out [N, H, V], conv_slots [T, B, ...], state_slots [T, B, H, K, V]) -> out: a KDA layer's speculative
+    verify positions with the state after each saved to its slot (`kda.paged.kda_verify_steps`; on CUDA
+    `kda.triton_verify`, one launch per layer), so that the commit copies slots instead of replaying the decode
+    op. None (the default; `kda_verify_slot_ops` sets it): position by position through `kda_decode_step` on
+    copies of the pages, then the replay of the kept positions."""
     rms_norm: Callable = norm_ref.rms_norm
     """(x, weight, eps) -> RMSNorm of x in x's dtype (the MLA latent norms, the latent MoE's norm, the final norm)"""
     add_read_norm: Callable = attn_res_ref.add_read_norm
@@ -186,6 +193,25 @@ def shift_moe_layout(ops: DecodeOps) -> DecodeOps:
     return dataclasses.replace(ops, name=f"{ops.name}+moe-shift", moe_layout="shift")
 
 
+KDA_VERIFY_SLOTS_ON_CUDA = False
+"""The switch: True gives CUDA engines `kda_verify_slot_ops` (verify steps' KDA positions in one Triton launch per
+layer, the commit a copy of per-position state slots). Off until it has run on the H200 (GPU_REQUEST of session 7)."""
+
+
+def kda_verify_slot_ops(ops: DecodeOps) -> DecodeOps:
+    """`ops` with `kda_verify_steps` set: the one-launch Triton op (`kda.triton_verify`) when `ops.kda_decode_step`
+    is the fused Triton decode step (with the same fallback, block_v and counters, whose form and bits it
+    keeps), else the reference loop around `ops.kda_decode_step`."""
+    step = ops.kda_decode_step
+    if getattr(getattr(step, "func", None), "__module__", None) == "kimiserve.ops.kda.triton_decode":
+        from kimiserve.ops.kda import triton_verify
+
+        verify = functools.partial(triton_verify.kda_verify_steps, **step.keywords)
+    else:
+        verify = functools.partial(kda_ref.kda_verify_steps, decode_step=step)
+    return dataclasses.replace(ops, name=f"{ops.name}+kda-verify-slots", kda_verify_steps=verify)
+
+
 def select_decode_ops(device: torch.device) -> DecodeOps:
     if device.type != "cuda":
         return REFERENCE_OPS
@@ -207,4 +233,5 @@ def select_decode_ops(device: torch.device) -> DecodeOps:
                         prefill_indexer_scores=indexer_prefill_tt.prefill_indexer_scores,
                         sparse_mla_prefill=mla_tt.paged_sparse_mla_prefill,
                         kda_decode_step=functools.partial(kda_decode_step_tt.kda_decode_step, fallback=kda_decode))
-    return fewer_kernel_ops(prefill_kernels(fused_glue_ops(kernels)))
+    ops = fewer_kernel_ops(prefill_kernels(fused_glue_ops(kernels)))
+    return kda_verify_slot_ops(ops) if KDA_VERIFY_SLOTS_ON_CUDA else ops

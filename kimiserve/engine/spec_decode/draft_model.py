@@ -107,6 +107,7 @@ class DraftModelProposer:
                 from kimiserve.engine.spec_decode.draft_graphs import DraftLoopGraphs
 
                 self.loop_graphs = DraftLoopGraphs(*graph_args, self.k - 1)
+        self.runner.plan_verify_slots(self.k + 1, args.max_num_seqs)
         self.sequences: dict[object, DraftSequence] = {}
         self.num_forwards = 0
 

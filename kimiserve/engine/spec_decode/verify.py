@@ -21,7 +21,7 @@ a wrong one (resampling from the whole p after a rejection) is caught.
 Rollback. MLA: the latents and index keys written for rejected drafts sit past the sequence's
 committed length; the scheduler releases the pages past it (`Scheduler.after_verify`) and later
 tokens overwrite the slots of the last page; a prefix-cache snapshot covers committed tokens only.
-KDA (recurrent state and the short-conv window): the verify forward runs position t of every verify
+KDA (recurrent state and the short-conv window), by default: the verify forward runs position t of every verify
 chunk through `DecodeOps.kda_decode_step`, the very op of a plain decode step (the fused Triton kernel
 on CUDA), on a copy of each chunk's conv and state pages, so its outputs have a decode step's
 arithmetic; the pages stay at the committed state and the layer's inputs are kept (q, k, v before the
@@ -33,7 +33,11 @@ inputs). A rejection therefore costs no recompute of the prefix and no per-posit
 the pool (a K3.1 state page is one attention page of >= 64 tokens per KDA layer: K + 1 slots for 69
 layers per sequence would cost more than the sequences' attention pages), at the price of a second,
 decode-sized pass over the accepted tokens. Under CUDA graphs (`verify_graphs.VerifyGraphs`) both the
-verify forward and the replay are replayed graphs.
+verify forward and the replay are replayed graphs. With `DecodeOps.kda_verify_steps` set
+(`ops.backend.kda_verify_slot_ops`) the verify forward runs each KDA layer's positions in one op with the
+decode step's arithmetic (one Triton launch on CUDA), reading the committed pages and saving the states
+after every position in `verify_slots.KDAVerifySlots`; the commit then copies each chunk's slot of its
+last kept position into its pages (a gather and an index copy per state kind, for all layers at once).
 """
 
 from __future__ import annotations
@@ -56,6 +60,12 @@ def replay_verified(model, batch, order: list[int], accepted: dict[int, int]) ->
     lists the step indices of the batch's verify chunks, `batch.verify_grid` order) into its KDA state
     pages, every KDA layer."""
     picked = [(n, accepted[j]) for n, j in enumerate(order) if accepted.get(j, 0) > 0]
+    if picked and batch.verify_slots is not None:  # the states after the last kept positions, saved in slots
+        B = batch.verify_grid.shape[0]
+        n, count = (torch.tensor(x, dtype=torch.int64) for x in zip(*picked))
+        items, device = (count - 1) * B + n, batch.verify_grid.device
+        batch.verify_slots.commit(batch.pool, items.to(device), batch.verify_state_pages[n.to(device)])
+        return
     if not picked or not batch.verify_inputs:
         return
     device = batch.verify_grid.device

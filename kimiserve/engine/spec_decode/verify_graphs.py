@@ -14,7 +14,9 @@ Every sequence, decode chunks included, leaves its state pages at the committed 
 fills a device buffer with each sequence's tokens to keep (a decode chunk's one token, a verify
 chunk's accepted ones) and replays the replay graph: per KDA layer and position t, the decode op on
 the real pages of the sequences keeping token t and on the reserved pages for the others, so one
-graph serves any acceptance pattern.
+graph serves any acceptance pattern. With `DecodeOps.kda_verify_steps` (and slots for the graph's size), KDA
+runs each layer's positions in one op that saves the states after every position (`verify_slots`), and the
+replay graph is the copy of each sequence's slot after its last kept token into its pages (`commit_kept`).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from kimiserve.cache.pool import PagePool
 from kimiserve.engine.cuda_graphs import GraphSet, capture_sizes
 from kimiserve.engine.spec_decode.device_drafts import write_drafts
 from kimiserve.engine.spec_decode.verify import kda_layers
+from kimiserve.engine.spec_decode.verify_slots import commit_kept
 from kimiserve.model.batch import ForwardBatch
 from kimiserve.model.moe import STATIC_MOE_TOKENS
 from kimiserve.ops.backend import DecodeOps
@@ -80,6 +83,13 @@ class VerifyGraphs(GraphSet):
         self.pending: tuple[int, int, int] | None = None
         """(size, bucket, sequences) of the latest verify replay, until `commit`."""
         self.replays = 0
+        self.slots = None
+        """The runner's `verify_slots.KDAVerifySlots` (`ModelRunner.plan_verify_slots`), or None."""
+
+    def uses_slots(self, size: int) -> bool:
+        """Whether graphs of `size` sequences save per-position KDA states (`ops.kda_verify_steps`) and commit
+        by copying them, rather than running position by position and replaying the kept ones."""
+        return self.ops.kda_verify_steps is not None and self.slots is not None and self.slots.fits(size, self.T)
 
     def fits(self, chunks) -> bool:
         """Whether a step of these chunks (each sampled at every row) can run here: verify chunks and
@@ -185,7 +195,7 @@ class VerifyGraphs(GraphSet):
             verify_rows=self.rows[:R], verify_block_tables=self._tables(size, bucket),
             verify_context_lens=self.context_lens[:R], verify_max_context=bucket, verify_inputs={},
             verify_grid=self.rows[:R].view(size, self.T), verify_active=[None] * self.T,
-            verify_state_pages=self.state_pages[:size],
+            verify_state_pages=self.state_pages[:size], verify_slots=self.slots if self.uses_slots(size) else None,
         )
 
     def _replay_kept(self, size: int, inputs: dict[int, tuple]) -> None:
@@ -202,13 +212,20 @@ class VerifyGraphs(GraphSet):
         """(the verify forward, the replay) of this shape, as functions of no arguments on the static buffers."""
         batch = self._batch(size, bucket)
         ids, rows = self.input_ids[: size * self.T], self.rows[: size * self.T]
-        return (lambda: self.model.forward_batch(ids, batch, rows)), (lambda: self._replay_kept(size, batch.verify_inputs))
+        if batch.verify_slots is not None:
+            commit = lambda: commit_kept(self.slots, self.pool, self.state_pages[:size], self.kept[:size],  # noqa: E731
+                                         self.pad_state_pages)
+        else:
+            commit = lambda: self._replay_kept(size, batch.verify_inputs)  # noqa: E731
+        return (lambda: self.model.forward_batch(ids, batch, rows)), commit
 
     def _capture(self, size: int, bucket: int) -> bool:
         """Warm up and record both graphs on padding rows only (nothing keeps a token, so the replay
         writes the reserved pages alone); False (graphs off, with a warning) on failure."""
         self._fill([], [], size, bucket)
         self.kept.zero_()
+        if self.uses_slots(size):
+            self.slots.allocate()  # before the capture: once, at the largest size
         self.pool.zero_state(self.pad_state_pages)
         forward, replay = self._forwards(size, bucket)
         try:

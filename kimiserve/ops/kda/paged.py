@@ -87,3 +87,35 @@ def kda_decode_step(q, k, v, f, b, gate, weights: KDADecodeWeights, conv, states
     beta = torch.sigmoid(one(b).float())
     o = kda_decode(qh, kh, vh, g, beta, states, page_ids)[:, 0]
     return gated_rms_norm(o, gate.view(Bd, H, -1), weights.norm_weight, weights.eps)
+
+
+def kda_verify_steps(q, k, v, f, b, gate, weights: KDADecodeWeights, conv, states, page_ids, grid, lengths, active,
+                     out, conv_slots, state_slots, decode_step=kda_decode_step):
+    """A KDA layer's verify positions (speculative decoding) with a state slot per position: T positions of B
+    chunks, position t of chunk j the packed row grid[j, t] (grid [B, T] int64) of q, k, v, f, gate [N, H * K]
+    and b [N, H] (the step's rows); active[t] the chunks that have a position t (an index tensor, None for
+    all), lengths [B] int32 the same as counts (None: every chunk has T). Chunk j starts from its pages
+    page_ids[j] of conv [P, 3, H * K, W - 1] and states [P, H, K, V], which are only read. Position t runs
+    through `decode_step` (a `kda_decode_step`; the arithmetic of a decode step at the batch of position t's
+    chunks) on slot t, which holds the states after position t: conv_slots [T, B, 3, H * K, W - 1] and
+    state_slots [T, B, H, K, V] (a chunk's slots past its last position hold its last state here; other
+    forms may leave them unwritten). Writes o [H, V] of every active position to out[grid[j, t]] (out
+    [N, H, V]; other rows are not written) and returns out. The reference form (a loop of the decode step)."""
+    del lengths  # the host's `active` says the same
+    B, T = grid.shape
+    ids = torch.arange(B, dtype=torch.int64, device=grid.device)
+    rows = grid.t().contiguous()  # contiguous gathers: the CPU ops' bits depend on the layout (e.g. sigmoid)
+    xs = tuple(x[rows] for x in (q, k, v, f, b, gate))  # [T, B, ...]
+    conv_slots[0], state_slots[0] = conv[page_ids], states[page_ids]
+    every = []  # outputs of the leading positions every chunk has, written at once
+    for t in range(T):
+        if t:
+            conv_slots[t], state_slots[t] = conv_slots[t - 1], state_slots[t - 1]
+        sel = active[t] if active is not None else None
+        if sel is None:
+            every.append(decode_step(*(x[t] for x in xs), weights, conv_slots[t], state_slots[t], ids))
+        else:
+            out[rows[t, sel]] = decode_step(*(x[t][sel] for x in xs), weights, conv_slots[t], state_slots[t], ids[sel])
+    if every:
+        out[rows[: len(every)]] = torch.stack(every)
+    return out
