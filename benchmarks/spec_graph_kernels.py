@@ -7,6 +7,7 @@ device time (kimi-demo's decode step: ~640 kernels in ~0.6 ms on the H200).
 
     python benchmarks/spec_graph_kernels.py [--model kimi-demo] [--method ngram|draft] [--draft-model kimi-demo-draft]
                                             [--k 3] [--tokens 60] [--by-op] [--ops reference|cuda|fewer]
+                                            [--kda-verify-slots]
 
 Prints, per graph (the target's decode / verify / KDA replay graphs, the draft model's), its replays in one
 greedy request on a repeated 32-token span and the kernels per replay. `--by-op` also prints, for the
@@ -47,6 +48,9 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=60)
     p.add_argument("--by-op", action="store_true", help="the target decode graph's kernels by model part and aten op")
     p.add_argument("--ops", choices=("reference", "cuda", "fewer"), default="reference")
+    p.add_argument("--kda-verify-slots", action="store_true",
+                   help="verify steps' KDA positions as one `DecodeOps.kda_verify_steps` op per layer into per-position "
+                        "state slots, the KDA replay graph the copy of the kept slots (`ops.backend.kda_verify_slot_ops`)")
     p.add_argument("--dtype", default="auto", help="the model dtype (auto: float32 on the CPU; CUDA engines run bfloat16)")
     args = p.parse_args()
     import pytest
@@ -92,6 +96,10 @@ def count(args, p, patch) -> int:
             runner.ops = backend.fused_glue_ops(runner.ops)
             if args.ops == "fewer":
                 runner.ops = backend.fewer_kernel_ops(runner.ops)
+        if args.kda_verify_slots:
+            from kimiserve.ops import backend
+
+            runner.ops = backend.kda_verify_slot_ops(runner.ops)
         if args.by_op:
             track_modules(counter, runner.model)
         fields = {f.name: getattr(runner.ops, f.name) for f in dataclasses.fields(runner.ops)}

@@ -39,13 +39,16 @@ def make_case(B, T, H, K, W, lower_bound, lengths, dtype, conv_dtype, seed):
         grid[j, :n] = order[at : at + n]
         grid[j, n:] = grid[j, n - 1]  # as `ForwardBatch.build` pads a shorter chunk
         at += n
-    xs = [rnd(N, P).to(dtype) for _ in range(4)] + [rnd(N, H).to(dtype), rnd(N, P).to(dtype)]  # q k v f b gate
+    # q, k, v, b and gate as row views of one merged projection's output (as `ops.linear.merged` gives them)
+    q, k, v, b, gate, _ = rnd(N, 4 * P + H + 3).to(dtype).split([P, P, P, H, P, 3], dim=-1)
+    xs = [q, k, v, rnd(N, P).to(dtype), b, gate]
     weights = paged.KDADecodeWeights(rnd(P, W, scale=0.5), rnd(P, W, scale=0.5), rnd(P, W, scale=0.5),
                                      rnd(H, scale=0.5), rnd(P), lower_bound, 1 + rnd(K, scale=0.1), 1e-5)
     pages = B + 3
     conv = page_view(pages, (3, P, W - 1), conv_dtype or dtype, device, gen)
     states = page_view(pages, (H, K, K), torch.float32, device, gen, scale=0.1)
-    page_ids = torch.randperm(pages, generator=gen)[:B].to(device)
+    distinct = torch.randperm(pages, generator=gen)[:B]
+    page_ids = torch.stack([distinct.flip(0), distinct], dim=1)[:, 1].to(device)  # a column, as the layer's pages
     return xs, weights, conv, states, page_ids, grid.to(device), lengths
 
 

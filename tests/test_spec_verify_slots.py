@@ -123,3 +123,23 @@ def test_slot_bytes_bounded():
     assert capped.max_chunks == 3 and capped.states is None  # nothing allocated before first use
     capped.allocate()
     assert capped.states.nbytes + capped.conv.nbytes == capped.nbytes
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the one-launch verify kernel, real CUDA graphs)")
+@pytest.mark.parametrize("spec", [ngram(3), DRAFT], ids=["ngram", "draft"])
+def test_cuda_graphs_on_slots_equal_off(spec, calls):
+    """On CUDA (captured verify graphs, the Triton verify kernel, the commit graph) and eagerly: the tokens of
+    speculation off, every commit a slot copy."""
+    prompts = random_prompts([20, 57, 9, 33], seed=7)
+    params = [SamplingParams(max_tokens=40, allowed_token_ids=FEW, **GREEDY)] * 2 + mixed_params()[:2]
+    kw = dict(device="cuda", num_pages=400)
+    want = tokens(run(make_engine(**kw), prompts, params))
+    for eager in (False, True):
+        on = with_slots(make_engine(speculative_config=spec, enforce_eager=eager, **kw))
+        from kimiserve.ops.kda import triton_verify
+
+        assert on.runner.ops.kda_verify_steps.func is triton_verify.kda_verify_steps
+        assert tokens(run(on, prompts, params)) == want, f"enforce_eager={eager}"
+        assert eager or on.runner.verify_graphs.replays > 5
+        on.check_idle()
+    assert calls["commit"] > 10 and calls["replay"] == 0

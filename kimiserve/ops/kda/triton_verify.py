@@ -70,17 +70,17 @@ def _conv_weights(w_ptr, chan, mask, W: tl.constexpr, BW: tl.constexpr):
 
 @triton.jit
 def _kda_verify_steps_kernel(
-    q_ptr, k_ptr, v_ptr, f_ptr, b_ptr, gate_ptr, out_ptr, row_stride, b_stride,
+    q_ptr, k_ptr, v_ptr, f_ptr, b_ptr, gate_ptr, out_ptr, q_stride, k_stride, v_stride, f_stride, b_stride, gate_stride,
     grid_ptr, grid_chunk_stride, grid_pos_stride, lengths_ptr, num_chunks,
     qw_ptr, kw_ptr, vw_ptr, a_log_ptr, dt_bias_ptr, norm_w_ptr,
-    conv_ptr, conv_page_stride, state_ptr, state_page_stride, pages_ptr, conv_slots_ptr, state_slots_ptr,
+    conv_ptr, conv_page_stride, state_ptr, state_page_stride, pages_ptr, pages_stride, conv_slots_ptr, state_slots_ptr,
     lower_bound, scale, norm_eps,
     T: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, BW: tl.constexpr, HAS_LOWER_BOUND: tl.constexpr, HAS_LENGTHS: tl.constexpr,
 ):
     j = tl.program_id(0)
     h = tl.program_id(1)
-    page = tl.load(pages_ptr + j).to(tl.int64)
+    page = tl.load(pages_ptr + j * pages_stride).to(tl.int64)
     OUT_DTYPE = out_ptr.dtype.element_ty
     CONV_DTYPE = conv_ptr.dtype.element_ty
     P = H * K
@@ -102,22 +102,21 @@ def _kda_verify_steps_kernel(
     S = tl.load(state_ptr + page * state_page_stride + s_head, mask=m_s, other=0.0)
     for t in range(0, n):
         row = tl.load(chunk_rows + t * grid_pos_stride).to(tl.int64)
-        x_off = row * row_stride
         item = (t * num_chunks + j).to(tl.int64)  # slot [t, j]
         slot = conv_slots_ptr + item * (3 * P * (W - 1))
-        q = _conv_position(q_ptr, x_off, row_stride, chunk_rows, grid_pos_stride, conv_page, slot, wq, wq_cur,
+        q = _conv_position(q_ptr, row * q_stride, q_stride, chunk_rows, grid_pos_stride, conv_page, slot, wq, wq_cur,
                            q_chan, mk, t, W, BW, CONV_DTYPE, OUT_DTYPE)
-        k = _conv_position(k_ptr, x_off, row_stride, chunk_rows, grid_pos_stride, conv_page + P * (W - 1),
+        k = _conv_position(k_ptr, row * k_stride, k_stride, chunk_rows, grid_pos_stride, conv_page + P * (W - 1),
                            slot + P * (W - 1), wk, wk_cur, k_chan, mk, t, W, BW, CONV_DTYPE, OUT_DTYPE)
-        v = _conv_position(v_ptr, x_off, row_stride, chunk_rows, grid_pos_stride, conv_page + 2 * P * (W - 1),
+        v = _conv_position(v_ptr, row * v_stride, v_stride, chunk_rows, grid_pos_stride, conv_page + 2 * P * (W - 1),
                            slot + 2 * P * (W - 1), wv, wv_cur, v_chan, mv, t, W, BW, CONV_DTYPE, OUT_DTYPE)
-        g, beta = _gate_beta(f_ptr, b_ptr, x_off, row * b_stride, a_log_ptr, dt_bias_ptr, h, lower_bound, kk, mk, K,
+        g, beta = _gate_beta(f_ptr, b_ptr, row * f_stride, row * b_stride, a_log_ptr, dt_bias_ptr, h, lower_bound, kk, mk, K,
                              HAS_LOWER_BOUND)
         q = _l2_normalize(q, OUT_DTYPE)
         k = _l2_normalize(k, OUT_DTYPE)
         S, o = _delta_rule_tile(S, tl.exp(g), k, v, beta, q * scale)
         tl.store(state_slots_ptr + item * (H * K * V) + s_head, S, mask=m_s)
-        o = _gated_norm(o.to(OUT_DTYPE).to(tl.float32), gate_ptr + x_off + h * V + vv, norm_w_ptr, vv, mv, norm_eps, V)
+        o = _gated_norm(o.to(OUT_DTYPE).to(tl.float32), gate_ptr + row * gate_stride + h * V + vv, norm_w_ptr, vv, mv, norm_eps, V)
         tl.store(out_ptr + row * (H * V) + h * V + vv, o.to(OUT_DTYPE), mask=mv)
 
 
@@ -138,15 +137,15 @@ def kda_verify_steps(q, k, v, f, b, gate, weights, conv, states, page_ids, grid,
                                       out, conv_slots, state_slots, decode_step=step)
     if B == 0:
         return out
-    xs = [t.contiguous() for t in (q, k, v, f, gate)]  # [N, H * K] each: one row stride
-    b = b.contiguous()
+    xs = [t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, f, b, gate)]  # rows at any stride (views
+    # of one merged projection's output)
     lower = weights.lower_bound
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
         _kda_verify_steps_kernel[(B, H)](
-            *xs[:4], b, xs[4], out, xs[0].stride(0), b.stride(0),
+            *xs, out, *(t.stride(0) for t in xs),
             grid, grid.stride(0), grid.stride(1), lengths if lengths is not None else grid, B,
             weights.q_conv, weights.k_conv, weights.v_conv, weights.A_log, weights.dt_bias, weights.norm_weight,
-            conv, conv.stride(0), states, states.stride(0), page_ids.to(torch.int32), conv_slots, state_slots,
+            conv, conv.stride(0), states, states.stride(0), page_ids, page_ids.stride(0), conv_slots, state_slots,
             0.0 if lower is None else float(lower), K ** -0.5, float(weights.eps),
             T=T, H=H, K=K, V=V, W=W, BK=triton.next_power_of_2(K), BV=triton.next_power_of_2(V),
             BW=triton.next_power_of_2(W - 1), HAS_LOWER_BOUND=lower is not None, HAS_LENGTHS=lengths is not None,
