@@ -15,7 +15,9 @@ On CUDA the batch-invariant engine runs split-K in its matmuls (`ops.batch_invar
 264 by default; `--split-k-programs N` sets it while the engine is built and run) and the glue kernels
 (`glue.KDA_GLUE_KERNELS`, `glue.MOE_GLUE_KERNELS`, `reference.PLAN_KERNEL_MAX_ROWS`), the defaults since session 7.
 `--plain-invariant` (CUDA) adds one more engine, batch-invariant with both off (split-K 0, the torch glue:
-the invariant mode of session 6), measured the same way.
+the invariant mode of session 6), measured the same way. `--fewer-kernels` adds one more: batch-invariant
+with `glue.FEWER_KERNELS` on too (stacked projections, KDA decode from and to the state pages, ...).
+`--modes a,b` runs only the listed modes (e.g. `default,batch_invariant_fewer`).
 """
 
 from __future__ import annotations
@@ -55,12 +57,24 @@ def matmul_rate(device: str, n: int = 2048) -> float:
 
 
 @contextlib.contextmanager
-def invariant_kernels(split_k_programs: int | None, glue_kernels: bool):
+def invariant_kernels(split_k_programs: int | None, glue_kernels: bool, fewer_kernels: bool = False):
     """Inside: `SPLIT_K_PROGRAMS` = split_k_programs (None: the module's) and the glue kernels on or off
-    (nothing changes off CUDA: the modules are Triton's)."""
-    if not torch.cuda.is_available():
-        yield
-        return
+    (nothing changes off CUDA: the modules are Triton's); `glue.FEWER_KERNELS` = fewer_kernels (any device)."""
+    from kimiserve.ops.batch_invariant import glue
+
+    fewer_before, glue.FEWER_KERNELS = glue.FEWER_KERNELS, fewer_kernels
+    try:
+        if not torch.cuda.is_available():
+            yield
+            return
+        with _triton_kernels(split_k_programs, glue_kernels):
+            yield
+    finally:
+        glue.FEWER_KERNELS = fewer_before
+
+
+@contextlib.contextmanager
+def _triton_kernels(split_k_programs: int | None, glue_kernels: bool):
     from kimiserve.ops.batch_invariant import glue
     from kimiserve.ops.batch_invariant import reference as bi
     from kimiserve.ops.batch_invariant import triton as bi_triton
@@ -154,6 +168,10 @@ def main(argv=None) -> int:
                         help="SPLIT_K_PROGRAMS of the batch-invariant engine (CUDA; default: the module's; 0: none)")
     parser.add_argument("--plain-invariant", action="store_true",
                         help="also measure batch-invariant mode without split-K and glue kernels (CUDA)")
+    parser.add_argument("--fewer-kernels", action="store_true",
+                        help="also measure batch-invariant mode with glue.FEWER_KERNELS on")
+    parser.add_argument("--modes", default=None,
+                        help="comma-separated modes to run of those the flags ask for (default: all; default is needed)")
     parser.add_argument("--out", default=None, help="default: benchmarks/results/batch_invariant_<device>.json")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
@@ -161,15 +179,24 @@ def main(argv=None) -> int:
     prompts = [torch.randint(0, vocab, (args.prompt_len,)).tolist() for _ in range(args.batch)]
     rate = matmul_rate(args.device)
     results = {}
-    modes = [("default", False, None, True), ("batch_invariant", True, args.split_k_programs, True)]
+    modes = [("default", False, None, True, False), ("batch_invariant", True, args.split_k_programs, True, False)]
     if args.plain_invariant:
-        modes.append(("batch_invariant_plain", True, 0, False))
-    for mode, flag, split_programs, glue in modes:
+        modes.append(("batch_invariant_plain", True, 0, False, False))
+    if args.fewer_kernels:
+        modes.append(("batch_invariant_fewer", True, args.split_k_programs, True, True))
+    if args.modes:
+        wanted = args.modes.split(",")
+        unknown = sorted(set(wanted) - {m[0] for m in modes})
+        if unknown or "default" not in wanted:
+            parser.error(f"--modes {args.modes}: {unknown or 'default is needed'}; the flags give "
+                         f"{', '.join(m[0] for m in modes)}")
+        modes = [m for m in modes if m[0] in wanted]
+    for mode, flag, split_programs, glue, fewer in modes:
         t = time.perf_counter()
-        with invariant_kernels(split_programs, glue):
+        with invariant_kernels(split_programs, glue, fewer):
             results[mode] = measure(args, flag, prompts)
         print(mode, json.dumps(results[mode]), f"({time.perf_counter() - t:.1f} s with build and warm-up)", flush=True)
-    d, b = results["default"], results["batch_invariant"]
+    d, b = results["default"], results.get("batch_invariant")
     plain = results.get("batch_invariant_plain")
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
@@ -180,9 +207,10 @@ def main(argv=None) -> int:
         "date": time.strftime("%Y-%m-%d"), "commit": commit, "command": " ".join(["python", *sys.argv]),
         "model": args.model, "batch": args.batch, "prompt_len": args.prompt_len, "decode_steps": args.decode_steps,
         "matmul_fp32_flops": rate, **results,
-        "slowdown_prefill": d["prefill_tokens_per_s"] / b["prefill_tokens_per_s"],
-        "slowdown_decode": d["decode_tokens_per_s"] / b["decode_tokens_per_s"],
     }
+    if b is not None:
+        record["slowdown_prefill"] = d["prefill_tokens_per_s"] / b["prefill_tokens_per_s"]
+        record["slowdown_decode"] = d["decode_tokens_per_s"] / b["decode_tokens_per_s"]
     if torch.cuda.is_available():
         from kimiserve.ops.batch_invariant import triton as bi_triton
 
@@ -190,6 +218,10 @@ def main(argv=None) -> int:
     if plain is not None:
         record["slowdown_prefill_plain"] = d["prefill_tokens_per_s"] / plain["prefill_tokens_per_s"]
         record["slowdown_decode_plain"] = d["decode_tokens_per_s"] / plain["decode_tokens_per_s"]
+    if "batch_invariant_fewer" in results:
+        f = results["batch_invariant_fewer"]
+        record["slowdown_prefill_fewer"] = d["prefill_tokens_per_s"] / f["prefill_tokens_per_s"]
+        record["slowdown_decode_fewer"] = d["decode_tokens_per_s"] / f["decode_tokens_per_s"]
     out = args.out or os.path.join(os.path.dirname(__file__), "results", f"batch_invariant_{args.device.split(':')[0]}.json")
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with open(out, "w") as f:

@@ -38,6 +38,7 @@ from kimiserve.model.model import KimiForCausalLM
 from kimiserve.ops.batch_invariant import glue
 from kimiserve.ops.batch_invariant import reference as bi
 from kimiserve.ops.batch_invariant.attention import mla_attention
+from kimiserve.ops.linear.merged import stacked_weight
 from kimiserve.ops.mla.reference import split_kv_b
 from kimiserve.ops.quant.reference import dequantize_mxfp4, hadamard
 from kimiserve.utils.host_copy import queue_device_copy
@@ -258,6 +259,40 @@ class DecodeContext(PagedContext):
         return None
 
 
+def _decode_rows(ctx):
+    """A decode step's KDA segment tensors, made once per step for every KDA layer: each row its own
+    segment (starts [N] int64), one token long, no snapshot (int32, the recurrence kernel's dtype)."""
+    cached = ctx.__dict__.get("_decode_rows")
+    if cached is None:
+        starts = torch.arange(ctx.positions.shape[0], device=ctx.device)
+        cached = (starts, torch.ones(starts.shape, dtype=torch.int32, device=ctx.device),
+                  torch.full(starts.shape, -1, dtype=torch.int32, device=ctx.device))
+        ctx.__dict__["_decode_rows"] = cached
+    return cached
+
+
+def _stackable(modules: tuple) -> bool:
+    """Whether `stacked_weight` can stack the modules' weights: plain tensors of one dtype and device with
+    the same trailing dims (more than one)."""
+    weights = [getattr(m, "weight", None) for m in modules]
+    return (len(modules) > 1 and all(isinstance(w, torch.Tensor) and w.dim() == 2 for w in weights)
+            and len({(w.dtype, w.device, w.shape[1]) for w in weights}) == 1)
+
+
+def _stack_columns(parts: list[torch.Tensor]) -> torch.Tensor:
+    """torch.stack(parts, 1) for [N, P] parts; a view when they are adjacent column slices of one row-major
+    result (`projections`' stacked q, k, v) and no autograd runs (the same values)."""
+    a = parts[0]
+    N, P = a.shape
+    size = a.element_size()
+    adjacent = (not torch.is_grad_enabled() and a.stride(1) == 1
+                and all(p.shape == a.shape and p.stride() == a.stride() and p.data_ptr() == a.data_ptr() + i * P * size
+                        for i, p in enumerate(parts)))
+    if adjacent:
+        return a.as_strided((N, len(parts), P), (a.stride(0), P, 1))
+    return torch.stack(parts, 1)
+
+
 def check_supported(model: KimiForCausalLM) -> None:
     """ValueError for what the batch-invariant forward does not cover."""
     p = model.parallel
@@ -371,6 +406,25 @@ class InvariantForward:
             y = self.lora.apply(self.names[id(module)], x, y)
         return y
 
+    def projections(self, modules: tuple, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """`proj` of each module; with `glue.FEWER_KERNELS` one invariant matmul over the modules'
+        weights stacked by rows (`stacked_weight`: the parameters become row views of it, as the default
+        path's `merged_linears` does), each output a column slice of the one result, then each row's
+        adapter per module. The stacked weight's shape picks the tiles and split-K (`triton.tile_config`),
+        so the bits differ from separate products on CUDA (not on the CPU: a tree sum per element); the
+        engine and the trainer both take this form, so they agree. With autograd into the weights, the
+        stack is a differentiable `torch.cat` of the same values (the same bits)."""
+        if not glue.FEWER_KERNELS or not _stackable(modules):
+            return tuple(self.proj(m, x) for m in modules)
+        if torch.is_grad_enabled() and any(m.weight.requires_grad for m in modules):
+            weight = torch.cat([m.weight for m in modules])
+        else:
+            weight = stacked_weight(modules)
+        ys = bi.linear(x, weight).split([m.weight.shape[0] for m in modules], dim=-1)
+        if self.lora is not None:
+            ys = tuple(self.lora.apply(self.names[id(m)], x, y) for m, y in zip(modules, ys))
+        return ys
+
     def act(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         c = self.config
         if c.hidden_act == "situ":
@@ -382,22 +436,26 @@ class InvariantForward:
 
     def mla(self, a: MLAAttention, x: torch.Tensor, ctx) -> torch.Tensor:
         N, H, L = x.shape[0], a.num_heads, a.kv_lora_rank
+        indexer = getattr(a, "indexer", None)
+        # the projections of x (the default path's group, then the indexer's head weights), of q's latent
+        gated = hasattr(a, "g_proj")
+        reads = a.input_projections() + ((a.g_proj,) if gated else ()) + ((indexer.weights_proj,) if indexer is not None else ())
+        first, kv, *rest = self.projections(reads, x)
         if hasattr(a, "q_a_proj"):
-            q_latent = self.norm(a.q_a_layernorm, self.proj(a.q_a_proj, x))
-            q = self.proj(a.q_b_proj, q_latent)
+            q_latent = self.norm(a.q_a_layernorm, first)
+            q, iq = self.projections((a.q_b_proj, indexer.wq_b), q_latent) if indexer is not None else (self.proj(a.q_b_proj, q_latent), None)
         else:
-            q_latent, q = x, self.proj(a.q_proj, x)
+            q_latent, q = x, first
+            iq = self.proj(indexer.wq_b, q_latent) if indexer is not None else None
         q = q.view(N, H, a.nope + a.rope)
         q_nope, q_pe = q[..., : a.nope], q[..., a.nope :]
-        kv = self.proj(a.kv_a_proj_with_mqa, x)
         latent_rows = torch.cat([self.norm(a.kv_a_layernorm, kv[:, :L]), kv[:, L:]], dim=-1)
-        indexer = getattr(a, "indexer", None)
-        keys = iq = iw = None
+        keys = iw = None
         if indexer is not None:
-            keys = bi.layer_norm(self.proj(indexer.wk, x), indexer.k_norm.weight, indexer.k_norm.bias,
-                                 INDEX_KEY_NORM_EPS)
-            iq = self.proj(indexer.wq_b, q_latent).view(N, indexer.num_heads, indexer.head_dim)
-            iw = self.proj(indexer.weights_proj, x).float() * (indexer.num_heads ** -0.5 * indexer.head_dim ** -0.5)
+            keys = bi.layer_norm(rest[0], indexer.k_norm.weight, indexer.k_norm.bias, INDEX_KEY_NORM_EPS)
+            iq = iq.view(N, indexer.num_heads, indexer.head_dim)
+            iw = rest[-1].float() * (indexer.num_heads ** -0.5 * indexer.head_dim ** -0.5)
+        gate = rest[-2 if indexer is not None else -1] if gated else None
         ctx.store_mla(a.cache_index, latent_rows, keys)
         w_kc, w_vc = split_kv_b(a.kv_b_proj.weight, H, a.nope)  # [H, dn, L], [H, dv, L]
         q_abs = bi.head_linear(q_nope, w_kc.transpose(1, 2))  # [N, H, L] fp32
@@ -407,26 +465,29 @@ class InvariantForward:
         # the attention output in the compute dtype, as the default path's decode ops return it (bf16: the
         # tensor cores; an fp32 operand would run the IEEE fp32 product, 4 ms per prefill layer on the H200)
         o = bi.head_linear(out_latent.to(x.dtype), w_vc).to(x.dtype).reshape(N, -1)  # [N, H * dv]
-        if hasattr(a, "g_proj"):
-            o = o * bi.sigmoid(self.proj(a.g_proj, x))
+        if gate is not None:
+            o = o * bi.sigmoid(gate)
         return self.proj(a.o_proj, o)
 
     def kda(self, a, x: torch.Tensor, ctx) -> torch.Tensor:
         N, H, K = x.shape[0], a.num_heads, a.head_dim
-        q, k, v = self.proj(a.q_proj, x), self.proj(a.k_proj, x), self.proj(a.v_proj, x)
-        g, beta = glue.kda_gates(self.proj(a.f_b_proj, self.proj(a.f_a_proj, x)), self.proj(a.b_proj, x), a.A_log,
-                               a.dt_bias, a.lower_bound, H, K)
-        o = self.kda_recurrence(a, torch.stack([q, k, v], 1).float(), g, beta, ctx).to(x.dtype)
-        gate = self.proj(a.g_proj, x) if hasattr(a, "g_proj") else self.proj(a.g_b_proj, self.proj(a.g_a_proj, x))
+        full_rank_gate = hasattr(a, "g_proj")
+        # the default path's group of x's projections (`KimiDeltaAttention.forward`)
+        q, k, v, b, gate, f_low = self.projections((a.q_proj, a.k_proj, a.v_proj, a.b_proj,
+                                                    a.g_proj if full_rank_gate else a.g_a_proj, a.f_a_proj), x)
+        g, beta = glue.kda_gates(self.proj(a.f_b_proj, f_low), b, a.A_log, a.dt_bias, a.lower_bound, H, K)
+        o = self.kda_recurrence(a, _stack_columns([q, k, v]), g, beta, ctx).to(x.dtype)
+        if not full_rank_gate:
+            gate = self.proj(a.g_b_proj, gate)
         o = bi.gated_rms_norm(o, gate.view(N, H, K), a.o_norm.weight, a.eps)
         return self.proj(a.o_proj, o.reshape(N, H * K))
 
     def kda_recurrence(self, a, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, ctx) -> torch.Tensor:
         """Short conv from the conv state and L2 norm for every row at once, then the delta rule token
-        by token per segment (`bi.kda_recurrence`). qkv [N, 3, P] fp32 (before the conv), g [N, H, K],
-        beta [N, H] -> o [N, H, V]."""
+        by token per segment (`bi.kda_recurrence`). qkv [N, 3, P] (before the conv; fp32 from the
+        concatenation with the fp32 conv state), g [N, H, K], beta [N, H] -> o [N, H, V]."""
         H, K, layer = a.num_heads, a.head_dim, a.cache_index
-        conv_weight = torch.stack([a.q_conv1d.weight, a.k_conv1d.weight, a.v_conv1d.weight]).float()  # [3, P, W]
+        conv_weight = self.conv_weight(a)  # [3, P, W] fp32
         conv, state = ctx.kda_initial(layer, H, K, conv_weight.shape[-1], qkv.dtype)
         if ctx.decode:
             return self.kda_decode(qkv, g, beta, conv, state, conv_weight, H, K, layer, ctx)
@@ -445,16 +506,26 @@ class InvariantForward:
         ctx.kda_final(layer, finals, state)
         return o
 
+    @staticmethod
+    def conv_weight(a) -> torch.Tensor:
+        """The q, k and v short convs' weights [3, P, W] in fp32: with `glue.FEWER_KERNELS` (and no
+        autograd into them) a view of their stacked storage (`stacked_weight`: no copy per step)."""
+        convs = (a.q_conv1d, a.k_conv1d, a.v_conv1d)
+        weights = [c.weight for c in convs]
+        if (glue.FEWER_KERNELS and not (torch.is_grad_enabled() and any(w.requires_grad for w in weights))
+                and _stackable(convs)):
+            return stacked_weight(convs).view(3, *weights[0].shape).float()
+        return torch.stack(weights).float()
+
     def kda_decode(self, qkv, g, beta, conv, state, conv_weight, H: int, K: int, layer: int, ctx) -> torch.Tensor:
         """`kda_recurrence` of one token per sequence, with no host work: the window is the conv state
         then the token (the values `kda_recurrence` gathers for a one-token segment), the new conv
         state its last W - 1 inputs."""
-        N = qkv.shape[0]
         window = torch.cat([conv.permute(0, 3, 1, 2), qkv.unsqueeze(1)], 1)  # [N, W, 3, P]
         qh, kh, vh = glue.kda_conv_norm(window, window.shape[1], conv_weight, H, K)  # row n's taps: window[n]
-        rows = torch.arange(N, device=qkv.device)
-        o, state, _ = bi.kda_recurrence(qh, kh, vh, g, beta, state, rows, torch.ones_like(rows),
-                                        torch.full_like(rows, -1), K ** -0.5)
+        starts, lengths, no_snapshot = _decode_rows(ctx)
+        o, state, _ = bi.kda_recurrence(qh, kh, vh, g, beta, state, starts, lengths, no_snapshot, K ** -0.5,
+                                        decode=glue.FEWER_KERNELS)
         ctx.kda_final(layer, window[:, 1:].permute(0, 2, 3, 1), state)
         return o
 
@@ -463,23 +534,29 @@ class InvariantForward:
             return self.moe(layer.block_sparse_moe, x)
         return self.mlp(layer.mlp, x)
 
-    def mlp(self, m, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(m.down_proj, self.act(self.proj(m.gate_proj, x), self.proj(m.up_proj, x)))
+    def mlp(self, m, x: torch.Tensor, projected: tuple | None = None) -> torch.Tensor:
+        """projected: (gate, up) of x when computed already (the MoE's group)."""
+        gate, up = projected if projected is not None else self.projections((m.gate_proj, m.up_proj), x)
+        return self.proj(m.down_proj, self.act(gate, up))
 
     def moe(self, m, x: torch.Tensor) -> torch.Tensor:
         c = self.config
         ids, weights = glue.route(bi.linear(x.float(), m.gate.weight), m.gate.e_score_correction_bias,
                                 c.num_experts_per_token, score_func=c.moe_router_activation_func,
                                 renormalize=c.moe_renormalize, scaling_factor=c.routed_scaling_factor)
-        latent = hasattr(m, "routed_expert_down_proj")
-        h = self.proj(m.routed_expert_down_proj, x) if latent else x
+        latent, shared = hasattr(m, "routed_expert_down_proj"), hasattr(m, "shared_experts")
+        # the default path's group of x's projections (`MoE.forward`)
+        reads = ((m.routed_expert_down_proj,) if latent else ()) + (
+            (m.shared_experts.gate_proj, m.shared_experts.up_proj) if shared else ())
+        projected = self.projections(reads, x)
+        h = projected[0] if latent else x
         y = self.experts(m.experts, h, ids, weights)
         if latent:
             if hasattr(m, "routed_expert_norm"):
                 y = self.norm(m.routed_expert_norm, y)
             y = self.proj(m.routed_expert_up_proj, y)
-        if hasattr(m, "shared_experts"):
-            y = y + self.mlp(m.shared_experts, x)
+        if shared:
+            y = y + self.mlp(m.shared_experts, x, projected[-2:])
         return y.to(x.dtype)
 
     def experts(self, experts, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -494,7 +571,8 @@ class InvariantForward:
             by_expert = bi.group_rows(xs, flat, experts.num_experts)  # on the device: no host sync
 
             def linear(name, x, out_features):
-                return bi.expert_linear(x, by_expert, dense_experts(experts, name) if experts.mxfp4 else getattr(experts, name))
+                w = dense_experts(experts, name) if experts.mxfp4 else getattr(experts, name)
+                return bi.expert_linear(x, by_expert, w, every_row=glue.FEWER_KERNELS)  # every pair has an expert
         else:
             present, index = torch.unique(flat, return_inverse=True)
 

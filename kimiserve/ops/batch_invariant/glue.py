@@ -22,6 +22,18 @@ MOE_GLUE_KERNELS = True
 experts' weighted sum over a token's slots as one launch (`triton_glue.combine_slots`) instead of ~25
 torch kernels per MoE layer (False: the torch forms). On since session 7."""
 
+FEWER_KERNELS = False
+"""Fewer kernels per invariant step (tiny, batch 4, one decode step: benchmarks/batch_invariant_kernel_count.py
+--fewer-kernels): the projections of one input as one invariant matmul over their weights stacked by rows
+(`InvariantForward.projections`: a KDA layer's q, k, v, beta, gate and f_a; an MLA layer's q_a, kv_a, the
+index keys, the output gate and the index head weights, then q_b with the index queries; the latent MoE's
+down projection with the shared experts' gate and up; a dense MLP's gate and up; the gated RMSNorm reads its
+gate's column slice in place), the short convs' weights a view of their stacked storage, and no zero fill
+of outputs every row of which a kernel writes (the routed experts' grouped matmuls, the KDA decode
+recurrence's output and snapshots). The stacked products give other bits than separate ones on CUDA (the
+stacked shape picks the tiles; the engine and the trainer alike), the same bits on the CPU (a tree sum per
+element). Off until the GPU tests of GPU_REQUEST.md pass."""
+
 
 def _kda_gates_torch(f, b, a_log, dt_bias, lower_bound, H: int, K: int):
     """The KDA decay gate g [N, H, K] and beta [N, H] (fp32) from the f_b projection f [N, H * K] and the

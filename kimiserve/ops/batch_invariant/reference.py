@@ -224,13 +224,13 @@ class _GroupedMatmul(torch.autograd.Function):
     """Forward: `triton.grouped_matmul` (one launch for every group); backward: per group, plain matmuls."""
 
     @staticmethod
-    def forward(ctx, x, weights, scales, plan, mxfp4_dtype):
+    def forward(ctx, x, weights, scales, plan, mxfp4_dtype, every_row):
         from kimiserve.ops.batch_invariant.triton import grouped_matmul
 
         ctx.save_for_backward(x, weights, scales)
         ctx.plan, ctx.mxfp4 = plan, scales is not None
         w = (weights, scales) if scales is not None else weights
-        return grouped_matmul(x, w, plan, out_dtype=x.dtype)
+        return grouped_matmul(x, w, plan, out_dtype=x.dtype, every_row=every_row)
 
     @staticmethod
     def backward(ctx, grad):
@@ -244,7 +244,7 @@ class _GroupedMatmul(torch.autograd.Function):
                 gx[rows] = gr @ w
             if gw is not None:
                 gw[g] = gr.T @ x[rows].float()
-        return (None if gx is None else gx.to(x.dtype), None if gw is None else gw.to(weights.dtype), None, None, None)
+        return (None if gx is None else gx.to(x.dtype), None if gw is None else gw.to(weights.dtype), None, None, None, None)
 
 
 PLAN_KERNEL_MAX_ROWS = 2048
@@ -275,26 +275,27 @@ def group_rows(x: torch.Tensor, groups: torch.Tensor, num_groups: int):
 
 
 def stacked_linear(x: torch.Tensor, plan, weights: torch.Tensor, scales: torch.Tensor | None = None,
-                   dtype: torch.dtype | None = None) -> torch.Tensor:
+                   dtype: torch.dtype | None = None, every_row: bool = False) -> torch.Tensor:
     """Rows of x [N, K] through their group's weight (`plan` from `group_rows`): weights [G, O, K], or
     MXFP4 codes [G, O, K/2] with scales [G, O, K/32] dequantising to `dtype` -> [N, O] in x's dtype (zero
     rows for negative groups). On CUDA one `triton.grouped_matmul` launch (a row gets the bits of
-    `linear(row, weights[g])`); elsewhere `grouped_linear`."""
+    `linear(row, weights[g])`); elsewhere `grouped_linear`. every_row: the caller's promise that no group is
+    negative (the kernel then writes every row: no zero fill first)."""
     if isinstance(plan, RowGroups):
         if scales is not None:
             return grouped_linear(x, plan, lambda e: MXFP4Weight(weights[e], scales[e], dtype), weights.shape[1])
         return grouped_linear(x, plan, lambda e: weights[e], weights.shape[1])
     if scales is not None and x.dtype not in (torch.bfloat16, torch.float16):  # as `linear` does: dequantised first
         weights, scales = dequantize_mxfp4(weights, scales, dtype).to(x.dtype), None
-    return _GroupedMatmul.apply(x, weights, scales, plan, dtype)
+    return _GroupedMatmul.apply(x, weights, scales, plan, dtype, every_row)
 
 
 def expert_linear(x: torch.Tensor, plan, weights: torch.Tensor, scales: torch.Tensor | None = None,
-                  dtype: torch.dtype | None = None) -> torch.Tensor:
+                  dtype: torch.dtype | None = None, every_row: bool = False) -> torch.Tensor:
     """Rows of x [N, K] grouped by expert (`plan` from `group_rows`) through their experts' weights:
     [E, O, K] (cast to x's dtype), or MXFP4 codes [E, O, K/2] with scales [E, O, K/32] dequantising to
-    `dtype` (`stacked_linear`)."""
-    return stacked_linear(x, plan, weights if scales is not None else weights.to(x.dtype), scales, dtype)
+    `dtype` (`stacked_linear`; every_row: every row has an expert, no zero fill of the output on CUDA)."""
+    return stacked_linear(x, plan, weights if scales is not None else weights.to(x.dtype), scales, dtype, every_row)
 
 
 class _HeadLinear(torch.autograd.Function):
@@ -611,10 +612,10 @@ class _KDARecurrence(torch.autograd.Function):
     """Forward: the Triton kernel; backward: autograd through the torch steps (other bits, same math)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, state, starts, lengths, snap_t, scale):
+    def forward(ctx, q, k, v, g, beta, state, starts, lengths, snap_t, scale, decode=False):
         ctx.save_for_backward(q, k, v, g, beta, state, starts, lengths, snap_t)
         ctx.scale = scale
-        return _cuda_kda()(q, k, v, g, beta, state, starts, lengths, snap_t, scale)
+        return _cuda_kda()(q, k, v, g, beta, state, starts, lengths, snap_t, scale, decode)
 
     @staticmethod
     def backward(ctx, go, gfinal, gsnaps):
@@ -624,19 +625,21 @@ class _KDARecurrence(torch.autograd.Function):
             outs = _kda_recurrence_steps(*leaves, starts, lengths, snap_t, ctx.scale)
             pairs = [(o, gr) for o, gr in zip(outs, (go, gfinal, gsnaps)) if gr is not None]
             grads = torch.autograd.grad([o for o, _ in pairs], leaves, [gr for _, gr in pairs], allow_unused=True)
-        return (*grads, None, None, None, None)
+        return (*grads, None, None, None, None, None)[: len(ctx.needs_input_grad)]
 
 
 def kda_recurrence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                    state: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor, snap_t: torch.Tensor,
-                   scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   scale: float, decode: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The KDA delta rule over packed segments, token by token (`kda_step`): q, k, g [N, H, K],
     v [N, H, V], beta [N, H], segment b's rows starts[b] .. starts[b] + lengths[b] - 1 from state[b]
     ([B, H, K, V] fp32). Returns (o [N, H, V] fp32, final states, snapshots: segment b's state before
     its token snap_t[b], zeros where snap_t[b] is -1). On CUDA the Triton kernel
-    (`ops.batch_invariant.triton_kda`: one pass per segment, other bits), backward through the steps."""
+    (`ops.batch_invariant.triton_kda`: one pass per segment, other bits), backward through the steps.
+    decode: every row a one-token segment of its own, no snapshot (the kernel's snapshots are then left
+    unfilled: not zeros)."""
     if on_triton(q) and _cuda_kda() is not None:
-        return _KDARecurrence.apply(q, k, v, g, beta, state, starts, lengths, snap_t, scale)
+        return _KDARecurrence.apply(q, k, v, g, beta, state, starts, lengths, snap_t, scale, decode)
     return _kda_recurrence_steps(q, k, v, g, beta, state, starts, lengths, snap_t, scale)
 
 

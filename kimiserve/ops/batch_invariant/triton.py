@@ -334,17 +334,19 @@ class TilePlan:
         return [(g, torch.nonzero(self.groups == g)[:, 0]) for g in present]
 
 
-def grouped_matmul(x: torch.Tensor, weights, plan: TilePlan, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def grouped_matmul(x: torch.Tensor, weights, plan: TilePlan, out_dtype: torch.dtype = torch.float32,
+                   every_row: bool = False) -> torch.Tensor:
     """Row i of x [M, K] times its group's weight (`plan`, `TilePlan.of(groups)`; rows of negative groups
     are left zero): weights [G, N, K], or an MXFP4 (packed [G, N, K/2], scales [G, N, K/32]) pair ->
     [M, N] in out_dtype. One launch: each tile of BM rows belongs to one group, with the tiles, K order
     and accumulation of `matmul` (`matmul_mxfp4`), so a row gets the bits of `matmul(x[rows], weights[g])`
-    (those tests check it), whatever the other rows and their groups."""
+    (those tests check it), whatever the other rows and their groups. every_row: the caller's promise that no
+    group is negative (every row is then written by its tile: the output is not zero-filled first)."""
     mxfp4 = isinstance(weights, tuple)
     packed, scales = weights if mxfp4 else (weights, weights)
     M, K = x.shape
     N = packed.shape[1]
-    y = torch.zeros(M, N, dtype=out_dtype, device=x.device)
+    y = (torch.empty if every_row else torch.zeros)(M, N, dtype=out_dtype, device=x.device)
     c = tile_config(N, K)
     num_tiles = plan.tile_group.shape[0]
     if num_tiles == 0 or N == 0:

@@ -55,18 +55,21 @@ def _recurrence_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, state_ptr, f
     tl.store(final_ptr + tile, S, mask=m_tile)
 
 
-def recurrence(q, k, v, g, beta, state, starts, lengths, snap_t, scale: float):
+def recurrence(q, k, v, g, beta, state, starts, lengths, snap_t, scale: float, decode: bool = False):
     """q, k, g [N, H, K], v [N, H, V], beta [N, H] (fp32, rows of segment b at starts[b] ..
     starts[b] + lengths[b] - 1), state [B, H, K, V] fp32, snap_t [B] int (-1: none) ->
-    (o [N, H, V], final states [B, H, K, V], the states before token snap_t [B, H, K, V])."""
+    (o [N, H, V], final states [B, H, K, V], the states before token snap_t [B, H, K, V]).
+    decode: the caller's promise that every row is a one-token segment of its own and no snapshot is
+    taken, so o is written whole and the snapshots are not read: both left unfilled (two kernels less)."""
     N, H, K = q.shape
     V = v.shape[-1]
     B = state.shape[0]
     q, k, g, v, beta = (t.float().contiguous() for t in (q, k, g, v, beta))
     state = state.float().contiguous()
-    o = torch.zeros(N, H, V, dtype=torch.float32, device=q.device)
+    alloc = torch.empty if decode else torch.zeros
+    o = alloc(N, H, V, dtype=torch.float32, device=q.device)
     final = torch.empty_like(state)
-    snaps = torch.zeros_like(state)
+    snaps = torch.empty_like(state) if decode else torch.zeros_like(state)
     if B:
         grid = (B, H, triton.cdiv(V, BLOCK_V))
         _recurrence_kernel[grid](q, k, v, g, beta, o, state, final, snaps,

@@ -14,8 +14,10 @@ import triton.language as tl
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, g_ptr, out_ptr, D, sx, sg, so, eps,
-                     BD: tl.constexpr, SAME_DTYPE: tl.constexpr, GATED: tl.constexpr):
+def _rms_norm_kernel(x_ptr, w_ptr, g_ptr, out_ptr, D, sx, sg, so, eps, sg_outer,
+                     BD: tl.constexpr, SAME_DTYPE: tl.constexpr, GATED: tl.constexpr, GATE_GROUP: tl.constexpr):
+    """GATE_GROUP > 1: the gate's row r at (r // GATE_GROUP) * sg_outer + (r % GATE_GROUP) * sg (the heads
+    of a column slice [N, H, D] of a wider result), else at r * sg."""
     row = tl.program_id(0).to(tl.int64)
     dd = tl.arange(0, BD)
     m = dd < D
@@ -24,7 +26,11 @@ def _rms_norm_kernel(x_ptr, w_ptr, g_ptr, out_ptr, D, sx, sg, so, eps,
     normed = xf * tl.rsqrt(tl.sum(xf * xf, axis=0) / D + eps)
     w = tl.load(w_ptr + dd, mask=m, other=0.0)
     if GATED:
-        gate = tl.load(g_ptr + row * sg + dd, mask=m, other=0.0).to(tl.float32)
+        if GATE_GROUP == 1:
+            g_row = row * sg
+        else:
+            g_row = (row // GATE_GROUP) * sg_outer + (row % GATE_GROUP) * sg
+        gate = tl.load(g_ptr + g_row + dd, mask=m, other=0.0).to(tl.float32)
         y = normed * w.to(tl.float32) * (1.0 / (1.0 + tl.exp(-gate)))
     elif SAME_DTYPE:
         y = w.to(tl.float32) * normed.to(x.dtype).to(tl.float32)
@@ -40,14 +46,21 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gate: torch.Tens
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
-    g2 = x2 if gate is None else gate.reshape(-1, D)
-    if g2.stride(-1) != 1:
-        g2 = g2.contiguous()
+    group, outer = 1, 0
+    if gate is not None and gate.dim() == 3 and gate.stride(2) == 1 and gate.stride(1) == D \
+            and gate.stride(0) != gate.shape[1] * D and gate.shape[0] > 1:
+        g2, group, outer = gate, gate.shape[1], gate.stride(0)  # heads of a column slice: read in place
+        sg = D
+    else:
+        g2 = x2 if gate is None else gate.reshape(-1, D)
+        if g2.stride(-1) != 1:
+            g2 = g2.contiguous()
+        sg = g2.stride(0)
     w = weight.reshape(-1).contiguous()
     if x2.shape[0]:
-        _rms_norm_kernel[(x2.shape[0],)](x2, w, g2, out, D, x2.stride(0), g2.stride(0), out.stride(0), eps,
+        _rms_norm_kernel[(x2.shape[0],)](x2, w, g2, out, D, x2.stride(0), sg, out.stride(0), eps, outer,
                                          BD=triton.next_power_of_2(D), SAME_DTYPE=weight.dtype == x.dtype,
-                                         GATED=gate is not None, num_warps=4 if D <= 2048 else 8)
+                                         GATED=gate is not None, GATE_GROUP=group, num_warps=4 if D <= 2048 else 8)
     return out.view(x.shape)
 
 

@@ -56,17 +56,24 @@ def merged_linears(x: torch.Tensor, modules: tuple) -> tuple[torch.Tensor, ...]:
     [..., sum out] result (their last dim has unit stride, their rows the stacked width)."""
     if not mergeable(modules):
         return reference.separate_linears(x, modules)
+    weight = stacked_weight(modules)
+    y = torch.nn.functional.linear(x, weight.to(x.dtype))
+    return tuple(y.split([m.weight.shape[0] for m in modules], dim=-1))
+
+
+def stacked_weight(modules: tuple) -> torch.Tensor:
+    """The modules' weights (one dtype and device, the same trailing dims) stacked along dim 0, their
+    parameters row views of it: stacked at the first call with the group, again when a parameter was
+    replaced (an error under CUDA graph capture: the graph would replay the stacking copy)."""
     owner = modules[0]
     stacked = owner.__dict__.get("_stacked_with")
     if stacked is None or stacked[0] != tuple(map(id, modules)) or not _in_place(stacked[1], modules):
-        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        if owner.weight.is_cuda and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("merged_linears: a projection group is stacked by its first eager call (a graph set's "
                                "warm-up); under capture the graph would replay the stacking copy")
         stacked = (tuple(map(id, modules)), _stack(modules))
         owner.__dict__["_stacked_with"] = stacked
-    weight = stacked[1][0]
-    y = torch.nn.functional.linear(x, weight.to(x.dtype))
-    return tuple(y.split([m.weight.shape[0] for m in modules], dim=-1))
+    return stacked[1][0]
 
 
 def linear_add(x: torch.Tensor, module, addend: torch.Tensor) -> torch.Tensor:

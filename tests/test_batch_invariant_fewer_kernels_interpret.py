@@ -1,0 +1,108 @@
+"""The batch-invariant decode step's fewer kernels on their Triton forms, under Triton's CPU interpreter (no GPU
+needed) and on CUDA: `glue.FEWER_KERNELS` (one invariant matmul over a group's row-stacked weights) with
+the glue kernels, in the tiny engine (a sequence alone == in a chunked batch, the trainer == the engine); the
+gated RMSNorm kernel reading the gate's heads in place from a column slice of a wider result; the KDA
+recurrence's decode form (outputs and snapshots left unfilled) against its general form.
+
+Skipped unless KIMISERVE_TRITON_INTERPRET=1 (or CUDA is present); run in its own process:
+
+    KIMISERVE_TRITON_INTERPRET=1 .venv/bin/python -m pytest tests/test_batch_invariant_fewer_kernels_interpret.py -q
+"""
+
+import contextlib
+
+import pytest
+import torch
+
+import triton_interpreter_shims
+
+DEVICE = triton_interpreter_shims.device_or_skip_module()
+INTERPRET = DEVICE == "cpu"
+
+from kimiserve.ops.batch_invariant import glue  # noqa: E402
+from kimiserve.ops.batch_invariant import reference as bi  # noqa: E402
+from kimiserve.ops.batch_invariant import triton_kda, triton_norm  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def ordered_dots():
+    with triton_interpreter_shims.ordered_dots() if INTERPRET else contextlib.nullcontext():
+        yield
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gated_norm_reads_a_column_slice_gate_in_place(dtype):
+    """A gate [N, H, D] viewed from columns of a wider [N, W] result (row stride W, not H * D): the bits of the
+    same gate made contiguous, rows alone == among others, close to the torch form."""
+    g = torch.Generator().manual_seed(5)
+    N, H, D, W = 7, 3, 40, 301
+    x = (torch.randn(N, H, D, generator=g) * 2).to(dtype).to(DEVICE)
+    w = torch.randn(D, generator=g).to(dtype).to(DEVICE)
+    wide = torch.randn(N, W, generator=g).to(dtype).to(DEVICE)
+    gate = wide[:, 17 : 17 + H * D].view(N, H, D)
+    assert gate.stride() == (W, D, 1)
+    got = triton_norm.rms_norm(x, w, 1e-5, gate)
+    assert torch.equal(got, triton_norm.rms_norm(x, w, 1e-5, gate.contiguous()))
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got.float(), bi._gated_rms_norm_torch(x, gate, w, 1e-5).float(), rtol=tol, atol=tol)
+    for rows in (slice(0, 1), slice(4, 5), slice(2, 6)):
+        assert torch.equal(triton_norm.rms_norm(x[rows], w, 1e-5, gate[rows]), got[rows])
+
+
+def test_recurrence_decode_form_equals_the_general_form():
+    """One-token segments of their own, no snapshot: `decode=True` (o and the snapshots unfilled) gives the o
+    and final states of the general form, bit for bit."""
+    g = torch.Generator().manual_seed(6)
+    N, H, K = 5, 3, 16
+    q, k = (torch.nn.functional.normalize(torch.randn(N, H, K, generator=g), dim=-1).to(DEVICE) for _ in range(2))
+    v = torch.randn(N, H, K, generator=g).to(DEVICE)
+    gate = (-torch.rand(N, H, K, generator=g)).to(DEVICE)
+    beta = torch.rand(N, H, generator=g).to(DEVICE)
+    state = torch.randn(N, H, K, K, generator=g).to(DEVICE)
+    starts = torch.arange(N, device=DEVICE)
+    ones = torch.ones(N, dtype=torch.int32, device=DEVICE)
+    none = torch.full((N,), -1, dtype=torch.int32, device=DEVICE)
+    o, final, snaps = triton_kda.recurrence(q, k, v, gate, beta, state, starts, ones, none, K ** -0.5)
+    od, fd, _ = triton_kda.recurrence(q, k, v, gate, beta, state, starts, ones, none, K ** -0.5, decode=True)
+    assert torch.equal(od, o) and torch.equal(fd, final) and not snaps.any()
+
+
+@pytest.mark.parametrize("M,G", [(1, 4), (37, 5), (130, 3)])
+def test_grouped_matmul_without_the_zero_fill_writes_every_row(M, G):
+    """every_row (no negative group): the output is not zero-filled first, and every row gets the bits of the
+    zero-filled form (the output first filled with NaN there to show no row is left unwritten)."""
+    from kimiserve.ops.batch_invariant import triton as bi_triton
+
+    g = torch.Generator().manual_seed(M + G)
+    x = torch.randn(M, 48, generator=g).to(torch.bfloat16).to(DEVICE)
+    w = torch.randn(G, 20, 48, generator=g).to(torch.bfloat16).to(DEVICE)
+    plan = bi_triton.TilePlan.of(torch.randint(0, G, (M,), generator=g).to(DEVICE), G)
+    want = bi_triton.grouped_matmul(x, w, plan)
+    real_empty = torch.empty
+    try:
+        torch.empty = lambda *a, **k: real_empty(*a, **k).fill_(float("nan"))
+        got = bi_triton.grouped_matmul(x, w, plan, every_row=True)
+    finally:
+        torch.empty = real_empty
+    assert torch.equal(got, want)
+
+
+def test_invariant_engine_with_fewer_kernels_is_batch_invariant_and_equals_the_trainer(monkeypatch):
+    """The interpret suite's engine == trainer check with `FEWER_KERNELS` and the glue kernels on (the
+    stacked groups in prefill, chunked prefill, decode and the trainer), the stacked path taken."""
+    import test_batch_invariant_triton_interpret as base
+    from kimiserve.rl import forward
+
+    monkeypatch.setattr(glue, "FEWER_KERNELS", True)
+    monkeypatch.setattr(glue, "KDA_GLUE_KERNELS", True)
+    monkeypatch.setattr(glue, "MOE_GLUE_KERNELS", True)
+    monkeypatch.setattr(bi, "PLAN_KERNEL_MAX_ROWS", 2048)
+    stacked = {"calls": 0}
+    real = forward.stacked_weight
+
+    def counted(modules):
+        stacked["calls"] += 1
+        return real(modules)
+    monkeypatch.setattr(forward, "stacked_weight", counted)
+    base.check_engine_alone_batched_and_trainer(monkeypatch, [21, 4, 13], seed=2, max_tokens=3)
+    assert stacked["calls"] > 0
