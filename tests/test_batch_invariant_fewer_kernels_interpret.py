@@ -2,7 +2,9 @@
 needed) and on CUDA: `glue.FEWER_KERNELS` (one invariant matmul over a group's row-stacked weights) with
 the glue kernels, in the tiny engine (a sequence alone == in a chunked batch, the trainer == the engine); the
 gated RMSNorm kernel reading the gate's heads in place from a column slice of a wider result; the KDA
-recurrence's decode form (outputs and snapshots left unfilled) against its general form.
+recurrence's decode form (outputs and snapshots left unfilled) against its general form; the grouped matmul
+without its zero fill; a KDA decode step straight from and back to the state pages against the gather,
+window and scatter around the same kernels.
 
 Skipped unless KIMISERVE_TRITON_INTERPRET=1 (or CUDA is present); run in its own process:
 
@@ -87,6 +89,44 @@ def test_grouped_matmul_without_the_zero_fill_writes_every_row(M, G):
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_kda_decode_in_place_equals_the_gather_window_and_scatter(dtype):
+    """`glue.kda_decode_in_place` (the conv state and the recurrent state read from and written back to their
+    pages, strided pools and a column-slice input as the engine has them) == the decode path's gather of the
+    pages, window, `kda_conv_norm`, `recurrence` and scatter: the same o and the same pages, bit for bit, the
+    other pages untouched."""
+    from kimiserve.ops.batch_invariant import triton_glue
+
+    g = torch.Generator().manual_seed(8)
+    N, H, K, W, num_pages = 5, 3, 16, 4, 9
+    P = H * K
+    page = torch.randn(num_pages, 3 * P * (W - 1) + H * K * K + 7, generator=g)  # pages with room past the states
+    rec = page[:, : H * K * K].view(num_pages, H, K, K)
+    conv_page = torch.randn(num_pages, 3 * P * (W - 1) + 5, generator=g).to(dtype)
+    conv = conv_page[:, : 3 * P * (W - 1)].view(num_pages, 3, P, W - 1)
+    rec, conv = rec.to(DEVICE), conv.to(DEVICE)
+    wide = torch.randn(N, 3 * P + 11, generator=g).to(dtype).to(DEVICE)
+    qkv = wide[:, 5 : 5 + 3 * P].view(N, 3, P)
+    state_pages = torch.tensor([[7, 0], [2, 1], [4, 3], [0, 5], [8, 6]], device=DEVICE)  # [N, layers]: layer 0's column
+    pages = state_pages[:, 0]
+    weight = (torch.randn(3, P, W, generator=g) * 0.7).to(DEVICE)
+    gate = (-torch.rand(N, H, K, generator=g)).to(DEVICE)
+    beta = torch.rand(N, H, generator=g).to(DEVICE)
+    # the gather / window / scatter path
+    window = torch.cat([conv[pages].float().permute(0, 3, 1, 2), qkv.unsqueeze(1)], 1)
+    qh, kh, vh = triton_glue.kda_conv_norm(window, W, weight, H, K).unbind(0)
+    rows = torch.arange(N, device=DEVICE)
+    o_ref, final, _ = triton_kda.recurrence(qh, kh, vh, gate, beta, rec[pages].float(), rows, torch.ones_like(rows),
+                                            torch.full_like(rows, -1), K ** -0.5)
+    conv_ref, rec_ref = conv.clone(), rec.clone()
+    conv_ref[pages] = window[:, 1:].permute(0, 2, 3, 1).to(dtype)
+    rec_ref[pages] = final
+    pool = type("Pool", (), {"conv": conv, "recurrent": rec})()
+    o = glue.kda_decode_in_place(qkv, gate, beta, pool, pages, weight, H, K)
+    assert torch.equal(o, o_ref)
+    assert torch.equal(conv, conv_ref) and torch.equal(rec, rec_ref)
+
+
 def test_invariant_engine_with_fewer_kernels_is_batch_invariant_and_equals_the_trainer(monkeypatch):
     """The interpret suite's engine == trainer check with `FEWER_KERNELS` and the glue kernels on (the
     stacked groups in prefill, chunked prefill, decode and the trainer), the stacked path taken."""
@@ -104,5 +144,12 @@ def test_invariant_engine_with_fewer_kernels_is_batch_invariant_and_equals_the_t
         stacked["calls"] += 1
         return real(modules)
     monkeypatch.setattr(forward, "stacked_weight", counted)
+    in_place = {"calls": 0}
+    real_decode = glue.kda_decode_in_place
+
+    def counted_decode(*a, **kw):
+        in_place["calls"] += 1
+        return real_decode(*a, **kw)
+    monkeypatch.setattr(glue, "kda_decode_in_place", counted_decode)
     base.check_engine_alone_batched_and_trainer(monkeypatch, [21, 4, 13], seed=2, max_tokens=3)
-    assert stacked["calls"] > 0
+    assert stacked["calls"] > 0 and in_place["calls"] > 0

@@ -488,6 +488,8 @@ class InvariantForward:
         concatenation with the fp32 conv state), g [N, H, K], beta [N, H] -> o [N, H, V]."""
         H, K, layer = a.num_heads, a.head_dim, a.cache_index
         conv_weight = self.conv_weight(a)  # [3, P, W] fp32
+        if ctx.decode and glue.kda_decode_in_place_applies(qkv, ctx.pool):
+            return glue.kda_decode_in_place(qkv, g, beta, ctx.pool, ctx.state_pages[:, layer], conv_weight, H, K)
         conv, state = ctx.kda_initial(layer, H, K, conv_weight.shape[-1], qkv.dtype)
         if ctx.decode:
             return self.kda_decode(qkv, g, beta, conv, state, conv_weight, H, K, layer, ctx)

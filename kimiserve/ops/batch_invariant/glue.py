@@ -124,6 +124,25 @@ def kda_conv_norm(ext: torch.Tensor, taps, weight: torch.Tensor, H: int, K: int)
     return _kda_conv_norm_torch(ext, taps, weight, H, K)
 
 
+def kda_decode_in_place_applies(qkv: torch.Tensor, pool) -> bool:
+    """Whether `kda_decode_in_place` serves a decode step: `FEWER_KERNELS` and `KDA_GLUE_KERNELS` on CUDA
+    (Triton), no autograd (the engine's step), fp32 recurrent state pages."""
+    return (FEWER_KERNELS and KDA_GLUE_KERNELS and bi.on_triton(qkv) and not torch.is_grad_enabled()
+            and bi._triton_glue() is not None and bi._cuda_kda() is not None and pool.recurrent.dtype == torch.float32)
+
+
+def kda_decode_in_place(qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, pool, pages: torch.Tensor,
+                        conv_weight: torch.Tensor, H: int, K: int) -> torch.Tensor:
+    """One decode token per row through a KDA layer's short conv + L2 norms and delta rule straight from and
+    back to its state pages `pages` [N] of `pool` (two launches: `triton_glue.kda_conv_norm_paged`,
+    `triton_kda.recurrence_paged`), the bits of `InvariantForward.kda_decode`'s gather, window, the same two
+    kernels and scatter (seven launches): qkv [N, 3, P] -> o [N, H, V] fp32."""
+    from kimiserve.ops.batch_invariant.triton_kda import recurrence_paged
+
+    qh, kh, vh = bi._triton_glue().kda_conv_norm_paged(qkv, pool.conv, pages, conv_weight, H, K).unbind(0)
+    return recurrence_paged(qh, kh, vh, g, beta, pool.recurrent, pages, K ** -0.5)
+
+
 class _Route(torch.autograd.Function):
     """Forward: `triton_glue.route`; backward: autograd through the torch weights of the kernel's ids."""
 

@@ -63,27 +63,49 @@ def kda_gates(f: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: to
 
 
 @triton.jit
-def _kda_conv_norm_kernel(ext_ptr, taps_ptr, w_ptr, out_ptr, N, H, tap_stride, eps,
-                          K: tl.constexpr, BK: tl.constexpr, W: tl.constexpr, HAS_TAPS: tl.constexpr):
+def _kda_conv_norm_kernel(ext_ptr, taps_ptr, w_ptr, out_ptr, N, H, tap_stride, eps, conv_ptr, sx, sp, spage,
+                          K: tl.constexpr, BK: tl.constexpr, W: tl.constexpr, HAS_TAPS: tl.constexpr,
+                          PAGED: tl.constexpr):
+    """PAGED (one decode token per row): row n's first W - 1 taps are its conv state page taps_ptr[n * sp] of
+    conv_ptr ([pages, 3, P, W - 1], page stride spage), its last its own input ext_ptr[n * sx + col]; the
+    conv state then moves on by one tap in place (the same products and sums as the window form)."""
     n = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     h = tl.program_id(2)
     P = H * K
     kk = tl.arange(0, BK)
     m = kk < K
-    if HAS_TAPS:
+    if PAGED:
+        tap0 = tl.load(taps_ptr + n * sp).to(tl.int64)  # the state page
+    elif HAS_TAPS:
         tap0 = tl.load(taps_ptr + n).to(tl.int64)
     else:
         tap0 = n * tap_stride
     col = c * P + h * K + kk  # the channel in [3, P]
     acc = tl.zeros((BK,), tl.float32)
     for j in tl.static_range(W):
-        x = tl.load(ext_ptr + (tap0 + j) * 3 * P + col, mask=m, other=0.0).to(tl.float32)
+        if PAGED:
+            if j < W - 1:
+                x = tl.load(conv_ptr + tap0 * spage + col * (W - 1) + j, mask=m, other=0.0).to(tl.float32)
+            else:
+                x = tl.load(ext_ptr + n * sx + col, mask=m, other=0.0).to(tl.float32)
+        else:
+            x = tl.load(ext_ptr + (tap0 + j) * 3 * P + col, mask=m, other=0.0).to(tl.float32)
         acc += x * tl.load(w_ptr + col * W + j, mask=m, other=0.0).to(tl.float32)
     y = acc * (1.0 / (1.0 + tl.exp(-acc)))
     if c < 2:
         y = y * tl.rsqrt(tl.sum(y * y, axis=0) + eps)
     tl.store(out_ptr + ((c * N + n) * H + h) * K + kk, y, mask=m)
+    if PAGED:  # the state's taps 1 .. W - 2 then this input become taps 0 .. W - 2 (each read before it is overwritten)
+        state = conv_ptr + tap0 * spage + col * (W - 1)
+        for j in tl.static_range(W - 1):
+            tl.debug_barrier()
+            if j < W - 2:
+                x = tl.load(state + j + 1, mask=m, other=0.0)
+            else:
+                x = tl.load(ext_ptr + n * sx + col, mask=m, other=0.0)
+            tl.debug_barrier()
+            tl.store(state + j, x.to(conv_ptr.dtype.element_ty), mask=m)
 
 
 def kda_conv_norm(ext: torch.Tensor, taps, weight: torch.Tensor, H: int, K: int, eps: float = 1e-6):
@@ -101,7 +123,31 @@ def kda_conv_norm(ext: torch.Tensor, taps, weight: torch.Tensor, H: int, K: int,
     if N and H:
         tap_t = taps.contiguous() if has_taps else ext
         _kda_conv_norm_kernel[(N, 3, H)](ext, tap_t, weight.float().contiguous(), out, N, H, 0 if has_taps else int(taps),
-                                         eps, K=K, BK=triton.next_power_of_2(K), W=W, HAS_TAPS=has_taps,
+                                         eps, ext, 0, 0, 0, K=K, BK=triton.next_power_of_2(K), W=W, HAS_TAPS=has_taps,
+                                         PAGED=False, num_warps=1 if K <= 256 else 4)
+    return out
+
+
+def kda_conv_norm_paged(x: torch.Tensor, conv_state: torch.Tensor, pages: torch.Tensor, weight: torch.Tensor,
+                        H: int, K: int, eps: float = 1e-6) -> torch.Tensor:
+    """`kda_conv_norm` of decode rows (one token each) straight from the state pages: x [N, 3, P] the rows'
+    inputs (any row stride), conv_state [pages, 3, P, W - 1] (the pool's, any page stride), pages [N] (any
+    stride) row n's state page, weight [3, P, W] -> out [3, N, H, K] fp32, the bits of `kda_conv_norm` of the
+    window (the page's taps then x[n]) as `InvariantForward.kda_decode` builds it; the pages' conv states
+    then hold their last W - 1 inputs (written in place: rows must have pages of their own)."""
+    N, W, P = x.shape[0], weight.shape[-1], H * K
+    if x.shape[1:] != (3, P) or conv_state.shape[1:] != (3, P, W - 1) or pages.shape != (N,):
+        raise ValueError(f"kda_conv_norm_paged: x {tuple(x.shape)}, conv_state {tuple(conv_state.shape)}, pages "
+                         f"{tuple(pages.shape)} for H={H}, K={K}, W={W}")
+    if x.stride(2) != 1 or x.stride(1) != P:
+        x = x.contiguous()
+    if conv_state[0].stride() != (P * (W - 1), W - 1, 1):
+        raise ValueError("kda_conv_norm_paged: each conv state page must be contiguous [3, P, W - 1]")
+    out = torch.empty(3, N, H, K, dtype=torch.float32, device=x.device)
+    if N and H:
+        _kda_conv_norm_kernel[(N, 3, H)](x, pages, weight.float().contiguous(), out, N, H, 0, eps, conv_state,
+                                         x.stride(0), pages.stride(0), conv_state.stride(0), K=K,
+                                         BK=triton.next_power_of_2(K), W=W, HAS_TAPS=False, PAGED=True,
                                          num_warps=1 if K <= 256 else 4)
     return out
 
