@@ -8,6 +8,8 @@ reports torch.equal and the largest difference for each, and writes the JSON rec
 
     PYTHONPATH=. OMP_NUM_THREADS=1 python benchmarks/rl_parity_check.py                     # tiny, CPU, short
     PYTHONPATH=. python benchmarks/rl_parity_check.py --model small --device cuda --prompt-len 1024 --completion-len 1024
+
+`--fewer-kernels` runs it with `ops.batch_invariant.glue.FEWER_KERNELS` on.
 """
 
 from __future__ import annotations
@@ -48,8 +50,13 @@ def main(argv=None) -> int:
     parser.add_argument("--kv-cache-dtype", default="auto")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.7,
                         help="the engine's (GPU) cache budget: the rest is left for the trainer's forward")
+    parser.add_argument("--fewer-kernels", action="store_true", help="ops.batch_invariant.glue.FEWER_KERNELS = True")
     parser.add_argument("--out", default=None, help="default: benchmarks/results/rl_parity_check_<device>.json")
     args = parser.parse_args(argv)
+    if args.fewer_kernels:
+        from kimiserve.ops.batch_invariant import glue
+
+        glue.FEWER_KERNELS = True
     start = time.perf_counter()
     engine = LLMEngine(EngineArgs(model=args.model, device=args.device, batch_invariant=True, enable_lora=True,
                                   max_lora_rank=8, kv_cache_dtype=args.kv_cache_dtype,
@@ -65,6 +72,7 @@ def main(argv=None) -> int:
     print(f"engine and trainer built in {time.perf_counter() - start:.1f} s", flush=True)
     record = {"model": args.model, "device": args.device, "num_seqs": args.num_seqs, "prompt_len": args.prompt_len,
               "completion_len": args.completion_len, "kv_cache_dtype": engine.layout.kv_cache_dtype,
+              "fewer_kernels": args.fewer_kernels,
               "command": " ".join(["python", *sys.argv])}
     for name, lora in (("base", None), ("lora", "lora")):
         t = time.perf_counter()
