@@ -143,3 +143,24 @@ def test_cuda_graphs_on_slots_equal_off(spec, calls):
         assert eager or on.runner.verify_graphs.replays > 5
         on.check_idle()
     assert calls["commit"] > 10 and calls["replay"] == 0
+
+
+def test_graph_capture_mid_serving_writes_reserved_pages_only(eager_graphs):  # noqa: F811
+    """Capturing a verify graph (forward and commit on padding rows) while requests hold state pages changes
+    no page but the reserved ones."""
+    engine = with_slots(make_engine(speculative_config=ngram(3)))
+    for i, prompt in enumerate(random_prompts([30, 41], seed=4)):
+        engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=20, allowed_token_ids=FEW, **GREEDY))
+    for _ in range(6):
+        engine.step()
+    graphs, pool = engine.runner.verify_graphs, engine.pool
+    assert engine.scheduler.running and graphs.uses_slots(8) and (8, 64) not in graphs.graphs
+    pool.recurrent[0] = 1.5  # page 0, what an all-zero commit input would hit
+    before = pool.recurrent.clone(), pool.conv.clone()
+    assert graphs._capture(8, 64)
+    others = torch.ones(pool.recurrent.shape[0], dtype=torch.bool)
+    others[graphs.pad_state_pages] = others[graphs.pad_page] = False  # the reserved pages (padding rows' attention page too)
+    assert torch.equal(pool.recurrent[others], before[0][others]) and torch.equal(pool.conv[others], before[1][others])
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.check_idle()

@@ -38,9 +38,7 @@ def eager_graphs(monkeypatch):
         return True
 
     def capture_verify(self, size, bucket):
-        self._fill([], [], size, bucket)
-        self.kept.zero_()
-        self.pool.zero_state(self.pad_state_pages)
+        self._padding_inputs(size, bucket)
         forward, replay = self._forwards(size, bucket)
         logits = forward()
         replay()  # on the reserved pages only: nothing keeps a token

@@ -64,7 +64,7 @@ def replay_verified(model, batch, order: list[int], accepted: dict[int, int]) ->
         B = batch.verify_grid.shape[0]
         n, count = (torch.tensor(x, dtype=torch.int64) for x in zip(*picked))
         items, device = (count - 1) * B + n, batch.verify_grid.device
-        batch.verify_slots.commit(batch.pool, items.to(device), batch.verify_state_pages[n.to(device)])
+        batch.verify_slots.commit(batch.pool, items.to(device), batch.verify_state_pages[n.to(device)].t().contiguous())
         return
     if not picked or not batch.verify_inputs:
         return

@@ -16,7 +16,8 @@ chunk's accepted ones) and replays the replay graph: per KDA layer and position 
 the real pages of the sequences keeping token t and on the reserved pages for the others, so one
 graph serves any acceptance pattern. With `DecodeOps.kda_verify_steps` (and slots for the graph's size), KDA
 runs each layer's positions in one op that saves the states after every position (`verify_slots`), and the
-replay graph is the copy of each sequence's slot after its last kept token into its pages (`commit_kept`).
+replay graph is the copy of each sequence's slot after its last kept token into its pages (slot items and pages
+worked out on the host, from the kept counts).
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ from kimiserve.cache.pool import PagePool
 from kimiserve.engine.cuda_graphs import GraphSet, capture_sizes
 from kimiserve.engine.spec_decode.device_drafts import write_drafts
 from kimiserve.engine.spec_decode.verify import kda_layers
-from kimiserve.engine.spec_decode.verify_slots import commit_kept
 from kimiserve.model.batch import ForwardBatch
 from kimiserve.model.moe import STATIC_MOE_TOKENS
 from kimiserve.ops.backend import DecodeOps
@@ -69,11 +69,12 @@ class VerifyGraphs(GraphSet):
         self._arange = np.arange(R, dtype=np.int64)
         pin = dev.type == "cuda"
         self._mirror = torch.zeros(self.inputs.shape, dtype=torch.int64, pin_memory=pin)
-        self._kept_mirror = torch.zeros(B, dtype=torch.int64, pin_memory=pin)
+        self._kept_mirror = torch.zeros(B * (1 + num_state), dtype=torch.int64, pin_memory=pin)
         self._copied: list = [None, None]
         """CUDA events of the latest copies out of the two mirrors (the host waits on one before refilling it)."""
-        self.kept = torch.zeros(B, **long)
-        """Tokens each sequence keeps (the replay graph's input)."""
+        self.kept = torch.zeros(B * (1 + num_state), **long)
+        """The replay graph's input: the tokens each sequence keeps [size] (position by position), or with slots
+        (`uses_slots`) the slot items to copy [size] and the state pages they go to, layer-major [layers, size]."""
         self.empty = torch.zeros(0, **long)
         self.graphs: dict[tuple[int, int], tuple] = {}
         """(size, bucket) -> (verify graph, its logits [size * T, vocab], replay graph)."""
@@ -131,9 +132,21 @@ class VerifyGraphs(GraphSet):
         host = self._kept_mirror.numpy()
         host[:n] = kept
         host[n:size] = 0
-        self.kept[:size].copy_(self._kept_mirror[:size], non_blocking=True)
+        end = size
+        if self.uses_slots(size):  # which slot of each sequence goes to which pages, worked out here
+            keeps = host[:size] > 0
+            host[:size] = (np.maximum(host[:size], 1) - 1) * size + self._arange[:size]
+            end = size * (1 + self._pad_states_host.size)
+            pages = np.where(keeps[:, None], self._host_state_pages(size), self._pad_states_host[None, :])
+            host[size:end].reshape(-1, size)[:] = pages.T
+        self.kept[:end].copy_(self._kept_mirror[:end], non_blocking=True)
         self._record(1)
         self.graphs[(size, bucket)][2].replay()
+
+    def _host_state_pages(self, size: int) -> np.ndarray:
+        """The state pages [size, layers] the latest `_fill` wrote into the host mirror."""
+        start, L = 5 * self.max_batch * self.T, self._pad_states_host.size
+        return self._mirror.numpy()[start : start + size * L].reshape(size, L)
 
     def _wait(self, i: int) -> None:
         if self._copied[i] is not None:
@@ -213,20 +226,26 @@ class VerifyGraphs(GraphSet):
         batch = self._batch(size, bucket)
         ids, rows = self.input_ids[: size * self.T], self.rows[: size * self.T]
         if batch.verify_slots is not None:
-            commit = lambda: commit_kept(self.slots, self.pool, self.state_pages[:size], self.kept[:size],  # noqa: E731
-                                         self.pad_state_pages)
+            items, pages = self.kept[:size], self.kept[size : size * (1 + self.pad_state_pages.numel())].view(-1, size)
+            commit = lambda: self.slots.commit(self.pool, items, pages)  # noqa: E731
         else:
             commit = lambda: self._replay_kept(size, batch.verify_inputs)  # noqa: E731
         return (lambda: self.model.forward_batch(ids, batch, rows)), commit
 
-    def _capture(self, size: int, bucket: int) -> bool:
-        """Warm up and record both graphs on padding rows only (nothing keeps a token, so the replay
-        writes the reserved pages alone); False (graphs off, with a warning) on failure."""
+    def _padding_inputs(self, size: int, bucket: int) -> None:
+        """The static inputs of a capture: padding rows only, nothing kept (so the replay writes the reserved
+        pages alone: with slots, slot 0 of each sequence copied to them), the reserved state pages zeroed."""
         self._fill([], [], size, bucket)
         self.kept.zero_()
         if self.uses_slots(size):
-            self.slots.allocate()  # before the capture: once, at the largest size
+            self.slots.allocate()  # before the capture: once
+            L = self.pad_state_pages.numel()
+            self.kept[size : size * (1 + L)].view(L, size).copy_(self.pad_state_pages[:, None].expand(L, size))
         self.pool.zero_state(self.pad_state_pages)
+
+    def _capture(self, size: int, bucket: int) -> bool:
+        """Warm up and record both graphs on `_padding_inputs`; False (graphs off, with a warning) on failure."""
+        self._padding_inputs(size, bucket)
         forward, replay = self._forwards(size, bucket)
         try:
             self.warm_up(forward, replay)

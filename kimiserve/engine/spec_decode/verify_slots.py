@@ -55,8 +55,9 @@ class KDAVerifySlots:
     def allocate(self) -> None:
         if self.states is None:
             items = self.num_tokens * self.max_chunks
-            self.states = torch.empty(self.num_layers, items, *self.state_shape, dtype=torch.float32, device=self.device)
-            self.conv = torch.empty(self.num_layers, items, *self.conv_shape, dtype=self.conv_dtype, device=self.device)
+            # zeros: a slot no position wrote (a graph capture's commit copies one to the reserved pages) is finite
+            self.states = torch.zeros(self.num_layers, items, *self.state_shape, dtype=torch.float32, device=self.device)
+            self.conv = torch.zeros(self.num_layers, items, *self.conv_shape, dtype=self.conv_dtype, device=self.device)
 
     def layer(self, i: int, num_chunks: int, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer i's (conv slots [T, B, 3, H * K, W - 1], state slots [T, B, H, K, V]) for a step of B chunks of T
@@ -67,20 +68,9 @@ class KDAVerifySlots:
                 self.states[i, :n].view(num_tokens, num_chunks, *self.state_shape))
 
     def commit(self, pool, items: torch.Tensor, pages: torch.Tensor) -> None:
-        """Copy slot item items[r] (t * B + j: chunk j's state after its position t) of every layer to the state
-        pages pages[r] [layers] (r over the chunks that commit; pages distinct but for padding)."""
+        """Copy slot item items[r] (t * B + j: chunk j's state after its position t) of every layer i to the state
+        page pages[i, r] (pages [layers, r], contiguous; distinct but for padding): 4 kernels for all layers."""
         self.allocate()
-        dst = pages.t().reshape(-1)  # layer-major, as the gathered slots
+        dst = pages.reshape(-1)  # layer-major, as the gathered slots
         pool.recurrent[dst] = self.states.index_select(1, items).flatten(0, 1)
         pool.conv[dst] = self.conv.index_select(1, items).flatten(0, 1)
-
-
-def commit_kept(slots: KDAVerifySlots, pool, state_pages: torch.Tensor, kept: torch.Tensor,
-                pad_state_pages: torch.Tensor) -> None:
-    """A verify step's commit for its B chunks, as a fixed sequence of device ops (a CUDA graph's body): chunk
-    j's pages state_pages[j] [layers] get its slot after position kept[j] - 1; a chunk keeping nothing writes
-    the reserved pad_state_pages instead (its slot 0, unused)."""
-    B = kept.shape[0]
-    keeps = kept > 0
-    items = (kept.clamp(min=1) - 1) * B + torch.arange(B, dtype=kept.dtype, device=kept.device)
-    slots.commit(pool, items, torch.where(keeps[:, None], state_pages, pad_state_pages[None, :]))
