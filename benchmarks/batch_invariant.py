@@ -16,7 +16,8 @@ On CUDA the batch-invariant engine runs split-K in its matmuls (`ops.batch_invar
 (`glue.KDA_GLUE_KERNELS`, `glue.MOE_GLUE_KERNELS`, `reference.PLAN_KERNEL_MAX_ROWS`), the defaults since session 7.
 `--plain-invariant` (CUDA) adds one more engine, batch-invariant with both off (split-K 0, the torch glue:
 the invariant mode of session 6), measured the same way. `--fewer-kernels` adds one more: batch-invariant
-with `glue.FEWER_KERNELS` on too (stacked projections, KDA decode from and to the state pages, ...).
+with `glue.FEWER_KERNELS` on too (stacked projections, KDA decode from and to the state pages, ...);
+`--residual-epilogue` one more, with `glue.RESIDUAL_EPILOGUE` on as well (the residual adds in the matmuls).
 `--modes a,b` runs only the listed modes (e.g. `default,batch_invariant_fewer`).
 """
 
@@ -57,12 +58,15 @@ def matmul_rate(device: str, n: int = 2048) -> float:
 
 
 @contextlib.contextmanager
-def invariant_kernels(split_k_programs: int | None, glue_kernels: bool, fewer_kernels: bool = False):
+def invariant_kernels(split_k_programs: int | None, glue_kernels: bool, fewer_kernels: bool = False,
+                      epilogue: bool = False):
     """Inside: `SPLIT_K_PROGRAMS` = split_k_programs (None: the module's) and the glue kernels on or off
-    (nothing changes off CUDA: the modules are Triton's); `glue.FEWER_KERNELS` = fewer_kernels (any device)."""
+    (nothing changes off CUDA: the modules are Triton's); `glue.FEWER_KERNELS` = fewer_kernels and
+    `glue.RESIDUAL_EPILOGUE` = epilogue (any device)."""
     from kimiserve.ops.batch_invariant import glue
 
-    fewer_before, glue.FEWER_KERNELS = glue.FEWER_KERNELS, fewer_kernels
+    fewer_before = glue.FEWER_KERNELS, glue.RESIDUAL_EPILOGUE
+    glue.FEWER_KERNELS, glue.RESIDUAL_EPILOGUE = fewer_kernels, epilogue
     try:
         if not torch.cuda.is_available():
             yield
@@ -70,7 +74,7 @@ def invariant_kernels(split_k_programs: int | None, glue_kernels: bool, fewer_ke
         with _triton_kernels(split_k_programs, glue_kernels):
             yield
     finally:
-        glue.FEWER_KERNELS = fewer_before
+        glue.FEWER_KERNELS, glue.RESIDUAL_EPILOGUE = fewer_before
 
 
 @contextlib.contextmanager
@@ -170,6 +174,8 @@ def main(argv=None) -> int:
                         help="also measure batch-invariant mode without split-K and glue kernels (CUDA)")
     parser.add_argument("--fewer-kernels", action="store_true",
                         help="also measure batch-invariant mode with glue.FEWER_KERNELS on")
+    parser.add_argument("--residual-epilogue", action="store_true",
+                        help="also measure batch-invariant mode with glue.FEWER_KERNELS and glue.RESIDUAL_EPILOGUE on")
     parser.add_argument("--modes", default=None,
                         help="comma-separated modes to run of those the flags ask for (default: all; default is needed)")
     parser.add_argument("--out", default=None, help="default: benchmarks/results/batch_invariant_<device>.json")
@@ -179,11 +185,13 @@ def main(argv=None) -> int:
     prompts = [torch.randint(0, vocab, (args.prompt_len,)).tolist() for _ in range(args.batch)]
     rate = matmul_rate(args.device)
     results = {}
-    modes = [("default", False, None, True, False), ("batch_invariant", True, args.split_k_programs, True, False)]
+    modes = [("default", False, None, True, (False, False)), ("batch_invariant", True, args.split_k_programs, True, (False, False))]
     if args.plain_invariant:
-        modes.append(("batch_invariant_plain", True, 0, False, False))
+        modes.append(("batch_invariant_plain", True, 0, False, (False, False)))
     if args.fewer_kernels:
-        modes.append(("batch_invariant_fewer", True, args.split_k_programs, True, True))
+        modes.append(("batch_invariant_fewer", True, args.split_k_programs, True, (True, False)))
+    if args.residual_epilogue:
+        modes.append(("batch_invariant_fewer_epilogue", True, args.split_k_programs, True, (True, True)))
     if args.modes:
         wanted = args.modes.split(",")
         unknown = sorted(set(wanted) - {m[0] for m in modes})
@@ -193,7 +201,7 @@ def main(argv=None) -> int:
         modes = [m for m in modes if m[0] in wanted]
     for mode, flag, split_programs, glue, fewer in modes:
         t = time.perf_counter()
-        with invariant_kernels(split_programs, glue, fewer):
+        with invariant_kernels(split_programs, glue, *fewer):
             results[mode] = measure(args, flag, prompts)
         print(mode, json.dumps(results[mode]), f"({time.perf_counter() - t:.1f} s with build and warm-up)", flush=True)
     d, b = results["default"], results.get("batch_invariant")
@@ -218,10 +226,11 @@ def main(argv=None) -> int:
     if plain is not None:
         record["slowdown_prefill_plain"] = d["prefill_tokens_per_s"] / plain["prefill_tokens_per_s"]
         record["slowdown_decode_plain"] = d["decode_tokens_per_s"] / plain["decode_tokens_per_s"]
-    if "batch_invariant_fewer" in results:
-        f = results["batch_invariant_fewer"]
-        record["slowdown_prefill_fewer"] = d["prefill_tokens_per_s"] / f["prefill_tokens_per_s"]
-        record["slowdown_decode_fewer"] = d["decode_tokens_per_s"] / f["decode_tokens_per_s"]
+    for mode, key in (("batch_invariant_fewer", "fewer"), ("batch_invariant_fewer_epilogue", "fewer_epilogue")):
+        if mode in results:
+            f = results[mode]
+            record[f"slowdown_prefill_{key}"] = d["prefill_tokens_per_s"] / f["prefill_tokens_per_s"]
+            record[f"slowdown_decode_{key}"] = d["decode_tokens_per_s"] / f["decode_tokens_per_s"]
     out = args.out or os.path.join(os.path.dirname(__file__), "results", f"batch_invariant_{args.device.split(':')[0]}.json")
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with open(out, "w") as f:

@@ -112,6 +112,7 @@ def main() -> None:
     p.add_argument("--moe-glue", action="store_true", help="glue.MOE_GLUE_KERNELS = True")
     p.add_argument("--plan-kernel-max-rows", type=int, default=0, help="reference.PLAN_KERNEL_MAX_ROWS")
     p.add_argument("--fewer-kernels", action="store_true", help="glue.FEWER_KERNELS = True")
+    p.add_argument("--residual-epilogue", action="store_true", help="glue.RESIDUAL_EPILOGUE = True")
     p.add_argument("--decode-step", type=int, default=3, help="which pure decode step to count (batch 4)")
     p.add_argument("--top", type=int, default=40, help="(method, op) rows to list")
     p.add_argument("--json", action="store_true", help="one JSON line instead of the tables")
@@ -120,17 +121,17 @@ def main() -> None:
     from kimiserve.ops.batch_invariant import reference as bi
 
     glue.KDA_GLUE_KERNELS, glue.MOE_GLUE_KERNELS = args.kda_glue, args.moe_glue
-    glue.FEWER_KERNELS = args.fewer_kernels
+    glue.FEWER_KERNELS, glue.RESIDUAL_EPILOGUE = args.fewer_kernels, args.residual_epilogue
     bi.PLAN_KERNEL_MAX_ROWS = args.plan_kernel_max_rows
     by_method, by_op = count_decode_step(args.decode_step)
     total = sum(by_method.values())
     if args.json:
         print(json.dumps({"kda_glue": args.kda_glue, "moe_glue": args.moe_glue, "plan_kernel_max_rows": args.plan_kernel_max_rows,
-                          "fewer_kernels": args.fewer_kernels,
+                          "fewer_kernels": args.fewer_kernels, "residual_epilogue": args.residual_epilogue,
                           "total": total, "by_method": dict(by_method.most_common())}))
         return
     print(f"kda_glue={args.kda_glue} moe_glue={args.moe_glue} plan_kernel_max_rows={args.plan_kernel_max_rows} "
-          f"fewer_kernels={args.fewer_kernels}: {total} kernels in one decode step")
+          f"fewer_kernels={args.fewer_kernels} residual_epilogue={args.residual_epilogue}: {total} kernels in one decode step")
     for where, n in by_method.most_common():
         print(f"{n:5d} {where}")
     print()

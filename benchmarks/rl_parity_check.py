@@ -9,7 +9,8 @@ reports torch.equal and the largest difference for each, and writes the JSON rec
     PYTHONPATH=. OMP_NUM_THREADS=1 python benchmarks/rl_parity_check.py                     # tiny, CPU, short
     PYTHONPATH=. python benchmarks/rl_parity_check.py --model small --device cuda --prompt-len 1024 --completion-len 1024
 
-`--fewer-kernels` runs it with `ops.batch_invariant.glue.FEWER_KERNELS` on.
+`--fewer-kernels` runs it with `ops.batch_invariant.glue.FEWER_KERNELS` on, `--residual-epilogue` with
+`glue.RESIDUAL_EPILOGUE` too.
 """
 
 from __future__ import annotations
@@ -51,12 +52,13 @@ def main(argv=None) -> int:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.7,
                         help="the engine's (GPU) cache budget: the rest is left for the trainer's forward")
     parser.add_argument("--fewer-kernels", action="store_true", help="ops.batch_invariant.glue.FEWER_KERNELS = True")
+    parser.add_argument("--residual-epilogue", action="store_true", help="glue.RESIDUAL_EPILOGUE = True (with --fewer-kernels)")
     parser.add_argument("--out", default=None, help="default: benchmarks/results/rl_parity_check_<device>.json")
     args = parser.parse_args(argv)
-    if args.fewer_kernels:
+    if args.fewer_kernels or args.residual_epilogue:
         from kimiserve.ops.batch_invariant import glue
 
-        glue.FEWER_KERNELS = True
+        glue.FEWER_KERNELS, glue.RESIDUAL_EPILOGUE = True, args.residual_epilogue
     start = time.perf_counter()
     engine = LLMEngine(EngineArgs(model=args.model, device=args.device, batch_invariant=True, enable_lora=True,
                                   max_lora_rank=8, kv_cache_dtype=args.kv_cache_dtype,
@@ -72,7 +74,7 @@ def main(argv=None) -> int:
     print(f"engine and trainer built in {time.perf_counter() - start:.1f} s", flush=True)
     record = {"model": args.model, "device": args.device, "num_seqs": args.num_seqs, "prompt_len": args.prompt_len,
               "completion_len": args.completion_len, "kv_cache_dtype": engine.layout.kv_cache_dtype,
-              "fewer_kernels": args.fewer_kernels,
+              "fewer_kernels": args.fewer_kernels or args.residual_epilogue, "residual_epilogue": args.residual_epilogue,
               "command": " ".join(["python", *sys.argv])}
     for name, lora in (("base", None), ("lora", "lora")):
         t = time.perf_counter()

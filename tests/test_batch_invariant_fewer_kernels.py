@@ -9,6 +9,7 @@ stacked shapes) are `test_batch_invariant_fewer_kernels_interpret.py`'s."""
 import torch
 
 from engine_utils import make_engine, random_prompts, run
+from test_cuda_graphs import eager_graphs  # noqa: F401 (the fixture)
 from kimiserve.lora import LoRAAdapter
 from kimiserve.ops.batch_invariant import glue
 from kimiserve.rl.trainer import PolicyTrainer
@@ -84,9 +85,32 @@ def test_stacked_projections_keep_the_cpu_bits_the_trainer_agrees_and_weight_syn
     assert not torch.equal(lps(after["s0"]), lps(got["r0"]))
 
 
-def lora_batch(monkeypatch, stacked: bool) -> dict:
+def test_residual_epilogue_keeps_the_cpu_bits_and_the_trainer_agrees(monkeypatch):
+    """`glue.RESIDUAL_EPILOGUE` (with `FEWER_KERNELS`; on the CPU a product's add is the separate add, but the
+    MoE's sum is (residual + routed) + shared: other bits): a sequence alone == in a chunked batch, the trainer
+    with autograd through the epilogues == the engine, with gradients."""
+    monkeypatch.setattr(glue, "FEWER_KERNELS", True)
+    monkeypatch.setattr(glue, "RESIDUAL_EPILOGUE", True)
+    e = engine(max_num_batched_tokens=16)
+    got = run(e, PROMPTS, PARAMS)
+    alone = run(engine(), PROMPTS[:1], PARAMS[0])
+    assert_same(alone, {"r0": got["r0"]})
+    trainer = PolicyTrainer.from_engine(e)
+    trainer.trainable_parameters()  # requires grad
+    completions = [got[f"r{i}"].outputs[0].token_ids for i in range(4)]
+    lps_t = trainer.logprobs(PROMPTS, completions)
+    for i, lp in enumerate(lps_t):
+        assert torch.equal(lp.detach(), lps(got[f"r{i}"])), i
+    sum(lp.sum() for lp in lps_t).backward()
+    layer = trainer.model.model.layers[1]
+    for m in (layer.self_attn.o_proj, layer.block_sparse_moe.routed_expert_up_proj, layer.block_sparse_moe.shared_experts.down_proj):
+        assert m.weight.grad is not None and torch.isfinite(m.weight.grad).all() and m.weight.grad.abs().sum() > 0
+
+
+def lora_batch(monkeypatch, stacked: bool, epilogue: bool = False) -> dict:
     """An adapter's rows and base rows in one chunked batch; asserts the trainer's logprobs == the engine's."""
     monkeypatch.setattr(glue, "FEWER_KERNELS", stacked)
+    monkeypatch.setattr(glue, "RESIDUAL_EPILOGUE", epilogue)
     e = make_engine(dtype="bfloat16", batch_invariant=True, enable_lora=True, max_model_len=256, num_pages=100,
                     max_num_batched_tokens=16)
     adapter = LoRAAdapter.init(e.model, "a", rank=4, random_b=True, seed=1)
@@ -112,3 +136,14 @@ def test_stacked_projections_with_lora_rows_in_the_batch(monkeypatch):
     """Adapter rows and base rows in one batch: the stacked form's bits == the separate form's (the CPU), and
     in both the trainer's LoRA logprobs == the engine's."""
     assert_same(lora_batch(monkeypatch, True), lora_batch(monkeypatch, False))
+    lora_batch(monkeypatch, True, epilogue=True)  # the adapter's delta after the epilogue: other bits, engine == trainer
+
+
+def test_invariant_decode_graphs_with_fewer_kernels(eager_graphs, monkeypatch):  # noqa: F811
+    """The invariant decode graphs (CPU emulation: warm-up, then replays of the recorded step) with both switches
+    on: a padded graph batch == alone == eager == the trainer (`test_cuda_graphs`' check)."""
+    import test_cuda_graphs
+
+    monkeypatch.setattr(glue, "FEWER_KERNELS", True)
+    monkeypatch.setattr(glue, "RESIDUAL_EPILOGUE", True)
+    test_cuda_graphs.test_batch_invariant_decode_graphs_give_the_eager_bits(eager_graphs)

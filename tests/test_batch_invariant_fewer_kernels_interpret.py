@@ -127,13 +127,100 @@ def test_kda_decode_in_place_equals_the_gather_window_and_scatter(dtype):
     assert torch.equal(conv, conv_ref) and torch.equal(rec, rec_ref)
 
 
+SMALL_TILES = {"BM": 64, "BN": 32, "BK": 16, "num_warps": 4, "num_stages": 3}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_matmul_addend_is_one_rounding_of_the_sum_plus_the_addend(monkeypatch, dtype):
+    """`triton.matmul(..., addend=)`: under the interpreter's ordered dots bit for bit the fp32 product plus the
+    addend rounded once (on CUDA close to it), with split-K chunks spread over programs (the partials' kernel adds
+    it) or in one program (the same bits), a row's bits alone == among others; `reference.linear`'s gradient
+    reaches the addend."""
+    from kimiserve.ops.batch_invariant import triton as bi_triton
+
+    monkeypatch.setattr(bi_triton, "SPLIT_K_PROGRAMS", 64)
+    monkeypatch.setattr(bi_triton, "tile_config", lambda N, K: SMALL_TILES)
+    g = torch.Generator().manual_seed(11)
+    M, N, K = 37, 70, 200
+    x = torch.randn(M, K, generator=g).to(dtype).to(DEVICE)
+    w = (torch.randn(N, K, generator=g) * K ** -0.5).to(dtype).to(DEVICE)
+    a = torch.randn(M, N, generator=g).to(dtype).to(DEVICE)
+    assert bi_triton.split_k(N, K, SMALL_TILES)[0] > 1
+    ref = (bi_triton.matmul(x, w, out_dtype=torch.float32) + a.float()).to(dtype)
+    spread = bi_triton.matmul(x, w, out_dtype=dtype, spread=True, addend=a)
+    whole = bi_triton.matmul(x, w, out_dtype=dtype, spread=False, addend=a)
+    assert torch.equal(spread, whole)
+    if INTERPRET:
+        assert torch.equal(spread, ref)
+    else:
+        torch.testing.assert_close(spread.float(), ref.float(), rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-2)
+    for rows in (slice(0, 1), slice(20, 21), slice(3, 30)):
+        assert torch.equal(bi_triton.matmul(x[rows], w, out_dtype=dtype, addend=a[rows]), spread[rows])
+    narrow = a[:, 5:9]  # a column slice: row stride N
+    assert torch.equal(bi_triton.matmul(x, w[:4], out_dtype=dtype, addend=narrow),
+                       bi_triton.matmul(x, w[:4], out_dtype=dtype, addend=narrow.contiguous()))
+    with pytest.raises(ValueError, match="addend"):
+        bi_triton.matmul(x, w, addend=a[:, :3])
+    if INTERPRET:
+        monkeypatch.setattr(bi, "on_triton", lambda t: True)
+    xl, al = x.float().requires_grad_(True), a.float().requires_grad_(True)
+    c = torch.randn(M, N, generator=g).to(DEVICE)
+    gx, ga = torch.autograd.grad((bi.linear(xl, w.float(), addend=al) * c).sum(), (xl, al))
+    torch.testing.assert_close(ga, c)
+    torch.testing.assert_close(gx, c @ w.float(), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_layer_norm_and_gate_output_kernels_match_the_torch_forms(monkeypatch, dtype):
+    """`glue.layer_norm` and `glue.gate_output` on their Triton forms (`FEWER_KERNELS`): close to the torch forms,
+    a row's bits alone == among others, strided inputs as the engine has them, the torch forms' gradients."""
+    from kimiserve.ops.batch_invariant import triton_glue
+
+    monkeypatch.setattr(glue, "FEWER_KERNELS", True)
+    if INTERPRET:
+        monkeypatch.setattr(bi, "on_triton", lambda t: True)
+    g = torch.Generator().manual_seed(12)
+    N, D = 13, 72
+    wide = (torch.randn(N, D + 30, generator=g) * 3 + 1).to(dtype).to(DEVICE)
+    x = wide[:, 10 : 10 + D]  # a column slice (the index keys of a stacked projection)
+    w, b = torch.randn(D, generator=g).to(DEVICE), torch.randn(D, generator=g).to(DEVICE)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    got = glue.layer_norm(x, w, b, 1e-6)
+    assert got.dtype == dtype and got.shape == (N, D)
+    torch.testing.assert_close(got.float(), bi.layer_norm(x, w, b, 1e-6).float(), rtol=tol, atol=tol)
+    for rows in (slice(0, 1), slice(6, 7), slice(2, 11)):
+        assert torch.equal(triton_glue.layer_norm(x[rows], w, b, 1e-6), got[rows])
+    H, dv = 3, 20
+    o = torch.randn(H, N, dv, generator=g).to(DEVICE).transpose(0, 1)  # [N, H, dv] fp32, as head_linear returns it
+    gate = (torch.randn(N, H * dv + 7, generator=g) * 3).to(dtype).to(DEVICE)[:, 7:]
+    out = glue.gate_output(o, gate, dtype)
+    assert out.dtype == dtype and out.shape == (N, H * dv)
+    torch.testing.assert_close(out.float(), glue._gate_output_torch(o, gate, dtype).float(), rtol=tol, atol=tol)
+    for rows in (slice(0, 1), slice(6, 7), slice(2, 11)):
+        assert torch.equal(triton_glue.gate_output(o[rows], gate[rows], dtype), out[rows])
+    xl, wl, bl = x.float().detach().requires_grad_(True), w.clone().requires_grad_(True), b.clone().requires_grad_(True)
+    c = torch.randn(N, D, generator=g).to(DEVICE)
+    mine = torch.autograd.grad((glue.layer_norm(xl, wl, bl, 1e-6) * c).sum(), (xl, wl, bl))
+    theirs = torch.autograd.grad((bi.layer_norm(xl, wl, bl, 1e-6) * c).sum(), (xl, wl, bl))
+    for m_, t_ in zip(mine, theirs):
+        torch.testing.assert_close(m_, t_)
+    ol, gl = o.detach().clone().requires_grad_(True), gate.float().detach().requires_grad_(True)
+    c = torch.randn(N, H * dv, generator=g).to(DEVICE)
+    mine = torch.autograd.grad((glue.gate_output(ol, gl, torch.float32) * c).sum(), (ol, gl))
+    theirs = torch.autograd.grad((glue._gate_output_torch(ol, gl, torch.float32) * c).sum(), (ol, gl))
+    for m_, t_ in zip(mine, theirs):
+        torch.testing.assert_close(m_, t_)
+
+
 def test_invariant_engine_with_fewer_kernels_is_batch_invariant_and_equals_the_trainer(monkeypatch):
-    """The interpret suite's engine == trainer check with `FEWER_KERNELS` and the glue kernels on (the
-    stacked groups in prefill, chunked prefill, decode and the trainer), the stacked path taken."""
+    """The interpret suite's engine == trainer check with `FEWER_KERNELS`, `RESIDUAL_EPILOGUE` and the glue
+    kernels on (the stacked groups, the in-place KDA decode, the residual epilogues in prefill, chunked prefill,
+    decode and the trainer), the stacked and in-place paths taken."""
     import test_batch_invariant_triton_interpret as base
     from kimiserve.rl import forward
 
     monkeypatch.setattr(glue, "FEWER_KERNELS", True)
+    monkeypatch.setattr(glue, "RESIDUAL_EPILOGUE", True)
     monkeypatch.setattr(glue, "KDA_GLUE_KERNELS", True)
     monkeypatch.setattr(glue, "MOE_GLUE_KERNELS", True)
     monkeypatch.setattr(bi, "PLAN_KERNEL_MAX_ROWS", 2048)

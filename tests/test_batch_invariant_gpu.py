@@ -21,13 +21,16 @@ def lp(out) -> torch.Tensor:
     return torch.tensor([x.logprob for x in out.outputs[0].logprobs])
 
 
-@pytest.mark.parametrize("model,dtype,fewer", [("tiny", "bfloat16", False), ("small", "auto", False),
-                                               ("tiny", "bfloat16", True), ("small", "auto", True)])
+@pytest.mark.parametrize("model,dtype,fewer", [("tiny", "bfloat16", ""), ("small", "auto", ""),
+                                               ("tiny", "bfloat16", "fewer"), ("small", "auto", "fewer"),
+                                               ("tiny", "bfloat16", "fewer_epilogue"), ("small", "auto", "fewer_epilogue")])
 def test_invariant_forward_on_cuda_is_batch_invariant_and_engine_equals_trainer(model, dtype, fewer, capsys, monkeypatch):
-    """fewer: `glue.FEWER_KERNELS` on (stacked projections, KDA decode from and to the state pages, ...)."""
+    """fewer: `glue.FEWER_KERNELS` on (stacked projections, KDA decode from and to the state pages, ...), with
+    `glue.RESIDUAL_EPILOGUE` too (fewer_epilogue)."""
     from kimiserve.ops.batch_invariant import glue
 
-    monkeypatch.setattr(glue, "FEWER_KERNELS", fewer)
+    monkeypatch.setattr(glue, "FEWER_KERNELS", bool(fewer))
+    monkeypatch.setattr(glue, "RESIDUAL_EPILOGUE", fewer == "fewer_epilogue")
     t0 = time.perf_counter()
     e = LLMEngine(EngineArgs(model=model, dtype=dtype, device="cuda", batch_invariant=True, max_model_len=512,
                              num_pages=64, max_num_batched_tokens=64, enable_prefix_caching=False))
@@ -55,5 +58,5 @@ def test_invariant_forward_on_cuda_is_batch_invariant_and_engine_equals_trainer(
     assert graphs is not None and graphs.disabled is None and graphs.replays > 0, graphs and graphs.disabled
     assert 1 in {size for size, _ in graphs.graphs} and len(graphs.graphs) >= 2
     with capsys.disabled():
-        print(f"\n{model}{' FEWER_KERNELS' if fewer else ''}: build {t1 - t0:.1f} s, trainer forward of 3 sequences twice {t2 - t1:.2f} s, "
+        print(f"\n{model} {fewer}: build {t1 - t0:.1f} s, trainer forward of 3 sequences twice {t2 - t1:.2f} s, "
               f"engine 3 requests (chunks of 64, 5 tokens each) {t3 - t2:.2f} s")

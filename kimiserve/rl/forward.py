@@ -363,8 +363,8 @@ class InvariantForward:
         h = F.embedding(ids, m.embed_tokens.weight)
         if self.config.attn_res_block_size is None:
             for layer in m.layers:
-                x = h + self.attention(layer.self_attn, self.norm(layer.input_layernorm, h), ctx)
-                h = x + self.ffn(layer, self.norm(layer.post_attention_layernorm, x))
+                x = self.attention(layer.self_attn, self.norm(layer.input_layernorm, h), ctx, residual=h)
+                h = self.ffn(layer, self.norm(layer.post_attention_layernorm, x), residual=x)
         else:
             blocks: list[torch.Tensor] = []
             for layer in m.layers:
@@ -381,10 +381,9 @@ class InvariantForward:
         live = running
         if layer.layer % layer.block_size == 0:
             blocks, live = [*blocks, running], None
-        a = self.attention(layer.self_attn, x, ctx)
-        live = a if live is None else live + a
+        live = self.attention(layer.self_attn, x, ctx, residual=live)
         x = self.read_norm(live, blocks, layer.mlp_res_norm, layer.mlp_res_proj, layer.post_attention_layernorm)
-        return live + self.ffn(layer, x), blocks
+        return self.ffn(layer, x, residual=live), blocks
 
     def read_norm(self, running, blocks, read_norm, read_proj, norm) -> torch.Tensor:
         """The attention-residual read (eps: the config's) and the RMSNorm after it (its module's eps); one
@@ -402,6 +401,18 @@ class InvariantForward:
 
     def proj(self, module, x: torch.Tensor) -> torch.Tensor:
         y = bi.linear(x, module.weight)
+        if self.lora is not None:
+            y = self.lora.apply(self.names[id(module)], x, y)
+        return y
+
+    def proj_onto(self, module, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        """residual + `proj(module, x)` (None: the projection alone); with `glue.RESIDUAL_EPILOGUE` the add is
+        the matmul's epilogue (one rounding), a row's adapter delta added after it."""
+        if residual is None:
+            return self.proj(module, x)
+        if not glue.RESIDUAL_EPILOGUE:
+            return residual + self.proj(module, x)
+        y = bi.linear(x, module.weight, addend=residual)
         if self.lora is not None:
             y = self.lora.apply(self.names[id(module)], x, y)
         return y
@@ -431,10 +442,11 @@ class InvariantForward:
             return bi.situ_and_mul(gate, up, c.activation_situ_beta, c.activation_situ_linear_beta)
         return bi.silu_and_mul(gate, up)
 
-    def attention(self, attn, x: torch.Tensor, ctx) -> torch.Tensor:
-        return self.mla(attn, x, ctx) if isinstance(attn, MLAAttention) else self.kda(attn, x, ctx)
+    def attention(self, attn, x: torch.Tensor, ctx, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The attention sublayer's output, added onto `residual` (`proj_onto`) when given."""
+        return (self.mla if isinstance(attn, MLAAttention) else self.kda)(attn, x, ctx, residual)
 
-    def mla(self, a: MLAAttention, x: torch.Tensor, ctx) -> torch.Tensor:
+    def mla(self, a: MLAAttention, x: torch.Tensor, ctx, residual: torch.Tensor | None = None) -> torch.Tensor:
         N, H, L = x.shape[0], a.num_heads, a.kv_lora_rank
         indexer = getattr(a, "indexer", None)
         # the projections of x (the default path's group, then the indexer's head weights), of q's latent
@@ -452,7 +464,7 @@ class InvariantForward:
         latent_rows = torch.cat([self.norm(a.kv_a_layernorm, kv[:, :L]), kv[:, L:]], dim=-1)
         keys = iw = None
         if indexer is not None:
-            keys = bi.layer_norm(rest[0], indexer.k_norm.weight, indexer.k_norm.bias, INDEX_KEY_NORM_EPS)
+            keys = glue.layer_norm(rest[0], indexer.k_norm.weight, indexer.k_norm.bias, INDEX_KEY_NORM_EPS)
             iq = iq.view(N, indexer.num_heads, indexer.head_dim)
             iw = rest[-1].float() * (indexer.num_heads ** -0.5 * indexer.head_dim ** -0.5)
         gate = rest[-2 if indexer is not None else -1] if gated else None
@@ -464,12 +476,11 @@ class InvariantForward:
                                    indexer.topk if indexer is not None else 0, a.scale, ctx.context_width)  # [N, H, L]
         # the attention output in the compute dtype, as the default path's decode ops return it (bf16: the
         # tensor cores; an fp32 operand would run the IEEE fp32 product, 4 ms per prefill layer on the H200)
-        o = bi.head_linear(out_latent.to(x.dtype), w_vc).to(x.dtype).reshape(N, -1)  # [N, H * dv]
-        if gate is not None:
-            o = o * bi.sigmoid(gate)
-        return self.proj(a.o_proj, o)
+        o = bi.head_linear(out_latent.to(x.dtype), w_vc)  # [N, H, dv]
+        o = o.to(x.dtype).reshape(N, -1) if gate is None else glue.gate_output(o, gate, x.dtype)  # [N, H * dv]
+        return self.proj_onto(a.o_proj, o, residual)
 
-    def kda(self, a, x: torch.Tensor, ctx) -> torch.Tensor:
+    def kda(self, a, x: torch.Tensor, ctx, residual: torch.Tensor | None = None) -> torch.Tensor:
         N, H, K = x.shape[0], a.num_heads, a.head_dim
         full_rank_gate = hasattr(a, "g_proj")
         # the default path's group of x's projections (`KimiDeltaAttention.forward`)
@@ -480,7 +491,7 @@ class InvariantForward:
         if not full_rank_gate:
             gate = self.proj(a.g_b_proj, gate)
         o = bi.gated_rms_norm(o, gate.view(N, H, K), a.o_norm.weight, a.eps)
-        return self.proj(a.o_proj, o.reshape(N, H * K))
+        return self.proj_onto(a.o_proj, o.reshape(N, H * K), residual)
 
     def kda_recurrence(self, a, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, ctx) -> torch.Tensor:
         """Short conv from the conv state and L2 norm for every row at once, then the delta rule token
@@ -531,17 +542,18 @@ class InvariantForward:
         ctx.kda_final(layer, window[:, 1:].permute(0, 2, 3, 1), state)
         return o
 
-    def ffn(self, layer, x: torch.Tensor) -> torch.Tensor:
+    def ffn(self, layer, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The FFN sublayer's output, added onto `residual` when given."""
         if hasattr(layer, "block_sparse_moe"):
-            return self.moe(layer.block_sparse_moe, x)
-        return self.mlp(layer.mlp, x)
+            return self.moe(layer.block_sparse_moe, x, residual)
+        return self.mlp(layer.mlp, x, residual=residual)
 
-    def mlp(self, m, x: torch.Tensor, projected: tuple | None = None) -> torch.Tensor:
-        """projected: (gate, up) of x when computed already (the MoE's group)."""
+    def mlp(self, m, x: torch.Tensor, projected: tuple | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """projected: (gate, up) of x when computed already (the MoE's group); residual: added (`proj_onto`)."""
         gate, up = projected if projected is not None else self.projections((m.gate_proj, m.up_proj), x)
-        return self.proj(m.down_proj, self.act(gate, up))
+        return self.proj_onto(m.down_proj, self.act(gate, up), residual)
 
-    def moe(self, m, x: torch.Tensor) -> torch.Tensor:
+    def moe(self, m, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         c = self.config
         ids, weights = glue.route(bi.linear(x.float(), m.gate.weight), m.gate.e_score_correction_bias,
                                 c.num_experts_per_token, score_func=c.moe_router_activation_func,
@@ -553,13 +565,18 @@ class InvariantForward:
         projected = self.projections(reads, x)
         h = projected[0] if latent else x
         y = self.experts(m.experts, h, ids, weights)
+        # with the epilogue: residual + routed (up projection's epilogue) + shared (down projection's)
+        fused = glue.RESIDUAL_EPILOGUE and residual is not None
         if latent:
             if hasattr(m, "routed_expert_norm"):
                 y = self.norm(m.routed_expert_norm, y)
-            y = self.proj(m.routed_expert_up_proj, y)
+            y = self.proj_onto(m.routed_expert_up_proj, y, residual if fused else None)
+        elif fused:
+            y = residual + y.to(x.dtype)
         if shared:
-            y = y + self.mlp(m.shared_experts, x, projected[-2:])
-        return y.to(x.dtype)
+            y = self.mlp(m.shared_experts, x, projected[-2:], residual=y) if fused else y + self.mlp(m.shared_experts, x, projected[-2:])
+        y = y.to(x.dtype)
+        return y if fused or residual is None else residual + y
 
     def experts(self, experts, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Each (token, slot) pair through its expert, combined over the slots in slot order. On the GPU

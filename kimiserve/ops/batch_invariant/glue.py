@@ -34,6 +34,14 @@ recurrence's output and snapshots). The stacked products give other bits than se
 stacked shape picks the tiles; the engine and the trainer alike), the same bits on the CPU (a tree sum per
 element). Off until the GPU tests of GPU_REQUEST.md pass."""
 
+RESIDUAL_EPILOGUE = False
+"""The residual adds as the invariant matmul's epilogue (`reference.linear(..., addend=)`): the attention's
+output projection onto the residual stream, the MoE's routed up projection onto it and the shared experts'
+down projection onto that (the dense MLP's down onto the stream): one rounding after the fp32 sum instead of a
+rounded product and a separate add, ~2-3 kernels fewer per layer. Other bits than the separate adds (the
+engine and the trainer alike): on CUDA the one rounding, everywhere the MoE's sum as (residual + routed) + shared
+(on the CPU a product's add stays the separate add). Off until the GPU tests of GPU_REQUEST.md pass."""
+
 
 def _kda_gates_torch(f, b, a_log, dt_bias, lower_bound, H: int, K: int):
     """The KDA decay gate g [N, H, K] and beta [N, H] (fp32) from the f_b projection f [N, H * K] and the
@@ -141,6 +149,51 @@ def kda_decode_in_place(qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, 
 
     qh, kh, vh = bi._triton_glue().kda_conv_norm_paged(qkv, pool.conv, pages, conv_weight, H, K).unbind(0)
     return recurrence_paged(qh, kh, vh, g, beta, pool.recurrent, pages, K ** -0.5)
+
+
+def _gate_output_torch(o: torch.Tensor, gate: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return o.to(dtype).reshape(gate.shape) * bi.sigmoid(gate)
+
+
+class _TorchBackward(torch.autograd.Function):
+    """Forward: a Triton kernel (`fast`); backward: autograd through the torch form (`torch_form`) of the
+    tensor arguments, the others passed as they are."""
+
+    @staticmethod
+    def forward(ctx, fast, torch_form, *args):
+        ctx.fns, ctx.is_t = torch_form, [isinstance(a, torch.Tensor) for a in args]
+        ctx.others = [None if t else a for a, t in zip(args, ctx.is_t)]
+        ctx.save_for_backward(*(a for a, t in zip(args, ctx.is_t) if t))
+        return fast(*args)
+
+    @staticmethod
+    def backward(ctx, grad):
+        saved = iter(ctx.saved_tensors)
+        needs = ctx.needs_input_grad[2:]
+        with torch.enable_grad():
+            args = [next(saved).detach().requires_grad_(need) if t else a for a, t, need in zip(ctx.others, ctx.is_t, needs)]
+            wanted = [a for a, t in zip(args, ctx.is_t) if t and a.requires_grad]
+            out = ctx.fns(*args)
+            grads = iter(torch.autograd.grad(out, wanted, grad, allow_unused=True) if wanted else ())
+        return (None, None, *(next(grads) if t and a.requires_grad else None for a, t in zip(args, ctx.is_t)))
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+    """`reference.layer_norm` (the index keys' LayerNorm); on CUDA with `FEWER_KERNELS` one Triton program per
+    row (`triton_glue.layer_norm`: other bits, ~12 kernels fewer), backward through the torch form."""
+    if FEWER_KERNELS and bi.on_triton(x) and bi._triton_glue() is not None:
+        return _TorchBackward.apply(bi._triton_glue().layer_norm, bi.layer_norm, x, weight, bias, eps)
+    return bi.layer_norm(x, weight, bias, eps)
+
+
+def gate_output(o: torch.Tensor, gate: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """MLA's output gate, `o.to(dtype) * reference.sigmoid(gate)` (o [N, H, D] the attention output in any float
+    dtype, gate [N, H * D]) -> [N, H * D]; on CUDA with `FEWER_KERNELS` one Triton launch (`triton_glue.gate_output`:
+    the product and the sigmoid in fp32, one rounding: other bits than the torch form's, ~6 kernels fewer),
+    backward through the torch form."""
+    if FEWER_KERNELS and bi.on_triton(o) and bi._triton_glue() is not None and o.dim() == 3:
+        return _TorchBackward.apply(bi._triton_glue().gate_output, _gate_output_torch, o, gate, dtype)
+    return _gate_output_torch(o, gate, dtype)
 
 
 class _Route(torch.autograd.Function):

@@ -106,14 +106,17 @@ def _cuda_matmul():
 
 class _InvariantLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, addend: torch.Tensor | None = None) -> torch.Tensor:
         ctx.save_for_backward(x, w)
+        ctx.addend_dtype = None if addend is None else addend.dtype
         K, O = w.shape[-1], w.shape[-2]
         fast = _cuda_matmul() if on_triton(x) and w.dim() == 2 else None
         if fast is not None:  # one fixed tiling: batch-invariant too, other bits than the tree
-            return fast(x.reshape(-1, K), w, out_dtype=x.dtype).view(*x.shape[:-1], O)
+            a2 = None if addend is None else addend.reshape(-1, O)
+            return fast(x.reshape(-1, K), w, out_dtype=x.dtype, addend=a2).view(*x.shape[:-1], O)
         y = _linear_rows(x.reshape(-1, K).float(), w.reshape(-1, O, K).float() if w.dim() == 3 else w.float())
-        return y.view(*x.shape[:-1], O).to(x.dtype)
+        y = y.view(*x.shape[:-1], O).to(x.dtype)
+        return y if addend is None else addend + y  # the tree form: the separate add's bits
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -132,7 +135,8 @@ class _InvariantLinear(torch.autograd.Function):
                 gx = torch.bmm(g2.unsqueeze(1), w3)[:, 0].view(x.shape).to(x.dtype)
             if ctx.needs_input_grad[1]:
                 gw = (g2.unsqueeze(-1) * x2.unsqueeze(1)).view(w.shape).to(w.dtype)
-        return gx, gw
+        ga = grad.to(ctx.addend_dtype) if ctx.addend_dtype is not None and ctx.needs_input_grad[2] else None
+        return (gx, gw, ga)[: len(ctx.needs_input_grad)]
 
 
 @dataclass(frozen=True)
@@ -168,11 +172,18 @@ class _MXFP4Linear(torch.autograd.Function):
         return (grad.float() @ w).to(ctx.x_dtype), None, None, None
 
 
-def linear(x: torch.Tensor, weight) -> torch.Tensor:
+def linear(x: torch.Tensor, weight, addend: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ weight [O, K]^T -> [..., O] in x's dtype, products and a `tree_sum` in fp32 (on CUDA
     with Triton, one weight matrix: the fixed-tiling kernel `ops.batch_invariant.triton.matmul`).
     weight may also be one matrix per row, [N, O, K] for x [N, K] (experts, LoRA: grouped matmuls), or
-    an `MXFP4Weight` (on CUDA dequantised inside the kernel, elsewhere first, to x's dtype)."""
+    an `MXFP4Weight` (on CUDA dequantised inside the kernel, elsewhere first, to x's dtype). addend (one
+    weight matrix, x's shape but O, x's dtype): added to the product, on CUDA inside the kernel onto the fp32
+    sum before its one rounding (`triton.matmul`'s epilogue), elsewhere as `addend + linear(x, weight)`."""
+    if addend is not None and (isinstance(weight, MXFP4Weight) or weight.dim() != 2 or addend.dtype != x.dtype
+                               or addend.shape != (*x.shape[:-1], weight.shape[0])):
+        return addend + linear(x, weight)
+    if addend is not None:
+        return _InvariantLinear.apply(x, weight, addend)
     if isinstance(weight, MXFP4Weight):
         if on_triton(x) and x.dtype in (torch.bfloat16, torch.float16) and _cuda_matmul() is not None:
             return _MXFP4Linear.apply(x, weight.packed, weight.scales, weight.dtype)

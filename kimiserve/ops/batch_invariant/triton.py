@@ -130,8 +130,9 @@ _TENSOR_CORE_DTYPES = (torch.bfloat16, torch.float16)
 
 @triton.jit(do_not_specialize=["M"])
 def _matmul_kernel(x_ptr, w_ptr, y_ptr, M, N, K, B, sxb, sxm, sxk, swb, swn, swk, syb, sym, syn, chunk, span,
+                   a_ptr, sam, san,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr, CHUNKED: tl.constexpr,
-                   NESTED: tl.constexpr):
+                   NESTED: tl.constexpr, ADD: tl.constexpr):
     """One [BM, BN] output tile of batch b = z % B over the `span` K steps (of BK) from (z // B) * span.
     CHUNKED: K is cut into chunks of `chunk` steps from k = 0, each accumulated from zero and added to the
     tile's total in increasing chunk order. A program either runs every chunk (span = all steps, z = b)
@@ -185,18 +186,24 @@ def _matmul_kernel(x_ptr, w_ptr, y_ptr, M, N, K, B, sxb, sxm, sxk, swb, swn, swk
             x_ptrs += BK * sxk
             w_ptrs += BK * swk
     out = total if CHUNKED else acc
+    if ADD:  # the addend (B = 1) onto the fp32 total, one rounding
+        out += tl.load(a_ptr + rm64[:, None] * sam + rn64[None, :] * san, mask=(rm[:, None] < M) & (rn[None, :] < N),
+                       other=0.0).to(tl.float32)
     tl.store(y_ptr + rm64[:, None] * sym + rn64[None, :] * syn, out.to(y_ptr.dtype.element_ty),
              mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
 @triton.jit
-def _sum_parts_kernel(p_ptr, y_ptr, numel, parts, BLOCK: tl.constexpr):
-    """y = the fp32 sum of `parts` contiguous blocks of `numel` partials, added in block order from zero."""
+def _sum_parts_kernel(p_ptr, y_ptr, numel, parts, a_ptr, BLOCK: tl.constexpr, ADD: tl.constexpr):
+    """y = the fp32 sum of `parts` contiguous blocks of `numel` partials, added in block order from zero
+    (ADD: then the contiguous addend a, as `_matmul_kernel` adds it)."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel
     total = tl.zeros((BLOCK,), dtype=tl.float32)
     for s in range(0, parts):
         total += tl.load(p_ptr + s * numel + offs, mask=mask, other=0.0)
+    if ADD:
+        total += tl.load(a_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(y_ptr + offs, total.to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -366,13 +373,17 @@ def grouped_matmul(x: torch.Tensor, weights, plan: TilePlan, out_dtype: torch.dt
 
 
 def matmul(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype = torch.float32,
-           spread: bool | None = None) -> torch.Tensor:
+           spread: bool | None = None, addend: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ w [N, K]^T -> [M, N] in `out_dtype` (the fp32 sum rounded once), batch-invariant
     (see the module doc). Also batched: x [B, M, K] and w [B, N, K] -> [B, M, N], each b on its own
     (the same tiles as B separate calls). With split-K chunks (`split_k`), `spread` says whether each
     (tile, chunk) gets its own program and the partials a second kernel (None: when the tiles alone
-    would leave SMs idle); the bits are the same either way."""
+    would leave SMs idle); the bits are the same either way. addend [M, N] (2-D products only): added to
+    each fp32 total before its one rounding to out_dtype (an elementwise epilogue: a row's bits stay its own)."""
     batched = x.dim() == 3
+    if addend is not None and (batched or addend.shape != (x.shape[0], w.shape[0])):
+        raise ValueError(f"matmul's addend must be [M, N] = {(x.shape[0], w.shape[0])} of a 2-D product, got "
+                         f"{tuple(addend.shape)}")
     if x.dim() not in (2, 3) or w.dim() != x.dim() or x.shape[-1] != w.shape[-1] or (batched and x.shape[0] != w.shape[0]):
         raise ValueError(f"matmul needs x [M, K] and w [N, K] (or [B, M, K] and [B, N, K]), got {tuple(x.shape)} "
                          f"and {tuple(w.shape)}")
@@ -385,13 +396,18 @@ def matmul(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype = torch.floa
         plan = matmul_plan(B, M, N, K, x.device, spread)
         c, parts = plan.config, plan.parts
         out = y if parts == 1 else torch.empty(parts * B, M, N, dtype=torch.float32, device=x.device)
+        if addend is not None and parts > 1:
+            addend = addend.contiguous()  # the partials' sum adds it flat
+        a = addend if addend is not None else out
         _matmul_kernel[(triton.cdiv(M, c["BM"]), triton.cdiv(N, c["BN"]), parts * B)](
             x3, w3, out, M, N, K, B, *x3.stride(), *w3.stride(), *out.stride(), plan.chunk,
-            plan.chunk if parts > 1 else triton.cdiv(K, c["BK"]), BM=c["BM"], BN=c["BN"], BK=c["BK"], IEEE=ieee,
-            CHUNKED=plan.chunks > 1, NESTED=SPLIT_K_NESTED and plan.chunks > 1, num_warps=c["num_warps"], num_stages=c["num_stages"])
+            plan.chunk if parts > 1 else triton.cdiv(K, c["BK"]), a, a.stride(-2), a.stride(-1), BM=c["BM"], BN=c["BN"],
+            BK=c["BK"], IEEE=ieee, CHUNKED=plan.chunks > 1, NESTED=SPLIT_K_NESTED and plan.chunks > 1,
+            ADD=addend is not None and parts == 1, num_warps=c["num_warps"], num_stages=c["num_stages"])
         if parts > 1:
             numel = B * M * N
-            _sum_parts_kernel[(triton.cdiv(numel, SUM_BLOCK),)](out, y, numel, parts, BLOCK=SUM_BLOCK, num_warps=4)
+            _sum_parts_kernel[(triton.cdiv(numel, SUM_BLOCK),)](out, y, numel, parts, a, BLOCK=SUM_BLOCK,
+                                                                ADD=addend is not None, num_warps=4)
     return y if batched else y[0]
 
 

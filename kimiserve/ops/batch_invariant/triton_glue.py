@@ -273,3 +273,60 @@ def combine_slots(y: torch.Tensor, weights: torch.Tensor, out_dtype: torch.dtype
         BD = min(triton.next_power_of_2(D), 1024)
         _combine_kernel[(N, triton.cdiv(D, BD))](y, weights, out, D, TOP_K=k, BD=BD, num_warps=4)
     return out
+
+
+@triton.jit
+def _layer_norm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, D, sx, so, eps, BD: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    dd = tl.arange(0, BD)
+    m = dd < D
+    x = tl.load(x_ptr + row * sx + dd, mask=m, other=0.0).to(tl.float32)
+    centred = tl.where(m, x - tl.sum(x, axis=0) / D, 0.0)
+    var = tl.sum(centred * centred, axis=0) / D
+    w = tl.load(w_ptr + dd, mask=m, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + dd, mask=m, other=0.0).to(tl.float32)
+    y = centred * tl.rsqrt(var + eps) * w + b
+    tl.store(out_ptr + row * so + dd, y.to(out_ptr.dtype.element_ty), mask=m)
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+    """`reference.layer_norm` (mean, centred variance, fp32, one rounding to x's dtype) as one program per row of
+    x [..., D] (any row stride): each reduction one fixed-shape `tl.sum` over the row padded to a power of two."""
+    D = x.shape[-1]
+    x2 = x.reshape(-1, D)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    if x2.shape[0]:
+        _layer_norm_kernel[(x2.shape[0],)](x2, weight.reshape(-1).contiguous(), bias.reshape(-1).contiguous(), out, D,
+                                           x2.stride(0), out.stride(0), eps, BD=triton.next_power_of_2(D),
+                                           num_warps=4 if D <= 2048 else 8)
+    return out.view(x.shape)
+
+
+@triton.jit
+def _gate_output_kernel(o_ptr, g_ptr, out_ptr, H, D, so0, so1, sg, BD: tl.constexpr):
+    n = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    dd = tl.arange(0, BD)
+    m = dd < D
+    o = tl.load(o_ptr + n * so0 + h * so1 + dd, mask=m, other=0.0).to(out_ptr.dtype.element_ty).to(tl.float32)
+    g = tl.load(g_ptr + n * sg + h * D + dd, mask=m, other=0.0).to(tl.float32)
+    s = 1.0 / (1.0 + tl.exp(-g))
+    tl.store(out_ptr + (n * H + h) * D + dd, (o * s).to(out_ptr.dtype.element_ty), mask=m)
+
+
+def gate_output(o: torch.Tensor, gate: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """MLA's gated output: o [N, H, D] (any float dtype and strides but a unit last one; rounded to `dtype`
+    first) times sigmoid(gate [N, H * D]) in fp32, rounded once to `dtype` -> [N, H * D] (elementwise: a row's
+    bits are its own)."""
+    N, H, D = o.shape
+    if o.stride(-1) != 1:
+        o = o.contiguous()
+    if gate.stride(-1) != 1:
+        gate = gate.contiguous()
+    out = torch.empty(N, H * D, dtype=dtype, device=o.device)
+    if N and H and D:
+        _gate_output_kernel[(N, H)](o, gate, out, H, D, o.stride(0), o.stride(1), gate.stride(0),
+                                    BD=triton.next_power_of_2(D), num_warps=1 if D <= 256 else 4)
+    return out
