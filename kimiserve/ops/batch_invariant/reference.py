@@ -112,8 +112,8 @@ class _InvariantLinear(torch.autograd.Function):
         K, O = w.shape[-1], w.shape[-2]
         fast = _cuda_matmul() if on_triton(x) and w.dim() == 2 else None
         if fast is not None:  # one fixed tiling: batch-invariant too, other bits than the tree
-            a2 = None if addend is None else addend.reshape(-1, O)
-            return fast(x.reshape(-1, K), w, out_dtype=x.dtype, addend=a2).view(*x.shape[:-1], O)
+            extra = {} if addend is None else {"addend": addend.reshape(-1, O)}
+            return fast(x.reshape(-1, K), w, out_dtype=x.dtype, **extra).view(*x.shape[:-1], O)
         y = _linear_rows(x.reshape(-1, K).float(), w.reshape(-1, O, K).float() if w.dim() == 3 else w.float())
         y = y.view(*x.shape[:-1], O).to(x.dtype)
         return y if addend is None else addend + y  # the tree form: the separate add's bits
