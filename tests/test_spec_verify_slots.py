@@ -164,3 +164,21 @@ def test_graph_capture_mid_serving_writes_reserved_pages_only(eager_graphs):  # 
     while engine.has_unfinished_requests():
         engine.step()
     engine.check_idle()
+
+
+def test_graph_slots_preemption_prefix_hits_and_sampling(eager_graphs, calls):  # noqa: F811
+    """On slots through verify graphs: a small pool preempts mid-round, a second run hits the prefix cache,
+    seeded n = 3 sampling; the tokens of speculation off, no leaks."""
+    prompts = random_prompts([40, 70, 33], seed=3)
+    params = mixed_params(48)[:2] + [SamplingParams(max_tokens=48, n=3, seed=11, temperature=0.8, top_p=0.9, top_k=5,
+                                                    allowed_token_ids=FEW, frequency_penalty=0.3, ignore_eos=True)]
+    want = tokens(run(make_engine(), prompts, params))
+    small = with_slots(make_engine(num_pages=21, speculative_config=ngram(3)))
+    assert tokens(run(small, prompts, params)) == want
+    assert small.stats()["preemptions"] > 0 and small.runner.verify_graphs.replays > 0
+    small.check_idle()
+    engine = with_slots(make_engine(speculative_config=ngram(3)))
+    run(engine, [p[:-3] for p in prompts], params)
+    assert tokens(run(engine, prompts, params, ids=["r0", "r1", "r2"])) == want
+    assert engine.stats()["prefix_hit_tokens"] > 0 and calls["commit"] > 5 and calls["replay"] == 0
+    engine.check_idle()
