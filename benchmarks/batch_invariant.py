@@ -15,10 +15,10 @@ On CUDA the batch-invariant engine runs split-K in its matmuls (`ops.batch_invar
 264 by default; `--split-k-programs N` sets it while the engine is built and run) and the glue kernels
 (`glue.KDA_GLUE_KERNELS`, `glue.MOE_GLUE_KERNELS`, `reference.PLAN_KERNEL_MAX_ROWS`), the defaults since session 7.
 `--plain-invariant` (CUDA) adds one more engine, batch-invariant with both off (split-K 0, the torch glue:
-the invariant mode of session 6), measured the same way. `--fewer-kernels` adds one more: batch-invariant
-with `glue.FEWER_KERNELS` on too (stacked projections, KDA decode from and to the state pages, ...);
-`--residual-epilogue` one more, with `glue.RESIDUAL_EPILOGUE` on as well (the residual adds in the matmuls).
-`--modes a,b` runs only the listed modes (e.g. `default,batch_invariant_fewer`).
+the invariant mode of session 6), measured the same way. The invariant engine also runs `glue.FEWER_KERNELS`
+(stacked projections, KDA decode from and to the state pages, ...; on since session 7): `--separate-kernels` adds
+one more engine with it off; `--residual-epilogue` one more with `glue.RESIDUAL_EPILOGUE` on as well (the residual
+adds in the matmuls). `--modes a,b` runs only the listed modes (e.g. `default,batch_invariant_separate`).
 """
 
 from __future__ import annotations
@@ -58,15 +58,15 @@ def matmul_rate(device: str, n: int = 2048) -> float:
 
 
 @contextlib.contextmanager
-def invariant_kernels(split_k_programs: int | None, glue_kernels: bool, fewer_kernels: bool = False,
-                      epilogue: bool = False):
+def invariant_kernels(split_k_programs: int | None, glue_kernels: bool, fewer: tuple[bool, bool] | None = None):
     """Inside: `SPLIT_K_PROGRAMS` = split_k_programs (None: the module's) and the glue kernels on or off
-    (nothing changes off CUDA: the modules are Triton's); `glue.FEWER_KERNELS` = fewer_kernels and
-    `glue.RESIDUAL_EPILOGUE` = epilogue (any device)."""
+    (nothing changes off CUDA: the modules are Triton's); (`glue.FEWER_KERNELS`, `glue.RESIDUAL_EPILOGUE`) =
+    fewer (None: the module's; any device)."""
     from kimiserve.ops.batch_invariant import glue
 
     fewer_before = glue.FEWER_KERNELS, glue.RESIDUAL_EPILOGUE
-    glue.FEWER_KERNELS, glue.RESIDUAL_EPILOGUE = fewer_kernels, epilogue
+    if fewer is not None:
+        glue.FEWER_KERNELS, glue.RESIDUAL_EPILOGUE = fewer
     try:
         if not torch.cuda.is_available():
             yield
@@ -172,8 +172,8 @@ def main(argv=None) -> int:
                         help="SPLIT_K_PROGRAMS of the batch-invariant engine (CUDA; default: the module's; 0: none)")
     parser.add_argument("--plain-invariant", action="store_true",
                         help="also measure batch-invariant mode without split-K and glue kernels (CUDA)")
-    parser.add_argument("--fewer-kernels", action="store_true",
-                        help="also measure batch-invariant mode with glue.FEWER_KERNELS on")
+    parser.add_argument("--separate-kernels", action="store_true",
+                        help="also measure batch-invariant mode with glue.FEWER_KERNELS off")
     parser.add_argument("--residual-epilogue", action="store_true",
                         help="also measure batch-invariant mode with glue.FEWER_KERNELS and glue.RESIDUAL_EPILOGUE on")
     parser.add_argument("--modes", default=None,
@@ -185,11 +185,11 @@ def main(argv=None) -> int:
     prompts = [torch.randint(0, vocab, (args.prompt_len,)).tolist() for _ in range(args.batch)]
     rate = matmul_rate(args.device)
     results = {}
-    modes = [("default", False, None, True, (False, False)), ("batch_invariant", True, args.split_k_programs, True, (False, False))]
+    modes = [("default", False, None, True, None), ("batch_invariant", True, args.split_k_programs, True, None)]
     if args.plain_invariant:
         modes.append(("batch_invariant_plain", True, 0, False, (False, False)))
-    if args.fewer_kernels:
-        modes.append(("batch_invariant_fewer", True, args.split_k_programs, True, (True, False)))
+    if args.separate_kernels:
+        modes.append(("batch_invariant_separate", True, args.split_k_programs, True, (False, False)))
     if args.residual_epilogue:
         modes.append(("batch_invariant_fewer_epilogue", True, args.split_k_programs, True, (True, True)))
     if args.modes:
@@ -201,7 +201,7 @@ def main(argv=None) -> int:
         modes = [m for m in modes if m[0] in wanted]
     for mode, flag, split_programs, glue, fewer in modes:
         t = time.perf_counter()
-        with invariant_kernels(split_programs, glue, *fewer):
+        with invariant_kernels(split_programs, glue, fewer):
             results[mode] = measure(args, flag, prompts)
         print(mode, json.dumps(results[mode]), f"({time.perf_counter() - t:.1f} s with build and warm-up)", flush=True)
     d, b = results["default"], results.get("batch_invariant")
@@ -226,7 +226,7 @@ def main(argv=None) -> int:
     if plain is not None:
         record["slowdown_prefill_plain"] = d["prefill_tokens_per_s"] / plain["prefill_tokens_per_s"]
         record["slowdown_decode_plain"] = d["decode_tokens_per_s"] / plain["decode_tokens_per_s"]
-    for mode, key in (("batch_invariant_fewer", "fewer"), ("batch_invariant_fewer_epilogue", "fewer_epilogue")):
+    for mode, key in (("batch_invariant_separate", "separate"), ("batch_invariant_fewer_epilogue", "fewer_epilogue")):
         if mode in results:
             f = results[mode]
             record[f"slowdown_prefill_{key}"] = d["prefill_tokens_per_s"] / f["prefill_tokens_per_s"]

@@ -51,14 +51,19 @@ def main(argv=None) -> int:
     parser.add_argument("--kv-cache-dtype", default="auto")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.7,
                         help="the engine's (GPU) cache budget: the rest is left for the trainer's forward")
-    parser.add_argument("--fewer-kernels", action="store_true", help="ops.batch_invariant.glue.FEWER_KERNELS = True")
-    parser.add_argument("--residual-epilogue", action="store_true", help="glue.RESIDUAL_EPILOGUE = True (with --fewer-kernels)")
+    parser.add_argument("--separate-kernels", action="store_true",
+                        help="ops.batch_invariant.glue.FEWER_KERNELS = False (on by default since session 7)")
+    parser.add_argument("--residual-epilogue", action="store_true", help="glue.RESIDUAL_EPILOGUE = True (with FEWER_KERNELS)")
     parser.add_argument("--out", default=None, help="default: benchmarks/results/rl_parity_check_<device>.json")
     args = parser.parse_args(argv)
-    if args.fewer_kernels or args.residual_epilogue:
-        from kimiserve.ops.batch_invariant import glue
+    from kimiserve.ops.batch_invariant import glue
 
-        glue.FEWER_KERNELS, glue.RESIDUAL_EPILOGUE = True, args.residual_epilogue
+    if args.separate_kernels and args.residual_epilogue:
+        parser.error("--residual-epilogue needs FEWER_KERNELS: leave out --separate-kernels")
+    if args.separate_kernels:
+        glue.FEWER_KERNELS = False
+    if args.residual_epilogue:
+        glue.RESIDUAL_EPILOGUE = True
     start = time.perf_counter()
     engine = LLMEngine(EngineArgs(model=args.model, device=args.device, batch_invariant=True, enable_lora=True,
                                   max_lora_rank=8, kv_cache_dtype=args.kv_cache_dtype,
@@ -74,7 +79,7 @@ def main(argv=None) -> int:
     print(f"engine and trainer built in {time.perf_counter() - start:.1f} s", flush=True)
     record = {"model": args.model, "device": args.device, "num_seqs": args.num_seqs, "prompt_len": args.prompt_len,
               "completion_len": args.completion_len, "kv_cache_dtype": engine.layout.kv_cache_dtype,
-              "fewer_kernels": args.fewer_kernels or args.residual_epilogue, "residual_epilogue": args.residual_epilogue,
+              "fewer_kernels": glue.FEWER_KERNELS, "residual_epilogue": glue.RESIDUAL_EPILOGUE,
               "command": " ".join(["python", *sys.argv])}
     for name, lora in (("base", None), ("lora", "lora")):
         t = time.perf_counter()

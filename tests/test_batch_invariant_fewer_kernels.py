@@ -147,3 +147,24 @@ def test_invariant_decode_graphs_with_fewer_kernels(eager_graphs, monkeypatch): 
     monkeypatch.setattr(glue, "FEWER_KERNELS", True)
     monkeypatch.setattr(glue, "RESIDUAL_EPILOGUE", True)
     test_cuda_graphs.test_batch_invariant_decode_graphs_give_the_eager_bits(eager_graphs)
+
+
+def test_stack_columns_views_only_slices_of_one_storage():
+    """`_stack_columns` returns a view for adjacent column slices of one result, and stacks separate tensors
+    even when they lie back to back in memory (the CUDA caching allocator places them so; here three
+    tensors over one buffer, each with a storage of its own: session 7's H200 failure)."""
+    from kimiserve.rl.forward import _stack_columns
+
+    N, P = 1, 6
+    whole = torch.arange(N * 3 * P, dtype=torch.float32).view(N, 3 * P)
+    parts = list(whole.split(P, dim=1))
+    with torch.no_grad():
+        view = _stack_columns(parts)
+    assert view.data_ptr() == whole.data_ptr() and torch.equal(view, torch.stack(parts, 1))
+    buffer = memoryview(bytearray(whole.numpy().tobytes()))
+    size = P * 4
+    apart = [torch.frombuffer(buffer[i * size:(i + 1) * size], dtype=torch.float32).view(N, P) for i in range(3)]
+    assert apart[1].data_ptr() == apart[0].data_ptr() + size  # back to back, separate storages
+    with torch.no_grad():
+        stacked = _stack_columns(apart)
+    assert torch.equal(stacked, torch.stack(apart, 1))

@@ -281,13 +281,16 @@ def _stackable(modules: tuple) -> bool:
 
 def _stack_columns(parts: list[torch.Tensor]) -> torch.Tensor:
     """torch.stack(parts, 1) for [N, P] parts; a view when they are adjacent column slices of one row-major
-    result (`projections`' stacked q, k, v) and no autograd runs (the same values)."""
+    result (`projections`' stacked q, k, v) and no autograd runs (the same values). Adjacent addresses alone
+    do not make slices of one result: separate tensors can lie back to back (the CUDA caching allocator
+    does that), so the parts must be views of one storage too."""
     a = parts[0]
     N, P = a.shape
     size = a.element_size()
+    storage = a.untyped_storage().data_ptr()
     adjacent = (not torch.is_grad_enabled() and a.stride(1) == 1
                 and all(p.shape == a.shape and p.stride() == a.stride() and p.data_ptr() == a.data_ptr() + i * P * size
-                        for i, p in enumerate(parts)))
+                        and p.untyped_storage().data_ptr() == storage for i, p in enumerate(parts)))
     if adjacent:
         return a.as_strided((N, len(parts), P), (a.stride(0), P, 1))
     return torch.stack(parts, 1)

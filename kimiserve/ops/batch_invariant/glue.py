@@ -22,7 +22,7 @@ MOE_GLUE_KERNELS = True
 experts' weighted sum over a token's slots as one launch (`triton_glue.combine_slots`) instead of ~25
 torch kernels per MoE layer (False: the torch forms). On since session 7."""
 
-FEWER_KERNELS = False
+FEWER_KERNELS = True
 """Fewer kernels per invariant step (tiny, batch 4, one decode step: benchmarks/batch_invariant_kernel_count.py
 --fewer-kernels): the projections of one input as one invariant matmul over their weights stacked by rows
 (`InvariantForward.projections`: a KDA layer's q, k, v, beta, gate and f_a; an MLA layer's q_a, kv_a, the
@@ -32,7 +32,8 @@ gate's column slice in place), the short convs' weights a view of their stacked 
 of outputs every row of which a kernel writes (the routed experts' grouped matmuls, the KDA decode
 recurrence's output and snapshots). The stacked products give other bits than separate ones on CUDA (the
 stacked shape picks the tiles; the engine and the trainer alike), the same bits on the CPU (a tree sum per
-element). Off until the GPU tests of GPU_REQUEST.md pass."""
+element). On since session 7 (H200: its kernels against their torch forms and the tiny engine == trainer on
+CUDA; `small`'s invariant decode step 1.17x the default mode's, alone == in a batch; BENCHMARKS.md)."""
 
 RESIDUAL_EPILOGUE = False
 """The residual adds as the invariant matmul's epilogue (`reference.linear(..., addend=)`): the attention's
@@ -40,7 +41,8 @@ output projection onto the residual stream, the MoE's routed up projection onto 
 down projection onto that (the dense MLP's down onto the stream): one rounding after the fp32 sum instead of a
 rounded product and a separate add, ~2-3 kernels fewer per layer. Other bits than the separate adds (the
 engine and the trainer alike): on CUDA the one rounding, everywhere the MoE's sum as (residual + routed) + shared
-(on the CPU a product's add stays the separate add). Off until the GPU tests of GPU_REQUEST.md pass."""
+(on the CPU a product's add stays the separate add). Off: on the H200 (session 7) it made `small`'s invariant
+decode step slower, 7.05 against 6.64 ms with `FEWER_KERNELS` alone."""
 
 
 def _kda_gates_torch(f, b, a_log, dt_bias, lower_bound, H: int, K: int):
