@@ -18,7 +18,8 @@ On CUDA the batch-invariant engine runs split-K in its matmuls (`ops.batch_invar
 the invariant mode of session 6), measured the same way. The invariant engine also runs `glue.FEWER_KERNELS`
 (stacked projections, KDA decode from and to the state pages, ...; on since session 7): `--separate-kernels` adds
 one more engine with it off; `--residual-epilogue` one more with `glue.RESIDUAL_EPILOGUE` on as well (the residual
-adds in the matmuls). `--modes a,b` runs only the listed modes (e.g. `default,batch_invariant_separate`).
+adds in the matmuls); `--folded-casts` one more with `glue.FOLDED_CASTS` on (casts inside the kernels beside
+them). `--modes a,b` runs only the listed modes (e.g. `default,batch_invariant_separate`).
 """
 
 from __future__ import annotations
@@ -176,6 +177,8 @@ def main(argv=None) -> int:
                         help="also measure batch-invariant mode with glue.FEWER_KERNELS off")
     parser.add_argument("--residual-epilogue", action="store_true",
                         help="also measure batch-invariant mode with glue.FEWER_KERNELS and glue.RESIDUAL_EPILOGUE on")
+    parser.add_argument("--folded-casts", action="store_true",
+                        help="also measure batch-invariant mode with glue.FEWER_KERNELS and glue.FOLDED_CASTS on")
     parser.add_argument("--modes", default=None,
                         help="comma-separated modes to run of those the flags ask for (default: all; default is needed)")
     parser.add_argument("--out", default=None, help="default: benchmarks/results/batch_invariant_<device>.json")
@@ -192,6 +195,8 @@ def main(argv=None) -> int:
         modes.append(("batch_invariant_separate", True, args.split_k_programs, True, (False, False)))
     if args.residual_epilogue:
         modes.append(("batch_invariant_fewer_epilogue", True, args.split_k_programs, True, (True, True)))
+    if args.folded_casts:
+        modes.append(("batch_invariant_folded", True, args.split_k_programs, True, (True, False)))
     if args.modes:
         wanted = args.modes.split(",")
         unknown = sorted(set(wanted) - {m[0] for m in modes})
@@ -199,10 +204,16 @@ def main(argv=None) -> int:
             parser.error(f"--modes {args.modes}: {unknown or 'default is needed'}; the flags give "
                          f"{', '.join(m[0] for m in modes)}")
         modes = [m for m in modes if m[0] in wanted]
+    from kimiserve.ops.batch_invariant import glue as glue_module
+
     for mode, flag, split_programs, glue, fewer in modes:
         t = time.perf_counter()
-        with invariant_kernels(split_programs, glue, fewer):
-            results[mode] = measure(args, flag, prompts)
+        folded_before, glue_module.FOLDED_CASTS = glue_module.FOLDED_CASTS, mode == "batch_invariant_folded" or glue_module.FOLDED_CASTS
+        try:
+            with invariant_kernels(split_programs, glue, fewer):
+                results[mode] = measure(args, flag, prompts)
+        finally:
+            glue_module.FOLDED_CASTS = folded_before
         print(mode, json.dumps(results[mode]), f"({time.perf_counter() - t:.1f} s with build and warm-up)", flush=True)
     d, b = results["default"], results.get("batch_invariant")
     plain = results.get("batch_invariant_plain")
@@ -226,7 +237,8 @@ def main(argv=None) -> int:
     if plain is not None:
         record["slowdown_prefill_plain"] = d["prefill_tokens_per_s"] / plain["prefill_tokens_per_s"]
         record["slowdown_decode_plain"] = d["decode_tokens_per_s"] / plain["decode_tokens_per_s"]
-    for mode, key in (("batch_invariant_separate", "separate"), ("batch_invariant_fewer_epilogue", "fewer_epilogue")):
+    for mode, key in (("batch_invariant_separate", "separate"), ("batch_invariant_fewer_epilogue", "fewer_epilogue"),
+                      ("batch_invariant_folded", "folded")):
         if mode in results:
             f = results[mode]
             record[f"slowdown_prefill_{key}"] = d["prefill_tokens_per_s"] / f["prefill_tokens_per_s"]

@@ -48,12 +48,12 @@ def caller() -> str:
     return "?"
 
 
-def count_decode_step(decode_step: int) -> tuple[collections.Counter, collections.Counter]:
+def count_decode_step(decode_step: int, dtype: str = "float32") -> tuple[collections.Counter, collections.Counter]:
     from engine_utils import make_engine, random_prompts, run
     from kimiserve.ops.batch_invariant import reference as bi
     from kimiserve.sampling_params import SamplingParams
 
-    engine = make_engine(batch_invariant=True, max_num_seqs=8, max_model_len=256, num_pages=100, enforce_eager=True)
+    engine = make_engine(dtype, batch_invariant=True, max_num_seqs=8, max_model_len=256, num_pages=100, enforce_eager=True)
     inv = engine.runner.invariant
     by_method, by_op = collections.Counter(), collections.Counter()
     state = {"inside_launch": 0, "on": False, "decodes": 0}
@@ -113,7 +113,9 @@ def main() -> None:
     p.add_argument("--plan-kernel-max-rows", type=int, default=0, help="reference.PLAN_KERNEL_MAX_ROWS")
     p.add_argument("--fewer-kernels", action="store_true", help="glue.FEWER_KERNELS = True")
     p.add_argument("--residual-epilogue", action="store_true", help="glue.RESIDUAL_EPILOGUE = True")
+    p.add_argument("--folded-casts", action="store_true", help="glue.FOLDED_CASTS = True")
     p.add_argument("--decode-step", type=int, default=3, help="which pure decode step to count (batch 4)")
+    p.add_argument("--dtype", default="float32", help="the weights' dtype (bfloat16: the casts the GPU's bf16 step has too)")
     p.add_argument("--top", type=int, default=40, help="(method, op) rows to list")
     p.add_argument("--json", action="store_true", help="one JSON line instead of the tables")
     args = p.parse_args()
@@ -122,16 +124,20 @@ def main() -> None:
 
     glue.KDA_GLUE_KERNELS, glue.MOE_GLUE_KERNELS = args.kda_glue, args.moe_glue
     glue.FEWER_KERNELS, glue.RESIDUAL_EPILOGUE = args.fewer_kernels, args.residual_epilogue
+    glue.FOLDED_CASTS = args.folded_casts
     bi.PLAN_KERNEL_MAX_ROWS = args.plan_kernel_max_rows
-    by_method, by_op = count_decode_step(args.decode_step)
+    by_method, by_op = count_decode_step(args.decode_step, args.dtype)
     total = sum(by_method.values())
     if args.json:
         print(json.dumps({"kda_glue": args.kda_glue, "moe_glue": args.moe_glue, "plan_kernel_max_rows": args.plan_kernel_max_rows,
                           "fewer_kernels": args.fewer_kernels, "residual_epilogue": args.residual_epilogue,
+                          "folded_casts": args.folded_casts, "dtype": args.dtype,
                           "total": total, "by_method": dict(by_method.most_common())}))
         return
     print(f"kda_glue={args.kda_glue} moe_glue={args.moe_glue} plan_kernel_max_rows={args.plan_kernel_max_rows} "
-          f"fewer_kernels={args.fewer_kernels} residual_epilogue={args.residual_epilogue}: {total} kernels in one decode step")
+          f"fewer_kernels={args.fewer_kernels} residual_epilogue={args.residual_epilogue} folded_casts={args.folded_casts} "
+          f"dtype={args.dtype}: {total} kernels "
+          "in one decode step")
     for where, n in by_method.most_common():
         print(f"{n:5d} {where}")
     print()

@@ -212,6 +212,29 @@ def test_layer_norm_and_gate_output_kernels_match_the_torch_forms(monkeypatch, d
         torch.testing.assert_close(m_, t_)
 
 
+def test_casts_folded_into_the_kernels_keep_the_bits(monkeypatch):
+    """`FOLDED_CASTS`: the KDA output norm of the fp32 recurrence output (the kernel rounds it) == the norm of the
+    separately rounded output; the router's product of bf16 rows with its fp32 weight, x cast inside the matmul
+    (`linear(..., out_dtype=)`) == the product of the fp32 cast rows; bit for bit."""
+    from kimiserve.ops.batch_invariant import triton_norm
+
+    monkeypatch.setattr(glue, "FOLDED_CASTS", True)
+    if INTERPRET:
+        monkeypatch.setattr(bi, "on_triton", lambda t: True)
+    g = torch.Generator().manual_seed(13)
+    N, H, K = 9, 3, 24
+    o = (torch.randn(N, H, K, generator=g) * 2).to(DEVICE)
+    gate = torch.randn(N, H * K + 5, generator=g).to(torch.bfloat16).to(DEVICE)[:, 5:].view(N, H, K)
+    w = torch.randn(K, generator=g).to(torch.bfloat16).to(DEVICE)
+    got = glue.gated_rms_norm(o, gate, w, 1e-5, torch.bfloat16)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, triton_norm.rms_norm(o.to(torch.bfloat16), w, 1e-5, gate))
+    x = torch.randn(N, 64, generator=g).to(torch.bfloat16).to(DEVICE)
+    rw = torch.randn(8, 64, generator=g).to(DEVICE)
+    logits = bi.linear(x, rw, out_dtype=torch.float32)
+    assert logits.dtype == torch.float32 and torch.equal(logits, bi.linear(x.float(), rw))
+
+
 def test_invariant_engine_with_fewer_kernels_is_batch_invariant_and_equals_the_trainer(monkeypatch):
     """The interpret suite's engine == trainer check with `FEWER_KERNELS`, `RESIDUAL_EPILOGUE` and the glue
     kernels on (the stacked groups, the in-place KDA decode, the residual epilogues in prefill, chunked prefill,
@@ -221,6 +244,7 @@ def test_invariant_engine_with_fewer_kernels_is_batch_invariant_and_equals_the_t
 
     monkeypatch.setattr(glue, "FEWER_KERNELS", True)
     monkeypatch.setattr(glue, "RESIDUAL_EPILOGUE", True)
+    monkeypatch.setattr(glue, "FOLDED_CASTS", True)
     monkeypatch.setattr(glue, "KDA_GLUE_KERNELS", True)
     monkeypatch.setattr(glue, "MOE_GLUE_KERNELS", True)
     monkeypatch.setattr(bi, "PLAN_KERNEL_MAX_ROWS", 2048)

@@ -23,14 +23,16 @@ def lp(out) -> torch.Tensor:
 
 @pytest.mark.parametrize("model,dtype,fewer", [("tiny", "bfloat16", ""), ("small", "auto", ""),
                                                ("tiny", "bfloat16", "fewer"), ("small", "auto", "fewer"),
-                                               ("tiny", "bfloat16", "fewer_epilogue"), ("small", "auto", "fewer_epilogue")])
+                                               ("tiny", "bfloat16", "fewer_epilogue"), ("small", "auto", "fewer_epilogue"),
+                                               ("tiny", "bfloat16", "fewer_folded"), ("small", "auto", "fewer_folded")])
 def test_invariant_forward_on_cuda_is_batch_invariant_and_engine_equals_trainer(model, dtype, fewer, capsys, monkeypatch):
     """fewer: `glue.FEWER_KERNELS` on (stacked projections, KDA decode from and to the state pages, ...), with
-    `glue.RESIDUAL_EPILOGUE` too (fewer_epilogue)."""
+    `glue.RESIDUAL_EPILOGUE` too (fewer_epilogue), or `glue.FOLDED_CASTS` (fewer_folded)."""
     from kimiserve.ops.batch_invariant import glue
 
     monkeypatch.setattr(glue, "FEWER_KERNELS", bool(fewer))
     monkeypatch.setattr(glue, "RESIDUAL_EPILOGUE", fewer == "fewer_epilogue")
+    monkeypatch.setattr(glue, "FOLDED_CASTS", fewer == "fewer_folded")
     t0 = time.perf_counter()
     e = LLMEngine(EngineArgs(model=model, dtype=dtype, device="cuda", batch_invariant=True, max_model_len=512,
                              num_pages=64, max_num_batched_tokens=64, enable_prefix_caching=False))

@@ -271,6 +271,16 @@ def _decode_rows(ctx):
     return cached
 
 
+def _context_lens(ctx) -> torch.Tensor:
+    """Each row's context length (its position + 1) as the attention kernels take it (int32), made once per
+    step for every MLA layer."""
+    cached = ctx.__dict__.get("_context_lens")
+    if cached is None:
+        cached = (ctx.positions + 1).to(torch.int32)
+        ctx.__dict__["_context_lens"] = cached
+    return cached
+
+
 def _stackable(modules: tuple) -> bool:
     """Whether `stacked_weight` can stack the modules' weights: plain tensors of one dtype and device with
     the same trailing dims (more than one)."""
@@ -475,7 +485,8 @@ class InvariantForward:
         w_kc, w_vc = split_kv_b(a.kv_b_proj.weight, H, a.nope)  # [H, dn, L], [H, dv, L]
         q_abs = bi.head_linear(q_nope, w_kc.transpose(1, 2))  # [N, H, L] fp32
         latents, ctx_keys, base = ctx.read_mla_flat(a.cache_index)
-        out_latent = mla_attention(q_abs, q_pe, latents, ctx_keys, base, ctx.positions + 1, iq, iw,
+        lens = _context_lens(ctx) if glue.FOLDED_CASTS else ctx.positions + 1
+        out_latent = mla_attention(q_abs, q_pe, latents, ctx_keys, base, lens, iq, iw,
                                    indexer.topk if indexer is not None else 0, a.scale, ctx.context_width)  # [N, H, L]
         # the attention output in the compute dtype, as the default path's decode ops return it (bf16: the
         # tensor cores; an fp32 operand would run the IEEE fp32 product, 4 ms per prefill layer on the H200)
@@ -490,10 +501,10 @@ class InvariantForward:
         q, k, v, b, gate, f_low = self.projections((a.q_proj, a.k_proj, a.v_proj, a.b_proj,
                                                     a.g_proj if full_rank_gate else a.g_a_proj, a.f_a_proj), x)
         g, beta = glue.kda_gates(self.proj(a.f_b_proj, f_low), b, a.A_log, a.dt_bias, a.lower_bound, H, K)
-        o = self.kda_recurrence(a, _stack_columns([q, k, v]), g, beta, ctx).to(x.dtype)
+        o = self.kda_recurrence(a, _stack_columns([q, k, v]), g, beta, ctx)  # fp32
         if not full_rank_gate:
             gate = self.proj(a.g_b_proj, gate)
-        o = bi.gated_rms_norm(o, gate.view(N, H, K), a.o_norm.weight, a.eps)
+        o = glue.gated_rms_norm(o, gate.view(N, H, K), a.o_norm.weight, a.eps, x.dtype)
         return self.proj_onto(a.o_proj, o.reshape(N, H * K), residual)
 
     def kda_recurrence(self, a, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, ctx) -> torch.Tensor:
@@ -558,7 +569,10 @@ class InvariantForward:
 
     def moe(self, m, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         c = self.config
-        ids, weights = glue.route(bi.linear(x.float(), m.gate.weight), m.gate.e_score_correction_bias,
+        # the router's product in fp32 (with FOLDED_CASTS x cast inside the kernel: the same bits)
+        logits = bi.linear(x, m.gate.weight, out_dtype=torch.float32) if glue.FOLDED_CASTS and m.gate.weight.dtype == torch.float32 \
+            else bi.linear(x.float(), m.gate.weight)
+        ids, weights = glue.route(logits, m.gate.e_score_correction_bias,
                                 c.num_experts_per_token, score_func=c.moe_router_activation_func,
                                 renormalize=c.moe_renormalize, scaling_factor=c.routed_scaling_factor)
         latent, shared = hasattr(m, "routed_expert_down_proj"), hasattr(m, "shared_experts")

@@ -44,6 +44,13 @@ engine and the trainer alike): on CUDA the one rounding, everywhere the MoE's su
 (on the CPU a product's add stays the separate add). Off: on the H200 (session 7) it made `small`'s invariant
 decode step slower, 7.05 against 6.64 ms with `FEWER_KERNELS` alone."""
 
+FOLDED_CASTS = False
+"""Casts and small index ops folded into the kernels beside them, each with the bits of the separate op: the KDA
+output norm rounds the fp32 recurrence output itself, the router's bf16 input is cast inside its fp32 matmul
+(`reference.linear(..., out_dtype=)`), the rows' context lengths made once a step (int32) for every MLA layer:
+~2 kernels per layer (tiny bf16 decode step: 219 -> 202 with FEWER_KERNELS and RESIDUAL_EPILOGUE). Off until the
+GPU tests of GPU_REQUEST.md pass."""
+
 
 def _kda_gates_torch(f, b, a_log, dt_bias, lower_bound, H: int, K: int):
     """The KDA decay gate g [N, H, K] and beta [N, H] (fp32) from the f_b projection f [N, H * K] and the
@@ -186,6 +193,24 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: f
     if FEWER_KERNELS and bi.on_triton(x) and bi._triton_glue() is not None:
         return _TorchBackward.apply(bi._triton_glue().layer_norm, bi.layer_norm, x, weight, bias, eps)
     return bi.layer_norm(x, weight, bias, eps)
+
+
+def _gated_norm_fast(o, gate, weight, eps, dtype):
+    from kimiserve.ops.batch_invariant.triton_norm import rms_norm
+
+    return rms_norm(o, weight, eps, gate, out_dtype=dtype)
+
+
+def _gated_norm_torch(o, gate, weight, eps, dtype):
+    return bi._gated_rms_norm_torch(o.to(dtype), gate, weight, eps)
+
+
+def gated_rms_norm(o: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype) -> torch.Tensor:
+    """`reference.gated_rms_norm(o.to(dtype), gate, weight, eps)` (KDA's output norm of the fp32 recurrence
+    output); on CUDA with `FOLDED_CASTS` the norm kernel rounds o itself (the same bits, one launch fewer)."""
+    if FOLDED_CASTS and bi.on_triton(o) and bi._cuda_norm() is not None and o.dtype != dtype:
+        return _TorchBackward.apply(_gated_norm_fast, _gated_norm_torch, o, gate, weight, eps, dtype)
+    return bi.gated_rms_norm(o.to(dtype), gate, weight, eps)
 
 
 def gate_output(o: torch.Tensor, gate: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -106,16 +106,17 @@ def _cuda_matmul():
 
 class _InvariantLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, w: torch.Tensor, addend: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, addend: torch.Tensor | None = None,
+                out_dtype: torch.dtype | None = None) -> torch.Tensor:
         ctx.save_for_backward(x, w)
         ctx.addend_dtype = None if addend is None else addend.dtype
         K, O = w.shape[-1], w.shape[-2]
         fast = _cuda_matmul() if on_triton(x) and w.dim() == 2 else None
         if fast is not None:  # one fixed tiling: batch-invariant too, other bits than the tree
             extra = {} if addend is None else {"addend": addend.reshape(-1, O)}
-            return fast(x.reshape(-1, K), w, out_dtype=x.dtype, **extra).view(*x.shape[:-1], O)
+            return fast(x.reshape(-1, K), w, out_dtype=out_dtype or x.dtype, **extra).view(*x.shape[:-1], O)
         y = _linear_rows(x.reshape(-1, K).float(), w.reshape(-1, O, K).float() if w.dim() == 3 else w.float())
-        y = y.view(*x.shape[:-1], O).to(x.dtype)
+        y = y.view(*x.shape[:-1], O).to(out_dtype or x.dtype)
         return y if addend is None else addend + y  # the tree form: the separate add's bits
 
     @staticmethod
@@ -136,7 +137,7 @@ class _InvariantLinear(torch.autograd.Function):
             if ctx.needs_input_grad[1]:
                 gw = (g2.unsqueeze(-1) * x2.unsqueeze(1)).view(w.shape).to(w.dtype)
         ga = grad.to(ctx.addend_dtype) if ctx.addend_dtype is not None and ctx.needs_input_grad[2] else None
-        return (gx, gw, ga)[: len(ctx.needs_input_grad)]
+        return (gx, gw, ga, None)[: len(ctx.needs_input_grad)]
 
 
 @dataclass(frozen=True)
@@ -172,13 +173,18 @@ class _MXFP4Linear(torch.autograd.Function):
         return (grad.float() @ w).to(ctx.x_dtype), None, None, None
 
 
-def linear(x: torch.Tensor, weight, addend: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight, addend: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x [..., K] @ weight [O, K]^T -> [..., O] in x's dtype, products and a `tree_sum` in fp32 (on CUDA
     with Triton, one weight matrix: the fixed-tiling kernel `ops.batch_invariant.triton.matmul`).
     weight may also be one matrix per row, [N, O, K] for x [N, K] (experts, LoRA: grouped matmuls), or
     an `MXFP4Weight` (on CUDA dequantised inside the kernel, elsewhere first, to x's dtype). addend (one
     weight matrix, x's shape but O, x's dtype): added to the product, on CUDA inside the kernel onto the fp32
-    sum before its one rounding (`triton.matmul`'s epilogue), elsewhere as `addend + linear(x, weight)`."""
+    sum before its one rounding (`triton.matmul`'s epilogue), elsewhere as `addend + linear(x, weight)`.
+    out_dtype (one weight matrix of another dtype than x's, no addend): the result's dtype, the bits of
+    `linear(x.to(weight.dtype), weight)` when weight is fp32 (the product runs in fp32 either way: x is cast in
+    the kernel instead of by a launch of its own)."""
+    if out_dtype is not None and addend is None and not isinstance(weight, MXFP4Weight) and weight.dim() == 2:
+        return _InvariantLinear.apply(x, weight, None, out_dtype)
     if addend is not None and (isinstance(weight, MXFP4Weight) or weight.dim() != 2 or addend.dtype != x.dtype
                                or addend.shape != (*x.shape[:-1], weight.shape[0])):
         return addend + linear(x, weight)

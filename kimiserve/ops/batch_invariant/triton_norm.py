@@ -15,13 +15,16 @@ import triton.language as tl
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, g_ptr, out_ptr, D, sx, sg, so, eps, sg_outer,
-                     BD: tl.constexpr, SAME_DTYPE: tl.constexpr, GATED: tl.constexpr, GATE_GROUP: tl.constexpr):
+                     BD: tl.constexpr, SAME_DTYPE: tl.constexpr, GATED: tl.constexpr, GATE_GROUP: tl.constexpr,
+                     ROUND_X: tl.constexpr = False):
     """GATE_GROUP > 1: the gate's row r at (r // GATE_GROUP) * sg_outer + (r % GATE_GROUP) * sg (the heads
     of a column slice [N, H, D] of a wider result), else at r * sg."""
     row = tl.program_id(0).to(tl.int64)
     dd = tl.arange(0, BD)
     m = dd < D
     x = tl.load(x_ptr + row * sx + dd, mask=m, other=0.0)
+    if ROUND_X:  # x rounded to the output's dtype first (a separate cast's bits)
+        x = x.to(out_ptr.dtype.element_ty)
     xf = x.to(tl.float32)
     normed = xf * tl.rsqrt(tl.sum(xf * xf, axis=0) / D + eps)
     w = tl.load(w_ptr + dd, mask=m, other=0.0)
@@ -39,13 +42,16 @@ def _rms_norm_kernel(x_ptr, w_ptr, g_ptr, out_ptr, D, sx, sg, so, eps, sg_outer,
     tl.store(out_ptr + row * so + dd, y.to(out_ptr.dtype.element_ty), mask=m)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gate: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., D] normalised per row (weight [D]), times sigmoid(gate) when gated -> x's dtype."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gate: torch.Tensor | None = None,
+             out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x [..., D] normalised per row (weight [D]), times sigmoid(gate) when gated -> x's dtype; out_dtype: x is
+    rounded to it first (the bits of `rms_norm(x.to(out_dtype), ...)`) and the result comes in it."""
+    dtype = out_dtype or x.dtype
     D = x.shape[-1]
     x2 = x.reshape(-1, D)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    out = torch.empty(x2.shape, dtype=dtype, device=x.device)
     group, outer = 1, 0
     if gate is not None and gate.dim() == 3 and gate.stride(2) == 1 and gate.stride(1) == D \
             and gate.stride(0) != gate.shape[1] * D and gate.shape[0] > 1:
@@ -59,8 +65,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gate: torch.Tens
     w = weight.reshape(-1).contiguous()
     if x2.shape[0]:
         _rms_norm_kernel[(x2.shape[0],)](x2, w, g2, out, D, x2.stride(0), sg, out.stride(0), eps, outer,
-                                         BD=triton.next_power_of_2(D), SAME_DTYPE=weight.dtype == x.dtype,
-                                         GATED=gate is not None, GATE_GROUP=group, num_warps=4 if D <= 2048 else 8)
+                                         BD=triton.next_power_of_2(D), SAME_DTYPE=weight.dtype == dtype,
+                                         GATED=gate is not None, GATE_GROUP=group, ROUND_X=dtype != x.dtype,
+                                         num_warps=4 if D <= 2048 else 8)
     return out.view(x.shape)
 
 
