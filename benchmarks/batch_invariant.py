@@ -59,15 +59,15 @@ def matmul_rate(device: str, n: int = 2048) -> float:
 
 
 @contextlib.contextmanager
-def invariant_kernels(split_k_programs: int | None, glue_kernels: bool, fewer: tuple[bool, bool] | None = None):
+def invariant_kernels(split_k_programs: int | None, glue_kernels: bool, switches: tuple[bool, bool, bool] | None = None):
     """Inside: `SPLIT_K_PROGRAMS` = split_k_programs (None: the module's) and the glue kernels on or off
-    (nothing changes off CUDA: the modules are Triton's); (`glue.FEWER_KERNELS`, `glue.RESIDUAL_EPILOGUE`) =
-    fewer (None: the module's; any device)."""
+    (nothing changes off CUDA: the modules are Triton's); (`glue.FEWER_KERNELS`, `glue.RESIDUAL_EPILOGUE`,
+    `glue.FOLDED_CASTS`) = switches (None: the module's; any device)."""
     from kimiserve.ops.batch_invariant import glue
 
-    fewer_before = glue.FEWER_KERNELS, glue.RESIDUAL_EPILOGUE
-    if fewer is not None:
-        glue.FEWER_KERNELS, glue.RESIDUAL_EPILOGUE = fewer
+    before = glue.FEWER_KERNELS, glue.RESIDUAL_EPILOGUE, glue.FOLDED_CASTS
+    if switches is not None:
+        glue.FEWER_KERNELS, glue.RESIDUAL_EPILOGUE, glue.FOLDED_CASTS = switches
     try:
         if not torch.cuda.is_available():
             yield
@@ -75,7 +75,7 @@ def invariant_kernels(split_k_programs: int | None, glue_kernels: bool, fewer: t
         with _triton_kernels(split_k_programs, glue_kernels):
             yield
     finally:
-        glue.FEWER_KERNELS, glue.RESIDUAL_EPILOGUE = fewer_before
+        glue.FEWER_KERNELS, glue.RESIDUAL_EPILOGUE, glue.FOLDED_CASTS = before
 
 
 @contextlib.contextmanager
@@ -190,13 +190,13 @@ def main(argv=None) -> int:
     results = {}
     modes = [("default", False, None, True, None), ("batch_invariant", True, args.split_k_programs, True, None)]
     if args.plain_invariant:
-        modes.append(("batch_invariant_plain", True, 0, False, (False, False)))
+        modes.append(("batch_invariant_plain", True, 0, False, (False, False, False)))
     if args.separate_kernels:
-        modes.append(("batch_invariant_separate", True, args.split_k_programs, True, (False, False)))
+        modes.append(("batch_invariant_separate", True, args.split_k_programs, True, (False, False, False)))
     if args.residual_epilogue:
-        modes.append(("batch_invariant_fewer_epilogue", True, args.split_k_programs, True, (True, True)))
+        modes.append(("batch_invariant_fewer_epilogue", True, args.split_k_programs, True, (True, True, False)))
     if args.folded_casts:
-        modes.append(("batch_invariant_folded", True, args.split_k_programs, True, (True, False)))
+        modes.append(("batch_invariant_folded", True, args.split_k_programs, True, (True, False, True)))
     if args.modes:
         wanted = args.modes.split(",")
         unknown = sorted(set(wanted) - {m[0] for m in modes})
@@ -204,16 +204,10 @@ def main(argv=None) -> int:
             parser.error(f"--modes {args.modes}: {unknown or 'default is needed'}; the flags give "
                          f"{', '.join(m[0] for m in modes)}")
         modes = [m for m in modes if m[0] in wanted]
-    from kimiserve.ops.batch_invariant import glue as glue_module
-
-    for mode, flag, split_programs, glue, fewer in modes:
+    for mode, flag, split_programs, glue, switches in modes:
         t = time.perf_counter()
-        folded_before, glue_module.FOLDED_CASTS = glue_module.FOLDED_CASTS, mode == "batch_invariant_folded" or glue_module.FOLDED_CASTS
-        try:
-            with invariant_kernels(split_programs, glue, fewer):
-                results[mode] = measure(args, flag, prompts)
-        finally:
-            glue_module.FOLDED_CASTS = folded_before
+        with invariant_kernels(split_programs, glue, switches):
+            results[mode] = measure(args, flag, prompts)
         print(mode, json.dumps(results[mode]), f"({time.perf_counter() - t:.1f} s with build and warm-up)", flush=True)
     d, b = results["default"], results.get("batch_invariant")
     plain = results.get("batch_invariant_plain")

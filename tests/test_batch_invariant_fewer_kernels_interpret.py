@@ -11,12 +11,11 @@ Skipped unless KIMISERVE_TRITON_INTERPRET=1 (or CUDA is present); run in its own
     KIMISERVE_TRITON_INTERPRET=1 .venv/bin/python -m pytest tests/test_batch_invariant_fewer_kernels_interpret.py -q
 """
 
-import contextlib
-
 import pytest
 import torch
 
 import triton_interpreter_shims
+from triton_interpreter_shims import ordered_dots_when_interpreted  # noqa: F401 (an autouse fixture)
 
 DEVICE = triton_interpreter_shims.device_or_skip_module()
 INTERPRET = DEVICE == "cpu"
@@ -24,12 +23,6 @@ INTERPRET = DEVICE == "cpu"
 from kimiserve.ops.batch_invariant import glue  # noqa: E402
 from kimiserve.ops.batch_invariant import reference as bi  # noqa: E402
 from kimiserve.ops.batch_invariant import triton_kda, triton_norm  # noqa: E402
-
-
-@pytest.fixture(autouse=True)
-def ordered_dots():
-    with triton_interpreter_shims.ordered_dots() if INTERPRET else contextlib.nullcontext():
-        yield
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -6,12 +6,11 @@ Skipped unless KIMISERVE_TRITON_INTERPRET=1 (or CUDA is present); run in its own
     KIMISERVE_TRITON_INTERPRET=1 .venv/bin/python -m pytest tests/test_batch_invariant_glue_interpret.py -q
 """
 
-import contextlib
-
 import pytest
 import torch
 
 import triton_interpreter_shims
+from triton_interpreter_shims import ordered_dots_when_interpreted  # noqa: F401 (an autouse fixture)
 
 DEVICE = triton_interpreter_shims.device_or_skip_module()
 INTERPRET = DEVICE == "cpu"
@@ -20,13 +19,6 @@ from kimiserve.ops.batch_invariant import glue  # noqa: E402
 from kimiserve.ops.batch_invariant import reference as bi  # noqa: E402
 from kimiserve.ops.batch_invariant import triton as bi_triton  # noqa: E402
 from kimiserve.ops.batch_invariant import triton_glue  # noqa: E402
-
-
-
-@pytest.fixture(autouse=True)
-def ordered_dots():
-    with triton_interpreter_shims.ordered_dots() if INTERPRET else contextlib.nullcontext():
-        yield
 
 
 @pytest.fixture

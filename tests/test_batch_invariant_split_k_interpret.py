@@ -16,13 +16,12 @@ Skipped unless KIMISERVE_TRITON_INTERPRET=1 (or CUDA is present); run in its own
     KIMISERVE_TRITON_INTERPRET=1 .venv/bin/python -m pytest tests/test_batch_invariant_split_k_interpret.py -q
 """
 
-import contextlib
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 import triton_interpreter_shims
+from triton_interpreter_shims import ordered_dots_when_interpreted  # noqa: F401 (an autouse fixture)
 
 DEVICE = triton_interpreter_shims.device_or_skip_module()
 INTERPRET = DEVICE == "cpu"
@@ -30,12 +29,6 @@ INTERPRET = DEVICE == "cpu"
 from kimiserve.ops.batch_invariant import triton as bi_triton  # noqa: E402
 
 SMALL_TILES = {"BM": 64, "BN": 32, "BK": 16, "num_warps": 4, "num_stages": 3}
-
-
-@pytest.fixture(autouse=True)
-def ordered_dots():
-    with triton_interpreter_shims.ordered_dots() if INTERPRET else contextlib.nullcontext():
-        yield
 
 
 @pytest.fixture

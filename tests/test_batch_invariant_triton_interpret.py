@@ -9,25 +9,17 @@ Under the interpreter tl.dot runs as a fixed per-element order of products and a
 same tests check the tensor cores themselves.
 """
 
-import contextlib
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 import triton_interpreter_shims
+from triton_interpreter_shims import ordered_dots_when_interpreted  # noqa: F401 (an autouse fixture)
 
 DEVICE = triton_interpreter_shims.device_or_skip_module()
 INTERPRET = DEVICE == "cpu"
 
 from kimiserve.ops.batch_invariant import triton as bi_triton  # noqa: E402
-
-
-
-@pytest.fixture(autouse=True)
-def ordered_dots():
-    with triton_interpreter_shims.ordered_dots() if INTERPRET else contextlib.nullcontext():
-        yield
 
 
 def rows_subsets(M: int):

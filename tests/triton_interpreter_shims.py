@@ -20,6 +20,7 @@ import contextlib
 import os
 
 import numpy as np
+import pytest
 import torch
 
 
@@ -111,6 +112,14 @@ def enable() -> None:
     builder.create_dot = dot
     builder.cast_impl = cast
     builder.create_fp_to_fp = fp_cast
+
+
+@pytest.fixture(autouse=True)
+def ordered_dots_when_interpreted():
+    """For a module of `device_or_skip_module` checks (imported into it): every test inside `ordered_dots()`
+    under the interpreter; on CUDA nothing (the MMA is per-element already)."""
+    with ordered_dots() if os.environ.get("KIMISERVE_TRITON_INTERPRET") == "1" else contextlib.nullcontext():
+        yield
 
 
 @contextlib.contextmanager
