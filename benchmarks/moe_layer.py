@@ -28,8 +28,9 @@ at the same shape for --check-tokens (relative RMS error, bound 1e-2), and the p
     python benchmarks/moe_layer.py --sass [--variants ...]   # no GPU: each variant's sm_90 build (registers,
                                                             # spills, shared memory, SASS per K step)
 
-A variant SPEC is DEQUANT-mBM-nBN-kBK-wWARPS-sSTAGES[-dnBN][-dkBK][-swap] (dn/dk: the down GEMM's
-column tile and K step when they differ from the gate/up GEMM's), e.g. lut-m16-n64-k256-w4-s3-swap.
+A variant SPEC is DEQUANT-mBM-nBN-kBK-wWARPS-sSTAGES[-dnBN][-dkBK][-skS][-dskS][-swap] (dn/dk: the down
+GEMM's column tile and K step when they differ from the gate/up GEMM's; sk/dsk: split-K of the gate/up and
+down GEMMs, fp32 partials reduced in a fixed order), e.g. lut-m16-n64-k256-w4-s3-swap, shift-m16-n64-k128-w4-s4-sk4-dsk4.
 Writes the JSON after every row (device, date, commit, copy_gbps, matmul_tflops, rows) and prints a
 table last.
 """
@@ -91,7 +92,7 @@ DRY_VARIANTS = ["lut-m16-n32-k64-w4-s2-swap", "shift-m16-n32-k64-w4-s2", "exact-
 
 
 def parse_variant(spec: str) -> tt.MoEConfig:
-    """DEQUANT-mBM-nBN-kBK-wW-sS[-dnBN][-dkBK][-swap] -> MoEConfig."""
+    """DEQUANT-mBM-nBN-kBK-wW-sS[-dnBN][-dkBK][-skS][-dskS][-swap] -> MoEConfig."""
     dequant, *parts = spec.split("-")
     if dequant not in tt._DEQUANT:
         raise ValueError(f"variant {spec!r}: dequant must be one of {list(tt._DEQUANT)}")
@@ -100,16 +101,17 @@ def parse_variant(spec: str) -> tt.MoEConfig:
         if p == "swap":
             swap = True
             continue
-        key = p[:2] if p[:2] in ("dn", "dk") else p[:1]
-        if key not in ("m", "n", "k", "w", "s", "dn", "dk") or not p[len(key):].isdigit():
+        key = next((pre for pre in ("dsk", "dn", "dk", "sk") if p.startswith(pre)), p[:1])
+        if key not in ("m", "n", "k", "w", "s", "dn", "dk", "sk", "dsk") or not p[len(key):].isdigit():
             raise ValueError(f"variant {spec!r}: cannot read {p!r}")
         vals[key] = int(p[len(key):])
     missing = {"m", "n", "k", "w", "s"} - vals.keys()
     if missing:
         raise ValueError(f"variant {spec!r} lacks {sorted(missing)}")
-    up = tt.GemmTiles(block_n=vals["n"], block_k=vals["k"], num_warps=vals["w"], num_stages=vals["s"], swap=swap)
+    up = tt.GemmTiles(block_n=vals["n"], block_k=vals["k"], num_warps=vals["w"], num_stages=vals["s"], swap=swap,
+                      split_k=vals.get("sk", 1))
     down = tt.GemmTiles(block_n=vals.get("dn", vals["n"]), block_k=vals.get("dk", vals["k"]), num_warps=vals["w"],
-                        num_stages=vals["s"], swap=swap)
+                        num_stages=vals["s"], swap=swap, split_k=vals.get("dsk", 1))
     return tt.MoEConfig(block_m=vals["m"], up=up, down=down, dequant=dequant)
 
 
@@ -118,6 +120,8 @@ def config_spec(cfg: tt.MoEConfig) -> str:
     spec = f"{cfg.dequant}-m{cfg.block_m}-n{u.block_n}-k{u.block_k}-w{u.num_warps}-s{u.num_stages}"
     spec += f"-dn{d.block_n}" if d.block_n != u.block_n else ""
     spec += f"-dk{d.block_k}" if d.block_k != u.block_k else ""
+    spec += f"-sk{u.split_k}" if u.split_k > 1 else ""
+    spec += f"-dsk{d.split_k}" if d.split_k > 1 else ""
     return spec + ("-swap" if u.swap else "")
 
 
@@ -204,9 +208,8 @@ def stage_fns(x, w, ids, weights, cfg: tt.MoEConfig) -> dict:
     align = tt.align_blocks(ids, E, cfg.block_m)
     BH = min(cfg.combine_block, triton.next_power_of_2(h))
 
-    def up():
-        tt._gemm(x, w["w1"], w["w1_scale"], w["w3"], w["w3_scale"], act, align, k, cfg.up, cfg.block_m, cfg.dequant,
-                 "situ", 4.0, 25.0)
+    def up():  # with split-K: the partials' GEMM and their reduce
+        tt.gate_up(x, w["w1"], w["w1_scale"], w["w3"], w["w3_scale"], act, align, cfg, "situ", 4.0, 25.0)
 
     def down():
         tt._gemm(act, w["w2"], w["w2_scale"], None, None, y, align, 1, cfg.down, cfg.block_m, cfg.dequant, "situ",
@@ -214,10 +217,17 @@ def stage_fns(x, w, ids, weights, cfg: tt.MoEConfig) -> dict:
 
     def combine():
         tt._combine_kernel[(N, triton.cdiv(h, BH))](y, weights, out, h, y.stride(0), *weights.stride(), out.stride(0),
-                                                     TOP_K=k, BH=BH, num_warps=4)
+                                                     0, TOP_K=k, BH=BH, num_warps=4)
 
-    up(), down()
-    return dict(align=lambda: tt.align_blocks(ids, E, cfg.block_m), up=up, down=down, combine=combine)
+    def down_combine():
+        tt.down_combine(act, w["w2"], w["w2_scale"], y, weights, out, align, cfg)
+
+    up()
+    fns = dict(align=lambda: tt.align_blocks(ids, E, cfg.block_m), up=up)
+    if cfg.down.split_k > 1:  # the combine is the partials' reduce: timed together
+        return dict(fns, down_combine=down_combine)
+    down()
+    return dict(fns, down=down, combine=combine)
 
 
 def reference(x, w, ids, weights):
@@ -350,14 +360,14 @@ def sass_report(specs: list[str], h: int, inter: int) -> int:
             w_t = "*i32" if dq in (1, 3) else "*u8"
             types = dict(a_ptr="*bf16", w_ptr=w_t, ws_ptr="*u8", v_ptr=w_t, vs_ptr="*u8", out_ptr="*bf16",
                          sorted_ptr="*i32", bexp_ptr="*i32", brows_ptr="*i32", nblk_ptr="*i32", beta="fp32",
-                         linear_beta="fp32", **{n: "i32" for n in _GEMM_INTS})
+                         linear_beta="fp32", s_ps="i32", **{n: "i32" for n in _GEMM_INTS})
             consts = dict(GATED=gated, ACT=1, LINEAR_TANH=True, MXFP4=True, DEQUANT=dq, ASM=True, SWAP=tiles.swap,
                           DTYPE=tl.bfloat16, PRECISION="tf32", BM=cfg.block_m, BN=tiles.block_n, BK=tiles.block_k,
-                          EVEN_K=K % tiles.block_k == 0)
+                          EVEN_K=K % tiles.block_k == 0, SPLIT=tiles.split_k)
             try:
                 kernel = compile_sm90(tt._moe_gemm_kernel, types, consts,
                                       dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
-                                      [n for n in _GEMM_INTS if n != "A_ROW_DIV"])
+                                      [n for n in _GEMM_INTS if n != "A_ROW_DIV"] + ["s_ps"])
             except Exception as e:
                 print(f"{spec:<40} {name:<5} does not compile: {type(e).__name__}: {str(e)[:200]}")
                 continue
@@ -546,7 +556,7 @@ def main(argv: list[str] | None = None) -> int:
             up_bytes = hit * sum(w[n_][0].numel() for n_ in ("w1", "w3", "w1_scale", "w3_scale"))
             row.update(stages=dict(config=config_spec(stage_cfg), ms=stages,
                                    up_gbps=up_bytes / (stages["up"] * 1e-3) / 1e9,
-                                   down_gbps=(hit * per_expert - up_bytes) / (stages["down"] * 1e-3) / 1e9))
+                                   down_gbps=(hit * per_expert - up_bytes) / (stages.get("down") or stages["down_combine"]) / 1e6))
             row.update(bytes_roofline_fraction=row["roofline_ms"] / ms, matmul_fraction=row["flop_roofline_ms"] / ms,
                        tflops=flops / (ms * 1e-3) / 1e12, best_variant=best["config"], best_ms=best["ms"],
                        best_bytes_roofline_fraction=best["bytes_roofline_fraction"],

@@ -23,8 +23,9 @@ from kimiserve.model import moe as moe_module  # noqa: E402
 from kimiserve.model.model import build_model  # noqa: E402
 from kimiserve.ops.moe import triton as tt  # noqa: E402
 from kimiserve.ops.quant.reference import dequantize_mxfp4  # noqa: E402
-from test_triton_moe import (CLAMPED_CASES, ROUTINGS, SMALL_CASES, VARIANTS, assert_bitwise, check_align,  # noqa: E402
-                             check_case, dequant_bytes, route_ids, shift_dequant_bytes, variant_config)
+from test_triton_moe import (CLAMPED_CASES, ROUTINGS, SMALL_CASES, SPLIT_BATCHES, SPLIT_CASES, VARIANTS,  # noqa: E402
+                             assert_bitwise, check_align, check_case, dequant_bytes, route_ids, shift_dequant_bytes,
+                             split_config, variant_config)
 
 
 ALIGN_CASES = [(N, E, k, r, m) for N, E, k in [(1, 3, 3), (5, 5, 2), (37, 9, 3), (19, 7, 1)] for r in ROUTINGS
@@ -106,6 +107,25 @@ def test_shift_clamped_rows(dequant, swap, block_m, block_n, block_k):
     cfg = variant_config(tt, dequant, swap, block_m, block_n, block_k)
     for N, routing in ((45, "subset"), (1, "random")):
         check_case(tt, N, 96, 160, 7, 3, torch.bfloat16, True, "situ", routing, "cpu", cfg, seed=N)
+
+
+@pytest.mark.parametrize("dequant,swap,block_k,split_up,split_down", SPLIT_CASES)
+def test_split_k(dequant, swap, block_k, split_up, split_down):
+    """tests/test_triton_moe.py's split-K case on the CPU: uneven slices, slices past K, partial column tiles,
+    experts with no token, one token on its k experts; NaN-poisoned output and act rows."""
+    cfg = split_config(tt, dequant, swap, block_k, split_up, split_down)
+    for N, routing in SPLIT_BATCHES:
+        check_case(tt, N, 96, 160, 7, 3, torch.bfloat16, True, "situ", routing, "cpu", cfg, seed=N)
+
+
+def test_split_k_fp32_and_bad_split():
+    """fp32 (IEEE dots, exact dequant) at 1e-5 with both GEMMs split; split_k outside 1..16 is refused."""
+    cfg = split_config(tt, "exact", False, 32, 3, 2)
+    check_case(tt, 5, 64, 96, 5, 2, torch.float32, True, "situ", "random", "cpu", cfg)
+    bad = tt.MoEConfig(up=tt.GemmTiles(split_k=0))
+    x, w = torch.zeros(1, 32), torch.zeros(3, 32, 32)
+    with pytest.raises(ValueError, match="split_k"):
+        tt.fused_moe(x, w, w, w, torch.zeros(1, 1, dtype=torch.int64), torch.ones(1, 1), config=bad)
 
 
 @pytest.mark.parametrize("tokens", [1, 3, 20])

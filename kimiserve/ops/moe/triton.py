@@ -66,6 +66,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kimiserve.ops.moe.epilogue import _activate, _combine_kernel, _reduce_act_kernel
 from kimiserve.ops.moe.mxfp4_layout import MAG_MASK, SHIFT_PAIRS, SIGN_MASK
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # no inline PTX: the "lut" dequant runs emulated
@@ -81,13 +82,15 @@ _ACT = {"silu": 0, "situ": 1}
 
 @dataclass(frozen=True)
 class GemmTiles:
-    """Tiling of one of the two grouped GEMMs."""
+    """Tiling of one of the two grouped GEMMs. split_k > 1: each (block, column tile) split over that many
+    programs along K, fp32 partials reduced in a fixed order (`ops.moe.epilogue`)."""
 
     block_n: int = 64
     block_k: int = 128
     num_warps: int = 4
     num_stages: int = 3
     swap: bool = False
+    split_k: int = 1
 
 
 @dataclass(frozen=True)
@@ -516,42 +519,27 @@ def _dequant_kernel(w_ptr, s_ptr, out_ptr, N, K, s_wn, s_sn, s_on, MXFP4: tl.con
 
 
 @triton.jit
-def _tanh(x):
-    """tanh from exp (no libdevice in the interpreter): sign(x) (1 - 2 / (exp(2|x|) + 1))."""
-    t = 1.0 - 2.0 / (tl.exp(2.0 * tl.abs(x)) + 1.0)
-    return tl.where(x < 0, -t, t)
-
-
-@triton.jit
-def _activate(g, u, beta, linear_beta, ACT: tl.constexpr, LINEAR_TANH: tl.constexpr, DTYPE: tl.constexpr):
-    """act(gate, up) in fp32 from gate and up rounded to DTYPE, as the references compute it."""
-    g = g.to(DTYPE).to(tl.float32)
-    u = u.to(DTYPE).to(tl.float32)
-    sig = 1.0 / (1.0 + tl.exp(-g))
-    if ACT == 1:  # situ_and_mul: beta tanh(g / beta) sigmoid(g) * linear_beta tanh(u / linear_beta), in fp32
-        if LINEAR_TANH:
-            u = linear_beta * _tanh(u / linear_beta)
-        return beta * _tanh(g / beta) * sig * u
-    else:  # silu_and_mul: silu(gate) rounded to the dtype, times up
-        return (g * sig).to(DTYPE).to(tl.float32) * u
-
-
-@triton.jit
 def _moe_gemm_kernel(
     a_ptr, w_ptr, ws_ptr, v_ptr, vs_ptr, out_ptr, sorted_ptr, bexp_ptr, brows_ptr, nblk_ptr,
-    N_OUT, K, A_ROW_DIV, s_am, s_we, s_wn, s_se, s_sn, s_om, beta, linear_beta,
+    N_OUT, K, A_ROW_DIV, s_am, s_we, s_wn, s_se, s_sn, s_om, beta, linear_beta, s_ps,
     GATED: tl.constexpr, ACT: tl.constexpr, LINEAR_TANH: tl.constexpr, MXFP4: tl.constexpr,
     DEQUANT: tl.constexpr, ASM: tl.constexpr, SWAP: tl.constexpr, DTYPE: tl.constexpr, PRECISION: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr = 1,
 ):
     """One (block, column tile): out[pair, cols] = act(A W^T, A V^T) (GATED) or A W^T, rounded to DTYPE,
-    for the block's pairs; A's row of pair p is p // A_ROW_DIV (the token for the gate/up GEMM)."""
+    for the block's pairs; A's row of pair p is p // A_ROW_DIV (the token for the gate/up GEMM).
+    SPLIT > 1: one (block, column tile, K slice s) whose fp32 accumulators go to out (fp32 partials) at
+    out_ptr + s s_ps (+ SPLIT s_ps for V's), for `epilogue`'s reduces."""
     pid = tl.program_id(0)
     n_tiles = tl.cdiv(N_OUT, BN)
-    b = pid // n_tiles
+    b = pid // (n_tiles * SPLIT)
     if b >= tl.load(nblk_ptr):
         return
-    nt = pid % n_tiles
+    nt = (pid // SPLIT) % n_tiles
+    split = pid % SPLIT
+    steps = tl.cdiv(tl.cdiv(K, BK), SPLIT)  # K steps per slice; a slice past K stores zeros
+    k_lo = split * steps * BK
+    k_hi = tl.minimum(K, k_lo + steps * BK)
     e = tl.load(bexp_ptr + b).to(tl.int64)
     rows = tl.arange(0, BM)
     row_ok = rows < tl.load(brows_ptr + b)
@@ -574,7 +562,7 @@ def _moe_gemm_kernel(
     else:
         acc = tl.zeros((BM, BN), tl.float32)
         acc2 = tl.zeros((BM, BN), tl.float32)
-    for k0 in range(0, K, BK):
+    for k0 in range(k_lo, k_hi, BK):
         kk = k0 + tl.arange(0, BK)
         if CLAMPED and EVEN_K:
             a = tl.load(a_rows[:, None] + kk[None, :]).to(DTYPE)
@@ -591,6 +579,18 @@ def _moe_gemm_kernel(
         if GATED:
             acc2 = _weight_dot(acc2, a, v_e, vs_e, wcols, col_ok, k0, K, s_wn, s_sn, MXFP4, DEQUANT, ASM, SWAP, DTYPE,
                                PRECISION, BN, BK, EVEN_K, CLAMPED)
+    if SPLIT > 1:
+        part = out_ptr + split.to(tl.int64) * s_ps
+        if SWAP:
+            offs = pairs[None, :] * s_om + cols[:, None]
+            ok = col_ok[:, None] & row_ok[None, :]
+        else:
+            offs = pairs[:, None] * s_om + cols[None, :]
+            ok = row_ok[:, None] & col_ok[None, :]
+        tl.store(part + offs, acc, mask=ok)
+        if GATED:
+            tl.store(out_ptr + (split + SPLIT).to(tl.int64) * s_ps + offs, acc2, mask=ok)
+        return
     if GATED:
         y = _activate(acc, acc2, beta, linear_beta, ACT, LINEAR_TANH, DTYPE)
     else:
@@ -599,19 +599,6 @@ def _moe_gemm_kernel(
         tl.store(out_ptr + pairs[None, :] * s_om + cols[:, None], y.to(DTYPE), mask=col_ok[:, None] & row_ok[None, :])
     else:
         tl.store(out_ptr + pairs[:, None] * s_om + cols[None, :], y.to(DTYPE), mask=row_ok[:, None] & col_ok[None, :])
-
-
-@triton.jit
-def _combine_kernel(y_ptr, w_ptr, out_ptr, H, s_y, s_wt, s_wj, s_o, TOP_K: tl.constexpr, BH: tl.constexpr):
-    """out[t, cols] = sum_j w[t, j] * y[t k + j, cols] in fp32, j in order."""
-    t = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BH + tl.arange(0, BH)
-    ok = cols < H
-    acc = tl.zeros((BH,), tl.float32)
-    for j in tl.static_range(TOP_K):
-        wj = tl.load(w_ptr + t * s_wt + j * s_wj).to(tl.float32)
-        acc += wj * tl.load(y_ptr + (t * TOP_K + j) * s_y + cols, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + t * s_o + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -631,15 +618,18 @@ def _gemm(a, w, w_scale, v, v_scale, out, align, a_row_div: int, tiles: GemmTile
     gated = v is not None
     if not gated:
         v, v_scale = w, w_scale
-    grid = (bexp.numel() * triton.cdiv(n_out, tiles.block_n),)
+    split = tiles.split_k
+    if split > 1 and (out.dtype != torch.float32 or out.dim() != 3 or out.shape[0] != split * (2 if gated else 1)):
+        raise ValueError(f"split-K {split} stores fp32 partials [{split * (2 if gated else 1)}, N k, {n_out}]")
+    grid = (bexp.numel() * triton.cdiv(n_out, tiles.block_n) * split,)
     _moe_gemm_kernel[grid](
         a, w, w_scale, v, v_scale, out, sorted_pairs, bexp, brows, nblk,
         n_out, k_in, a_row_div, a.stride(0), w.stride(0), w.stride(1), w_scale.stride(0), w_scale.stride(1),
-        out.stride(0), float(beta), float(linear_beta or 1.0),
+        out.stride(-2), float(beta), float(linear_beta or 1.0), out.stride(0) if split > 1 else 0,
         GATED=gated, ACT=_ACT[act], LINEAR_TANH=linear_beta is not None, MXFP4=mxfp4, DEQUANT=dq, ASM=not _INTERPRET,
         SWAP=tiles.swap,
         DTYPE=_DOT_DTYPES[a.dtype], PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
-        BM=block_m, BN=tiles.block_n, BK=tiles.block_k, EVEN_K=k_in % tiles.block_k == 0,
+        BM=block_m, BN=tiles.block_n, BK=tiles.block_k, EVEN_K=k_in % tiles.block_k == 0, SPLIT=split,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
 
@@ -694,6 +684,8 @@ def _check(x, w1, w2, w3, w1_scale, w2_scale, w3_scale, ids, weights, config: Mo
             raise ValueError(f"block_k must be a multiple of 32, got {tiles.block_k}")
         if config.block_m < 16 or tiles.block_n < 16:
             raise ValueError("block_m and block_n must be >= 16 (tl.dot)")
+        if not 1 <= tiles.split_k <= 16:
+            raise ValueError(f"split_k must be 1..16, got {tiles.split_k}")
 
 
 def fused_moe(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, ids: torch.Tensor,
@@ -732,15 +724,43 @@ def fused_moe(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Ten
     else:
         act, y = workspace
     align = align_blocks(ids, E, config.block_m)
-    _gemm(x, w1, w1_scale, w3, w3_scale, act, align, k, config.up, config.block_m, config.dequant, activation,
-          situ_beta, situ_linear_beta)
-    _gemm(act, w2, w2_scale, None, None, y, align, 1, config.down, config.block_m, config.dequant, activation, 1.0,
-          None)
-    BH = min(config.combine_block, triton.next_power_of_2(h))
-    _combine_kernel[(N, triton.cdiv(h, BH))](y, weights, out, h, y.stride(0), *weights.stride(), out.stride(0),
-                                              TOP_K=k, BH=BH, num_warps=4)
+    gate_up(x, w1, w1_scale, w3, w3_scale, act, align, config, activation, situ_beta, situ_linear_beta)
+    down_combine(act, w2, w2_scale, y, weights, out, align, config)
     return out
 
 
+def gate_up(x, w1, w1_scale, w3, w3_scale, act, align, config: MoEConfig, activation: str, beta: float,
+            linear_beta: float | None):
+    """fused_moe's gate/up stage: act [N k, I] (split-K: fp32 partials, then their reduce with the activation)."""
+    k = act.shape[0] // x.shape[0]
+    split, inter = config.up.split_k, act.shape[1]
+    if split == 1:
+        _gemm(x, w1, w1_scale, w3, w3_scale, act, align, k, config.up, config.block_m, config.dequant, activation,
+              beta, linear_beta)
+        return
+    part = torch.empty(2 * split, act.shape[0], inter, dtype=torch.float32, device=x.device)
+    _gemm(x, w1, w1_scale, w3, w3_scale, part, align, k, config.up, config.block_m, config.dequant, activation,
+          beta, linear_beta)
+    BR = min(1024, triton.next_power_of_2(inter))
+    _reduce_act_kernel[(act.shape[0], triton.cdiv(inter, BR))](
+        part, act, inter, part.stride(1), part.stride(0), split * part.stride(0), act.stride(0), float(beta),
+        float(linear_beta or 1.0), SPLIT=split, ACT=_ACT[activation], LINEAR_TANH=linear_beta is not None,
+        DTYPE=_DOT_DTYPES[act.dtype], BR=BR, num_warps=4)
+
+
+def down_combine(act, w2, w2_scale, y, weights, out, align, config: MoEConfig):
+    """fused_moe's down stage and combine: out [N, h] (split-K: fp32 partials summed inside the combine;
+    y is then not written)."""
+    N, k, h = out.shape[0], weights.shape[1], out.shape[1]
+    split = config.down.split_k
+    if split > 1:
+        y = torch.empty(split, N * k, h, dtype=torch.float32, device=out.device)
+    _gemm(act, w2, w2_scale, None, None, y, align, 1, config.down, config.block_m, config.dequant, "silu", 1.0, None)
+    BH = min(config.combine_block, triton.next_power_of_2(h))
+    _combine_kernel[(N, triton.cdiv(h, BH))](y, weights, out, h, y.stride(-2), *weights.stride(), out.stride(0),
+                                              y.stride(0) if split > 1 else 0, TOP_K=k, BH=BH, SPLIT=split,
+                                              DTYPE=_DOT_DTYPES[out.dtype], num_warps=4)
+
+
 __all__ = ["ALIGN_SMALL_PAIRS", "GemmTiles", "MoEConfig", "align_blocks", "default_config", "dequantize_weights",
-           "fused_moe", "max_blocks"]
+           "down_combine", "fused_moe", "gate_up", "max_blocks"]
