@@ -30,7 +30,8 @@ at the same shape for --check-tokens (relative RMS error, bound 1e-2), and the p
 
 A variant SPEC is DEQUANT-mBM-nBN-kBK-wWARPS-sSTAGES[-dnBN][-dkBK][-skS][-dskS][-swap] (dn/dk: the down
 GEMM's column tile and K step when they differ from the gate/up GEMM's; sk/dsk: split-K of the gate/up and
-down GEMMs, fp32 partials reduced in a fixed order), e.g. lut-m16-n64-k256-w4-s3-swap, shift-m16-n64-k128-w4-s4-sk4-dsk4.
+down GEMMs, fp32 partials reduced in a fixed order), e.g. lut-m16-n64-k256-w4-s3-swap,
+shift-m16-n64-k128-w4-s4-sk4-dsk4.
 Writes the JSON after every row (device, date, commit, copy_gbps, matmul_tflops, rows) and prints a
 table last.
 """
@@ -87,8 +88,18 @@ PREFILL_VARIANTS = [
     "shift-m256-n32-k128-w8-s3",
     "lut-m128-n64-k128-w8-s3-dn128",
 ]
+# Split-K decode forms (GemmTiles.split_k): S times the programs, each a K slice into fp32 partials
+SPLIT_VARIANTS = [
+    "shift-m16-n64-k128-w4-s4-sk4-dsk4",
+    "shift-m16-n64-k128-w4-s3-sk8-dsk8",
+    "shift-m16-n128-k128-w4-s4-sk4-dsk4",
+    "shift-m16-n128-k128-w4-s5-sk2-dsk2",
+    "shift-m16-n64-k256-w4-s4-sk2-dsk2",
+    "shift-m16-n32-k256-w2-s3-swap-sk4-dsk4",
+]
 DECODE_MAX_TOKENS = 256  # decode variants up to here, prefill variants from here (both at 256)
-DRY_VARIANTS = ["lut-m16-n32-k64-w4-s2-swap", "shift-m16-n32-k64-w4-s2", "exact-m32-n32-k32-w4-s2-dn64"]
+DRY_VARIANTS = ["lut-m16-n32-k64-w4-s2-swap", "shift-m16-n32-k64-w4-s2", "exact-m32-n32-k32-w4-s2-dn64",
+                "shift-m16-n32-k32-w4-s2-sk2-dsk3"]
 
 
 def parse_variant(spec: str) -> tt.MoEConfig:
@@ -128,7 +139,7 @@ def config_spec(cfg: tt.MoEConfig) -> str:
 def variants_for(arg: str, dry: bool) -> list[str]:
     if dry:
         return DRY_VARIANTS
-    named = {"default": [], "decode": DECODE_VARIANTS, "prefill": PREFILL_VARIANTS,
+    named = {"default": [], "decode": DECODE_VARIANTS, "prefill": PREFILL_VARIANTS, "split": SPLIT_VARIANTS,
              "all": DECODE_VARIANTS + PREFILL_VARIANTS}
     out = []
     for item in arg.split(","):
@@ -141,7 +152,7 @@ def variants_for(arg: str, dry: bool) -> list[str]:
 def applies(spec: str, tokens: int, explicit: bool) -> bool:
     if explicit:
         return True
-    if spec in DECODE_VARIANTS:
+    if spec in DECODE_VARIANTS or spec in SPLIT_VARIANTS:
         return tokens <= DECODE_MAX_TOKENS
     return tokens >= DECODE_MAX_TOKENS
 
@@ -409,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", default="1,16,64,256,1024,8192")
     parser.add_argument("--routings", default="random,zipf")
     parser.add_argument("--variants", default="decode,prefill",
-                        help="default (none), decode, prefill, all, or SPECs (see the module doc), comma-separated")
+                        help="default (none), decode, prefill, split, all, or SPECs (module doc), comma-separated")
     parser.add_argument("--check", action="store_true", help="check the kernel and every variant first")
     parser.add_argument("--check-tokens", default="1,64,300")
     parser.add_argument("--today-tokens", default="1,16,64,256,1024",
@@ -452,7 +463,7 @@ def main(argv: list[str] | None = None) -> int:
         copy = copy_gbps(device, 2**32, timer)
         mm = matmul_tflops(device, 8192, torch.bfloat16, timer)
     variants = variants_for(args.variants, dry)
-    explicit = dry or any(v not in ("default", "decode", "prefill", "all") for v in args.variants.split(","))
+    explicit = dry or any(v not in ("default", "decode", "prefill", "split", "all") for v in args.variants.split(","))
     routings = args.routings.split(",")
 
     def fast_time(fn, n: int) -> tuple[float, str]:
@@ -556,7 +567,8 @@ def main(argv: list[str] | None = None) -> int:
             up_bytes = hit * sum(w[n_][0].numel() for n_ in ("w1", "w3", "w1_scale", "w3_scale"))
             row.update(stages=dict(config=config_spec(stage_cfg), ms=stages,
                                    up_gbps=up_bytes / (stages["up"] * 1e-3) / 1e9,
-                                   down_gbps=(hit * per_expert - up_bytes) / (stages.get("down") or stages["down_combine"]) / 1e6))
+                                   down_gbps=(hit * per_expert - up_bytes)
+                                   / (stages.get("down") or stages["down_combine"]) / 1e6))
             row.update(bytes_roofline_fraction=row["roofline_ms"] / ms, matmul_fraction=row["flop_roofline_ms"] / ms,
                        tflops=flops / (ms * 1e-3) / 1e12, best_variant=best["config"], best_ms=best["ms"],
                        best_bytes_roofline_fraction=best["bytes_roofline_fraction"],

@@ -54,7 +54,9 @@ MMA padding, the tokens' tile from shared memory.
 Configs (`MoEConfig`, `default_config`): decode (few tokens) takes BLOCK_M 16 and narrow column
 tiles, so that blocks x tiles programs each stream a slice of the weights (bytes-bound: the split
 is along the weight's output dim, no split-K, so the activation stays fused); prefill takes BLOCK_M
-64-128 tiles for the tensor cores. benchmarks/moe_layer.py sweeps these on the GPU.
+64-128 tiles for the tensor cores. benchmarks/moe_layer.py sweeps these on the GPU. GemmTiles.split_k > 1 (opt-in)
+splits each (block, column tile) along K over that many programs into fp32 partials, reduced in a fixed order
+(`ops.moe.epilogue`: gate/up with the activation in one small kernel, down inside the combine).
 """
 
 from __future__ import annotations
