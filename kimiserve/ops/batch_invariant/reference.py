@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kimiserve.ops.pointwise import sigmoid, silu, softplus  # noqa: F401  (bi.sigmoid etc.)
 from kimiserve.ops.quant.reference import dequantize_mxfp4
 
 LINEAR_CHUNK_ELEMENTS = {"cpu": 1 << 22, "cuda": 1 << 28}
@@ -346,33 +347,6 @@ def head_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"head_linear needs x [N, H, K] and weight [H, O, K], got {tuple(x.shape)} and "
                          f"{tuple(weight.shape)}")
     return _HeadLinear.apply(x, weight)
-
-
-class _Sigmoid(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
-        y = 1.0 / (1.0 + torch.exp(-x))
-        ctx.save_for_backward(y)
-        return y
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        (y,) = ctx.saved_tensors
-        return grad * y * (1.0 - y)
-
-
-def sigmoid(x: torch.Tensor) -> torch.Tensor:
-    """1 / (1 + exp(-x)): torch.sigmoid's vector and tail paths differ; exp's do not."""
-    return _Sigmoid.apply(x)
-
-
-def silu(x: torch.Tensor) -> torch.Tensor:
-    return x * sigmoid(x)
-
-
-def softplus(x: torch.Tensor) -> torch.Tensor:
-    """log(1 + exp(x)), x itself above 20 (torch's threshold)."""
-    return torch.where(x > 20, x, torch.log1p(torch.exp(x.clamp(max=20))))
 
 
 def _situ_and_mul_torch(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float | None) -> torch.Tensor:

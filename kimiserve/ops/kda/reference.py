@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from kimiserve.ops.dtypes import compute_dtype
+from kimiserve.ops.pointwise import sigmoid, softplus
 
 
 def kda_gate(
@@ -33,8 +34,8 @@ def kda_gate(
     a = torch.exp(A_log.to(dt)).view(H, 1)
     x = f.to(dt) + dt_bias.to(dt).view(H, K)
     if lower_bound is not None:
-        return lower_bound * torch.sigmoid(a * x)
-    return -a * F.softplus(x)
+        return lower_bound * sigmoid(a * x)
+    return -a * softplus(x)
 
 
 def _prepare(q, k, v, g, beta, initial_state, scale):
