@@ -410,12 +410,13 @@ def kda_layer_forward(layer, x, mix):
     norm and o_proj as the layer does them); returns (output, conv state, recurrent state)."""
     from kimiserve.ops.kda.reference import kda_gate
     from kimiserve.ops.norm.reference import gated_rms_norm
+    from kimiserve.ops.pointwise import vector_sigmoid
 
     B, T, _ = x.shape
     heads = lambda t: t.view(B, T, layer.num_heads, layer.head_dim)
     q, k, v = layer.q_proj(x), layer.k_proj(x), layer.v_proj(x)
     g = kda_gate(heads(layer.f_b_proj(layer.f_a_proj(x))), layer.A_log, layer.dt_bias, layer.lower_bound)
-    beta = torch.sigmoid(layer.b_proj(x).float())
+    beta = vector_sigmoid(layer.b_proj(x).float())
     o, conv, state = mix(q, k, v, g, beta)
     o = gated_rms_norm(o, heads(layer.output_gate(x)), layer.o_norm.weight, layer.eps)
     return layer.o_proj(o.reshape(B, T, -1)), conv, state

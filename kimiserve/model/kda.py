@@ -18,7 +18,7 @@ from kimiserve.ops.backend import REFERENCE_OPS
 from kimiserve.ops.kda.paged import KDADecodeWeights, short_conv
 from kimiserve.ops.kda.reference import chunk_kda, chunk_kda_batched, chunk_kda_tiled, kda_gate, recurrent_kda
 from kimiserve.ops.norm.reference import gated_rms_norm
-from kimiserve.ops.pointwise import sigmoid
+from kimiserve.ops.pointwise import vector_sigmoid
 
 
 def a_log_loader(rank: int, parts: int):
@@ -125,7 +125,7 @@ class KimiDeltaAttention(nn.Module):
         B, T, _ = q.shape
         heads = lambda t: t.view(B, T, self.num_heads, self.head_dim)  # noqa: E731
         g = kda_gate(heads(f), self.A_log, self.dt_bias, self.lower_bound)
-        beta = sigmoid(b.float())
+        beta = vector_sigmoid(b.float())
         norm = gated_rms_norm
         if isinstance(ctx, ForwardBatch):
             o = self.paged_mix(q, k, v, g, beta, ctx)

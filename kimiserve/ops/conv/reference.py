@@ -4,6 +4,7 @@ import torch
 import torch.nn.functional as F
 
 from kimiserve.ops.dtypes import compute_dtype
+from kimiserve.ops.pointwise import vector_silu
 
 
 def causal_conv1d(
@@ -23,4 +24,4 @@ def causal_conv1d(
     seq = torch.cat([state.to(dt), x.transpose(1, 2).to(dt)], dim=-1)  # [B, C, W-1+T]
     y = F.conv1d(seq, weight.to(dt).unsqueeze(1), groups=C)  # [B, C, T]
     new_state = seq[..., seq.shape[-1] - (W - 1):].to(state.dtype)
-    return F.silu(y).transpose(1, 2).to(x.dtype), new_state
+    return vector_silu(y).transpose(1, 2).to(x.dtype), new_state

@@ -14,7 +14,7 @@ import torch
 from kimiserve.ops.conv.reference import causal_conv1d
 from kimiserve.ops.kda.reference import chunk_kda, kda_gate, recurrent_kda
 from kimiserve.ops.norm.reference import gated_rms_norm, l2_normalize
-from kimiserve.ops.pointwise import sigmoid
+from kimiserve.ops.pointwise import vector_sigmoid
 
 
 def kda_prefill(q, k, v, g, beta, initial_state, cu_seqlens=None):
@@ -85,7 +85,7 @@ def kda_decode_step(q, k, v, f, b, gate, weights: KDADecodeWeights, conv, states
     qh, kh, vh, new_conv = short_conv(one(q), one(k), one(v), weights, H, conv[page_ids])
     conv[page_ids] = new_conv
     g = kda_gate(one(f).view(Bd, 1, H, -1), weights.A_log, weights.dt_bias, weights.lower_bound)
-    beta = sigmoid(one(b).float())
+    beta = vector_sigmoid(one(b).float())
     o = kda_decode(qh, kh, vh, g, beta, states, page_ids)[:, 0]
     return gated_rms_norm(o, gate.view(Bd, H, -1), weights.norm_weight, weights.eps)
 

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from kimiserve.ops.dtypes import compute_dtype
-from kimiserve.ops.pointwise import sigmoid, softplus
+from kimiserve.ops.pointwise import vector_sigmoid, vector_softplus
 
 
 def kda_gate(
@@ -34,8 +34,8 @@ def kda_gate(
     a = torch.exp(A_log.to(dt)).view(H, 1)
     x = f.to(dt) + dt_bias.to(dt).view(H, K)
     if lower_bound is not None:
-        return lower_bound * sigmoid(a * x)
-    return -a * softplus(x)
+        return lower_bound * vector_sigmoid(a * x)
+    return -a * vector_softplus(x)
 
 
 def _prepare(q, k, v, g, beta, initial_state, scale):

@@ -3,7 +3,7 @@
 import torch
 
 from kimiserve.ops.dtypes import upcast
-from kimiserve.ops.pointwise import sigmoid
+from kimiserve.ops.pointwise import vector_sigmoid
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -17,7 +17,7 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     """RMSNorm over the last dim times sigmoid(gate), all in fp32 (fla's FusedRMSNormGated, sigmoid)."""
     xf = upcast(x)
     normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (normed * upcast(weight, xf.dtype) * sigmoid(upcast(gate, xf.dtype))).to(x.dtype)
+    return (normed * upcast(weight, xf.dtype) * vector_sigmoid(upcast(gate, xf.dtype))).to(x.dtype)
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
