@@ -12,6 +12,7 @@ expected near-tie flip (verify rows run other GEMM shapes); a large margin means
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import sys
 from pathlib import Path
@@ -24,11 +25,13 @@ from spec_decode import prompts_of  # noqa: E402
 from kimiserve.engine.args import EngineArgs  # noqa: E402
 from kimiserve.engine.engine import LLMEngine  # noqa: E402
 from kimiserve.sampling_params import SamplingParams  # noqa: E402
+from kimiserve.utils.run_info import git_commit  # noqa: E402
 
 
 def run(args, spec, invariant: bool) -> dict[str, tuple[list[int], list]]:
     engine = LLMEngine(EngineArgs(model=args.model, device=args.device, max_model_len=1024, enable_prefix_caching=False,
-                                  max_num_seqs=max(args.batch, 1), speculative_config=spec, batch_invariant=invariant))
+                                  max_num_seqs=max(args.batch, 1), speculative_config=spec, batch_invariant=invariant,
+                                  kv_cache_memory_gib=4.0 if args.device.startswith("cuda") else None))
     params = SamplingParams(max_tokens=args.gen_len, temperature=0.0, ignore_eos=True, logprobs=2)
     for i, p in enumerate(prompts_of(args.kind, args.batch, args.seed)):
         engine.add_request(f"r{i}", p, params)
@@ -68,7 +71,11 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     spec = {"method": "ngram", "num_speculative_tokens": args.k}
-    result = {"args": vars(args), "modes": {}}
+    import torch
+
+    device = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
+    result = {"device": device, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "commit": git_commit(), "args": vars(args), "modes": {}}
     for invariant in ([False, True] if args.batch_invariant else [False]):
         name = "batch_invariant" if invariant else "default"
         try:
