@@ -21,6 +21,7 @@ import multiprocessing.connection
 import os
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -54,6 +55,11 @@ class UniProcExecutor:
     def commit_verified(self, accepted: dict[int, int]) -> None:
         """After a step with speculative verify chunks: `ModelRunner.commit_verified`."""
         self.driver.runner.commit_verified(accepted)
+
+    def update_weights(self, tensors) -> None:
+        """New values for the model's parameters, named and shaped as the one-process model's
+        (`loader.load_tensors`; ValueError before anything is written)."""
+        self.driver.update_weights(tensors)
 
     def check_health(self) -> None:
         pass
@@ -90,6 +96,13 @@ def _init_group(args: EngineArgs, rank: int, world_size: int, device: torch.devi
     return control
 
 
+@dataclass
+class WeightUpdate:
+    """A control message: every rank loads its part of these one-process-named CPU tensors."""
+
+    tensors: dict[str, torch.Tensor]
+
+
 def _broadcast(obj, control) -> object:
     box = [obj]
     dist.broadcast_object_list(box, src=0, group=control)
@@ -111,8 +124,11 @@ def worker_main(rank: int, local_rank: int, args: EngineArgs, eos_token_id: int 
         dist.all_reduce(pages, op=dist.ReduceOp.MIN, group=control)
         max_model_len = _broadcast(None, control)
         worker.init_cache(int(pages), max_model_len)
-        while (step := _broadcast(None, control)) is not None:
-            worker.runner.forward(step)
+        while (message := _broadcast(None, control)) is not None:
+            if isinstance(message, WeightUpdate):
+                worker.update_weights(message.tensors)
+            else:
+                worker.runner.forward(message)
     finally:
         dist.destroy_process_group()
 
@@ -171,6 +187,21 @@ class MultiprocExecutor:
     def check_health(self) -> None:
         if self.failed is not None:
             raise EngineFatalError(self.failed)
+
+    def update_weights(self, tensors) -> None:
+        """Every rank loads its part of the one-process-named tensors: checked on rank 0 first (a worker's
+        error would end it), then sent over the control group as CPU tensors."""
+        from kimiserve.model.loader import check_tensors
+
+        self.check_health()
+        check_tensors(self.driver.model, tensors)
+        message = WeightUpdate({name: t.detach().cpu() for name, t in tensors.items()})
+        try:
+            _broadcast(message, self.control)
+        except Exception as exc:
+            self.failed = self.failed or f"sending a weight update failed ({type(exc).__name__}: {exc})"
+            raise EngineFatalError(f"{self.failed}; the ranks are out of step") from exc
+        self.driver.update_weights(message.tensors)
 
     def commit_verified(self, accepted: dict[int, int]) -> None:
         raise NotImplementedError("speculative decoding runs on one rank for now (EngineArgs.speculative refuses more)")

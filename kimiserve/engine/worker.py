@@ -81,6 +81,15 @@ class Worker:
             self.runner.plan_verify_slots(spec.num_speculative_tokens + 1, self.args.max_num_seqs)
 
 
+    def update_weights(self, tensors) -> None:
+        """Load one-process-named tensors into this rank's shard (`loader.load_tensors`); the captured graphs
+        are dropped when a routed-expert layer changed its code layout (they captured the old decode)."""
+        from kimiserve.model.loader import load_tensors
+
+        if load_tensors(self.model, tensors) and self.runner is not None:
+            self.runner.forget_graphs()
+
+
 def pages_needed(max_model_len: int, block_size: int, num_state: int) -> int:
     """Pages one sequence of max_model_len tokens, its state pages and one copy-on-write page need."""
     return math.ceil(max_model_len / block_size) + 2 * num_state + 1

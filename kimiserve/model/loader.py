@@ -14,7 +14,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Mapping
 
 import torch
 from safetensors import safe_open
@@ -24,6 +24,7 @@ from kimiserve.config import RANDOM_PRESETS, ModelConfig, load_preset, model_fol
 from kimiserve.distributed.parallel_state import ParallelContext
 from kimiserve.model.expert_layout import weights_written
 from kimiserve.model.model import KimiForCausalLM, build_model
+from kimiserve.model.moe import RoutedExperts
 
 INDEX_FILE = "model.safetensors.index.json"
 # tensors of a release that the text model does not use
@@ -153,6 +154,39 @@ def load_weights(model: KimiForCausalLM, folder: str | os.PathLike) -> None:
                 else:
                     param.weight_loader(param, source, name, entry.expert)
     weights_written(model, params)
+
+
+def check_tensors(model: KimiForCausalLM, tensors: Mapping[str, torch.Tensor]) -> None:
+    """ValueError unless every name is a parameter of `model` and every tensor has that parameter's full
+    (one-process) shape: `load_tensors`' input checks, alone (a multi-process engine runs them on rank 0
+    before any rank writes)."""
+    params = dict(model.named_parameters())
+    for name, value in tensors.items():
+        if name not in params:
+            raise ValueError(f"the engine's model has no parameter {name!r}")
+        if tuple(value.shape) != tuple(params[name].full_shape):
+            raise ValueError(f"{name}: shape {tuple(value.shape)}, the engine's parameter is "
+                             f"{tuple(params[name].full_shape)}")
+
+
+def load_tensors(model: KimiForCausalLM, tensors: Mapping[str, torch.Tensor]) -> bool:
+    """Tensors named as the one-process model's parameters (routed-expert codes in the checkpoint layout, as
+    `expert_layout.named_checkpoint_tensors` gives them) into `model`, which may be one rank's shard: each
+    parameter's `weight_loader` copies its rank's part in place; a stacked expert parameter takes the
+    slices of the experts this rank holds. Everything is checked (`check_tensors`) before anything is
+    written. Returns whether a routed-expert layer changed its code layout (`expert_layout.weights_written`)."""
+    check_tensors(model, tensors)
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, value in tensors.items():
+            param = params[name]
+            experts = model.get_submodule(name.rpartition(".")[0])
+            if isinstance(experts, RoutedExperts):
+                for local, e in enumerate(experts.expert_ids):
+                    param.weight_loader(param, value[e], name, local)
+            else:
+                param.weight_loader(param, value, name)
+    return weights_written(model, tensors)
 
 
 def load_model(

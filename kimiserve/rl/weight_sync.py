@@ -36,28 +36,17 @@ def named_weights(source) -> dict[str, torch.Tensor]:
 def sync_weights(engine, source, names: Iterable[str] | None = None) -> int:
     """Copy `source`'s tensors (all, or those in `names`) into the engine's parameters of the same names
     and empty its prefix cache; routed-expert codes (checkpoint layout) are re-laid into the layout the
-    engine holds (`model.expert_layout`). `engine`: an LLMEngine or an LLM. Returns the number of tensors copied.
-    ValueError (before anything is copied) for an unknown name or a shape mismatch; RuntimeError while
-    requests are running."""
+    engine holds (`model.expert_layout`). `source` is the one-process model (or its tensors): a
+    multi-process engine's every rank loads its own part of each tensor (`loader.load_tensors`).
+    `engine`: an LLMEngine or an LLM. Returns the number of tensors copied. ValueError (before anything
+    is copied) for an unknown name or a shape mismatch; RuntimeError while requests are running."""
     engine = getattr(engine, "engine", engine)
     if engine.has_unfinished_requests():
         raise RuntimeError("update weights between steps of an idle engine: requests are still running")
     weights = named_weights(source)
     if names is not None:
         weights = {n: weights[n] for n in names}
-    params = dict(engine.model.named_parameters())
-    for name, value in weights.items():
-        if name not in params:
-            raise ValueError(f"the engine's model has no parameter {name!r}")
-        if tuple(value.shape) != tuple(params[name].shape):
-            raise ValueError(f"{name}: shape {tuple(value.shape)}, the engine's parameter is {tuple(params[name].shape)}")
-    with torch.no_grad():
-        for name, value in weights.items():
-            params[name].data.copy_(value.to(params[name].device))
-    from kimiserve.model.expert_layout import weights_written
-
-    if weights_written(engine.model, weights):  # codes re-laid as the engine holds them
-        engine.runner.forget_graphs()  # a layer changed layout: graphs captured the old decode
+    engine.executor.update_weights(weights)
     engine.allocator.evict_all()
     engine.weight_version = getattr(engine, "weight_version", 0) + 1
     return len(weights)
