@@ -80,7 +80,6 @@ class Worker:
         if spec is not None:
             self.runner.plan_verify_slots(spec.num_speculative_tokens + 1, self.args.max_num_seqs)
 
-
     def update_weights(self, tensors) -> None:
         """Load one-process-named tensors into this rank's shard (`loader.load_tensors`); the captured graphs
         are dropped when a routed-expert layer changed its code layout (they captured the old decode)."""
