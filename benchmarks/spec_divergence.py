@@ -20,6 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import torch  # noqa: E402
 from spec_decode import prompts_of  # noqa: E402
 
 from kimiserve.engine.args import EngineArgs  # noqa: E402
@@ -71,8 +72,6 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     spec = {"method": "ngram", "num_speculative_tokens": args.k}
-    import torch
-
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     result = {"device": device, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "commit": git_commit(), "args": vars(args), "modes": {}}

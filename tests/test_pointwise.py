@@ -22,6 +22,13 @@ def assert_position_invariant(fn, x: torch.Tensor):
     assert torch.equal(torch.cat([fn(x[i:i + 1]) for i in range(0, x.numel(), 37)]), whole[::37])  # alone
 
 
+@pytest.mark.parametrize("fn", [torch.exp, torch.log, torch.tanh, torch.rsqrt, torch.sqrt, torch.log1p])
+def test_the_functions_the_exp_forms_build_on_do_not_depend_on_position(fn):
+    """What the exp forms and the batch-invariant ops rely on (torch.sigmoid / F.silu / F.softplus do not
+    hold this: see the module's doc)."""
+    assert_position_invariant(fn, torch.randn(5000, generator=torch.Generator().manual_seed(6)).abs() * 3 + 1e-3)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("fn", [f for f, _ in VECTOR_FORMS] + EXP_FORMS)
 def test_an_element_gets_the_same_bits_anywhere(fn, dtype):

@@ -156,10 +156,10 @@ def load_weights(model: KimiForCausalLM, folder: str | os.PathLike) -> None:
     weights_written(model, params)
 
 
-def check_tensors(model: KimiForCausalLM, tensors: Mapping[str, torch.Tensor]) -> None:
+def check_tensors(model: KimiForCausalLM, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.nn.Parameter]:
     """ValueError unless every name is a parameter of `model` and every tensor has that parameter's full
     (one-process) shape: `load_tensors`' input checks, alone (a multi-process engine runs them on rank 0
-    before any rank writes)."""
+    before any rank writes). Returns the model's parameters by name."""
     params = dict(model.named_parameters())
     for name, value in tensors.items():
         if name not in params:
@@ -167,6 +167,7 @@ def check_tensors(model: KimiForCausalLM, tensors: Mapping[str, torch.Tensor]) -
         if tuple(value.shape) != tuple(params[name].full_shape):
             raise ValueError(f"{name}: shape {tuple(value.shape)}, the engine's parameter is "
                              f"{tuple(params[name].full_shape)}")
+    return params
 
 
 def load_tensors(model: KimiForCausalLM, tensors: Mapping[str, torch.Tensor]) -> bool:
@@ -175,8 +176,7 @@ def load_tensors(model: KimiForCausalLM, tensors: Mapping[str, torch.Tensor]) ->
     parameter's `weight_loader` copies its rank's part in place; a stacked expert parameter takes the
     slices of the experts this rank holds. Everything is checked (`check_tensors`) before anything is
     written. Returns whether a routed-expert layer changed its code layout (`expert_layout.weights_written`)."""
-    check_tensors(model, tensors)
-    params = dict(model.named_parameters())
+    params = check_tensors(model, tensors)
     with torch.no_grad():
         for name, value in tensors.items():
             param = params[name]
