@@ -152,6 +152,80 @@ def test_one_launch_kernel_compiles_for_the_h200():
     assert "ld.global.cg" in ptx and "cubin" in kernel.asm
 
 
+def launch_specializations(monkeypatch, calls):
+    """Run each of `calls` (functions of no arguments that launch `_kda_steps_kernel` on CPU tensors) with the
+    launch intercepted; return each launch's (specialization, options) as Triton's binder for sm_90 makes them:
+    equal ones compile to one kernel."""
+    if __import__("os").environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("the Triton interpreter is on in this process")
+    pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    from kimiserve.ops.kda import triton_decode
+
+    kernel = triton_decode._kda_steps_kernel
+    seen = []
+    monkeypatch.setattr(kernel, "run", lambda *args, grid, warmup, **kwargs: seen.append((args, kwargs)))
+    binder = create_function_from_signature(kernel.signature, kernel.params, make_backend(GPUTarget("cuda", 90, 32)))
+    keys = []
+    for call in calls:
+        del seen[:]
+        call()
+        assert len(seen) == 1, f"{len(seen)} launches of the steps kernel"
+        args, kwargs = seen[0]
+        _, specialization, options = binder(*args, **kwargs)
+        keys.append((specialization, options))
+    return keys
+
+
+@pytest.mark.parametrize("H, K, batch", [(2, 24, 1), (3, 40, 3)])
+def test_decode_and_verify_launch_one_compiled_kernel(H, K, batch, monkeypatch):
+    """A decode step (gathered contiguous rows, a page-id column) and a verify step (row views of one merged
+    projection at an odd stride, a [B, T] grid, ragged lengths, slots) specialise `_kda_steps_kernel` alike, so on
+    the GPU they run one compiled kernel: the same thread layouts and summation orders, so a verify position's
+    bits are a decode step's. (Session 7's separate verify kernel differed from the decode kernel's bits on the
+    H200 at position 0.)"""
+    from kimiserve.ops.kda import triton_decode, triton_verify
+
+    W, T, P = 4, 4, H * K
+    gen = torch.Generator().manual_seed(H * K)
+    dtype = torch.bfloat16
+    N = batch * T + 3
+    merged = torch.randn(N, 4 * P + H + 3, generator=gen).to(dtype)
+    q, k, v, b, gate, _ = merged.split([P, P, P, H, P, 3], dim=-1)
+    f = torch.randn(N, P, generator=gen).to(dtype)
+    weights = paged.KDADecodeWeights(*(torch.randn(P, W, generator=gen) for _ in range(3)), torch.randn(H),
+                                     torch.randn(P), -5.0, torch.ones(K), 1e-5)
+    conv = page_view(batch + 4, (3, P, W - 1), dtype, "cpu", gen)
+    states = page_view(batch + 4, (H, K, K), torch.float32, "cpu", gen)
+    table = torch.arange(2 * (batch + 4), dtype=torch.int64).view(-1, 2)[: batch, :] % (batch + 4)
+    grid = torch.arange(batch * T, dtype=torch.int64).view(batch, T)
+    lengths = torch.full((batch,), T, dtype=torch.int64)
+    lengths[0] = 2
+    conv_slots = torch.empty(T, batch, 3, P, W - 1, dtype=dtype)
+    state_slots = torch.empty(T, batch, H, K, K)
+    rows = torch.arange(batch)
+
+    def decode():
+        triton_decode.kda_decode_step(q[rows], k[rows], v[rows], f[rows], b[rows], gate[rows], weights, conv, states,
+                                      table[:, 1], block_v=None)
+
+    def verify():
+        out = torch.empty(N, H, K, dtype=dtype)
+        triton_verify.kda_verify_steps(q, k, v, f, b, gate, weights, conv, states, table[:, 0], grid, lengths, None,
+                                       out, conv_slots, state_slots, block_v=None)
+
+    def decode_views():  # a decode graph's rows: the merged projection's views themselves
+        triton_decode.kda_decode_step(q[:batch], k[:batch], v[:batch], f[:batch], b[:batch], gate[:batch], weights,
+                                      conv, states, table[:, 0].contiguous(), block_v=None)
+
+    first, *others = launch_specializations(monkeypatch, [decode, verify, decode_views])
+    for other in others:
+        assert other == first
+
+
 @pytest.mark.parametrize("rows, H, K, W, lower_bound", CASES[:2])
 def test_reference_is_the_layers_recurrent_form(rows, H, K, W, lower_bound):
     """The reference step equals one step of the full-sequence recurrent form from the same states."""

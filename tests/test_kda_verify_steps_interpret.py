@@ -92,18 +92,25 @@ def check_against_decode_steps(op, decode_step, case, dtype, seed):
 @pytest.mark.parametrize("case", CASES)
 def test_one_launch_matches_decode_steps(case, dtype):
     launches = []
-    kernel = triton_verify._kda_verify_steps_kernel
+    kernel = triton_decode._kda_steps_kernel  # the decode step's single kernel, all positions in one launch
     run = kernel.run
+    counting = [False]
 
     def counted(*a, **kw):
-        launches.append(1)
+        launches.extend([1] if counting[0] else [])
         return run(*a, **kw)
+
+    def verify(*a):
+        counting[0] = True
+        try:
+            return triton_verify.kda_verify_steps(*a, fallback=paged.kda_decode)
+        finally:
+            counting[0] = False
 
     kernel.run = counted
     try:
-        op = functools.partial(triton_verify.kda_verify_steps, fallback=paged.kda_decode)
         step = functools.partial(triton_decode.kda_decode_step, fallback=paged.kda_decode)
-        check_against_decode_steps(op, step, case, dtype, seed=sum(case[:5]))
+        check_against_decode_steps(verify, step, case, dtype, seed=sum(case[:5]))
     finally:
         kernel.run = run
     assert launches == [1], "the positions did not run as one launch"

@@ -135,7 +135,7 @@ class ForwardBatch:
             active = [None if min(lengths) > t else torch.tensor([j for j, n in enumerate(lengths) if n > t]).to(device)
                       for t in range(T)]
             verify_states = torch.stack([c.state_pages for c in verify])
-            verify_lengths = torch.tensor(lengths, dtype=torch.int32)
+            verify_lengths = torch.tensor(lengths, dtype=torch.int64)
             verify_rows = torch.cat([torch.arange(c.start, c.end) for c in verify])
             verify_lens = torch.cat([torch.arange(c.context_start, c.context_end) + 1 for c in verify])
             verify_tables = torch.zeros(len(verify_rows), max(len(c.block_table) for c in verify), dtype=torch.int64)

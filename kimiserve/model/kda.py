@@ -236,7 +236,7 @@ class KimiDeltaAttention(nn.Module):
         batch.verify_inputs[i] = xs[:5]
         pages = batch.verify_state_pages[:, i]
         conv, states = pool.conv[pages], pool.recurrent[pages]  # copies, addressed as pages 0..B-1
-        ids = torch.arange(grid.shape[1], dtype=torch.int32, device=grid.device)
+        ids = torch.arange(grid.shape[1], dtype=torch.int64, device=grid.device)
         every = []  # outputs of the leading positions every chunk has, written at once
         for t, active in enumerate(batch.verify_active):
             if active is None:

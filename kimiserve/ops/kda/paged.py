@@ -95,7 +95,7 @@ def kda_verify_steps(q, k, v, f, b, gate, weights: KDADecodeWeights, conv, state
     """A KDA layer's verify positions (speculative decoding) with a state slot per position: T positions of B
     chunks, position t of chunk j the packed row grid[j, t] (grid [B, T] int64) of q, k, v, f, gate [N, H * K]
     and b [N, H] (the step's rows); active[t] the chunks that have a position t (an index tensor, None for
-    all), lengths [B] int32 the same as counts (None: every chunk has T). Chunk j starts from its pages
+    all), lengths [B] int64 the same as counts (None: every chunk has T). Chunk j starts from its pages
     page_ids[j] of conv [P, 3, H * K, W - 1] and states [P, H, K, V], which are only read. Position t runs
     through `decode_step` (a `kda_decode_step`; the arithmetic of a decode step at the batch of position t's
     chunks) on slot t, which holds the states after position t: conv_slots [T, B, 3, H * K, W - 1] and

@@ -11,6 +11,10 @@ dtype before the norm (as the reference's o is), and the normed output is rounde
 One program per (sequence, head) holds that head's whole [K, V] fp32 state tile (K, V <= 128: 64 KB
 in registers at 8 warps), so the state page is read and written once, the conv state page once,
 and the head's output is complete for the norm; no atomics, no host synchronisation (CUDA graphs).
+That kernel (`_kda_steps_kernel`, `launch_steps`) loops over a chunk's positions: a decode step is
+its one-position case, and speculative verify steps (`triton_verify`) run several positions per
+sequence through the same compiled kernel, saving the state after each, so that every verify
+position has the bits a decode step gives.
 
 A split form for larger batches (`block_v`, see below the single kernel): the conv, norms and gates
 in a first kernel, the delta rule over [K, block_v] slices of the state in a second, the norm in a
@@ -164,33 +168,160 @@ def _gated_norm(o, gate_ptrs, norm_w_ptr, vv, mv, norm_eps, V: tl.constexpr):
 
 
 @triton.jit
-def _kda_decode_step_kernel(
-    q_ptr, k_ptr, v_ptr, f_ptr, b_ptr, gate_ptr, out_ptr, row_stride, b_stride,
+def _row_at(chunk_rows, t, pos_stride, j, identity_rows):
+    """The packed row of position t of chunk j: grid[j, t], or j itself when identity_rows (decode: one position)."""
+    listed = tl.load(chunk_rows + t * pos_stride, mask=identity_rows == 0, other=0).to(tl.int64)
+    return tl.where(identity_rows == 0, listed, j.to(tl.int64))
+
+
+@triton.jit
+def _conv_window(x_ptr, row_stride, chunk_rows, rows_pos_stride, j, identity_rows, page_base, chan, mask, t,
+                 W: tl.constexpr, BW: tl.constexpr, CONV_DTYPE: tl.constexpr):
+    """The conv state [channels, BW] (conv dtype; columns past W - 2 zero) of the channels `chan` before
+    position t: the last W - 1 entries of [the page's W - 1 columns, the inputs x_0 .. x_{t-1}]."""
+    ww = tl.arange(0, BW)
+    src = t + ww  # index into [page columns, x_0, x_1, ...]
+    col = ww < W - 1
+    in_x = col & (src >= W - 1)
+    from_page = mask[:, None] & (col & (src < W - 1))[None, :]
+    from_x = mask[:, None] & in_x[None, :]
+    rows = tl.load(chunk_rows + tl.maximum(src - (W - 1), 0) * rows_pos_stride, mask=in_x & (identity_rows == 0),
+                   other=0).to(tl.int64)
+    rows = tl.where(identity_rows == 0, rows, j.to(tl.int64))
+    page = tl.load(page_base + chan[:, None] * (W - 1) + src[None, :], mask=from_page, other=0.0)
+    x = tl.load(x_ptr + rows[None, :] * row_stride + chan[:, None], mask=from_x, other=0.0)
+    return tl.where(from_x, x.to(CONV_DTYPE), page)
+
+
+@triton.jit
+def _conv_position(x_ptr, row, row_stride, chunk_rows, rows_pos_stride, j, identity_rows, page_base, dst_base,
+                   w_state, w_cur, chan, mask, t, W: tl.constexpr, BW: tl.constexpr, CONV_DTYPE: tl.constexpr,
+                   OUT_DTYPE: tl.constexpr):
+    """SiLU of the short conv of the channels `chan` at position t (rounded to the model dtype, returned in
+    fp32) from its window; the window after t goes to dst_base (which may be the page read: after a barrier)."""
+    state = _conv_window(x_ptr, row_stride, chunk_rows, rows_pos_stride, j, identity_rows, page_base, chan, mask, t,
+                         W, BW, CONV_DTYPE)
+    x = tl.load(x_ptr + row * row_stride + chan, mask=mask, other=0.0)
+    y = _conv_apply(state, x, w_state, w_cur, OUT_DTYPE)
+    after = _conv_window(x_ptr, row_stride, chunk_rows, rows_pos_stride, j, identity_rows, page_base, chan, mask,
+                         t + 1, W, BW, CONV_DTYPE)
+    tl.debug_barrier()  # every lane has read the page before any lane overwrites it (decode: dst is the page)
+    _conv_store(after, dst_base, chan, mask, W, BW)
+    return y
+
+
+@triton.jit
+def _conv_weights(w_ptr, chan, mask, W: tl.constexpr, BW: tl.constexpr):
+    ww = tl.arange(0, BW)
+    w_state = tl.load(w_ptr + chan[:, None] * W + ww[None, :], mask=mask[:, None] & (ww[None, :] < W - 1), other=0.0)
+    return w_state, tl.load(w_ptr + chan * W + (W - 1), mask=mask, other=0.0)
+
+
+# Arguments whose values or alignment differ between a decode step's launch and a verify step's (views of a
+# merged projection or gathered rows, a page-id column of any stride, position counts, destinations): left
+# unspecialised, so that both run one compiled kernel, hence the same thread layouts and summation orders.
+_PER_CALL_ARGS = ["q_ptr", "k_ptr", "v_ptr", "f_ptr", "b_ptr", "gate_ptr", "out_ptr", "q_stride", "k_stride",
+                  "v_stride", "f_stride", "b_stride", "gate_stride", "grid_ptr", "grid_chunk_stride", "grid_pos_stride",
+                  "identity_rows", "lengths_ptr", "has_lengths", "num_positions", "num_chunks", "pages_ptr",
+                  "pages_stride", "conv_dst_ptr", "conv_dst_page_stride", "conv_dst_item_stride",
+                  "state_dst_page_stride", "state_dst_item_stride"]
+
+
+@triton.jit(do_not_specialize=_PER_CALL_ARGS, do_not_specialize_on_alignment=_PER_CALL_ARGS)
+def _kda_steps_kernel(
+    q_ptr, k_ptr, v_ptr, f_ptr, b_ptr, gate_ptr, out_ptr, q_stride, k_stride, v_stride, f_stride, b_stride, gate_stride,
+    grid_ptr, grid_chunk_stride, grid_pos_stride, identity_rows, lengths_ptr, has_lengths, num_positions, num_chunks,
     qw_ptr, kw_ptr, vw_ptr, a_log_ptr, dt_bias_ptr, norm_w_ptr,
-    conv_ptr, conv_page_stride, state_ptr, state_page_stride, pages_ptr,
-    lower_bound, scale, norm_eps,
+    conv_ptr, conv_page_stride, state_ptr, state_page_stride, pages_ptr, pages_stride,
+    conv_dst_ptr, conv_dst_page_stride, conv_dst_item_stride, state_dst_ptr, state_dst_page_stride,
+    state_dst_item_stride, lower_bound, scale, norm_eps,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, BW: tl.constexpr, HAS_LOWER_BOUND: tl.constexpr,
 ):
-    row = tl.program_id(0)
+    j = tl.program_id(0)
     h = tl.program_id(1)
-    page = tl.load(pages_ptr + row).to(tl.int64)
+    page = tl.load(pages_ptr + j * pages_stride).to(tl.int64)
     OUT_DTYPE = out_ptr.dtype.element_ty
+    CONV_DTYPE = conv_ptr.dtype.element_ty
+    P = H * K
     kk = tl.arange(0, BK)
     vv = tl.arange(0, BV)
     mk = kk < K
     mv = vv < V
-    x_off = row.to(tl.int64) * row_stride
-    q, k, v, g, beta = _mix_head(q_ptr, k_ptr, v_ptr, f_ptr, b_ptr, x_off, row.to(tl.int64) * b_stride,
-                                 qw_ptr, kw_ptr, vw_ptr, a_log_ptr, dt_bias_ptr, conv_ptr + page * conv_page_stride,
-                                 h, lower_bound, kk, mk, vv, mv, H, K, V, W, BW, HAS_LOWER_BOUND, OUT_DTYPE)
-
-    s_off = page * state_page_stride + h * K * V + kk[:, None] * V + vv[None, :]
+    n = num_positions
+    if has_lengths != 0:
+        n = tl.load(lengths_ptr + j).to(tl.int32)
+    chunk_rows = grid_ptr + j.to(tl.int64) * grid_chunk_stride
+    conv_page = conv_ptr + page * conv_page_stride
+    q_chan, k_chan, v_chan = h * K + kk, h * K + kk, h * V + vv
+    wq, wq_cur = _conv_weights(qw_ptr, q_chan, mk, W, BW)
+    wk, wk_cur = _conv_weights(kw_ptr, k_chan, mk, W, BW)
+    wv, wv_cur = _conv_weights(vw_ptr, v_chan, mv, W, BW)
+    s_head = h * K * V + kk[:, None] * V + vv[None, :]
     m_s = mk[:, None] & mv[None, :]
-    o = _delta_rule(state_ptr, s_off, m_s, tl.exp(g), k, v, beta, q * scale).to(OUT_DTYPE).to(tl.float32)
+    S = tl.load(state_ptr + page * state_page_stride + s_head, mask=m_s, other=0.0)
+    for t in range(0, n):
+        row = _row_at(chunk_rows, t, grid_pos_stride, j, identity_rows)
+        item = (t * num_chunks + j).to(tl.int64)  # slot [t, j]
+        conv_dst = conv_dst_ptr + page * conv_dst_page_stride + item * conv_dst_item_stride
+        q = _conv_position(q_ptr, row, q_stride, chunk_rows, grid_pos_stride, j, identity_rows, conv_page, conv_dst,
+                           wq, wq_cur, q_chan, mk, t, W, BW, CONV_DTYPE, OUT_DTYPE)
+        k = _conv_position(k_ptr, row, k_stride, chunk_rows, grid_pos_stride, j, identity_rows, conv_page + P * (W - 1),
+                           conv_dst + P * (W - 1), wk, wk_cur, k_chan, mk, t, W, BW, CONV_DTYPE, OUT_DTYPE)
+        v = _conv_position(v_ptr, row, v_stride, chunk_rows, grid_pos_stride, j, identity_rows,
+                           conv_page + 2 * P * (W - 1), conv_dst + 2 * P * (W - 1), wv, wv_cur, v_chan, mv, t, W, BW,
+                           CONV_DTYPE, OUT_DTYPE)
+        g, beta = _gate_beta(f_ptr, b_ptr, row * f_stride, row * b_stride, a_log_ptr, dt_bias_ptr, h, lower_bound, kk,
+                             mk, K, HAS_LOWER_BOUND)
+        q = _l2_normalize(q, OUT_DTYPE)
+        k = _l2_normalize(k, OUT_DTYPE)
+        S, o = _delta_rule_tile(S, tl.exp(g), k, v, beta, q * scale)
+        tl.store(state_dst_ptr + page * state_dst_page_stride + item * state_dst_item_stride + s_head, S, mask=m_s)
+        o = _gated_norm(o.to(OUT_DTYPE).to(tl.float32), gate_ptr + row * gate_stride + h * V + vv, norm_w_ptr, vv, mv,
+                        norm_eps, V)
+        tl.store(out_ptr + row * (H * V) + h * V + vv, o.to(OUT_DTYPE), mask=mv)
 
-    o = _gated_norm(o, gate_ptr + x_off + h * V + vv, norm_w_ptr, vv, mv, norm_eps, V)
-    tl.store(out_ptr + row.to(tl.int64) * (H * V) + h * V + vv, o.to(OUT_DTYPE), mask=mv)
+
+def launch_steps(q, k, v, f, b, gate, weights, conv, states, page_ids, out, grid=None, lengths=None, slots=None):
+    """The single-kernel form for B chunks (page_ids [B], any stride, int64): one program per (chunk, head) holds
+    the head's [K, V] fp32 state tile in registers over the chunk's positions.
+
+    A decode step: grid None (chunk j is row j of q, k, v, f, b, gate and out, one position), slots None (the new
+    states go back to the pages). Verify positions: grid [B, T] int64 (the packed row of position t of chunk j),
+    lengths [B] int64 or None (all T), slots (conv_slots [T, B, 3, H * K, W - 1], state_slots [T, B, H, K, V])
+    receive the states after every position; the pages are only read. Inputs: rows at any stride, unit last stride.
+    Both uses launch one compiled kernel (`_PER_CALL_ARGS`), so a verify position's bits are a decode step's."""
+    H, K, V = states.shape[1:]
+    W = weights.q_conv.shape[-1]
+    B = page_ids.shape[0]
+    page_ids = page_ids if page_ids.dtype == torch.int64 else page_ids.to(torch.int64)  # one kernel signature
+    if B == 0:
+        return out
+    if grid is None:
+        T, grid_ptr, grid_strides, identity = 1, page_ids, (0, 0), 1
+        conv_dst, conv_dst_strides = conv, (conv.stride(0), 0)
+        state_dst, state_dst_strides = states, (states.stride(0), 0)
+    else:
+        grid = grid if grid.dtype == torch.int64 else grid.to(torch.int64)
+        T, grid_ptr, grid_strides, identity = grid.shape[1], grid, grid.stride(), 0
+        conv_slots, state_slots = slots
+        conv_dst, conv_dst_strides = conv_slots, (0, conv_slots.stride(1))
+        state_dst, state_dst_strides = state_slots, (0, state_slots.stride(1))
+    if lengths is not None and lengths.dtype != torch.int64:
+        lengths = lengths.to(torch.int64)
+    lower = weights.lower_bound
+    with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
+        _kda_steps_kernel[(B, H)](
+            q, k, v, f, b, gate, out, *(x.stride(0) for x in (q, k, v, f, b, gate)),
+            grid_ptr, *grid_strides, identity, page_ids if lengths is None else lengths, int(lengths is not None), T, B,
+            weights.q_conv, weights.k_conv, weights.v_conv, weights.A_log, weights.dt_bias, weights.norm_weight,
+            conv, conv.stride(0), states, states.stride(0), page_ids, page_ids.stride(0),
+            conv_dst, *conv_dst_strides, state_dst, *state_dst_strides,
+            0.0 if lower is None else float(lower), K ** -0.5, float(weights.eps),
+            H=H, K=K, V=V, W=W, BK=triton.next_power_of_2(K), BV=triton.next_power_of_2(V),
+            BW=triton.next_power_of_2(W - 1), HAS_LOWER_BOUND=lower is not None, num_warps=8 if K * V > 4096 else 4,
+        )
+    return out
 
 
 # The split form for larger batches: three kernels, so that a head's V columns spread over programs.
@@ -428,6 +559,9 @@ def kda_decode_step(q, k, v, f, b, gate, weights, conv, states, page_ids, fallba
     out = torch.empty(Bd, H, V, dtype=v.dtype, device=v.device)
     if Bd == 0:
         return out
+    if block_v is None:  # the single kernel: rows at any stride (views of one merged projection's output)
+        xs = [t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, f, b, gate)]
+        return launch_steps(*xs, weights, conv, states, page_ids, out)
     xs = [t.contiguous() for t in (q, k, v, f, gate)]  # [Bd, H * K] each: one row stride
     row_stride = xs[0].stride(0)
     b = b.contiguous()
@@ -435,15 +569,6 @@ def kda_decode_step(q, k, v, f, b, gate, weights, conv, states, page_ids, fallba
     pages = page_ids.to(torch.int32)
     sizes = dict(BK=triton.next_power_of_2(K), BW=triton.next_power_of_2(W - 1), HAS_LOWER_BOUND=lower is not None)
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
-        if block_v is None:
-            _kda_decode_step_kernel[(Bd, H)](
-                *xs[:3], xs[3], b, xs[4], out, row_stride, b.stride(0),
-                weights.q_conv, weights.k_conv, weights.v_conv, weights.A_log, weights.dt_bias, weights.norm_weight,
-                conv, conv.stride(0), states, states.stride(0), pages,
-                0.0 if lower is None else float(lower), K ** -0.5, float(weights.eps),
-                H=H, K=K, V=V, W=W, BV=triton.next_power_of_2(V), **sizes, num_warps=8 if K * V > 4096 else 4,
-            )
-            return out
         bv = min(block_v, triton.next_power_of_2(V))
         if counters is not None:
             _kda_one_launch_kernel[(Bd, H, triton.cdiv(V, bv))](
@@ -471,4 +596,4 @@ def kda_decode_step(q, k, v, f, b, gate, weights, conv, states, page_ids, fallba
     return out
 
 
-__all__ = ["MAX_HEAD_DIM", "StepCounters", "default_block_v", "kda_decode_step", "supported"]
+__all__ = ["MAX_HEAD_DIM", "StepCounters", "default_block_v", "kda_decode_step", "launch_steps", "supported"]
