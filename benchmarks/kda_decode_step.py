@@ -103,18 +103,32 @@ def main() -> int:
                         "one<n> (e.g. one32): the one-launch split form with blocks of n")
     parser.add_argument("--layers-in-graph", type=int, default=16,
                         help="calls (each on its own pages) in the graph of `us_in_graph` (0: not timed)")
+    parser.add_argument("--compare-module", default=None,
+                        help="a file with another version of ops/kda/triton_decode.py (e.g. `git show REV:kimiserve/ops/kda/"
+                        "triton_decode.py > old.py`): its single kernel timed beside as 'fused (<file name>)'")
     parser.add_argument("--cpu-smoke", action="store_true")
     parser.add_argument("--out", default="benchmarks/results/kda_decode_step.json")
     args = parser.parse_args()
     K, W = 128, 4
-    if args.cpu_smoke:
-        os.environ["TRITON_INTERPRET"] = "1"
+    if args.cpu_smoke:  # the interpreter with the tests' patches (a loop bound from a scalar, float casts)
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+        import triton_interpreter_shims
+
+        triton_interpreter_shims.enable()
         device, batches, heads, K = "cpu", [1, 3], [2], 16
     else:
         device, batches, heads = "cuda", [int(x) for x in args.batches.split(",")], [int(x) for x in args.heads.split(",")]
     from kimiserve.ops.kda import triton_decode
 
     variants = {"fused": functools.partial(triton_decode.kda_decode_step, fallback=paged.kda_decode, block_v=None)}
+    if args.compare_module:
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location("compared_triton_decode", args.compare_module)
+        other = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(other)
+        variants[f"fused ({os.path.basename(args.compare_module)})"] = functools.partial(
+            other.kda_decode_step, fallback=paged.kda_decode, block_v=None)
     for spec in (x for x in args.block_v.split(",") if x):
         one = spec.startswith("one")
         bv = int(spec[3:] if one else spec)

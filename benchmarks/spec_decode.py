@@ -42,6 +42,7 @@ as decode steps do, and so do the draft model's steps.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -98,8 +99,10 @@ def prompts_of(kind: str, batch: int, seed: int) -> list[list[int]]:
 def method_k(args, method: str) -> tuple[str, int]:
     """("off" | "ngram" | "draft", K) of a --methods entry: a name, or name:K for another K than --k; either
     with "+fewer" after it for the engine with `backend.fewer_kernel_ops` (target and draft model; a CUDA
-    engine's default), or "+separate" for `backend.separate_kernel_ops` (each projection apart)."""
-    name, _, k = method.removesuffix("+fewer").removesuffix("+separate").partition(":")
+    engine's default), "+separate" for `backend.separate_kernel_ops` (each projection apart), "+slots" for
+    `backend.kda_verify_slot_ops` (the KDA verify positions in one op saving a state slot per position, the commit a
+    slot copy) or "+noslots" for the per-position KDA verify and its replay."""
+    name, _, k = method.partition("+")[0].partition(":")
     if name not in ("off", "ngram", "draft"):
         raise SystemExit(f"unknown method {method!r}: off, ngram or draft (optionally :K)")
     return name, 0 if name == "off" else int(k) if k else args.k
@@ -134,6 +137,12 @@ def make_engine(args, method: str) -> LLMEngine:
         from kimiserve.ops.backend import separate_kernel_ops
 
         use_ops(engine, separate_kernel_ops)
+    elif entry.endswith("+slots"):
+        from kimiserve.ops.backend import kda_verify_slot_ops
+
+        use_ops(engine, kda_verify_slot_ops)
+    elif entry.endswith("+noslots"):
+        use_ops(engine, lambda ops: dataclasses.replace(ops, kda_verify_steps=None))
     return engine
 
 

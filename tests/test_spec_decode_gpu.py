@@ -12,8 +12,25 @@ from test_spec_decode import FEW, mixed_params, ngram, spec_counts, tokens
 pytestmark = pytest.mark.gpu
 
 
+@pytest.fixture(params=[False, True], ids=["per_position", "slots"])
+def slots(request, monkeypatch):
+    """Engines built with the KDA verify positions per position and the replay, or in one launch per layer into
+    state slots and the commit a slot copy (`backend.KDA_VERIFY_SLOTS_ON_CUDA`)."""
+    from kimiserve.ops import backend
+
+    monkeypatch.setattr(backend, "KDA_VERIFY_SLOTS_ON_CUDA", request.param)
+    return request.param
+
+
+def check_slots_used(engine, slots: bool) -> None:
+    for runner in (engine.runner, getattr(engine.proposer, "runner", None)):
+        if runner is not None:
+            assert (runner.ops.kda_verify_steps is not None) == slots
+            assert runner.verify_graphs is None or runner.verify_graphs.uses_slots(1) == slots
+
+
 @pytest.mark.parametrize("k", [1, 3])
-def test_verify_graphs_on_cuda_match_speculation_off(k):
+def test_verify_graphs_on_cuda_match_speculation_off(k, slots):
     prompts = random_prompts([20, 57, 9, 90, 33], seed=7)
     params = mixed_params() + [SamplingParams(max_tokens=40, allowed_token_ids=FEW[:2], **GREEDY)]
     kw = dict(device="cuda", max_num_seqs=8, num_pages=400)
@@ -25,13 +42,15 @@ def test_verify_graphs_on_cuda_match_speculation_off(k):
     assert got == want
     drafted, accepted, _ = spec_counts(on)
     assert 0 < accepted < drafted
+    check_slots_used(on, slots)
     eager = make_engine(speculative_config=ngram(k), enforce_eager=True, **kw)
     assert tokens(run(eager, prompts, params)) == want
+    check_slots_used(eager, slots)
     on.check_idle()
     eager.check_idle()
 
 
-def test_verify_graphs_on_cuda_draft_model():
+def test_verify_graphs_on_cuda_draft_model(slots):
     """The target drafting for itself (full K + 1 chunks, replays keeping every token); the draft model's
     catch-up chunks on its verify graphs and its drafting loop as one graph. fp32: in bf16 the verify
     step's other GEMM shapes move logits by a bf16 ulp, enough to flip near-tied greedy picks now and
@@ -47,6 +66,7 @@ def test_verify_graphs_on_cuda_draft_model():
         assert g.disabled is None and g.replays > 3, (type(g).__name__, g.disabled, g.replays)
     drafted, accepted, _ = spec_counts(on)
     assert accepted >= 0.9 * drafted, (accepted, drafted)  # the loop's drafts are (nearly all) the target's picks
+    check_slots_used(on, slots)
     on.check_idle()
 
 
