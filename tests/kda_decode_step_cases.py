@@ -21,12 +21,13 @@ ONE_LAUNCH_CASES = [(1, 2, 24, 4, -5.0, 16), (3, 2, 40, 3, None, 16), (1, 2, 128
                     (7, 1, 16, 2, -5.0, 8), (3, 1, 40, 4, -5.0, 64)]
 
 
-def page_view(pages: int, shape: tuple[int, ...], dtype, device, gen, scale=1.0):
-    """Pages of `shape` with a page stride past the page's size (as in the packed pool)."""
+def page_view(pages: int, shape: tuple[int, ...], dtype, device, gen, scale=1.0, pad=37):
+    """Pages of `shape` with a page stride `pad` elements past the page's size (the packed pool's is a multiple of
+    16 floats: pad=48 keeps that alignment; the default 37 breaks it)."""
     n = 1
     for s in shape:
         n *= s
-    buf = torch.randn(pages, n + 37, generator=gen).mul_(scale).to(dtype=dtype, device=device)
+    buf = torch.randn(pages, n + pad, generator=gen).mul_(scale).to(dtype=dtype, device=device)
     return buf[:, :n].view(pages, *shape)
 
 

@@ -45,8 +45,10 @@ def make_case(B, T, H, K, W, lower_bound, lengths, dtype, conv_dtype, seed):
     weights = paged.KDADecodeWeights(rnd(P, W, scale=0.5), rnd(P, W, scale=0.5), rnd(P, W, scale=0.5),
                                      rnd(H, scale=0.5), rnd(P), lower_bound, 1 + rnd(K, scale=0.1), 1e-5)
     pages = B + 3
-    conv = page_view(pages, (3, P, W - 1), conv_dtype or dtype, device, gen)
-    states = page_view(pages, (H, K, K), torch.float32, device, gen, scale=0.1)
+    # page strides at 16-float multiples, as the pool's: the state's alignment is part of the kernel's
+    # specialisation (see triton_decode._PER_CALL_ARGS), and the slots' are such multiples
+    conv = page_view(pages, (3, P, W - 1), conv_dtype or dtype, device, gen, pad=48)
+    states = page_view(pages, (H, K, K), torch.float32, device, gen, scale=0.1, pad=48)
     distinct = torch.randperm(pages, generator=gen)[:B]
     page_ids = torch.stack([distinct.flip(0), distinct], dim=1)[:, 1].to(device)  # a column, as the layer's pages
     return xs, weights, conv, states, page_ids, grid.to(device), lengths

@@ -178,27 +178,29 @@ def _row_at(chunk_rows, t, pos_stride, j, identity_rows):
 def _conv_window(x_ptr, row_stride, chunk_rows, rows_pos_stride, j, identity_rows, page_base, chan, mask, t,
                  W: tl.constexpr, BW: tl.constexpr, CONV_DTYPE: tl.constexpr):
     """The conv state [channels, BW] (conv dtype; columns past W - 2 zero) of the channels `chan` before
-    position t: the last W - 1 entries of [the page's W - 1 columns, the inputs x_0 .. x_{t-1}]."""
+    position t: the last W - 1 entries of [the page's W - 1 columns, the inputs x_0 .. x_{t-1}]: the page's part
+    one tile load, each input column a row load."""
     ww = tl.arange(0, BW)
     src = t + ww  # index into [page columns, x_0, x_1, ...]
-    col = ww < W - 1
-    in_x = col & (src >= W - 1)
-    from_page = mask[:, None] & (col & (src < W - 1))[None, :]
-    from_x = mask[:, None] & in_x[None, :]
-    rows = tl.load(chunk_rows + tl.maximum(src - (W - 1), 0) * rows_pos_stride, mask=in_x & (identity_rows == 0),
-                   other=0).to(tl.int64)
-    rows = tl.where(identity_rows == 0, rows, j.to(tl.int64))
-    page = tl.load(page_base + chan[:, None] * (W - 1) + src[None, :], mask=from_page, other=0.0)
-    x = tl.load(x_ptr + rows[None, :] * row_stride + chan[:, None], mask=from_x, other=0.0)
-    return tl.where(from_x, x.to(CONV_DTYPE), page)
+    from_page = mask[:, None] & ((ww < W - 1) & (src < W - 1))[None, :]
+    window = tl.load(page_base + chan[:, None] * (W - 1) + src[None, :], mask=from_page, other=0.0)
+    for c in tl.static_range(W - 1):
+        pos = t + c - (W - 1)  # column c holds input x_pos when pos >= 0
+        row = _row_at(chunk_rows, tl.maximum(pos, 0), rows_pos_stride, j, identity_rows)
+        x = tl.load(x_ptr + row * row_stride + chan, mask=mask & (pos >= 0), other=0.0)
+        window = tl.where((ww == c)[None, :] & (pos >= 0), x.to(CONV_DTYPE)[:, None], window)
+    return window
 
 
 @triton.jit
-def _conv_position(x_ptr, row, row_stride, chunk_rows, rows_pos_stride, j, identity_rows, page_base, dst_base,
-                   w_state, w_cur, chan, mask, t, W: tl.constexpr, BW: tl.constexpr, CONV_DTYPE: tl.constexpr,
+def _conv_position(x_ptr, row, row_stride, chunk_rows, rows_pos_stride, j, identity_rows, page_base, dst_base, w_ptr,
+                   chan, mask, t, W: tl.constexpr, BW: tl.constexpr, CONV_DTYPE: tl.constexpr,
                    OUT_DTYPE: tl.constexpr):
-    """SiLU of the short conv of the channels `chan` at position t (rounded to the model dtype, returned in
-    fp32) from its window; the window after t goes to dst_base (which may be the page read: after a barrier)."""
+    """SiLU of the short conv of the channels `chan` at position t (rounded to the model dtype, returned in fp32)
+    from its window; the window after t goes to dst_base (which may be the page read: after a barrier)."""
+    ww = tl.arange(0, BW)
+    w_state = tl.load(w_ptr + chan[:, None] * W + ww[None, :], mask=mask[:, None] & (ww[None, :] < W - 1), other=0.0)
+    w_cur = tl.load(w_ptr + chan * W + (W - 1), mask=mask, other=0.0)
     state = _conv_window(x_ptr, row_stride, chunk_rows, rows_pos_stride, j, identity_rows, page_base, chan, mask, t,
                          W, BW, CONV_DTYPE)
     x = tl.load(x_ptr + row * row_stride + chan, mask=mask, other=0.0)
@@ -210,21 +212,16 @@ def _conv_position(x_ptr, row, row_stride, chunk_rows, rows_pos_stride, j, ident
     return y
 
 
-@triton.jit
-def _conv_weights(w_ptr, chan, mask, W: tl.constexpr, BW: tl.constexpr):
-    ww = tl.arange(0, BW)
-    w_state = tl.load(w_ptr + chan[:, None] * W + ww[None, :], mask=mask[:, None] & (ww[None, :] < W - 1), other=0.0)
-    return w_state, tl.load(w_ptr + chan * W + (W - 1), mask=mask, other=0.0)
-
-
 # Arguments whose values or alignment differ between a decode step's launch and a verify step's (views of a
-# merged projection or gathered rows, a page-id column of any stride, position counts, destinations): left
-# unspecialised, so that both run one compiled kernel, hence the same thread layouts and summation orders.
+# merged projection or gathered rows, a page-id column of any stride, position counts, conv destinations): left
+# unspecialised, so that both run one compiled kernel, hence the same thread layouts and summation orders. The
+# state tile's pointers and strides stay specialised: at 16-float alignment its loads and stores are vectors and
+# the tile keeps their layout (unaligned, the compiler spills it). The pool's page strides and the slots' are
+# multiples of 16 floats, so decode and verify specialise alike in the engine (and in tests with such pages).
 _PER_CALL_ARGS = ["q_ptr", "k_ptr", "v_ptr", "f_ptr", "b_ptr", "gate_ptr", "out_ptr", "q_stride", "k_stride",
                   "v_stride", "f_stride", "b_stride", "gate_stride", "grid_ptr", "grid_chunk_stride", "grid_pos_stride",
                   "identity_rows", "lengths_ptr", "has_lengths", "num_positions", "num_chunks", "pages_ptr",
-                  "pages_stride", "conv_dst_ptr", "conv_dst_page_stride", "conv_dst_item_stride",
-                  "state_dst_page_stride", "state_dst_item_stride"]
+                  "pages_stride", "conv_dst_ptr", "conv_dst_page_stride", "conv_dst_item_stride"]
 
 
 @triton.jit(do_not_specialize=_PER_CALL_ARGS, do_not_specialize_on_alignment=_PER_CALL_ARGS)
@@ -254,27 +251,31 @@ def _kda_steps_kernel(
     chunk_rows = grid_ptr + j.to(tl.int64) * grid_chunk_stride
     conv_page = conv_ptr + page * conv_page_stride
     q_chan, k_chan, v_chan = h * K + kk, h * K + kk, h * V + vv
-    wq, wq_cur = _conv_weights(qw_ptr, q_chan, mk, W, BW)
-    wk, wk_cur = _conv_weights(kw_ptr, k_chan, mk, W, BW)
-    wv, wv_cur = _conv_weights(vw_ptr, v_chan, mv, W, BW)
     s_head = h * K * V + kk[:, None] * V + vv[None, :]
     m_s = mk[:, None] & mv[None, :]
-    S = tl.load(state_ptr + page * state_page_stride + s_head, mask=m_s, other=0.0)
     for t in range(0, n):
-        row = _row_at(chunk_rows, t, grid_pos_stride, j, identity_rows)
         item = (t * num_chunks + j).to(tl.int64)  # slot [t, j]
+        row = _row_at(chunk_rows, t, grid_pos_stride, j, identity_rows)
         conv_dst = conv_dst_ptr + page * conv_dst_page_stride + item * conv_dst_item_stride
         q = _conv_position(q_ptr, row, q_stride, chunk_rows, grid_pos_stride, j, identity_rows, conv_page, conv_dst,
-                           wq, wq_cur, q_chan, mk, t, W, BW, CONV_DTYPE, OUT_DTYPE)
+                           qw_ptr, q_chan, mk, t, W, BW, CONV_DTYPE, OUT_DTYPE)
         k = _conv_position(k_ptr, row, k_stride, chunk_rows, grid_pos_stride, j, identity_rows, conv_page + P * (W - 1),
-                           conv_dst + P * (W - 1), wk, wk_cur, k_chan, mk, t, W, BW, CONV_DTYPE, OUT_DTYPE)
+                           conv_dst + P * (W - 1), kw_ptr, k_chan, mk, t, W, BW, CONV_DTYPE, OUT_DTYPE)
         v = _conv_position(v_ptr, row, v_stride, chunk_rows, grid_pos_stride, j, identity_rows,
-                           conv_page + 2 * P * (W - 1), conv_dst + 2 * P * (W - 1), wv, wv_cur, v_chan, mv, t, W, BW,
+                           conv_page + 2 * P * (W - 1), conv_dst + 2 * P * (W - 1), vw_ptr, v_chan, mv, t, W, BW,
                            CONV_DTYPE, OUT_DTYPE)
         g, beta = _gate_beta(f_ptr, b_ptr, row * f_stride, row * b_stride, a_log_ptr, dt_bias_ptr, h, lower_bound, kk,
                              mk, K, HAS_LOWER_BOUND)
         q = _l2_normalize(q, OUT_DTYPE)
         k = _l2_normalize(k, OUT_DTYPE)
+        # the state before position t: the page's, or the one this program saved to slot t - 1. A reload, not a
+        # tile carried over the loop, and loaded after the convs: so the tile keeps its load's layout and the
+        # vectors are converted to it (else the compiler moves the 64 KB tile to the convs' layout and back)
+        if t == 0:
+            S = tl.load(state_ptr + page * state_page_stride + s_head, mask=m_s, other=0.0)
+        else:
+            S = tl.load(state_dst_ptr + page * state_dst_page_stride + (item - num_chunks) * state_dst_item_stride
+                        + s_head, mask=m_s, other=0.0)
         S, o = _delta_rule_tile(S, tl.exp(g), k, v, beta, q * scale)
         tl.store(state_dst_ptr + page * state_dst_page_stride + item * state_dst_item_stride + s_head, S, mask=m_s)
         o = _gated_norm(o.to(OUT_DTYPE).to(tl.float32), gate_ptr + row * gate_stride + h * V + vv, norm_w_ptr, vv, mv,
@@ -283,8 +284,9 @@ def _kda_steps_kernel(
 
 
 def launch_steps(q, k, v, f, b, gate, weights, conv, states, page_ids, out, grid=None, lengths=None, slots=None):
-    """The single-kernel form for B chunks (page_ids [B], any stride, int64): one program per (chunk, head) holds
-    the head's [K, V] fp32 state tile in registers over the chunk's positions.
+    """The single-kernel form for B chunks (page_ids [B], any stride, int64): one program per (chunk, head) runs
+    the chunk's positions in order, each from the state the one before saved (fp32: the same bits as kept in
+    registers), the head's whole [K, V] state tile in registers at a time.
 
     A decode step: grid None (chunk j is row j of q, k, v, f, b, gate and out, one position), slots None (the new
     states go back to the pages). Verify positions: grid [B, T] int64 (the packed row of position t of chunk j),

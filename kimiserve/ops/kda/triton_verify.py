@@ -3,8 +3,8 @@ T positions of B chunks, each chunk's state pages read once and never written, t
 position saved to its slot, so that committing the accepted tokens is a copy of one slot per chunk.
 
 The launch is `triton_decode.launch_steps`, the decode step's own single kernel: one program per (chunk, head)
-loops over the chunk's positions t < lengths[j] with the head's [K, V] fp32 state tile in registers (the
-pool's state dtype is fp32: a store and load would give the same bits). The short conv's window before
+loops over the chunk's positions t < lengths[j], position t starting from the fp32 state it saved to slot t - 1
+(the page's for t = 0; the pool's state dtype is fp32: a store and load keep the bits). The short conv's window before
 position t is the last W - 1 entries of [the conv page, x_0 .. x_{t-1}], loaded from the page and from the
 earlier positions' input rows, each input rounded to the conv page's dtype as the decode step's store to the
 page rounds it; the window after position t goes to conv slot t. The decode step is the one-position case of
