@@ -193,9 +193,11 @@ def shift_moe_layout(ops: DecodeOps) -> DecodeOps:
     return dataclasses.replace(ops, name=f"{ops.name}+moe-shift", moe_layout="shift")
 
 
-KDA_VERIFY_SLOTS_ON_CUDA = False
+KDA_VERIFY_SLOTS_ON_CUDA = True
 """The switch: True gives CUDA engines `kda_verify_slot_ops` (verify steps' KDA positions in one Triton launch per
-layer, the commit a copy of per-position state slots). Off until it has run on the H200 (GPU_REQUEST of session 7)."""
+layer, the commit a copy of per-position state slots). On since session 10: the launch is the decode step's own
+compiled kernel, so on the H200 its positions are bit for bit decode steps (`tests/test_kda_verify_steps_interpret.py`
+and `tests/test_spec_decode_gpu.py` pass there both ways), and kimi-demo's rounds are 9-15% faster (BENCHMARKS.md)."""
 
 
 def kda_verify_slot_ops(ops: DecodeOps) -> DecodeOps:

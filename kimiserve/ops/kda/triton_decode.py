@@ -271,11 +271,9 @@ def _kda_steps_kernel(
         # the state before position t: the page's, or the one this program saved to slot t - 1. A reload, not a
         # tile carried over the loop, and loaded after the convs: so the tile keeps its load's layout and the
         # vectors are converted to it (else the compiler moves the 64 KB tile to the convs' layout and back)
-        if t == 0:
-            S = tl.load(state_ptr + page * state_page_stride + s_head, mask=m_s, other=0.0)
-        else:
-            S = tl.load(state_dst_ptr + page * state_dst_page_stride + (item - num_chunks) * state_dst_item_stride
-                        + s_head, mask=m_s, other=0.0)
+        before = tl.where(t == 0, state_ptr + page * state_page_stride,
+                          state_dst_ptr + page * state_dst_page_stride + (item - num_chunks) * state_dst_item_stride)
+        S = tl.load(before + s_head, mask=m_s, other=0.0)  # a select, not a branch: the load can issue early
         S, o = _delta_rule_tile(S, tl.exp(g), k, v, beta, q * scale)
         tl.store(state_dst_ptr + page * state_dst_page_stride + item * state_dst_item_stride + s_head, S, mask=m_s)
         o = _gated_norm(o.to(OUT_DTYPE).to(tl.float32), gate_ptr + row * gate_stride + h * V + vv, norm_w_ptr, vv, mv,
