@@ -289,8 +289,10 @@ def launch_steps(q, k, v, f, b, gate, weights, conv, states, page_ids, out, grid
     A decode step: grid None (chunk j is row j of q, k, v, f, b, gate and out, one position), slots None (the new
     states go back to the pages). Verify positions: grid [B, T] int64 (the packed row of position t of chunk j),
     lengths [B] int64 or None (all T), slots (conv_slots [T, B, 3, H * K, W - 1], state_slots [T, B, H, K, V])
-    receive the states after every position; the pages are only read. Inputs: rows at any stride, unit last stride.
-    Both uses launch one compiled kernel (`_PER_CALL_ARGS`), so a verify position's bits are a decode step's."""
+    receive the states after every position; the pages are only read. Inputs: rows at any stride (views of one
+    merged projection's output; copied only where the last stride is not 1). Both uses launch one compiled kernel
+    (`_PER_CALL_ARGS`), so a verify position's bits are a decode step's."""
+    q, k, v, f, b, gate = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, f, b, gate))
     H, K, V = states.shape[1:]
     W = weights.q_conv.shape[-1]
     B = page_ids.shape[0]
@@ -560,8 +562,7 @@ def kda_decode_step(q, k, v, f, b, gate, weights, conv, states, page_ids, fallba
     if Bd == 0:
         return out
     if block_v is None:  # the single kernel: rows at any stride (views of one merged projection's output)
-        xs = [t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, f, b, gate)]
-        return launch_steps(*xs, weights, conv, states, page_ids, out)
+        return launch_steps(q, k, v, f, b, gate, weights, conv, states, page_ids, out)
     xs = [t.contiguous() for t in (q, k, v, f, gate)]  # [Bd, H * K] each: one row stride
     row_stride = xs[0].stride(0)
     b = b.contiguous()

@@ -39,9 +39,7 @@ def kda_verify_steps(q, k, v, f, b, gate, weights, conv, states, page_ids, grid,
         step = lambda *a: kda_decode_step(*a, fallback=fallback, block_v=block_v, counters=counters)  # noqa: E731
         return paged.kda_verify_steps(q, k, v, f, b, gate, weights, conv, states, page_ids, grid, lengths, active,
                                       out, conv_slots, state_slots, decode_step=step)
-    xs = [t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, f, b, gate)]  # rows at any stride (views
-    # of one merged projection's output)
-    return launch_steps(*xs, weights, conv, states, page_ids, out, grid=grid, lengths=lengths,
+    return launch_steps(q, k, v, f, b, gate, weights, conv, states, page_ids, out, grid=grid, lengths=lengths,
                         slots=(conv_slots, state_slots))
 
 
