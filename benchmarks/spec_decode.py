@@ -272,9 +272,55 @@ def profiled_run(args, engine: LLMEngine, kind: str, batch: int, method: str, to
     run_one(args, engine, kind, batch, method, prof)
     text = io.StringIO()
     pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(top)
-    return {"device_ms_per_replay": {k: {"replays": len(v), "mean_ms": sum(v) / len(v), "min_ms": min(v)}
-                                     for k, v in timed.items()},
-            "cprofile_top_tottime": text.getvalue()}
+    out = {"device_ms_per_replay": {k: {"replays": len(v), "mean_ms": sum(v) / len(v), "min_ms": min(v)}
+                                    for k, v in timed.items()},
+           "cprofile_top_tottime": text.getvalue()}
+    if engine.device.type == "cuda":
+        out["graph_kernels"] = graph_kernels(engine, batch)
+    return out
+
+
+def graph_kernels(engine: LLMEngine, batch: int, replays: int = 20, top: int = 12) -> dict:
+    """Each captured graph of the smallest size >= `batch`, replayed alone (`replays` times, no request
+    running, so it reads and writes free pages) under torch.profiler: kernels per replay, the sum of their
+    durations, the replay's wall time between events, and the `top` kernels by time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    out = {}
+    for name, graphs in graph_sets(engine).items():
+        keys = sorted(k for k in graphs.graphs if k[0] >= batch)
+        if not keys:
+            continue
+        entry = graphs.graphs[keys[0]]
+        for slot, graph in enumerate(e for e in entry if isinstance(e, torch.cuda.CUDAGraph)):
+            label = f"{name}{'_kda_replay' if slot else ''}"
+            graph.replay()
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                start.record()
+                for _ in range(replays):
+                    graph.replay()
+                end.record()
+                torch.cuda.synchronize()
+            events = prof.events()
+            kernels = [(e.name, e.device_time) for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+            if not kernels:  # kernels only as children of the host's launch events
+                kernels = [(k.name, k.duration) for e in events for k in e.kernels]
+            kernels = [(n, t) for n, t in kernels if "memcpy" not in n.lower() and "memset" not in n.lower()]
+            by_name: dict[str, list[float]] = {}
+            for n, t in kernels:
+                by_name.setdefault(n, []).append(t)
+            ranked = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))
+            out[label] = {"key": list(keys[0]), "kernels_per_replay": len(kernels) / replays,
+                          "kernel_us_per_replay": sum(t for _, t in kernels) / replays,
+                          "wall_us_per_replay": start.elapsed_time(end) * 1e3 / replays,
+                          "top": [{"name": n[:90], "per_replay": len(v) / replays, "us_per_replay": sum(v) / replays}
+                                  for n, v in ranked[:top]]}
+            g = out[label]
+            print(f"  {label} {tuple(keys[0])}: {g['kernels_per_replay']:.0f} kernels, {g['kernel_us_per_replay']:.0f} us "
+                  f"of kernels in {g['wall_us_per_replay']:.0f} us a replay", flush=True)
+    return out
 
 
 def table(rows: list[dict]) -> str:

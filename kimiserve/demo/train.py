@@ -62,6 +62,14 @@ def draft_config(**changes) -> ModelConfig:
                                  routed_expert_hidden_size=64, attn_res_block_size=2), **changes})
 
 
+def small_draft_config(**changes) -> ModelConfig:
+    """A draft with fewer kernels per step than `draft_config`, for GPUs where a small model's step costs what
+    its kernel launches cost: the demo model's widths in 2 layers (1 KDA, 1 MLA with the indexer), dense MLPs
+    (no router, no routed experts)."""
+    return demo_config(**{**dict(num_hidden_layers=2, full_attn_layers=(1,), first_k_dense_replace=2,
+                                 attn_res_block_size=2), **changes})
+
+
 def tiny_train_config(**changes) -> ModelConfig:
     """A very small model of the same structure (tests)."""
     return demo_config(**{**dict(hidden_size=64, num_hidden_layers=4, full_attn_layers=(1, 3), kda_head_dim=16,
@@ -77,7 +85,8 @@ class TrainArgs:
 
     model: str = "demo"
     """Model size: demo (kimi-demo, `demo_config`), demo-draft (kimi-demo-draft, its speculative-decoding
-    draft, `draft_config`) or tiny (same structure, for smoke runs and tests)."""
+    draft, `draft_config`), demo-draft-small (a 2-layer dense draft, `small_draft_config`) or tiny (same
+    structure, for smoke runs and tests)."""
     out: str = "kimi-demo"
     """Model folder to write (release format; an intermediate export every `export_every_minutes`)."""
     device: str = "cuda"
@@ -130,7 +139,8 @@ class TrainArgs:
     """CPU smoke run: the tiny model, small batches, short filler, two minutes."""
 
     def model_config(self) -> ModelConfig:
-        configs = {"demo": demo_config, "demo-draft": draft_config, "tiny": tiny_train_config}
+        configs = {"demo": demo_config, "demo-draft": draft_config, "demo-draft-small": small_draft_config,
+                   "tiny": tiny_train_config}
         if self.model not in configs:
             raise ValueError(f"--model must be one of {', '.join(configs)}, got {self.model!r}")
         return configs[self.model]()

@@ -77,11 +77,12 @@ def _conv_store(new_state, conv_base, chan, mask, W: tl.constexpr, BW: tl.conste
 
 
 @triton.jit
-def _conv_shift(x, conv_base, chan, mask, W: tl.constexpr, BW: tl.constexpr):
-    """Writes the shifted conv state of the channels `chan` (their last W-1 inputs, x the newest) to the page."""
+def _conv_shift(x, conv_base, dst_base, chan, mask, W: tl.constexpr, BW: tl.constexpr):
+    """Writes the shifted conv state of the channels `chan` (their last W-1 inputs, x the newest) read at
+    conv_base to dst_base (which may be conv_base)."""
     new_state = _conv_next_state(x, conv_base, chan, mask, W, BW)
     tl.debug_barrier()  # every lane has read the state before any lane overwrites it
-    _conv_store(new_state, conv_base, chan, mask, W, BW)
+    _conv_store(new_state, dst_base, chan, mask, W, BW)
 
 
 @triton.jit
@@ -90,7 +91,7 @@ def _conv_silu(x_ptr, w_ptr, conv_base, chan, mask, W: tl.constexpr, BW: tl.cons
     dtype (returned in fp32); writes the shifted conv state (its last W-1 inputs) back to the page."""
     state, x, w_state, w_cur = _conv_load(x_ptr, w_ptr, conv_base, chan, mask, W, BW)
     y = _conv_apply(state, x, w_state, w_cur, OUT_DTYPE)
-    _conv_shift(x, conv_base, chan, mask, W, BW)
+    _conv_shift(x, conv_base, conv_base, chan, mask, W, BW)
     return y
 
 
@@ -175,40 +176,14 @@ def _row_at(chunk_rows, t, pos_stride, j, identity_rows):
 
 
 @triton.jit
-def _conv_window(x_ptr, row_stride, chunk_rows, rows_pos_stride, j, identity_rows, page_base, chan, mask, t,
-                 W: tl.constexpr, BW: tl.constexpr, CONV_DTYPE: tl.constexpr):
-    """The conv state [channels, BW] (conv dtype; columns past W - 2 zero) of the channels `chan` before
-    position t: the last W - 1 entries of [the page's W - 1 columns, the inputs x_0 .. x_{t-1}]: the page's part
-    one tile load, each input column a row load."""
-    ww = tl.arange(0, BW)
-    src = t + ww  # index into [page columns, x_0, x_1, ...]
-    from_page = mask[:, None] & ((ww < W - 1) & (src < W - 1))[None, :]
-    window = tl.load(page_base + chan[:, None] * (W - 1) + src[None, :], mask=from_page, other=0.0)
-    for c in tl.static_range(W - 1):
-        pos = t + c - (W - 1)  # column c holds input x_pos when pos >= 0
-        row = _row_at(chunk_rows, tl.maximum(pos, 0), rows_pos_stride, j, identity_rows)
-        x = tl.load(x_ptr + row * row_stride + chan, mask=mask & (pos >= 0), other=0.0)
-        window = tl.where((ww == c)[None, :] & (pos >= 0), x.to(CONV_DTYPE)[:, None], window)
-    return window
-
-
-@triton.jit
-def _conv_position(x_ptr, row, row_stride, chunk_rows, rows_pos_stride, j, identity_rows, page_base, dst_base, w_ptr,
-                   chan, mask, t, W: tl.constexpr, BW: tl.constexpr, CONV_DTYPE: tl.constexpr,
-                   OUT_DTYPE: tl.constexpr):
-    """SiLU of the short conv of the channels `chan` at position t (rounded to the model dtype, returned in fp32)
-    from its window; the window after t goes to dst_base (which may be the page read: after a barrier)."""
-    ww = tl.arange(0, BW)
-    w_state = tl.load(w_ptr + chan[:, None] * W + ww[None, :], mask=mask[:, None] & (ww[None, :] < W - 1), other=0.0)
-    w_cur = tl.load(w_ptr + chan * W + (W - 1), mask=mask, other=0.0)
-    state = _conv_window(x_ptr, row_stride, chunk_rows, rows_pos_stride, j, identity_rows, page_base, chan, mask, t,
-                         W, BW, CONV_DTYPE)
-    x = tl.load(x_ptr + row * row_stride + chan, mask=mask, other=0.0)
+def _conv_position(x_ptr, row, row_stride, window_base, dst_base, w_ptr, chan, mask, W: tl.constexpr,
+                   BW: tl.constexpr, OUT_DTYPE: tl.constexpr):
+    """SiLU of the short conv of the channels `chan` at one position (rounded to the model dtype, returned in fp32)
+    from the conv state before it at window_base (the page, or the slot saved after the position before); the
+    state after it ([window columns 1 .. W - 2, x]) goes to dst_base (which may be window_base: after a barrier)."""
+    state, x, w_state, w_cur = _conv_load(x_ptr + row * row_stride, w_ptr, window_base, chan, mask, W, BW)
     y = _conv_apply(state, x, w_state, w_cur, OUT_DTYPE)
-    after = _conv_window(x_ptr, row_stride, chunk_rows, rows_pos_stride, j, identity_rows, page_base, chan, mask,
-                         t + 1, W, BW, CONV_DTYPE)
-    tl.debug_barrier()  # every lane has read the page before any lane overwrites it (decode: dst is the page)
-    _conv_store(after, dst_base, chan, mask, W, BW)
+    _conv_shift(x, window_base, dst_base, chan, mask, W, BW)
     return y
 
 
@@ -239,7 +214,6 @@ def _kda_steps_kernel(
     h = tl.program_id(1)
     page = tl.load(pages_ptr + j * pages_stride).to(tl.int64)
     OUT_DTYPE = out_ptr.dtype.element_ty
-    CONV_DTYPE = conv_ptr.dtype.element_ty
     P = H * K
     kk = tl.arange(0, BK)
     vv = tl.arange(0, BV)
@@ -257,13 +231,15 @@ def _kda_steps_kernel(
         item = (t * num_chunks + j).to(tl.int64)  # slot [t, j]
         row = _row_at(chunk_rows, t, grid_pos_stride, j, identity_rows)
         conv_dst = conv_dst_ptr + page * conv_dst_page_stride + item * conv_dst_item_stride
-        q = _conv_position(q_ptr, row, q_stride, chunk_rows, grid_pos_stride, j, identity_rows, conv_page, conv_dst,
-                           qw_ptr, q_chan, mk, t, W, BW, CONV_DTYPE, OUT_DTYPE)
-        k = _conv_position(k_ptr, row, k_stride, chunk_rows, grid_pos_stride, j, identity_rows, conv_page + P * (W - 1),
-                           conv_dst + P * (W - 1), kw_ptr, k_chan, mk, t, W, BW, CONV_DTYPE, OUT_DTYPE)
-        v = _conv_position(v_ptr, row, v_stride, chunk_rows, grid_pos_stride, j, identity_rows,
-                           conv_page + 2 * P * (W - 1), conv_dst + 2 * P * (W - 1), vw_ptr, v_chan, mv, t, W, BW,
-                           CONV_DTYPE, OUT_DTYPE)
+        # the conv states before position t: the page's, or those saved to slot t - 1 (a pointer select; the
+        # barrier makes the slot's stores by every lane visible)
+        tl.debug_barrier()
+        window = tl.where(t == 0, conv_page, conv_dst - num_chunks * conv_dst_item_stride)
+        q = _conv_position(q_ptr, row, q_stride, window, conv_dst, qw_ptr, q_chan, mk, W, BW, OUT_DTYPE)
+        k = _conv_position(k_ptr, row, k_stride, window + P * (W - 1), conv_dst + P * (W - 1), kw_ptr, k_chan, mk, W,
+                           BW, OUT_DTYPE)
+        v = _conv_position(v_ptr, row, v_stride, window + 2 * P * (W - 1), conv_dst + 2 * P * (W - 1), vw_ptr, v_chan,
+                           mv, W, BW, OUT_DTYPE)
         g, beta = _gate_beta(f_ptr, b_ptr, row * f_stride, row * b_stride, a_log_ptr, dt_bias_ptr, h, lower_bound, kk,
                              mk, K, HAS_LOWER_BOUND)
         q = _l2_normalize(q, OUT_DTYPE)
