@@ -277,7 +277,45 @@ def profiled_run(args, engine: LLMEngine, kind: str, batch: int, method: str, to
            "cprofile_top_tottime": text.getvalue()}
     if engine.device.type == "cuda":
         out["graph_kernels"] = graph_kernels(engine, batch)
+        if args.trace_dir:
+            out["device_idle"] = traced_run(args, engine, kind, batch, method)
     return out
+
+
+def traced_run(args, engine: LLMEngine, kind: str, batch: int, method: str, gap_us: float = 10.0) -> dict:
+    """One more run under torch.profiler (host Python stacks and device activity), its trace written to
+    --trace-dir: the device's busy and idle time over the run's timed steps, and its idle gaps over `gap_us`
+    with the device work on either side of each."""
+    import gzip
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
+        row = run_one(args, engine, kind, batch, method)
+    os.makedirs(args.trace_dir, exist_ok=True)
+    path = os.path.join(args.trace_dir, f"trace_{kind}_b{batch}_{method.replace(':', 'k').replace('+', '_')}.json")
+    prof.export_chrome_trace(path)
+    with open(path, "rb") as f, gzip.open(path + ".gz", "wb") as g:
+        g.write(f.read())
+    os.remove(path)
+    with gzip.open(path + ".gz", "rt") as f:
+        events = json.load(f)["traceEvents"]
+    device = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events
+                    if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e)
+    if not device:
+        return {"trace": path + ".gz", "error": "no device events in the trace"}
+    # the timed steps are the last `steps` of the run: take the device activity from the first step's start
+    busy, gaps, end = 0.0, [], device[0][0]
+    for i, (t0, t1, name) in enumerate(device):
+        if t0 > end + gap_us:
+            gaps.append((t0 - end, device[i - 1][2][:60] if i else "", name[:60]))
+        busy += max(0.0, t1 - max(t0, end))
+        end = max(end, t1)
+    span = end - device[0][0]
+    gaps.sort(reverse=True)
+    return {"trace": path + ".gz", "span_us": span, "busy_us": busy, "idle_us": span - busy,
+            "idle_gaps_over_us": gap_us, "gaps": len(gaps), "gap_us_total": sum(g[0] for g in gaps),
+            "steps": row["steps"], "largest_gaps": [{"us": g[0], "after": g[1], "before": g[2]} for g in gaps[:40]]}
 
 
 def graph_kernels(engine: LLMEngine, batch: int, replays: int = 20, top: int = 12) -> dict:
@@ -365,6 +403,9 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", action="store_true",
                     help="after each configuration's timed runs, per method: the device time of each graph replay and "
                          "a cProfile of one run (printed, and in the JSON; not in the table's figures)")
+    ap.add_argument("--trace-dir", default=None,
+                    help="with --profile on CUDA: one more run under torch.profiler per configuration and method, its "
+                         "trace written here (gzipped), the device's idle gaps summarised in the JSON")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if args.quick:
