@@ -5,7 +5,7 @@ GPU runs (scripts/device/train_demo_v2.sh runs both in one H200 call; the shippe
 second's output; the shipped kimi-demo came from this script as of commit c2a0088, with the corpus and
 schedule before recipe v2, `--max-minutes 7.5`: see BENCHMARKS.md):
     python scripts/train_demo.py --device cuda --model demo --out OUT/kimi-demo --max-minutes 6.3
-    python scripts/train_demo.py --device cuda --model demo-draft --out OUT/kimi-demo-draft --max-minutes 1.2
+    python scripts/train_demo.py --device cuda --model demo-draft --out OUT/kimi-demo-draft --max-minutes 2.2
 CPU smoke run (about two minutes, the tiny model of the same structure):
     python scripts/train_demo.py --quick --out /tmp/kimi-demo-quick
 

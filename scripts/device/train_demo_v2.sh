@@ -12,7 +12,7 @@
 # token) beside the evaluation, which is decode-bound (its cache pool capped at 8 GiB, so the draft
 # keeps its memory). Every stage has a hard time limit; a stage that
 # fails or runs out of time leaves the others' results. Times (minutes) can be changed by environment:
-# MAIN_MINUTES (6.3), DRAFT_MINUTES (1.2), EVAL_SECONDS (90), SLACK_SECONDS (40: a training's
+# MAIN_MINUTES (6.3), DRAFT_MINUTES (2.2), EVAL_SECONDS (90), SLACK_SECONDS (40: a training's
 # limit is its budget plus this, for startup, the final evaluation and the export); DEVICE (cuda), EVAL_N (50) and
 # TRAIN_ARGS (more train_demo.py options for both runs) exist for a CPU rehearsal of the script:
 #   OUT=/tmp/o DEVICE=cpu MAIN_MINUTES=0.1 DRAFT_MINUTES=0.1 EVAL_N=2 TRAIN_ARGS="--tokens-per-step 1024 \
@@ -21,7 +21,7 @@ set -u
 cd "$(dirname "$0")/../.."
 OUT=${OUT:?set OUT to the folder the device returns}
 MAIN_MINUTES=${MAIN_MINUTES:-6.3}
-DRAFT_MINUTES=${DRAFT_MINUTES:-1.2}
+DRAFT_MINUTES=${DRAFT_MINUTES:-2.2}
 EVAL_SECONDS=${EVAL_SECONDS:-90}
 SLACK_SECONDS=${SLACK_SECONDS:-40}
 DEVICE=${DEVICE:-cuda}
