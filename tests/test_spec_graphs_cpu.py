@@ -126,3 +126,31 @@ def test_draft_state_after_accepted_drafts_is_the_caught_up_one(monkeypatch):
         compared += 1
     assert compared > 3 and restored > 3, (compared, restored)
     graphs.check_idle()
+
+
+def test_draft_loop_graph_serves_requests_allowed_fewer_drafts(monkeypatch):
+    """Near a request's max_tokens its drafts are capped below K; the drafting loop graph still drafts for the
+    whole batch (K steps, the capped requests keep their first drafts) instead of every sequence stepping one draft
+    at a time: no round drafts step by step, and the outputs and the accepted drafts are those of the eager
+    draft (which drafts exactly the capped count)."""
+    from kimiserve.engine.spec_decode import draft_model
+
+    prompts = random_prompts([20, 57, 9], seed=11)
+    params = [SamplingParams(max_tokens=n, **GREEDY) for n in (9, 14, 23)]
+    spec = {"method": "draft_model", "model": "tiny", "num_speculative_tokens": 5}
+    args = dict(model="tiny", dtype="float32", kv_cache_dtype="bf16", max_model_len=512, num_pages=200,
+                speculative_config=spec)
+    want = tokens(run(make_engine(enforce_eager=True), prompts, params))
+    eager = LLMEngine(EngineArgs(enforce_eager=True, **args))
+    assert tokens(run(eager, prompts, params)) == want
+    emulate_cuda_graphs(monkeypatch)
+    stepped = []
+    pick = draft_model.DraftModelProposer._pick
+    monkeypatch.setattr(draft_model.DraftModelProposer, "_pick",
+                        lambda self, logits, requests: (stepped.append(len(requests)), pick(self, logits, requests))[1])
+    on = LLMEngine(EngineArgs(**args))
+    assert tokens(run(on, prompts, params)) == want
+    assert not stepped, stepped
+    assert on.proposer.loop_graphs.replays > 3
+    assert spec_counts(on) == spec_counts(eager)
+    on.check_idle()

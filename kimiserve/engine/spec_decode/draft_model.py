@@ -142,6 +142,14 @@ class DraftModelProposer:
         seq.block_table += pages
         return seq
 
+    def _loop_k(self, request, k: int) -> int:
+        """The drafts to make room for: K when the drafting loop graph may run K steps for a request allowed k
+        (its max_tokens limits it, not max_model_len: the positions past its drafts are inside the block table
+        and the extra drafts are dropped), else k."""
+        if self.loop_graphs is None or request.num_tokens + self.k - 1 > self.loop_graphs.max_model_len:
+            return k
+        return self.k
+
     def _pick(self, logits: torch.Tensor, requests: list) -> list[int]:
         """Greedy drafts: the argmax within each request's allowed_token_ids (one host transfer)."""
         return self._argmax(logits, requests).tolist()
@@ -170,7 +178,7 @@ class DraftModelProposer:
             if k > 0 and seq is not None and seq.num_computed == r.num_tokens:
                 # not verified last step (the budget): nothing new to see
                 drafts[i] = (seq.drafts.values() if isinstance(seq.drafts, DraftRow) else seq.drafts)[:k]
-            elif k > 0 and (seq := self._reserve(r, k)) is not None:
+            elif k > 0 and (seq := self._reserve(r, self._loop_k(r, k))) is not None:
                 active.append((i, r, seq, k))
         if not active:
             return drafts
@@ -196,30 +204,29 @@ class DraftModelProposer:
         self.num_forwards += 1
         first = self._argmax(logits[to_device(last, logits.device)], [a[1] for a in active])
         # the other drafts on the work pages (a copy of the committed state): in one graph when every
-        # sequence drafts K tokens without token masks, else one step at a time
-        copies = [(s, w) for _, _, seq, k in active if k > 1 for s, w in zip(seq.state_pages, seq.work_pages)]
+        # sequence can draft K tokens (those allowed fewer keep their first k) without token masks, else one
+        # step at a time
         rest = None
-        if self.loop_graphs is not None and all(k == self.k for *_, k in active) and not any(
+        if self.loop_graphs is not None and all(self._loop_k(r, k) == self.k for _, r, _, k in active) and not any(
                 r.params.allowed_token_ids for _, r, _, _ in active):
-            if copies:
-                self.pool.copy_pages([s for s, _ in copies], [d for _, d in copies])
-                copies = []
+            copies = [(s, w) for _, _, seq, _ in active for s, w in zip(seq.state_pages, seq.work_pages)]
+            self.pool.copy_pages([s for s, _ in copies], [d for _, d in copies])
             rest = self.loop_graphs.run(first, [seq.num_computed for _, _, seq, _ in active],
                                         [seq.block_table for _, _, seq, _ in active],
                                         [seq.work_pages for _, _, seq, _ in active],
                                         [seq.saved_pages for _, _, seq, _ in active])
-            if rest is not None:
-                for _, _, seq, _ in active:
-                    seq.num_saved = self.k - 1
+            for _, _, seq, k in active if rest is not None else ():
+                seq.num_saved = min(self.k - 1, k)  # the states after drafts this round shows
+        copies = [(s, w) for _, _, seq, k in active if k > 1 for s, w in zip(seq.state_pages, seq.work_pages)]
         if rest is not None and on_device:
             self.num_forwards += self.k - 1
             source = DeviceDrafts.of(torch.cat([first[:, None], rest], dim=1))
-            for row, (i, *_) in enumerate(active):
-                drafts[i] = DraftRow(source, row, self.k)
+            for row, (i, _, _, k) in enumerate(active):
+                drafts[i] = DraftRow(source, row, k)
         elif rest is not None:
             self.num_forwards += self.k - 1
-            for (i, *_), tokens in zip(active, torch.cat([first[:, None], rest], dim=1).tolist()):
-                drafts[i] += tokens
+            for (i, _, _, k), tokens in zip(active, torch.cat([first[:, None], rest], dim=1).tolist()):
+                drafts[i] += tokens[:k]
         else:
             for (i, *_), token in zip(active, first.tolist()):
                 drafts[i].append(token)
