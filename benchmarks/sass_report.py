@@ -1,5 +1,6 @@
 """What the decode (and prefill) kernels compile to on Hopper, without a GPU: compiles the library's index
-scan and sparse MLA kernels (and the prefill scan, sparse tiling, KDA short conv and gated norm) for sm_90 (Triton's bundled ptxas and cuobjdump) with the launch constants of
+scan and sparse MLA kernels (and the prefill scan, sparse tiling, KDA short conv and gated norm, and KDA's decode /
+verify steps kernel) for sm_90 (Triton's bundled ptxas and cuobjdump) with the launch constants of
 Kimi-K3.1-Pro's pages (32 index heads x 128; 96 MLA heads, 512 + 64 latent; batch-1 tilings) and
 prints the SASS instruction mix.
 
@@ -128,8 +129,27 @@ def gated_rms_norm():
     return norm._gated_rms_norm_kernel, types, consts, dict(num_warps=4, num_stages=3), ["s_x", "s_g", "s_o"]
 
 
+def kda_steps():
+    """KDA's decode / verify kernel (`ops/kda/triton_decode.py`, `_kda_steps_kernel`) at K3.1's 96 heads of 128,
+    bf16 rows: the arguments a decode and a verify launch share specialised as the engine's pages make them (16-float
+    aligned), the per-call ones (`_PER_CALL_ARGS`) not."""
+    from kimiserve.ops.kda import triton_decode
+
+    fn = triton_decode._kda_steps_kernel
+    per_call = set(triton_decode._PER_CALL_ARGS)
+    rows = {"q_ptr", "k_ptr", "v_ptr", "f_ptr", "b_ptr", "gate_ptr", "out_ptr", "conv_ptr", "conv_dst_ptr"}
+    ids = {"pages_ptr", "grid_ptr", "lengths_ptr"}
+    types = {n: ("*bf16" if n in rows else "*i64" if n in ids else "*fp32") if n.endswith("_ptr")
+             else "fp32" if n in ("lower_bound", "scale", "norm_eps") else "i32" for n in fn.arg_names}
+    consts = dict(H=96, K=128, V=128, W=4, BK=128, BV=128, BW=4, HAS_LOWER_BOUND=True)
+    for name in consts:
+        types.pop(name)
+    div16 = [n for n in fn.arg_names if n.endswith("stride") and n not in per_call]
+    return fn, types, consts, dict(num_warps=8), div16
+
+
 KERNELS = dict(scan_fp8=scan_fp8, scan_fp4=scan_fp4, mla_fp8=mla_fp8, mla_fp4=mla_fp4, scan_prefill_fp8=scan_prefill_fp8,
-               mla_prefill_fp8=mla_prefill_fp8, short_conv=short_conv, gated_rms_norm=gated_rms_norm)
+               mla_prefill_fp8=mla_prefill_fp8, short_conv=short_conv, gated_rms_norm=gated_rms_norm, kda_steps=kda_steps)
 
 
 def compile_sm90(fn, types: dict, consts: dict, options: dict, div16: list[str]):
