@@ -55,6 +55,7 @@ class DraftLoopGraphs(GraphSet):
         self._copied = None
         """CUDA event of the latest copy out of the mirror (the host waits on it before refilling)."""
         self.rows = torch.arange(B, **long)
+        self.step_offsets = torch.arange(steps, **long)[:, None]
         self.graphs: dict[tuple[int, int], tuple] = {}
         """(size, bucket) -> (graph, its drafts [size, steps])."""
         self.memory_pool = None
@@ -112,11 +113,14 @@ class DraftLoopGraphs(GraphSet):
         bs, cols = self.pool.block_size, math.ceil(bucket / self.pool.block_size)
         tables, rows = self.block_tables[:size], self.rows[:size]
         token, drafts = self.first_tokens[:size], []
+        # every step's positions, pages, offsets and context lengths at once ([steps, size], a step's row contiguous)
+        positions = self.start_positions[:size][None, :] + self.step_offsets
+        pages = tables.gather(1, (positions // bs).clamp(max=cols - 1).T).T.contiguous()
+        offsets, context_lens = positions % bs, positions + 1
         for s in range(self.steps):
-            pos = self.start_positions[:size] + s
-            pages = tables.gather(1, (pos // bs).clamp(max=cols - 1)[:, None])[:, 0]
-            batch = ForwardBatch(pool=self.pool, positions=pos, write_pages=pages, write_offsets=pos % bs, chunks=[],
-                                 decode_rows=rows, decode_block_tables=tables, decode_context_lens=pos + 1,
+            batch = ForwardBatch(pool=self.pool, positions=positions[s], write_pages=pages[s],
+                                 write_offsets=offsets[s], chunks=[], decode_rows=rows,
+                                 decode_block_tables=tables, decode_context_lens=context_lens[s],
                                  decode_state_pages=self.state_pages[:size], decode_max_context=bucket, ops=self.ops)
             token = torch.argmax(self.model.forward_batch(token, batch, rows), dim=-1)
             drafts.append(token)
