@@ -29,6 +29,7 @@ from starlette.requests import ClientDisconnect
 
 from kimiserve.engine.args import EngineArgs
 from kimiserve.engine.async_engine import DEAD_MESSAGE, AsyncLLMEngine, EngineDeadError
+from kimiserve.utils.gc_heap import freeze_startup_heap
 from kimiserve.entrypoints.openai.errors import JSONResponse, OpenAIError, from_validation_error, from_value_error
 from kimiserve.entrypoints.openai.http_limits import BodyLimitMiddleware, h11_protocol_with_timeouts
 from kimiserve.entrypoints.openai.metrics import ServerMetrics
@@ -319,5 +320,6 @@ def run_server(engine_args: EngineArgs, server_args: ServerArgs) -> int:
         server.should_exit = True
 
     engine.add_dead_callback(engine_died)
+    freeze_startup_heap()
     server.run()
     return 0 if server.started and not engine.errored else 1
