@@ -86,12 +86,14 @@ def _conv_shift(x, conv_base, dst_base, chan, mask, W: tl.constexpr, BW: tl.cons
 
 
 @triton.jit
-def _conv_silu(x_ptr, w_ptr, conv_base, chan, mask, W: tl.constexpr, BW: tl.constexpr, OUT_DTYPE: tl.constexpr):
-    """SiLU(sum_j w[c, j] * [state, x][c, j]) for the channels `chan` of one token, rounded to the model
-    dtype (returned in fp32); writes the shifted conv state (its last W-1 inputs) back to the page."""
+def _conv_silu(x_ptr, w_ptr, conv_base, dst_base, chan, mask, W: tl.constexpr, BW: tl.constexpr,
+               OUT_DTYPE: tl.constexpr):
+    """SiLU(sum_j w[c, j] * [state, x][c, j]) for the channels `chan` of one token from the conv state at
+    conv_base (the page, or a slot saved after the position before), rounded to the model dtype (returned in
+    fp32); writes the shifted conv state (its last W-1 inputs) to dst_base (which may be conv_base)."""
     state, x, w_state, w_cur = _conv_load(x_ptr, w_ptr, conv_base, chan, mask, W, BW)
     y = _conv_apply(state, x, w_state, w_cur, OUT_DTYPE)
-    _conv_shift(x, conv_base, conv_base, chan, mask, W, BW)
+    _conv_shift(x, conv_base, dst_base, chan, mask, W, BW)
     return y
 
 
@@ -129,9 +131,10 @@ def _mix_head(q_ptr, k_ptr, v_ptr, f_ptr, b_ptr, x_off, b_off, qw_ptr, kw_ptr, v
     """Head h of one token before the delta rule: the short convs of q, k, v (conv pages shifted in place),
     SiLU, the L2 norms of q and k (each rounded to the model dtype), the gate g (log decay) and beta."""
     P = H * K
-    q = _conv_silu(q_ptr + x_off, qw_ptr, conv_base, h * K + kk, mk, W, BW, OUT_DTYPE)
-    k = _conv_silu(k_ptr + x_off, kw_ptr, conv_base + P * (W - 1), h * K + kk, mk, W, BW, OUT_DTYPE)
-    v = _conv_silu(v_ptr + x_off, vw_ptr, conv_base + 2 * P * (W - 1), h * V + vv, mv, W, BW, OUT_DTYPE)
+    k_base, v_base = conv_base + P * (W - 1), conv_base + 2 * P * (W - 1)
+    q = _conv_silu(q_ptr + x_off, qw_ptr, conv_base, conv_base, h * K + kk, mk, W, BW, OUT_DTYPE)
+    k = _conv_silu(k_ptr + x_off, kw_ptr, k_base, k_base, h * K + kk, mk, W, BW, OUT_DTYPE)
+    v = _conv_silu(v_ptr + x_off, vw_ptr, v_base, v_base, h * V + vv, mv, W, BW, OUT_DTYPE)
     g, beta = _gate_beta(f_ptr, b_ptr, x_off, b_off, a_log_ptr, dt_bias_ptr, h, lower_bound, kk, mk, K,
                          HAS_LOWER_BOUND)
     return _l2_normalize(q, OUT_DTYPE), _l2_normalize(k, OUT_DTYPE), v, g, beta
@@ -173,18 +176,6 @@ def _row_at(chunk_rows, t, pos_stride, j, identity_rows):
     """The packed row of position t of chunk j: grid[j, t], or j itself when identity_rows (decode: one position)."""
     listed = tl.load(chunk_rows + t * pos_stride, mask=identity_rows == 0, other=0).to(tl.int64)
     return tl.where(identity_rows == 0, listed, j.to(tl.int64))
-
-
-@triton.jit
-def _conv_position(x_ptr, row, row_stride, window_base, dst_base, w_ptr, chan, mask, W: tl.constexpr,
-                   BW: tl.constexpr, OUT_DTYPE: tl.constexpr):
-    """SiLU of the short conv of the channels `chan` at one position (rounded to the model dtype, returned in fp32)
-    from the conv state before it at window_base (the page, or the slot saved after the position before); the
-    state after it ([window columns 1 .. W - 2, x]) goes to dst_base (which may be window_base: after a barrier)."""
-    state, x, w_state, w_cur = _conv_load(x_ptr + row * row_stride, w_ptr, window_base, chan, mask, W, BW)
-    y = _conv_apply(state, x, w_state, w_cur, OUT_DTYPE)
-    _conv_shift(x, window_base, dst_base, chan, mask, W, BW)
-    return y
 
 
 # Arguments whose values or alignment differ between a decode step's launch and a verify step's (views of a
@@ -235,11 +226,11 @@ def _kda_steps_kernel(
         # barrier makes the slot's stores by every lane visible)
         tl.debug_barrier()
         window = tl.where(t == 0, conv_page, conv_dst - num_chunks * conv_dst_item_stride)
-        q = _conv_position(q_ptr, row, q_stride, window, conv_dst, qw_ptr, q_chan, mk, W, BW, OUT_DTYPE)
-        k = _conv_position(k_ptr, row, k_stride, window + P * (W - 1), conv_dst + P * (W - 1), kw_ptr, k_chan, mk, W,
-                           BW, OUT_DTYPE)
-        v = _conv_position(v_ptr, row, v_stride, window + 2 * P * (W - 1), conv_dst + 2 * P * (W - 1), vw_ptr, v_chan,
-                           mv, W, BW, OUT_DTYPE)
+        q = _conv_silu(q_ptr + row * q_stride, qw_ptr, window, conv_dst, q_chan, mk, W, BW, OUT_DTYPE)
+        k = _conv_silu(k_ptr + row * k_stride, kw_ptr, window + P * (W - 1), conv_dst + P * (W - 1), k_chan, mk, W,
+                       BW, OUT_DTYPE)
+        v = _conv_silu(v_ptr + row * v_stride, vw_ptr, window + 2 * P * (W - 1), conv_dst + 2 * P * (W - 1), v_chan,
+                       mv, W, BW, OUT_DTYPE)
         g, beta = _gate_beta(f_ptr, b_ptr, row * f_stride, row * b_stride, a_log_ptr, dt_bias_ptr, h, lower_bound, kk,
                              mk, K, HAS_LOWER_BOUND)
         q = _l2_normalize(q, OUT_DTYPE)
