@@ -285,8 +285,8 @@ def profiled_run(args, engine: LLMEngine, kind: str, batch: int, method: str, to
 
 def traced_run(args, engine: LLMEngine, kind: str, batch: int, method: str, gap_us: float = 10.0) -> dict:
     """One more run under torch.profiler (host Python stacks and device activity), its trace written to
-    --trace-dir: the device's busy and idle time over the run's timed steps, and its idle gaps over `gap_us`
-    with the device work on either side of each."""
+    --trace-dir (gzipped): the device's busy and idle time over the whole run (prefill included; the trace has
+    the steps apart), and its idle gaps over `gap_us` with the device work on either side of each."""
     import gzip
 
     from torch.profiler import ProfilerActivity, profile
@@ -296,16 +296,16 @@ def traced_run(args, engine: LLMEngine, kind: str, batch: int, method: str, gap_
     os.makedirs(args.trace_dir, exist_ok=True)
     path = os.path.join(args.trace_dir, f"trace_{kind}_b{batch}_{method.replace(':', 'k').replace('+', '_')}.json")
     prof.export_chrome_trace(path)
-    with open(path, "rb") as f, gzip.open(path + ".gz", "wb") as g:
-        g.write(f.read())
+    with open(path, "rb") as f:
+        raw = f.read()
     os.remove(path)
-    with gzip.open(path + ".gz", "rt") as f:
-        events = json.load(f)["traceEvents"]
+    with gzip.open(path + ".gz", "wb") as g:
+        g.write(raw)
+    events = json.loads(raw)["traceEvents"]
     device = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events
                     if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e)
     if not device:
         return {"trace": path + ".gz", "error": "no device events in the trace"}
-    # the timed steps are the last `steps` of the run: take the device activity from the first step's start
     busy, gaps, end = 0.0, [], device[0][0]
     for i, (t0, t1, name) in enumerate(device):
         if t0 > end + gap_us:
