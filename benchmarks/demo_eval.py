@@ -11,6 +11,7 @@ kv-cache dtype; the output goes through the OpenAI server's reasoning and tool-c
   tool_answer                 the answer uses the tool result (its value appears in the content)
   no_tool / decline           no tool call and the expected content
   passkey@N                   the pass key appears in the content, N tokens of filler (trained up to ~1K)
+  edit                        the content's code block is the prompt's file with the change, exactly
 
 `--index-topk K` serves a copy of the model whose MLA indexer keeps K keys (K >= the prompt length:
 dense attention), which tells indexer recall apart from length generalisation when passkeys fail.
@@ -43,13 +44,20 @@ from kimiserve.entrypoints.openai.tool_parser import KimiToolParser  # noqa: E40
 HELDOUT_SEED_OFFSET = 20_000  # training draws from seeds < 10_000 * 1000; its own held-out from 10_007 + seed
 NUMBER = re.compile(r"-?\d+")
 PASSKEY_MAX_TOKENS = 32  # "The pass key is NNNNN." is ~20 tokens (digits are one token each); 16 cut keys short
-KINDS = ("arithmetic", "word_problem", "chat", "multi_turn", "tool_call", "tool_answer", "no_tool")
+KINDS = ("arithmetic", "word_problem", "chat", "multi_turn", "tool_call", "tool_answer", "no_tool", "edit")
+EDIT_SEED_OFFSET = 11  # edits come from a stream of their own: the other kinds' held-out sets predate them
+CODE_BLOCK = re.compile(r"```\n(.*?)\n```", re.S)
+
+
+def edits(seed: int, n: int) -> list[corpus.Example]:
+    rng = random.Random(HELDOUT_SEED_OFFSET + EDIT_SEED_OFFSET + seed)
+    return [corpus.edit(rng) for _ in range(n)]
 
 
 def heldout(seed: int, n: int, kinds=KINDS) -> list[corpus.Example]:
     """n examples of each kind in `kinds` (no_tool holds both no_tool and decline)."""
     rng = random.Random(HELDOUT_SEED_OFFSET + seed)
-    want = {k: n for k in kinds}
+    want = {k: n for k in kinds if k != "edit"}
     out = []
     while any(want.values()):
         name = rng.choice([k for k, v in want.items() if v])
@@ -59,7 +67,7 @@ def heldout(seed: int, n: int, kinds=KINDS) -> list[corpus.Example]:
         if want.get(kind):
             want[kind] -= 1
             out.append(ex)
-    return out
+    return out + (edits(seed, n) if "edit" in kinds else [])
 
 
 def passkeys(seed: int, lengths: list[int], n: int | list[int]) -> list[corpus.Example]:
@@ -97,6 +105,9 @@ def score(ex: corpus.Example, text: str) -> dict[str, bool]:
         return {"called": call is not None, "parsed": bool(parsed), "schema_valid": bool(valid), "correct": bool(correct)}
     if ex.kind in ("no_tool", "decline"):
         return {"no_call": not calls, "answer": not calls and ex.answer in content}
+    if ex.kind == "edit":
+        block = CODE_BLOCK.search(content)
+        return {"exact": not calls and block is not None and block.group(1) == ex.answer}
     return {"answer": not calls and ex.answer in content}  # chat, multi_turn, tool_answer, passkey
 
 

@@ -26,6 +26,9 @@ Prompt kinds (token ids 0..767, seeded):
   tokenizer), word problems, tool use, arithmetic and multi-turn in turn: what kimi-demo and
   kimi-demo-draft were trained on (`--model kimi-demo --draft-model kimi-demo-draft`). Replies past
   their end (ignore_eos) continue as the model likes.
+* edit: held-out file edits of the demo corpus (a settings file in the prompt, one change asked for,
+  the whole file written back: 96-200 reply tokens, most of them a repeat of the prompt's file), the
+  repeated spans of an agent's file rewrite in text the demo model was trained on (`--model kimi-demo`).
 
 With random weights (the presets) the model's greedy continuation does not copy its prompt, so n-gram
 drafts are rarely right; a draft model with other random weights almost never; a draft that IS the
@@ -80,9 +83,21 @@ def demo_prompts(batch: int, seed: int) -> list[list[int]]:
     return [corpus.prompt_ids(tokenizer, corpus.GENERATORS[DEMO_KINDS[b % len(DEMO_KINDS)]](rng)) for b in range(batch)]
 
 
+def edit_prompts(batch: int, seed: int) -> list[list[int]]:
+    from kimiserve.demo import corpus
+    from kimiserve.demo.train import TOKENIZER_DIR
+    from kimiserve.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(TOKENIZER_DIR)
+    rng = random.Random(20_011 + seed)  # demo_eval.py's held-out edits
+    return [corpus.prompt_ids(tokenizer, corpus.edit(rng)) for _ in range(batch)]
+
+
 def prompts_of(kind: str, batch: int, seed: int) -> list[list[int]]:
     if kind == "demo":
         return demo_prompts(batch, seed)
+    if kind == "edit":
+        return edit_prompts(batch, seed)
     out = []
     for b in range(batch):
         g = torch.Generator().manual_seed(seed * 1000 + b)

@@ -27,7 +27,9 @@ def test_targets_score_perfectly_and_kinds_are_balanced():
         s = demo_eval.score(ex, _reply(ex))
         assert all(s.values()), (ex.kind, s, _reply(ex))
     assert kinds["arithmetic"] == kinds["tool_call"] == 6 and kinds["no_tool"] + kinds.get("decline", 0) == 6
-    assert kinds["passkey"] == 4
+    assert kinds["passkey"] == 4 and kinds["edit"] == 6
+    # the edits come from a stream of their own: the other kinds' held-out sets are those of earlier tables
+    assert demo_eval.heldout(3, 6, demo_eval.KINDS[:-1]) == demo_eval.heldout(3, 6)[:-6]
 
 
 def test_wrong_replies_fail():
@@ -41,6 +43,10 @@ def test_wrong_replies_fail():
     assert not s["called"]
     arith = next(e for e in demo_eval.heldout(seed=4, n=4) if e.kind == "arithmetic")
     assert not demo_eval.score(arith, f"<think>x</think>= {int(arith.answer) + 1}.")["exact"]
+    edit = demo_eval.edits(seed=4, n=1)[0]
+    unchanged = demo_eval.CODE_BLOCK.search(edit.messages[0]["content"]).group(1)  # the file as given
+    assert not demo_eval.score(edit, f"<think>x</think>```\n{unchanged}\n```")["exact"]
+    assert not demo_eval.score(edit, f"<think>x</think>```\n{edit.answer}\nextra = 1\n```")["exact"]
 
 
 def test_spec_decode_demo_prompts_are_chat_templated_corpus_prompts():
@@ -56,3 +62,6 @@ def test_spec_decode_demo_prompts_are_chat_templated_corpus_prompts():
     texts = [tokenizer.decode(p) for p in prompts]
     assert all(t.endswith("<|im_assistant|>assistant<|im_middle|>") for t in texts), texts
     assert "How many" in texts[0] and "<|im_system|>tool_declare" in texts[1], texts
+    edits = spec_decode.prompts_of("edit", 2, seed=0)
+    assert edits == [corpus.prompt_ids(tokenizer, ex) for ex in demo_eval.edits(0, 2)]
+    assert all("Reply with the whole file." in tokenizer.decode(p) for p in edits)

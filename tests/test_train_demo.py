@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from kimiserve.demo import corpus
-from kimiserve.demo.train import TOKENIZER_DIR, BatchStream, TrainArgs, batch_loss, export, tiny_train_config, train
+from kimiserve.demo.train import (TOKENIZER_DIR, BatchStream, TrainArgs, batch_loss, export, load_float_weights,
+                                  tiny_train_config, train)
 from kimiserve.model.loader import load_model
 from kimiserve.model.model import build_model
 from kimiserve.model.training import TrainContext, enable_training, train_logits
@@ -78,6 +79,23 @@ def test_train_loop_writes_a_loadable_model(tmp_path):
     assert net(torch.tensor([768, 5, 6])).shape == (3, 1024)
 
 
+def test_init_from_starts_a_run_from_an_exported_model(tmp_path):
+    """A fine-tune starts from the exported weights: every tensor as stored, the MXFP4 experts dequantised, so
+    the float model's logits equal the release model's."""
+    model, _ = _tiny_model(seed=3)
+    folder = export(model, tmp_path / "base")
+    release = load_model(folder, torch.float32)
+    started = build_model(tiny_train_config(routed_experts_mxfp4=False), torch.float32, seed=7)
+    load_float_weights(started, folder)
+    x = torch.tensor([[768, 5, 6, 9, 40, 41, 7, 5, 6, 9]])
+    with torch.no_grad():
+        got = train_logits(started, x, TrainContext(sparse=True))
+    assert torch.allclose(got[0], release(x[0]), atol=2e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="not this --model's shape"):
+        load_float_weights(build_model(tiny_train_config(hidden_size=32, routed_experts_mxfp4=False), torch.float32,
+                                       seed=0), folder)
+
+
 def test_corpus_renders_through_the_chat_template():
     tok = load_tokenizer(TOKENIZER_DIR)
     rng = random.Random(1)
@@ -96,7 +114,29 @@ def test_corpus_renders_through_the_chat_template():
             full = tok.apply_chat_template(ex.messages, tools=ex.tools, add_generation_prompt=False)
             assert full == text
     assert seen == {"chat", "multi_turn", "arithmetic", "word_problem", "tool_call", "tool_answer", "no_tool",
-                    "decline", "passkey"}
+                    "decline", "passkey", "edit"}
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_file_edit_reply_is_the_prompt_file_with_one_change(seed):
+    """An edit example's reply is the prompt's file again, every line kept but the one change asked for: the
+    repeated span that n-gram speculation drafts from the prompt."""
+    ex = corpus.edit(random.Random(seed))
+    ask, reply = ex.messages[0]["content"], ex.messages[-1]["content"]
+    file = re.search(r"```\n(.*?)\n```", ask, re.S).group(1).split("\n")
+    edited = re.fullmatch(r"```\n(.*)\n```", reply, re.S).group(1).split("\n")
+    assert ex.answer == "\n".join(edited) and len(file) >= 6
+    keys = lambda lines: [line.split(" = ")[0] for line in lines]  # noqa: E731
+    if match := re.search(r"(?:Set|Change|make) (\w+) (?:to )?(\S+)\.", ask):
+        key, value = match.groups()
+        i = keys(file).index(key)
+        assert edited == file[:i] + [f"{key} = {value}"] + file[i + 1:] and file[i] != edited[i]
+    elif match := re.search(r"(?:Remove the|Delete the) (\w+) ", ask):
+        i = keys(file).index(match.group(1))
+        assert edited == file[:i] + file[i + 1:]
+    else:
+        line = re.search(r"(?:Add|the line) (\w+ = \S+?)(?: at the end)?\. Reply", ask).group(1)
+        assert edited == file + [line] and line.split(" = ")[0] not in keys(file)
 
 
 FACT = re.compile(r"(\d+) ([-+*]) (\d+) = (\d+)")
@@ -142,3 +182,15 @@ def test_draft_model_shares_the_vocabulary_in_a_quarter_of_the_layers():
     assert 2 <= active(demo) / active(draft) <= 8
     with pytest.raises(ValueError, match="demo-draft"):
         TrainArgs(model="huge").model_config()
+
+
+def test_mixture_overrides_name_kinds_and_shares():
+    mixture = corpus.parse_mixture("edit=0.5, passkey=0")
+    assert mixture["edit"] == 0.5 and mixture["passkey"] == 0 and mixture["arithmetic"] == corpus.MIXTURE["arithmetic"]
+    rng = random.Random(0)
+    kinds = [corpus.sample(rng, 50, mixture).kind for _ in range(400)]
+    assert "passkey" not in kinds and 140 < kinds.count("edit") < 260
+    for text, match in (("edits=0.4", "unknown kind"), ("edit=lots", "not kind=share"), ("edit=-1", ">= 0"),
+                        (",".join(f"{k}=0" for k in corpus.KINDS), "every share is 0")):
+        with pytest.raises(ValueError, match=match):
+            corpus.parse_mixture(text)

@@ -9,8 +9,9 @@ rendering in the history is exactly that (chat answers without reasoning, tool-c
 
 Kinds (`KINDS`): short chat answers, multi-turn follow-ups that refer back to an earlier turn,
 arithmetic with worked steps in `<think>`, word problems, tool use (call with JSON arguments, answer
-from the tool result; answer directly or decline when no declared tool fits) and passkey retrieval
-in filler. Templates are simple and regular so that a ~10M-parameter byte-level model learns them
+from the tool result; answer directly or decline when no declared tool fits), passkey retrieval
+in filler, and file edits (a settings file in the prompt, one change asked for, the whole file
+written back: most of the reply repeats the prompt, as an agent's file rewrite does). Templates are simple and regular so that a ~10M-parameter byte-level model learns them
 in minutes. The same generator with another seed gives the held-out evaluation set.
 """
 
@@ -371,6 +372,51 @@ def no_tool(rng: random.Random) -> Example:
                    _declared(rng, None, exclude=name), answer="Sorry")
 
 
+# ---------------------------------------------------------------------------------- file edits
+SETTINGS = {
+    "name": lambda rng: f'"{rng.choice(NAMES)}"', "owner": lambda rng: f'"{rng.choice(NAMES)}"',
+    "city": lambda rng: f'"{rng.choice(CITIES)}"', "color": lambda rng: f'"{rng.choice(COLORS)}"',
+    "theme": lambda rng: f'"{rng.choice(["light", "dark", "blue", "plain"])}"',
+    "mode": lambda rng: f'"{rng.choice(["fast", "safe", "debug", "quiet", "full"])}"',
+    "team": lambda rng: f'"{TABLES["departments"](rng)}"', "phone": lambda rng: f'"{TABLES["phone_numbers"](rng)}"',
+    "port": lambda rng: str(rng.randint(1024, 9999)), "retries": lambda rng: str(rng.randint(0, 9)),
+    "timeout_s": lambda rng: str(rng.randint(1, 120)), "max_items": lambda rng: str(rng.randint(10, 500)),
+    "level": lambda rng: str(rng.randint(1, 5)), "version": lambda rng: f"{rng.randint(1, 9)}.{rng.randint(0, 20)}",
+    "debug": lambda rng: rng.choice(["true", "false"]), "cache": lambda rng: rng.choice(["true", "false"]),
+    "item": lambda rng: f'"{rng.choice(ITEMS)}"', "count": lambda rng: str(rng.randint(0, 99)),
+}
+FILE_NAMES = ["config.txt", "settings.ini", "app.cfg", "setup.conf", "options.txt"]
+
+
+def edit(rng: random.Random) -> Example:
+    """A settings file in the prompt and one change to make (set a value, remove a line, add a line); the
+    reply is the whole file again with the change, in a code block."""
+    keys = rng.sample(list(SETTINGS), rng.randint(7, 13))
+    lines = [f"{k} = {SETTINGS[k](rng)}" for k in keys[:-1]]
+    file_name = rng.choice(FILE_NAMES)
+    form = rng.randrange(3)
+    if form == 0:
+        i = rng.randrange(len(lines))
+        key, old = lines[i].split(" = ")
+        new = next(v for v in iter(lambda: SETTINGS[key](rng), None) if v != old)
+        ask = rng.choice(["Set {k} to {v}.", "Change {k} to {v}.", "Please make {k} {v}."]).format(k=key, v=new)
+        edited = lines[:i] + [f"{key} = {new}"] + lines[i + 1:]
+    elif form == 1:
+        i = rng.randrange(len(lines))
+        key = lines[i].split(" = ")[0]
+        ask = rng.choice(["Remove the {k} line.", "Delete the {k} setting."]).format(k=key)
+        edited = lines[:i] + lines[i + 1:]
+    else:
+        key = keys[-1]
+        line = f"{key} = {SETTINGS[key](rng)}"
+        ask = rng.choice(["Add {l} at the end.", "Append the line {l}."]).format(l=line)
+        edited = lines + [line]
+    text, result = "\n".join(lines), "\n".join(edited)
+    q = f"Here is {file_name}:\n```\n{text}\n```\n{ask} Reply with the whole file."
+    why = f"{ask} I will write the whole {file_name}."
+    return Example("edit", [user(q), assistant(f"```\n{result}\n```", why)], answer=result)
+
+
 # ---------------------------------------------------------------------------------- passkey
 def passkey(rng: random.Random, filler_tokens: int, tokens_per_sentence: float = 11.25) -> Example:
     """A 5-digit pass key in about `filler_tokens` tokens of filler, asked for at the end."""
@@ -385,17 +431,38 @@ def passkey(rng: random.Random, filler_tokens: int, tokens_per_sentence: float =
 
 
 GENERATORS = {"chat": chat, "multi_turn": multi_turn, "arithmetic": arithmetic, "word_problem": word_problem,
-              "tool_use": tool_use, "no_tool": no_tool}
+              "tool_use": tool_use, "no_tool": no_tool, "edit": edit}
 MIXTURE = {"chat": 0.07, "multi_turn": 0.11, "arithmetic": 0.36, "word_problem": 0.16, "tool_use": 0.14,
-           "no_tool": 0.08, "passkey": 0.08}
+           "no_tool": 0.08, "passkey": 0.08, "edit": 0.12}
 """Shares of examples. By tokens (tool declarations and passkey filler are long, arithmetic short) this
 is about a quarter arithmetic, a seventh word problems, a quarter tool use and a sixth passkey."""
 KINDS = tuple(MIXTURE)
 
 
-def sample(rng: random.Random, max_filler_tokens: int = 900) -> Example:
-    """One training example drawn from `MIXTURE` (passkey filler uniform in [0, max_filler_tokens])."""
-    kind = rng.choices(KINDS, weights=[MIXTURE[k] for k in KINDS])[0]
+def parse_mixture(text: str) -> dict[str, float]:
+    """`MIXTURE` with the shares a "kind=share,..." string names changed (e.g. "edit=0.4" for a fine-tune
+    that teaches edits and keeps the rest in the proportions they had)."""
+    mixture = dict(MIXTURE)
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        kind, _, share = item.partition("=")
+        if kind not in MIXTURE:
+            raise ValueError(f"mixture: unknown kind {kind!r}; kinds: {', '.join(KINDS)}")
+        try:
+            mixture[kind] = float(share)
+        except ValueError:
+            raise ValueError(f"mixture: {item!r} is not kind=share (a number)") from None
+        if not mixture[kind] >= 0:
+            raise ValueError(f"mixture: the share of {kind} must be >= 0, got {share}")
+    if sum(mixture.values()) <= 0:
+        raise ValueError("mixture: every share is 0")
+    return mixture
+
+
+def sample(rng: random.Random, max_filler_tokens: int = 900, mixture: dict[str, float] | None = None) -> Example:
+    """One training example drawn from `mixture` (default `MIXTURE`; passkey filler uniform in [0,
+    max_filler_tokens])."""
+    mixture = mixture or MIXTURE
+    kind = rng.choices(KINDS, weights=[mixture.get(k, 0.0) for k in KINDS])[0]
     if kind == "passkey":
         return passkey(rng, rng.randint(0, max_filler_tokens))
     return GENERATORS[kind](rng)

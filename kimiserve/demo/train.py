@@ -22,10 +22,10 @@ import torch
 
 from kimiserve.config import ModelConfig
 from kimiserve.demo import corpus
-from kimiserve.model.loader import save_checkpoint
+from kimiserve.model.loader import load_model, save_checkpoint
 from kimiserve.model.model import build_model
 from kimiserve.model.training import TrainContext, enable_training, train_logits
-from kimiserve.ops.quant.reference import quantize_mxfp4
+from kimiserve.ops.quant.reference import dequantize_mxfp4, quantize_mxfp4
 from kimiserve.tokenizer import load_tokenizer
 
 TOKENIZER_DIR = Path(__file__).resolve().parent.parent / "presets" / "tiny"
@@ -126,6 +126,12 @@ class TrainArgs:
     """Batch-making worker processes (0: in the training process)."""
     quick: bool = False
     """CPU smoke run: the tiny model, small batches, short filler, two minutes."""
+    mixture: str = ""
+    """Example shares changed from the corpus's `MIXTURE`, as kind=share pairs (e.g. "edit=0.4"); the
+    others keep theirs."""
+    init_from: str | None = None
+    """Model folder (release format, the same shape as --model) whose weights start the run: a fine-tune
+    (its MXFP4 routed experts dequantised to float). None: random weights from --seed."""
 
     def model_config(self) -> ModelConfig:
         configs = {"demo": demo_config, "demo-draft": draft_config, "tiny": tiny_train_config}
@@ -140,8 +146,10 @@ class BatchStream(torch.utils.data.IterableDataset):
     a pool of examples is sorted by length and cut into batches of at most `tokens_per_step` padded
     tokens (T a multiple of 64), handed out in a random order. Deterministic per (seed, worker)."""
 
-    def __init__(self, seed: int, tokens_per_step: int, max_seq_len: int, max_filler_tokens: int, pool: int = 1024):
+    def __init__(self, seed: int, tokens_per_step: int, max_seq_len: int, max_filler_tokens: int, pool: int = 1024,
+                 mixture: dict[str, float] | None = None):
         self.seed, self.tokens, self.max_len, self.filler, self.pool = seed, tokens_per_step, max_seq_len, max_filler_tokens, pool
+        self.mixture = mixture
 
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
@@ -151,7 +159,7 @@ class BatchStream(torch.utils.data.IterableDataset):
         while True:
             rows = []
             while len(rows) < self.pool:
-                ids, mask = corpus.render(tokenizer, corpus.sample(rng, self.filler))
+                ids, mask = corpus.render(tokenizer, corpus.sample(rng, self.filler, self.mixture))
                 if len(ids) <= self.max_len:
                     rows.append((ids, mask))
             rows.sort(key=lambda r: len(r[0]))
@@ -288,6 +296,28 @@ def export(model, folder: str | Path, info: dict | None = None) -> Path:
     return folder
 
 
+@torch.no_grad()
+def load_float_weights(model, folder: str | Path) -> None:
+    """Copy a release-format model folder's weights into the float training `model` (the inverse of
+    `export`): MXFP4 routed experts dequantised, every other tensor as stored. The folder's model must have
+    the training model's shape."""
+    release = load_model(folder, torch.float32, device="cpu")
+    stored = {n: p.detach() for n, p in release.named_parameters()}
+    experts = {n: m for n, m in release.named_modules() if getattr(m, "mxfp4", False)}
+    for name, param in model.named_parameters():
+        base, leaf = name.rsplit(".", 1)
+        if base in experts and f"{name}_packed" in stored:
+            value = dequantize_mxfp4(experts[base].checkpoint_codes(leaf), stored[f"{name}_scale"])
+        elif name in stored:
+            value = stored[name]
+        else:
+            raise ValueError(f"--init-from {folder}: no weight for {name}; the folder's model is not this --model's shape")
+        if value.shape != param.shape:
+            raise ValueError(f"--init-from {folder}: {name} is {tuple(value.shape)} there, {tuple(param.shape)} here; "
+                             "the folder's model is not this --model's shape")
+        param.copy_(value.to(param.device, param.dtype))
+
+
 # ---------------------------------------------------------------------------------- loop
 def lr_at(args: TrainArgs, step: int, frac: float) -> float:
     warm = min(1.0, (step + 1) / args.warmup_steps)
@@ -322,12 +352,15 @@ def train(config: ModelConfig, args: TrainArgs, log=print) -> tuple[torch.nn.Mod
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-    stream = BatchStream(args.seed, args.tokens_per_step, args.max_seq_len, args.max_filler_tokens)
+    stream = BatchStream(args.seed, args.tokens_per_step, args.max_seq_len, args.max_filler_tokens,
+                         mixture=corpus.parse_mixture(args.mixture))
     loader = torch.utils.data.DataLoader(stream, batch_size=None, num_workers=args.num_workers,
                                          collate_fn=_as_is,
                                          **({"prefetch_factor": 8, "persistent_workers": True} if args.num_workers else {}))
     batches = iter(loader)  # workers fork before the model touches the device
     model = build_model(config.replace(routed_experts_mxfp4=False), torch.float32, seed=args.seed, device=device)
+    if args.init_from is not None:
+        load_float_weights(model, args.init_from)
     params = enable_training(model)
     for m in moe_layers(model):
         m.train_every_expert = args.reference_forms
