@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from kimiserve import LLM, SamplingParams  # noqa: E402
 from kimiserve.demo import corpus  # noqa: E402
 
-KINDS = ("arithmetic", "word_problem", "tool_use", "chat", "multi_turn", "no_tool", "passkey")
+KINDS = ("arithmetic", "word_problem", "tool_use", "chat", "multi_turn", "no_tool", "passkey", "edit")
 HELDOUT_SEED = 20_001  # benchmarks/demo_eval.py's held-out stream (seed 1)
 
 
