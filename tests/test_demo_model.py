@@ -173,3 +173,29 @@ def test_draft_preset_is_small_and_speculates_for_kimi_demo():
     stats = spec.engine.stats()
     drafted, accepted = stats["spec_decode_num_draft_tokens"], stats["spec_decode_num_accepted_tokens"]
     assert drafted > 0 and accepted >= 0.5 * drafted, stats
+
+
+def test_kimi_demo_rewrites_a_file_and_ngram_speculation_drafts_the_copy():
+    """Since session 12 kimi-demo knows the corpus's file edits: asked for one change it writes the prompt's file
+    back with it, and prompt-lookup (n-gram) speculation drafts most of that copy while leaving the greedy reply
+    as it is."""
+    import random
+    import re
+
+    from kimiserve import LLM, SamplingParams
+
+    rng = random.Random(20_011)  # benchmarks/demo_eval.py's held-out edits
+    examples = [corpus.edit(rng) for _ in range(3)]
+    params = SamplingParams(temperature=0, max_tokens=256, skip_special_tokens=False)
+    kwargs = dict(max_model_len=1024, num_pages=64)
+    plain = LLM("kimi-demo", **kwargs)
+    prompts = [corpus.prompt_ids(plain.get_tokenizer(), ex) for ex in examples]
+    want = [out.outputs[0] for out in plain.generate(prompts, params, use_tqdm=False)]
+    blocks = [re.search(r"```\n(.*?)\n```", w.text, re.S) for w in want]
+    assert sum(b is not None and b.group(1) == ex.answer for b, ex in zip(blocks, examples)) >= 2, [w.text for w in want]
+    spec = LLM("kimi-demo", speculative_config={"method": "ngram", "num_speculative_tokens": 5}, **kwargs)
+    got = [out.outputs[0].token_ids for out in spec.generate(prompts, params, use_tqdm=False)]
+    assert got == [w.token_ids for w in want]
+    stats = spec.engine.stats()
+    drafted, accepted = stats["spec_decode_num_draft_tokens"], stats["spec_decode_num_accepted_tokens"]
+    assert drafted > 0 and accepted >= 0.5 * drafted, stats
