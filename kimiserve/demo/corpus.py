@@ -11,8 +11,8 @@ Kinds (`KINDS`): short chat answers, multi-turn follow-ups that refer back to an
 arithmetic with worked steps in `<think>`, word problems, tool use (call with JSON arguments, answer
 from the tool result; answer directly or decline when no declared tool fits), passkey retrieval
 in filler, and file edits (a settings file in the prompt, one change asked for, the whole file
-written back: most of the reply repeats the prompt, as an agent's file rewrite does). Templates are simple and regular so that a ~10M-parameter byte-level model learns them
-in minutes. The same generator with another seed gives the held-out evaluation set.
+written back: most of the reply repeats the prompt, as an agent's file rewrite does). Templates are
+simple and regular so that a ~10M-parameter byte-level model learns them in minutes. The same generator with another seed gives the held-out evaluation set.
 """
 
 from __future__ import annotations
@@ -435,7 +435,9 @@ GENERATORS = {"chat": chat, "multi_turn": multi_turn, "arithmetic": arithmetic, 
 MIXTURE = {"chat": 0.07, "multi_turn": 0.11, "arithmetic": 0.36, "word_problem": 0.16, "tool_use": 0.14,
            "no_tool": 0.08, "passkey": 0.08, "edit": 0.12}
 """Shares of examples. By tokens (tool declarations and passkey filler are long, arithmetic short) this
-is about a quarter arithmetic, a seventh word problems, a quarter tool use and a sixth passkey."""
+is about a fifth arithmetic, a tenth word problems, a fifth tool use, a sixth passkey and an eighth
+edits. The shipped models learnt edits in a fine-tune (`TrainArgs.init_from`) at a larger edit share;
+a training from scratch with this mixture has not been run."""
 KINDS = tuple(MIXTURE)
 
 
