@@ -94,8 +94,10 @@ def test_fast_training_forms_give_the_loss_and_gradients_of_the_forms_before(spa
     assert sum(g is not None for g in g0) > 0.9 * len(g0)
     for a, b in zip(g1, g0):
         assert (a is None) == (b is None)
-        if a is not None:
-            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+        if a is not None:  # fp32 rounding, bounded by the tensor's scale: the indexer's KL gradient sums ~T^2
+            # softmax-minus-target terms that cancel, so on the batch's 192-token rows the two forms' rounding
+            # reaches ~8e-4 of its largest entry (in float64 the forms agree to ~4e-7: the parts kept in fp32)
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=max(1e-6, 2e-3 * b.abs().max().item()))
 
 
 def test_bf16_autocast_training_loss_is_close_to_fp32_and_its_gradients_finite():
