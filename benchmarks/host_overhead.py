@@ -184,13 +184,14 @@ def per_step(speculative) -> int:
     return 1 + (speculative["num_speculative_tokens"] if speculative else 0)
 
 
-def make_engine(device: str, batch: int, steps: int, async_scheduling: bool | None, speculative=None) -> LLMEngine:
+def make_engine(device: str, batch: int, steps: int, async_scheduling: bool | None, speculative=None,
+                model: str = "tiny") -> LLMEngine:
     kwargs = {}
     if speculative is not None:
         kwargs["speculative_config"] = speculative
     if "async_scheduling" in EngineArgs.__dataclass_fields__:  # (absent in trees before it)
         kwargs["async_scheduling"] = async_scheduling
-    args = EngineArgs(model="tiny", dtype="bfloat16" if device == "cuda" else "float32", device=device,
+    args = EngineArgs(model=model, dtype="bfloat16" if device == "cuda" else "float32", device=device,
                       max_model_len=1024, max_num_seqs=max(batch, 1), enable_prefix_caching=False, seed=0,
                       num_pages=max(64, batch * (12 + steps * per_step(speculative) // 8)), **kwargs)  # no preemption
     return LLMEngine(args)
@@ -251,9 +252,9 @@ def time_steps(engine: LLMEngine, steps: int, sync, waits: list[float] | None = 
 
 
 def measure(device: str, batch: int, steps: int, async_scheduling: bool | None, profile: int,
-            stub: bool = False, speculative=None) -> dict:
+            stub: bool = False, speculative=None, model: str = "tiny") -> dict:
     sync = torch.cuda.synchronize if device == "cuda" else None
-    engine = make_engine(device, batch, steps, async_scheduling, speculative)
+    engine = make_engine(device, batch, steps, async_scheduling, speculative, model)
     if stub:
         stub_forward(engine)
     warm = 3 + (STUB_CYCLE if stub and speculative else 0)  # past the stub's first period: every step a round
@@ -268,7 +269,7 @@ def measure(device: str, batch: int, steps: int, async_scheduling: bool | None, 
     overlapped = engine.stats().get("overlapped_steps", 0)
     finish(engine)
     # the phases: the synchronous step (phases of an overlapped step are not additive)
-    engine = make_engine(device, batch, steps, False, speculative)
+    engine = make_engine(device, batch, steps, False, speculative, model)
     if stub:
         stub_forward(engine)
     start_batch(engine, batch, (2 * steps + 20) * per_step(speculative), "p", warm)
@@ -318,6 +319,9 @@ def main() -> int:
     p.add_argument("--speculative", default=None, help="a speculative config (JSON): every step is then a verify round")
     p.add_argument("--emulate-graphs", action="store_true",
                    help="CPU, with --stub-forward: the CUDA-graph paths with eagerly replayed 'graphs' (tests/graph_emulation.py)")
+    p.add_argument("--model", default="tiny",
+                   help="the model (default tiny: negligible compute); e.g. kimi-demo with --speculative "
+                        "'{\"method\": \"draft_model\", \"model\": \"kimi-demo-draft\", ...}' for the phases of real draft rounds")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     torch.manual_seed(0)
@@ -331,7 +335,7 @@ def main() -> int:
     speculative = json.loads(args.speculative) if args.speculative else None
     rows = []
     for b in (int(x) for x in args.batches.split(",")):
-        row = measure(args.device, b, args.steps, async_flag, args.profile, args.stub_forward, speculative)
+        row = measure(args.device, b, args.steps, async_flag, args.profile, args.stub_forward, speculative, args.model)
         rows.append(row)
         ph = "  ".join(f"{k} {v:.3f}" for k, v in row["phases_ms"].items())
         busy = "" if row["step_wait_ms_median"] is None else (
@@ -344,7 +348,7 @@ def main() -> int:
             print(row["profile"])
     device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     result = {"device": device, "torch": torch.__version__, "date": datetime.datetime.now(datetime.timezone.utc)
-              .isoformat(timespec="seconds"), "commit": git_commit(), "model": "tiny", "steps": args.steps,
+              .isoformat(timespec="seconds"), "commit": git_commit(), "model": args.model, "steps": args.steps,
               "stub_forward": args.stub_forward, "emulated_graphs": args.emulate_graphs, "speculative": speculative,
               "load_average_1min": os.getloadavg()[0], "rows": [{k: v for k, v in r.items() if k != "profile"} for r in rows]}
     if args.out:

@@ -47,3 +47,15 @@ def test_host_overhead_speculative_rounds_on_emulated_graphs(tmp_path):
     row = data["rows"][0]
     assert row["graph_replays"] > 0 and row["tokens_per_step_per_sequence"] > 1.5, row
     assert {"propose", "commit", "batch build", "sample"} <= row["phases_ms"].keys(), row["phases_ms"]
+
+
+def test_host_overhead_runs_another_model(tmp_path):
+    """--model: the phases of another model's steps (e.g. kimi-demo's draft rounds on a GPU); the JSON names it."""
+    out = tmp_path / "demo.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "host_overhead.py"), "--device", "cpu",
+                           "--model", "kimi-demo", "--stub-forward", "--batches", "1", "--steps", "3", "--out", str(out)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["model"] == "kimi-demo" and data["rows"][0]["batch"] == 1
