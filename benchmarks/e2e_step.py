@@ -68,6 +68,30 @@ from kimiserve.sampling_params import SamplingParams  # noqa: E402
 from kimiserve.utils.run_info import git_commit  # noqa: E402
 
 
+def use_decode_tile(spec: str | None) -> None:
+    """The fused MoE's decode-regime config (<= 8 routed rows per expert, bf16, MXFP4) from now on: `spec` (a
+    moe_layer.py variant) where its dequant matches the one the default picks for the experts' layout, else the
+    default. Patches this process's `ops.moe.triton.default_config` (a benchmark's A/B, not a library setting)."""
+    from kimiserve.ops.moe import triton as moe_triton
+
+    original = getattr(moe_triton.default_config, "original", moe_triton.default_config)
+    if spec in (None, "default"):
+        moe_triton.default_config = original
+        return
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from moe_layer import parse_variant
+
+    tile = parse_variant(spec)
+
+    def patched(num_tokens, top_k, num_experts, dtype, mxfp4, mxfp4_layout="checkpoint"):
+        config = original(num_tokens, top_k, num_experts, dtype, mxfp4, mxfp4_layout)
+        decode = dtype == torch.bfloat16 and mxfp4 and num_tokens * top_k / max(1, num_experts) <= 8
+        return tile if decode and tile.dequant == config.dequant else config
+
+    patched.original = original
+    moe_triton.default_config = patched
+
+
 def copy_gbps(device) -> float:
     if device.type != "cuda":
         return float("nan")
@@ -305,6 +329,11 @@ def main() -> int:
                    help="comma-separated 'stacked' and/or 'separate': the decode rows run with the CUDA default's "
                         "stacked projection GEMMs (kimiserve.ops.backend.fewer_kernel_ops) and/or each projection "
                         "apart (separate_kernel_ops), interleaved per layout ('': the engine's choice)")
+    p.add_argument("--moe-decode-tiles", default="",
+                   help="comma-separated fused-MoE configs for the decode regime (<= 8 routed rows per expert), each "
+                        "'default' or a benchmarks/moe_layer.py variant SPEC (e.g. shift-m16-n128-k128-w4-s3): the "
+                        "decode rows run for each, graphs captured again between them (an A/B of a default change; "
+                        "a SPEC whose dequant does not match the experts' layout leaves the default)")
     p.add_argument("--quick", action="store_true", help="the same rows, 8 timed steps and 1 expert-count step each")
     p.add_argument("--dry-run", action="store_true", help="tiny preset on the CPU, small sizes")
     p.add_argument("--out", default="benchmarks/results/e2e_step.json")
@@ -334,11 +363,14 @@ def main() -> int:
     projections = [x for x in args.projections.split(",") if x] or [None]
     if any(x not in (None, "stacked", "separate") for x in projections):
         p.error(f"--projections takes 'stacked' and/or 'separate', got {args.projections!r}")
+    tiles = [x for x in args.moe_decode_tiles.split(",") if x] or [None]
     base_ops = engine.runner.ops
     plan = [(b, c) for c in contexts for b in batches] + [(1, c) for c in singles]
-    for layout, projection in itertools.product(layouts, projections):
+    for layout, projection, tile in itertools.product(layouts, projections, tiles):
         from kimiserve.ops import backend
 
+        if args.moe_decode_tiles:
+            use_decode_tile(tile)
         ops = base_ops
         if layout is not None:
             ops = backend.shift_moe_layout(ops) if layout == "shift" else dataclasses.replace(ops, moe_layout="checkpoint")
@@ -347,10 +379,12 @@ def main() -> int:
         engine.runner.ops = ops  # the graph sets capture again with them
         result["ops"], result["moe_layouts"] = engine.runner.ops.name, moe_layouts(engine.model)
         print(f"ops {result['ops']}: MXFP4 expert layouts {result['moe_layouts']}", flush=True)
-        label = "".join(f"[{x}] " for x in (layout, projection) if x)
+        label = "".join(f"[{x}] " for x in (layout, projection, tile) if x)
         for batch, context in plan:
             row = decode_row(engine, batch, context, copy, args.steps, args.source_tokens, count_steps)
             row["ops"], row["moe_layouts"] = result["ops"], result["moe_layouts"]
+            if tile is not None:
+                row["moe_decode_tile"] = tile
             result["rows"].append(row)
             save()
             print_decode(row, label)

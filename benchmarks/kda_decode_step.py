@@ -104,8 +104,9 @@ def main() -> int:
     parser.add_argument("--layers-in-graph", type=int, default=16,
                         help="calls (each on its own pages) in the graph of `us_in_graph` (0: not timed)")
     parser.add_argument("--compare-module", default=None,
-                        help="a file with another version of ops/kda/triton_decode.py (e.g. `git show REV:kimiserve/ops/kda/"
-                        "triton_decode.py > old.py`): its single kernel timed beside as 'fused (<file name>)'")
+                        help="files with other versions of ops/kda/triton_decode.py, comma-separated (e.g. `git show "
+                        "REV:kimiserve/ops/kda/triton_decode.py > old.py`): each one's single kernel timed beside as "
+                        "'fused (<file name>)'")
     parser.add_argument("--cpu-smoke", action="store_true")
     parser.add_argument("--out", default="benchmarks/results/kda_decode_step.json")
     args = parser.parse_args()
@@ -121,13 +122,13 @@ def main() -> int:
     from kimiserve.ops.kda import triton_decode
 
     variants = {"fused": functools.partial(triton_decode.kda_decode_step, fallback=paged.kda_decode, block_v=None)}
-    if args.compare_module:
+    for i, path in enumerate(x for x in (args.compare_module or "").split(",") if x):
         import importlib.util
 
-        spec = importlib.util.spec_from_file_location("compared_triton_decode", args.compare_module)
+        spec = importlib.util.spec_from_file_location(f"compared_triton_decode_{i}", path)
         other = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(other)
-        variants[f"fused ({os.path.basename(args.compare_module)})"] = functools.partial(
+        variants[f"fused ({os.path.basename(path)})"] = functools.partial(
             other.kda_decode_step, fallback=paged.kda_decode, block_v=None)
     for spec in (x for x in args.block_v.split(",") if x):
         one = spec.startswith("one")
