@@ -145,7 +145,7 @@ def kda_steps():
     for name in consts:
         types.pop(name)
     div16 = [n for n in fn.arg_names if n.endswith("stride") and n not in per_call]
-    return fn, types, consts, dict(num_warps=8), div16
+    return fn, types, consts, dict(num_warps=triton_decode.STEPS_NUM_WARPS), div16
 
 
 KERNELS = dict(scan_fp8=scan_fp8, scan_fp4=scan_fp4, mla_fp8=mla_fp8, mla_fp4=mla_fp4, scan_prefill_fp8=scan_prefill_fp8,

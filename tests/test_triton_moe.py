@@ -237,6 +237,17 @@ CLAMPED_CASES = [  # dequant, swap, block_m, block_n, block_k: whole K steps (no
 ]
 
 
+@pytest.mark.parametrize("layout", ["shift", "checkpoint"])
+def test_default_decode_config_of_many_experts(tt, layout):
+    """The decode default of 64+ experts (16 x 128 x 128 tiles, session 13) at awkward sizes: h = 160 leaves a
+    32-wide K tail in the gate/up GEMM and a partial column tile in the down GEMM, I = 256 the reverse; 64 experts,
+    most with no token at 1-5 tokens, one token on its 4 experts, every token on the same 4."""
+    for N, routing in ((5, "random"), (1, "random"), (3, "same"), (40, "zipf")):
+        cfg = tt.default_config(N, 4, 64, torch.bfloat16, True, layout)
+        assert (cfg.block_m, cfg.up.block_n, cfg.up.block_k) == (16, 128, 128)
+        check_case(tt, N, 160, 256, 64, 4, torch.bfloat16, True, "situ", routing, "cuda", cfg, seed=N)
+
+
 @pytest.mark.parametrize("dequant,swap,block_m,block_n,block_k", CLAMPED_CASES)
 def test_shift_clamped_rows(tt, dequant, swap, block_m, block_n, block_k):
     """The shift path loads without row masks (weight rows clamped to the last row, padding rows reading

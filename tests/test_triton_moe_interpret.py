@@ -99,6 +99,16 @@ def test_dequant_variants(variant):
     check_case(tt, 45, 96, 160, 7, 3, torch.bfloat16, True, "situ", "subset", "cpu", cfg)
 
 
+def test_default_decode_config_of_many_experts():
+    """The decode default of 64+ experts (shift, 16 x 128 x 128 tiles) on the CPU: h = 160 leaves a 32-wide K tail
+    in the gate/up GEMM and a partial column tile in the down GEMM, I = 256 the reverse; most of the 64 experts get
+    no token, one token sits on its 4 experts."""
+    cfg = tt.default_config(3, 4, 64, torch.bfloat16, True, "shift")
+    assert (cfg.dequant, cfg.up.block_n, cfg.up.block_k) == ("shift", 128, 128)
+    for N, routing in ((3, "random"), (1, "random")):
+        check_case(tt, N, 160, 256, 64, 4, torch.bfloat16, True, "situ", routing, "cpu", cfg, seed=N)
+
+
 @pytest.mark.parametrize("dequant,swap,block_m,block_n,block_k", [CLAMPED_CASES[i] for i in (0, 1, 4)])
 def test_shift_clamped_rows(dequant, swap, block_m, block_n, block_k):
     """tests/test_triton_moe.py's case on the CPU (three of its tilings, two batches): the shift path's
@@ -138,9 +148,13 @@ def test_default_decode_config(tokens):
 
 
 def test_default_config_regimes():
-    """BLOCK_M follows the mean rows per expert; fp32 always takes exact dequant with small tiles."""
+    """BLOCK_M follows the mean rows per expert; fp32 always takes exact dequant with small tiles; MXFP4 decode
+    tiles 128 x 128 from 64 experts up (K3.1's 896, an EP8 rank's 112), 64 x 256 below (the small preset's 16)."""
     k31 = [tt.default_config(n, 16, 896, torch.bfloat16, True) for n in (1, 64, 256, 1024, 8192)]
     assert [c.block_m for c in k31] == [16, 16, 16, 32, 64]
+    assert [(c.up.block_n, c.up.block_k, c.down.block_n) for c in k31[:3]] == [(128, 128, 128)] * 3
+    small = tt.default_config(8, 4, 16, torch.bfloat16, True, "shift")
+    assert (small.block_m, small.up.block_n, small.up.block_k) == (16, 64, 256)
     assert all(c.dequant == "lut" for c in k31) and not any(c.up.swap for c in k31)
     assert tt.default_config(1, 16, 896, torch.bfloat16, True, "shift").dequant == "shift"
     assert tt.default_config(1, 2, 8, torch.bfloat16, False).up.swap  # bf16 weights: swapped

@@ -9,8 +9,9 @@ the model dtype, the state update and the output dot are fp32, the output is rou
 dtype before the norm (as the reference's o is), and the normed output is rounded once more.
 
 One program per (sequence, head) holds that head's whole [K, V] fp32 state tile (K, V <= 128: 64 KB
-in registers at 8 warps), so the state page is read and written once, the conv state page once,
-and the head's output is complete for the norm; no atomics, no host synchronisation (CUDA graphs).
+in registers at 4 warps, 128 floats a thread; the sm_90 build takes 226 registers, no spills), so the
+state page is read and written once, the conv state page once, and the head's output is complete for
+the norm; no atomics, no host synchronisation (CUDA graphs).
 That kernel (`_kda_steps_kernel`, `launch_steps`) loops over a chunk's positions: a decode step is
 its one-position case, and speculative verify steps (`triton_verify`) run several positions per
 sequence through the same compiled kernel, saving the state after each, so that every verify
@@ -33,6 +34,10 @@ import triton
 import triton.language as tl
 
 MAX_HEAD_DIM = 128  # a program holds the head's [K, V] fp32 tile
+# Warps of the steps kernel's programs. 4, not 8, from session 13's H200 run (`benchmarks/kda_decode_step.py`, us
+# per call inside a graph of 16 layers): 9.1 against 14.4 us at 96 heads x batch 1, 5.7 against 11.1 at 12 x 1,
+# 21.7 against 40.1 at 96 x 4, faster than the split forms there too.
+STEPS_NUM_WARPS = 4
 
 
 def supported(K: int, V: int, conv_size: int) -> bool:
@@ -288,7 +293,7 @@ def launch_steps(q, k, v, f, b, gate, weights, conv, states, page_ids, out, grid
             conv_dst, *conv_dst_strides, state_dst, *state_dst_strides,
             0.0 if lower is None else float(lower), K ** -0.5, float(weights.eps),
             H=H, K=K, V=V, W=W, BK=triton.next_power_of_2(K), BV=triton.next_power_of_2(V),
-            BW=triton.next_power_of_2(W - 1), HAS_LOWER_BOUND=lower is not None, num_warps=8 if K * V > 4096 else 4,
+            BW=triton.next_power_of_2(W - 1), HAS_LOWER_BOUND=lower is not None, num_warps=STEPS_NUM_WARPS,
         )
     return out
 

@@ -113,9 +113,11 @@ def default_config(num_tokens: int, top_k: int, num_experts: int, dtype: torch.d
                    mxfp4_layout: str = "checkpoint") -> MoEConfig:
     """The launch config for a batch: BLOCK_M from the mean rows per expert, tiles by regime.
 
-    The MXFP4 choices are the fastest of benchmarks/moe_layer.py's H200 sweep at the K3.1 shape: up to
-    8 rows per expert (256 tokens) 16-row blocks, 64 weight rows x 256 K per step, unswapped (~15%
-    under the swapped form); up to 24 (1024 tokens) 32-row blocks, 64 (gate/up) and 128 (down)
+    The MXFP4 choices are the fastest of benchmarks/moe_layer.py's H200 sweeps at the K3.1 shape: up to
+    8 rows per expert (256 tokens) 16-row blocks, unswapped (~15% under the swapped form); of 64 or more
+    experts, 128 weight rows x 128 K per step (3-6% under 64 x 256 at 1-256 tokens in sessions 8 and 13, at
+    16-64 in session 4), of fewer (the `small` preset's 16) 64 x 256 (the 128-row tile was 0.6% slower in
+    its engine's decode steps at batch 1 and 8, session 13: half as many programs on a few experts); up to 24 (1024 tokens) 32-row blocks, 64 (gate/up) and 128 (down)
     columns x 128 K, unswapped (7% under the swapped 32-row tile); above, 64-row blocks on 4 warps
     (9% under 128-row blocks on 8 at 8192 tokens: ~146 rows per expert pad less). bf16 weights keep
     the swapped form for decode (not re-measured). The shift layout takes dequant "shift"."""
@@ -124,6 +126,9 @@ def default_config(num_tokens: int, top_k: int, num_experts: int, dtype: torch.d
         return MoEConfig(block_m=16, up=small, down=small, dequant="exact")
     dequant = "exact" if not mxfp4 else "shift" if mxfp4_layout == "shift" else "lut"
     mean_rows = num_tokens * top_k / max(1, num_experts)
+    if mean_rows <= 8 and mxfp4 and num_experts >= 64:
+        tiles = GemmTiles(block_n=128, block_k=128, num_warps=4, num_stages=3)
+        return MoEConfig(block_m=16, up=tiles, down=tiles, dequant=dequant)
     if mean_rows <= 8:  # bf16 weights: 128-wide K steps (shared memory: two weight tiles per stage)
         tiles = GemmTiles(block_n=64, block_k=256 if mxfp4 else 128, num_warps=4, num_stages=3, swap=not mxfp4)
         return MoEConfig(block_m=16, up=tiles, down=tiles, dequant=dequant)
