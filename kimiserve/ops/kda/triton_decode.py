@@ -17,9 +17,9 @@ its one-position case, and speculative verify steps (`triton_verify`) run severa
 sequence through the same compiled kernel, saving the state after each, so that every verify
 position has the bits a decode step gives.
 
-A split form for larger batches (`block_v`, see below the single kernel): the conv, norms and gates
+A split form (`block_v`, see below the single kernel): the conv, norms and gates
 in a first kernel, the delta rule over [K, block_v] slices of the state in a second, the norm in a
-third, with the same values; the default from 768 head-sequences up (`default_block_v`). And a one-launch
+third, with the same values (opt-in since session 13: `default_block_v`). And a one-launch
 split form for small batches (`counters`, opt-in): the same V blocks in one kernel, each program recomputing
 its head's q, k, gate and beta, the last of a head's programs to finish (an atomic counter per sequence and
 head) doing the norm.
@@ -489,11 +489,12 @@ class StepCounters:
 
 def default_block_v(batch: int, H: int, K: int, V: int) -> int | None:
     """The V block of the split form for a batch of `batch` sequences at `H` heads of K x V, or None for
-    the single kernel. Timed on the H200 (session 5, `benchmarks/kda_decode_step.py --block-v 32,64`, 128 x
-    128 heads): the split form with 32-column blocks is 1.5-1.7x faster from 768 head-sequences up (96 heads x
-    batch 8: 43.8 vs 65.6 us; 12 heads x batch 64: 43.6 vs 67.1 us), level below (13.4 vs 13.6 us at 96 x 1,
-    15.7 vs 15.5 us at 12 x 8), where the single kernel keeps one launch."""
-    return 32 if batch * H >= 768 else None
+    the single kernel: None at every size. At 8 warps (session 5) the split with 32-column blocks was 1.5-1.7x
+    faster from 768 head-sequences up; at 4 warps (`STEPS_NUM_WARPS`, session 13) the single kernel is the
+    faster at every size timed on the H200 (`benchmarks/kda_decode_step.py`, 128 x 128 heads, us per call in a
+    graph of 16 layers: 96 heads x batch 8 37.9 against 39.0 for the split, x 64 257.7 against 274.5, 12 x 64
+    38.4 against 39.5; batches above 64 not timed). The split stays for an explicit block_v."""
+    return None
 
 
 def kda_decode_step(q, k, v, f, b, gate, weights, conv, states, page_ids, fallback=None, block_v="auto",

@@ -12,9 +12,9 @@ the same compiled kernel (its per-call arguments are left unspecialised), so eve
 slots are bit for bit what the decode step gives (and leaves in the pages) when the chunk's tokens are
 decoded one step at a time, on the GPU as under the interpreter.
 
-The single decode kernel only: where the decode step would take its V-split form (`default_block_v`, from
-768 head-sequences up; or an explicit block_v / one-launch counters), and for shapes the decode kernel does
-not take, the positions run as `paged.kda_verify_steps`' loop of that very decode step.
+The single decode kernel only: where the decode step would take its V-split form (an explicit block_v or
+one-launch counters; `default_block_v` no longer picks it), and for shapes the decode kernel does not take,
+the positions run as `paged.kda_verify_steps`' loop of that very decode step.
 """
 
 from __future__ import annotations
