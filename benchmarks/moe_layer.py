@@ -28,10 +28,12 @@ at the same shape for --check-tokens (relative RMS error, bound 1e-2), and the p
     python benchmarks/moe_layer.py --sass [--variants ...]   # no GPU: each variant's sm_90 build (registers,
                                                             # spills, shared memory, SASS per K step)
 
-A variant SPEC is DEQUANT-mBM-nBN-kBK-wWARPS-sSTAGES[-dnBN][-dkBK][-skS][-dskS][-swap] (dn/dk: the down
-GEMM's column tile and K step when they differ from the gate/up GEMM's; sk/dsk: split-K of the gate/up and
-down GEMMs, fp32 partials reduced in a fixed order), e.g. lut-m16-n64-k256-w4-s3-swap,
-shift-m16-n64-k128-w4-s4-sk4-dsk4.
+A variant SPEC is DEQUANT-mBM-nBN-kBK-wWARPS-sSTAGES[-dnBN][-dkBK][-dwWARPS][-dsSTAGES][-rREGS][-drREGS][-skS]
+[-dskS][-swap] (dn/dk/dw/ds: the down GEMM's column tile, K step, warps and stages when they differ from the
+gate/up GEMM's; r/dr: a register cap (maxnreg) per GEMM; sk/dsk: split-K of the gate/up and down GEMMs, fp32
+partials reduced in a fixed order), e.g. lut-m16-n64-k256-w4-s3-swap, shift-m16-n64-k128-w4-s4-sk4-dsk4.
+--stages-each times every variant's stages apart (gate/up, down): the best gate/up and the best down tiling of
+a sweep can then be paired.
 Writes the JSON after every row (device, date, commit, copy_gbps, matmul_tflops, rows) and prints a
 table last.
 """
@@ -112,17 +114,19 @@ def parse_variant(spec: str) -> tt.MoEConfig:
         if p == "swap":
             swap = True
             continue
-        key = next((pre for pre in ("dsk", "dn", "dk", "sk") if p.startswith(pre)), p[:1])
-        if key not in ("m", "n", "k", "w", "s", "dn", "dk", "sk", "dsk") or not p[len(key):].isdigit():
+        key = next((pre for pre in ("dsk", "dn", "dk", "dw", "ds", "dr", "sk") if p.startswith(pre)), p[:1])
+        if key not in ("m", "n", "k", "w", "s", "r", "dn", "dk", "dw", "ds", "dr", "sk", "dsk") \
+                or not p[len(key):].isdigit():
             raise ValueError(f"variant {spec!r}: cannot read {p!r}")
         vals[key] = int(p[len(key):])
     missing = {"m", "n", "k", "w", "s"} - vals.keys()
     if missing:
         raise ValueError(f"variant {spec!r} lacks {sorted(missing)}")
     up = tt.GemmTiles(block_n=vals["n"], block_k=vals["k"], num_warps=vals["w"], num_stages=vals["s"], swap=swap,
-                      split_k=vals.get("sk", 1))
-    down = tt.GemmTiles(block_n=vals.get("dn", vals["n"]), block_k=vals.get("dk", vals["k"]), num_warps=vals["w"],
-                        num_stages=vals["s"], swap=swap, split_k=vals.get("dsk", 1))
+                      split_k=vals.get("sk", 1), max_registers=vals.get("r"))
+    down = tt.GemmTiles(block_n=vals.get("dn", vals["n"]), block_k=vals.get("dk", vals["k"]),
+                        num_warps=vals.get("dw", vals["w"]), num_stages=vals.get("ds", vals["s"]), swap=swap,
+                        split_k=vals.get("dsk", 1), max_registers=vals.get("dr"))
     return tt.MoEConfig(block_m=vals["m"], up=up, down=down, dequant=dequant)
 
 
@@ -131,6 +135,10 @@ def config_spec(cfg: tt.MoEConfig) -> str:
     spec = f"{cfg.dequant}-m{cfg.block_m}-n{u.block_n}-k{u.block_k}-w{u.num_warps}-s{u.num_stages}"
     spec += f"-dn{d.block_n}" if d.block_n != u.block_n else ""
     spec += f"-dk{d.block_k}" if d.block_k != u.block_k else ""
+    spec += f"-dw{d.num_warps}" if d.num_warps != u.num_warps else ""
+    spec += f"-ds{d.num_stages}" if d.num_stages != u.num_stages else ""
+    spec += f"-r{u.max_registers}" if u.max_registers else ""
+    spec += f"-dr{d.max_registers}" if d.max_registers else ""
     spec += f"-sk{u.split_k}" if u.split_k > 1 else ""
     spec += f"-dsk{d.split_k}" if d.split_k > 1 else ""
     return spec + ("-swap" if u.swap else "")
@@ -377,7 +385,8 @@ def sass_report(specs: list[str], h: int, inter: int) -> int:
                           EVEN_K=K % tiles.block_k == 0, SPLIT=tiles.split_k)
             try:
                 kernel = compile_sm90(tt._moe_gemm_kernel, types, consts,
-                                      dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
+                                      dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+                                           **({"maxnreg": tiles.max_registers} if tiles.max_registers else {})),
                                       [n for n in _GEMM_INTS if n != "A_ROW_DIV"] + ["s_ps"])
             except Exception as e:
                 print(f"{spec:<40} {name:<5} does not compile: {type(e).__name__}: {str(e)[:200]}")
@@ -426,6 +435,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--today-tokens", default="1,16,64,256,1024",
                         help="token counts at which to time today's RoutedExperts path ('' for none)")
     parser.add_argument("--no-peer", action="store_true", help="skip the plain-PyTorch grouped-GEMM peer")
+    parser.add_argument("--stages-each", action="store_true",
+                        help="time every variant's gate/up and down launches apart (not only the default's)")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--shape", default="896,16,3584,3072", help="experts,top_k,hidden,intermediate")
     parser.add_argument("--dry-run", action="store_true",
@@ -557,6 +568,10 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 timed.append(dict(variant=spec, config=config_spec(config_for(spec, n)) if spec in defaults else spec,
                                   ms=vms))
+                if args.stages_each:
+                    cfg = config_for(spec, n)
+                    fns = stage_fns(x, shifted if cfg.dequant == "shift" else w, ids, weights, cfg)
+                    timed[-1]["stages_ms"] = {name: fast_time(fns[name], n)[0] for name in ("up", "down") if name in fns}
             for t in timed:
                 t.update(bytes_roofline_fraction=row["roofline_ms"] / t["ms"],
                          matmul_fraction=row["flop_roofline_ms"] / t["ms"], tflops=flops / (t["ms"] * 1e-3) / 1e12)
@@ -664,6 +679,15 @@ def print_variant_table(rows: list[dict]):
             mark = "*" if v["ms"] == best[(r, n)] else " "
             line += f"{v['ms']:>9.3f}{mark}({pct:4.1f}%)"
         print(line)
+    if any("stages_ms" in v for v in cell.values()):
+        print("\ngate/up ms / down ms per variant (--stages-each)")
+        print(f"{'variant':<36}" + "".join(f"{r[:4] + ' ' + str(n):>17}" for r, n in cols))
+        for spec in specs:
+            line = f"{spec:<36}"
+            for r, n in cols:
+                st = (cell.get((r, n, spec)) or {}).get("stages_ms") or {}
+                line += f"{st['up']:>8.3f} /{st['down']:>7.3f}" if "up" in st and "down" in st else f"{'-':>17}"
+            print(line)
 
 
 if __name__ == "__main__":

@@ -85,7 +85,9 @@ _ACT = {"silu": 0, "situ": 1}
 @dataclass(frozen=True)
 class GemmTiles:
     """Tiling of one of the two grouped GEMMs. split_k > 1: each (block, column tile) split over that many
-    programs along K, fp32 partials reduced in a fixed order (`ops.moe.epilogue`)."""
+    programs along K, fp32 partials reduced in a fixed order (`ops.moe.epilogue`). max_registers: a cap on the
+    compiled kernel's registers per thread (Triton's maxnreg; more programs per SM, spills past it), None for
+    the compiler's choice."""
 
     block_n: int = 64
     block_k: int = 128
@@ -93,6 +95,7 @@ class GemmTiles:
     num_stages: int = 3
     swap: bool = False
     split_k: int = 1
+    max_registers: int | None = None
 
 
 @dataclass(frozen=True)
@@ -638,6 +641,7 @@ def _gemm(a, w, w_scale, v, v_scale, out, align, a_row_div: int, tiles: GemmTile
         DTYPE=_DOT_DTYPES[a.dtype], PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         BM=block_m, BN=tiles.block_n, BK=tiles.block_k, EVEN_K=k_in % tiles.block_k == 0, SPLIT=split,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        **({"maxnreg": tiles.max_registers} if tiles.max_registers else {}),
     )
 
 
@@ -693,6 +697,8 @@ def _check(x, w1, w2, w3, w1_scale, w2_scale, w3_scale, ids, weights, config: Mo
             raise ValueError("block_m and block_n must be >= 16 (tl.dot)")
         if not 1 <= tiles.split_k <= 16:
             raise ValueError(f"split_k must be 1..16, got {tiles.split_k}")
+        if tiles.max_registers is not None and not 24 <= tiles.max_registers <= 255:
+            raise ValueError(f"max_registers must be None or 24..255, got {tiles.max_registers}")
 
 
 def fused_moe(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, ids: torch.Tensor,
