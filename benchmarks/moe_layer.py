@@ -105,7 +105,7 @@ DRY_VARIANTS = ["lut-m16-n32-k64-w4-s2-swap", "shift-m16-n32-k64-w4-s2", "exact-
 
 
 def parse_variant(spec: str) -> tt.MoEConfig:
-    """DEQUANT-mBM-nBN-kBK-wW-sS[-dnBN][-dkBK][-skS][-dskS][-swap] -> MoEConfig."""
+    """DEQUANT-mBM-nBN-kBK-wW-sS[-dnBN][-dkBK][-dwW][-dsS][-rR][-drR][-skS][-dskS][-swap] -> MoEConfig."""
     dequant, *parts = spec.split("-")
     if dequant not in tt._DEQUANT:
         raise ValueError(f"variant {spec!r}: dequant must be one of {list(tt._DEQUANT)}")
@@ -371,7 +371,8 @@ def sass_report(specs: list[str], h: int, inter: int) -> int:
     from sass_report import compile_sm90, instruction_mix, sass_of
 
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    print("variant                                  gemm  regs stack  smem KB  loop instr  per weight  MMA")
+    print("variant                                  gemm  regs stack  smem KB  loop instr  per weight  moves   alu   fma"
+          "  MMA   (moves, alu, fma: per weight)")
     for spec in specs:
         cfg = parse_variant(spec)
         dq = tt._DEQUANT[cfg.dequant]
@@ -397,28 +398,48 @@ def sass_report(specs: list[str], h: int, inter: int) -> int:
                 usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
             m = re.search(r"REG:(\d+).*?STACK:(\d+)", usage)
             sass = sass_of(kernel)
-            loop = _largest_loop(sass)
+            ops = _largest_loop(sass)
+            mix = loop_mix(ops)
             weights = (2 if gated else 1) * tiles.block_n * tiles.block_k / (32 * tiles.num_warps)
             mma = ",".join(sorted(op for op in instruction_mix(sass) if "MMA" in op))
             print(f"{spec:<40} {name:<5} {m.group(1):>4} {m.group(2):>5} {kernel.metadata.shared / 1024:8.1f} "
-                  f"{loop:11d} {loop / weights:11.2f}  {mma}")
+                  f"{len(ops):11d} {len(ops) / weights:11.2f} {mix['moves'] / weights:6.2f} {mix['alu'] / weights:5.2f} "
+                  f"{mix['fma'] / weights:5.2f}  {mma}")
     return 0
 
 
-def _largest_loop(sass: str) -> int:
-    """Instructions in the longest backward branch's body (the K loop)."""
+def _largest_loop(sass: str) -> list[str]:
+    """The opcodes (predicates dropped) in the longest backward branch's body (the K loop)."""
     import re
 
     lines = [ln for ln in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4}\*/", ln)]
     addrs = [int(re.match(r"\s+/\*([0-9a-f]{4})\*/", ln).group(1), 16) for ln in lines]
-    best = 0
+    best = (0, 0, -1)
     for ln, at in zip(lines, addrs):
         if "BRA" in ln:
             target = re.search(r"0x([0-9a-f]+)", ln.split("BRA", 1)[1])
             if target and int(target.group(1), 16) < at:
                 start = int(target.group(1), 16)
-                best = max(best, sum(start <= a <= at for a in addrs))
-    return best
+                best = max(best, (sum(start <= a <= at for a in addrs), start, at))
+    ops = []
+    for ln, at in zip(lines, addrs):
+        if best[1] <= at <= best[2]:
+            words = ln.split("*/", 1)[1].strip().rstrip(" ;").split()
+            ops.append(words[1] if words[0].startswith("@") else words[0])
+    return ops
+
+
+# Opcode families by the sm_90 pipe that runs them (integer ALU and FMA are both half rate): where a loop's
+# instructions go (session 13's ncu profile showed the decode GEMMs throttled on a math pipe).
+_ALU_OPS = ("LOP3", "SHF", "PRMT", "IADD3", "ISETP", "MOV", "SEL", "LEA", "PLOP3", "VIADD", "FSEL")
+_FMA_OPS = ("IMAD", "HMUL2", "HFMA2", "HADD2", "FFMA", "FMUL", "FADD")
+
+
+def loop_mix(ops: list[str]) -> dict[str, int]:
+    """Counts of a loop's moves (MOV, IMAD.MOV), integer-ALU and FMA-pipe instructions (moves included)."""
+    family = [op.split(".")[0] for op in ops]
+    return dict(moves=sum(op == "MOV" or op.startswith("IMAD.MOV") for op in ops),
+                alu=sum(f in _ALU_OPS for f in family), fma=sum(f in _FMA_OPS for f in family))
 
 
 # ------------------------------------------------------------------------------------------------

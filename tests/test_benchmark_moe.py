@@ -28,6 +28,13 @@ def positive(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
 
 
+def data_variants_last() -> str:
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from moe_layer import DRY_VARIANTS
+
+    return DRY_VARIANTS[-1]
+
+
 def test_moe_layer_dry_run(tmp_path):
     out = tmp_path / "moe.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -36,7 +43,7 @@ def test_moe_layer_dry_run(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     assert any("best variant" in ln for ln in lines[-15:])  # the tables are printed last
-    assert lines[-1].startswith("exact-m32") and "*" in proc.stdout.split("per variant")[-1]  # the variant table
+    assert lines[-1].startswith(data_variants_last()) and "*" in proc.stdout.split("per variant")[-1]  # the table
     data = json.loads(out.read_text())
     assert TOP_KEYS <= data.keys(), TOP_KEYS - data.keys()
     assert data["device"] == "cpu" and data["dry_run"] is True and data["commit"] and data["date"]
@@ -55,3 +62,41 @@ def test_moe_layer_dry_run(tmp_path):
         assert r["peer"] in ("torch._grouped_mm", "torch.mm loop")
     random_rows = [r for r in data["rows"] if r["routing"] == "random"]
     assert all(positive(r["today_ms"]) and r["peer_rel_rms"] < 1e-2 for r in random_rows)
+
+
+def test_variant_specs_carry_the_down_gemm_and_register_caps():
+    """moe_layer.py SPECs: dn/dk/dw/ds set the down GEMM's tile, warps and stages apart, r/dr cap the registers
+    (GemmTiles.max_registers); config_spec writes back the same SPEC; unknown parts are refused."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from moe_layer import config_spec, parse_variant
+
+    spec = "shift-m16-n128-k128-w4-s3-dn256-dk64-dw8-ds4-r128-dr96"
+    cfg = parse_variant(spec)
+    assert (cfg.up.block_n, cfg.up.block_k, cfg.up.num_warps, cfg.up.num_stages, cfg.up.max_registers) == \
+        (128, 128, 4, 3, 128)
+    assert (cfg.down.block_n, cfg.down.block_k, cfg.down.num_warps, cfg.down.num_stages, cfg.down.max_registers) == \
+        (256, 64, 8, 4, 96)
+    assert config_spec(cfg) == spec
+    assert parse_variant("lut-m16-n64-k256-w4-s3").down.max_registers is None
+    with pytest.raises(ValueError, match="cannot read"):
+        parse_variant("shift-m16-n64-k256-w4-s3-q2")
+
+
+def test_moe_layer_dry_run_times_each_variants_stages(tmp_path):
+    """--stages-each: every variant after the checkpoint default has its gate/up and down times, and the stage
+    table is printed last."""
+    out = tmp_path / "moe.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "moe_layer.py"), "--dry-run", "--stages-each",
+                           "--routings", "random", "--out", str(out)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "gate/up ms / down ms per variant" in proc.stdout
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["routing"] for r in rows] == ["random", "random"]  # the dry run's 1 and 5 tokens
+    for row in rows:
+        timed = [v for v in row["variants"] if v["variant"] != "default"]
+        assert timed and all(positive(v["stages_ms"]["up"]) for v in timed)
+        # the down GEMM apart where it is not split along K (split, its partials are reduced in the combine)
+        unsplit = [v for v in timed if "-dsk" not in v["variant"]]
+        assert unsplit and all(positive(v["stages_ms"]["down"]) for v in unsplit)
