@@ -54,11 +54,11 @@ def sass_lines(mod, dq, mx, bm, bn, bk, warps, stages, swap, gated, K, dt) -> li
     wt = ("*i32" if dq in (1, 3) else "*u8") if mx else ("*bf16" if dt == "bf16" else "*fp32")
     at = "*bf16" if dt == "bf16" else "*fp32"
     types = dict(a_ptr=at, w_ptr=wt, ws_ptr="*u8", v_ptr=wt, vs_ptr="*u8", out_ptr=at, sorted_ptr="*i32",
-                 bexp_ptr="*i32", brows_ptr="*i32", nblk_ptr="*i32", beta="fp32", linear_beta="fp32",
+                 bexp_ptr="*i32", brows_ptr="*i32", nblk_ptr="*i32", beta="fp32", linear_beta="fp32", s_ps="i32",
                  **{n: "i32" for n in INTS})
     consts = dict(GATED=gated, ACT=1, LINEAR_TANH=True, MXFP4=mx, DEQUANT=dq, ASM=True, SWAP=swap,
                   DTYPE=tl.bfloat16 if dt == "bf16" else tl.float32, PRECISION="tf32" if dt == "bf16" else "ieee",
-                  BM=bm, BN=bn, BK=bk, EVEN_K=K % bk == 0)
+                  BM=bm, BN=bn, BK=bk, EVEN_K=K % bk == 0, SPLIT=1)  # names a kernel lacks are not looked up
     kernel = compile_sm90(mod._moe_gemm_kernel, types, consts, dict(num_warps=warps, num_stages=stages),
                           [n for n in INTS if n != "A_ROW_DIV"])
     return [re.sub(r"/\*[0-9a-f]{4}\*/", "", ln).split(";")[0].strip() for ln in sass_of(kernel).splitlines()
