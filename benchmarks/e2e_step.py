@@ -69,9 +69,10 @@ from kimiserve.utils.run_info import git_commit  # noqa: E402
 
 
 def use_decode_tile(spec: str | None) -> None:
-    """The fused MoE's decode-regime config (<= 8 routed rows per expert, bf16, MXFP4) from now on: `spec` (a
-    moe_layer.py variant) where its dequant matches the one the default picks for the experts' layout, else the
-    default. Patches this process's `ops.moe.triton.default_config` (a benchmark's A/B, not a library setting)."""
+    """The fused MoE's decode-regime config (<= `DECODE_MAX_ROWS` routed rows per expert, bf16, MXFP4) from now
+    on: `spec` (a moe_layer.py variant) where its dequant matches the one the default picks for the experts'
+    layout, else the default. Patches this process's `ops.moe.triton.default_config` (a benchmark's A/B, not a
+    library setting)."""
     from kimiserve.ops.moe import triton as moe_triton
 
     original = getattr(moe_triton.default_config, "original", moe_triton.default_config)
@@ -85,7 +86,8 @@ def use_decode_tile(spec: str | None) -> None:
 
     def patched(num_tokens, top_k, num_experts, dtype, mxfp4, mxfp4_layout="checkpoint"):
         config = original(num_tokens, top_k, num_experts, dtype, mxfp4, mxfp4_layout)
-        decode = dtype == torch.bfloat16 and mxfp4 and num_tokens * top_k / max(1, num_experts) <= 8
+        rows = num_tokens * top_k / max(1, num_experts)
+        decode = dtype == torch.bfloat16 and mxfp4 and rows <= moe_triton.DECODE_MAX_ROWS
         return tile if decode and tile.dequant == config.dequant else config
 
     patched.original = original

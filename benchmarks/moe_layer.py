@@ -385,9 +385,7 @@ def sass_report(specs: list[str], h: int, inter: int) -> int:
                           DTYPE=tl.bfloat16, PRECISION="tf32", BM=cfg.block_m, BN=tiles.block_n, BK=tiles.block_k,
                           EVEN_K=K % tiles.block_k == 0, SPLIT=tiles.split_k)
             try:
-                kernel = compile_sm90(tt._moe_gemm_kernel, types, consts,
-                                      dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-                                           **({"maxnreg": tiles.max_registers} if tiles.max_registers else {})),
+                kernel = compile_sm90(tt._moe_gemm_kernel, types, consts, tiles.compile_options(),
                                       [n for n in _GEMM_INTS if n != "A_ROW_DIV"] + ["s_ps"])
             except Exception as e:
                 print(f"{spec:<40} {name:<5} does not compile: {type(e).__name__}: {str(e)[:200]}")

@@ -28,7 +28,7 @@ def positive(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
 
 
-def data_variants_last() -> str:
+def last_dry_variant() -> str:
     sys.path.insert(0, str(REPO / "benchmarks"))
     from moe_layer import DRY_VARIANTS
 
@@ -43,7 +43,7 @@ def test_moe_layer_dry_run(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     assert any("best variant" in ln for ln in lines[-15:])  # the tables are printed last
-    assert lines[-1].startswith(data_variants_last()) and "*" in proc.stdout.split("per variant")[-1]  # the table
+    assert lines[-1].startswith(last_dry_variant()) and "*" in proc.stdout.split("per variant")[-1]  # the table
     data = json.loads(out.read_text())
     assert TOP_KEYS <= data.keys(), TOP_KEYS - data.keys()
     assert data["device"] == "cpu" and data["dry_run"] is True and data["commit"] and data["date"]

@@ -493,7 +493,8 @@ def default_block_v(batch: int, H: int, K: int, V: int) -> int | None:
     faster from 768 head-sequences up; at 4 warps (`STEPS_NUM_WARPS`, session 13) the single kernel is the
     faster at every size timed on the H200 (`benchmarks/kda_decode_step.py`, 128 x 128 heads, us per call in a
     graph of 16 layers: 96 heads x batch 8 37.9 against 39.0 for the split, x 64 257.7 against 274.5, 12 x 64
-    38.4 against 39.5; batches above 64 not timed). The split stays for an explicit block_v."""
+    38.4 against 39.5; one call alone at 96 x 256 995.7 against 1107.4, level at 12 x 128, 78.0 against 77.5).
+    The split stays for an explicit block_v."""
     return None
 
 

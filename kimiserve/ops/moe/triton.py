@@ -72,6 +72,7 @@ from kimiserve.ops.moe.epilogue import _activate, _combine_kernel, _reduce_act_k
 from kimiserve.ops.moe.mxfp4_layout import MAG_MASK, SHIFT_PAIRS, SIGN_MASK
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # no inline PTX: the "lut" dequant runs emulated
+DECODE_MAX_ROWS = 8  # mean routed rows per expert up to which `default_config` takes its decode tiles
 ALIGN_SMALL_PAIRS = 4096  # up to this many (token, slot) pairs (K3.1: 256 tokens) the alignment is one program
 _DOT_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 _DEQUANT = {"exact": 0, "lut": 1, "dot_scaled": 2, "shift": 3}  # "shift": weights in mxfp4_layout's shift layout
@@ -97,6 +98,13 @@ class GemmTiles:
     split_k: int = 1
     max_registers: int | None = None
 
+    def compile_options(self) -> dict:
+        """Triton's compile options for this tiling: warps, stages, and maxnreg where capped."""
+        options = dict(num_warps=self.num_warps, num_stages=self.num_stages)
+        if self.max_registers:
+            options["maxnreg"] = self.max_registers
+        return options
+
 
 @dataclass(frozen=True)
 class MoEConfig:
@@ -117,22 +125,23 @@ def default_config(num_tokens: int, top_k: int, num_experts: int, dtype: torch.d
     """The launch config for a batch: BLOCK_M from the mean rows per expert, tiles by regime.
 
     The MXFP4 choices are the fastest of benchmarks/moe_layer.py's H200 sweeps at the K3.1 shape: up to
-    8 rows per expert (256 tokens) 16-row blocks, unswapped (~15% under the swapped form); of 64 or more
-    experts, 128 weight rows x 128 K per step (3-6% under 64 x 256 at 1-256 tokens in sessions 8 and 13, at
-    16-64 in session 4), of fewer (the `small` preset's 16) 64 x 256 (the 128-row tile was 0.6% slower in
-    its engine's decode steps at batch 1 and 8, session 13: half as many programs on a few experts); up to 24 (1024 tokens) 32-row blocks, 64 (gate/up) and 128 (down)
-    columns x 128 K, unswapped (7% under the swapped 32-row tile); above, 64-row blocks on 4 warps
-    (9% under 128-row blocks on 8 at 8192 tokens: ~146 rows per expert pad less). bf16 weights keep
-    the swapped form for decode (not re-measured). The shift layout takes dequant "shift"."""
+    DECODE_MAX_ROWS rows per expert (256 tokens) 16-row blocks, unswapped (~15% under the swapped form); of 64
+    or more experts, 128 weight rows x 128 K per step (3-6% under 64 x 256 at 1-256 tokens in sessions 8 and
+    13, at 16-64 in session 4), of fewer (the `small` preset's 16) 64 x 256 (the 128-row tile was 0.6% slower
+    in its engine's decode steps at batch 1 and 8, session 13: half as many programs on a few experts); up to
+    24 (1024 tokens) 32-row blocks, 64 (gate/up) and 128 (down) columns x 128 K, unswapped (7% under the
+    swapped 32-row tile); above, 64-row blocks on 4 warps (9% under 128-row blocks on 8 at 8192 tokens: ~146
+    rows per expert pad less). bf16 weights keep the swapped form for decode (not re-measured). The shift
+    layout takes dequant "shift"."""
     if dtype != torch.bfloat16:  # fp32 (the CPU-sized models) and fp16: exact dequant, IEEE or fp16 dots
         small = GemmTiles(block_n=32, block_k=32, num_warps=4, num_stages=2)
         return MoEConfig(block_m=16, up=small, down=small, dequant="exact")
     dequant = "exact" if not mxfp4 else "shift" if mxfp4_layout == "shift" else "lut"
     mean_rows = num_tokens * top_k / max(1, num_experts)
-    if mean_rows <= 8 and mxfp4 and num_experts >= 64:
+    if mean_rows <= DECODE_MAX_ROWS and mxfp4 and num_experts >= 64:
         tiles = GemmTiles(block_n=128, block_k=128, num_warps=4, num_stages=3)
         return MoEConfig(block_m=16, up=tiles, down=tiles, dequant=dequant)
-    if mean_rows <= 8:  # bf16 weights: 128-wide K steps (shared memory: two weight tiles per stage)
+    if mean_rows <= DECODE_MAX_ROWS:  # bf16 weights: 128-wide K steps (shared memory: two weight tiles per stage)
         tiles = GemmTiles(block_n=64, block_k=256 if mxfp4 else 128, num_warps=4, num_stages=3, swap=not mxfp4)
         return MoEConfig(block_m=16, up=tiles, down=tiles, dequant=dequant)
     if mean_rows <= 24 and not mxfp4:  # still one weight tile per block: the swapped form, wgmma N = 32
@@ -640,8 +649,7 @@ def _gemm(a, w, w_scale, v, v_scale, out, align, a_row_div: int, tiles: GemmTile
         SWAP=tiles.swap,
         DTYPE=_DOT_DTYPES[a.dtype], PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         BM=block_m, BN=tiles.block_n, BK=tiles.block_k, EVEN_K=k_in % tiles.block_k == 0, SPLIT=split,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-        **({"maxnreg": tiles.max_registers} if tiles.max_registers else {}),
+        **tiles.compile_options(),
     )
 
 
@@ -775,5 +783,5 @@ def down_combine(act, w2, w2_scale, y, weights, out, align, config: MoEConfig):
                                               DTYPE=_DOT_DTYPES[out.dtype], num_warps=4)
 
 
-__all__ = ["ALIGN_SMALL_PAIRS", "GemmTiles", "MoEConfig", "align_blocks", "default_config", "dequantize_weights",
-           "down_combine", "fused_moe", "gate_up", "max_blocks"]
+__all__ = ["ALIGN_SMALL_PAIRS", "DECODE_MAX_ROWS", "GemmTiles", "MoEConfig", "align_blocks", "default_config",
+           "dequantize_weights", "down_combine", "fused_moe", "gate_up", "max_blocks"]
