@@ -138,6 +138,22 @@ def test_split_k_fp32_and_bad_split():
         tt.fused_moe(x, w, w, w, torch.zeros(1, 1, dtype=torch.int64), torch.ones(1, 1), config=bad)
 
 
+def test_register_cap_runs_and_bad_caps_are_refused():
+    """GemmTiles.max_registers (Triton's maxnreg) on both GEMMs gives the reference's values; caps outside 24..255
+    are refused with the field's name."""
+    tiles = tt.GemmTiles(block_n=32, block_k=32, max_registers=128)
+    cfg = tt.MoEConfig(block_m=16, up=tiles, down=tt.GemmTiles(block_n=32, block_k=32, max_registers=96),
+                       dequant="shift")
+    assert tiles.compile_options() == dict(num_warps=4, num_stages=3, maxnreg=128)
+    assert "maxnreg" not in tt.GemmTiles().compile_options()
+    check_case(tt, 5, 64, 96, 7, 2, torch.bfloat16, True, "situ", "random", "cpu", cfg)
+    x, w = torch.zeros(1, 32), torch.zeros(3, 32, 32)
+    for cap in (8, 256):
+        with pytest.raises(ValueError, match="max_registers"):
+            tt.fused_moe(x, w, w, w, torch.zeros(1, 1, dtype=torch.int64), torch.ones(1, 1),
+                         config=tt.MoEConfig(down=tt.GemmTiles(max_registers=cap)))
+
+
 @pytest.mark.parametrize("tokens", [1, 3, 20])
 def test_default_decode_config(tokens):
     """The bf16 MXFP4 default for few tokens ("lut", unswapped 16 x 64 x 256 tiles) on the tiny preset's
