@@ -105,14 +105,15 @@ DRY_VARIANTS = ["lut-m16-n32-k64-w4-s2-swap", "shift-m16-n32-k64-w4-s2", "exact-
 
 
 def parse_variant(spec: str) -> tt.MoEConfig:
-    """DEQUANT-mBM-nBN-kBK-wW-sS[-dnBN][-dkBK][-dwW][-dsS][-rR][-drR][-skS][-dskS][-swap] -> MoEConfig."""
+    """DEQUANT-mBM-nBN-kBK-wW-sS[-dnBN][-dkBK][-dwW][-dsS][-rR][-drR][-skS][-dskS][-swap][-frag] -> MoEConfig
+    (frag: MoEConfig.fragments, the Gluon fragment GEMMs)."""
     dequant, *parts = spec.split("-")
     if dequant not in tt._DEQUANT:
         raise ValueError(f"variant {spec!r}: dequant must be one of {list(tt._DEQUANT)}")
-    vals, swap = {}, False
+    vals, swap, frag = {}, False, False
     for p in parts:
-        if p == "swap":
-            swap = True
+        if p in ("swap", "frag"):
+            swap, frag = swap or p == "swap", frag or p == "frag"
             continue
         key = next((pre for pre in ("dsk", "dn", "dk", "dw", "ds", "dr", "sk") if p.startswith(pre)), p[:1])
         if key not in ("m", "n", "k", "w", "s", "r", "dn", "dk", "dw", "ds", "dr", "sk", "dsk") \
@@ -127,7 +128,7 @@ def parse_variant(spec: str) -> tt.MoEConfig:
     down = tt.GemmTiles(block_n=vals.get("dn", vals["n"]), block_k=vals.get("dk", vals["k"]),
                         num_warps=vals.get("dw", vals["w"]), num_stages=vals.get("ds", vals["s"]), swap=swap,
                         split_k=vals.get("dsk", 1), max_registers=vals.get("dr"))
-    return tt.MoEConfig(block_m=vals["m"], up=up, down=down, dequant=dequant)
+    return tt.MoEConfig(block_m=vals["m"], up=up, down=down, dequant=dequant, fragments=frag)
 
 
 def config_spec(cfg: tt.MoEConfig) -> str:
@@ -141,7 +142,7 @@ def config_spec(cfg: tt.MoEConfig) -> str:
     spec += f"-dr{d.max_registers}" if d.max_registers else ""
     spec += f"-sk{u.split_k}" if u.split_k > 1 else ""
     spec += f"-dsk{d.split_k}" if d.split_k > 1 else ""
-    return spec + ("-swap" if u.swap else "")
+    return spec + ("-swap" if u.swap else "") + ("-frag" if cfg.fragments else "")
 
 
 def variants_for(arg: str, dry: bool) -> list[str]:
@@ -384,9 +385,14 @@ def sass_report(specs: list[str], h: int, inter: int) -> int:
             consts = dict(GATED=gated, ACT=1, LINEAR_TANH=True, MXFP4=True, DEQUANT=dq, ASM=True, SWAP=tiles.swap,
                           DTYPE=tl.bfloat16, PRECISION="tf32", BM=cfg.block_m, BN=tiles.block_n, BK=tiles.block_k,
                           EVEN_K=K % tiles.block_k == 0, SPLIT=tiles.split_k)
+            fn, options = tt._moe_gemm_kernel, tiles.compile_options()
+            if cfg.fragments:
+                from kimiserve.ops.moe import gluon_decode
+                fn, options = gluon_decode._fragment_gemm_kernel, gluon_decode.compile_options(tiles)
+                consts = dict(GATED=gated, ACT=1, LINEAR_TANH=True, BN=tiles.block_n, NUM_WARPS=tiles.num_warps)
+                types.update(s_we="i64", s_se="i64")
             try:
-                kernel = compile_sm90(tt._moe_gemm_kernel, types, consts, tiles.compile_options(),
-                                      [n for n in _GEMM_INTS if n != "A_ROW_DIV"] + ["s_ps"])
+                kernel = compile_sm90(fn, types, consts, options, [n for n in _GEMM_INTS if n != "A_ROW_DIV"] + ["s_ps"])
             except Exception as e:
                 print(f"{spec:<40} {name:<5} does not compile: {type(e).__name__}: {str(e)[:200]}")
                 continue
@@ -399,6 +405,7 @@ def sass_report(specs: list[str], h: int, inter: int) -> int:
             ops = _largest_loop(sass)
             mix = loop_mix(ops)
             weights = (2 if gated else 1) * tiles.block_n * tiles.block_k / (32 * tiles.num_warps)
+            weights *= 2 if cfg.fragments else 1  # the fragment kernel's loop body runs two K steps
             mma = ",".join(sorted(op for op in instruction_mix(sass) if "MMA" in op))
             print(f"{spec:<40} {name:<5} {m.group(1):>4} {m.group(2):>5} {kernel.metadata.shared / 1024:8.1f} "
                   f"{len(ops):11d} {len(ops) / weights:11.2f} {mix['moves'] / weights:6.2f} {mix['alu'] / weights:5.2f} "

@@ -162,7 +162,10 @@ def compile_sm90(fn, types: dict, consts: dict, options: dict, div16: list[str])
             signature[name] = types[name]
             if types[name].startswith("*") or name in div16:
                 attrs[(i,)] = [["tt.divisibility", 16]]
-    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction
+
+    source = GluonASTSource if isinstance(fn, GluonJITFunction) else ASTSource
+    src = source(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 

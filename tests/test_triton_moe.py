@@ -258,6 +258,43 @@ def test_shift_clamped_rows(tt, dequant, swap, block_m, block_n, block_k):
         check_case(tt, N, 96, 160, 7, 3, torch.bfloat16, True, "situ", routing, "cuda", cfg, seed=N)
 
 
+FRAGMENT_TILES = [(128, 4), (256, 8), (64, 2), (64, 4)]  # block_n, num_warps
+
+
+def fragment_config(tt, block_n: int = 128, warps: int = 4):
+    tiles = tt.GemmTiles(block_n=block_n, block_k=128, num_warps=warps, num_stages=1)
+    return tt.MoEConfig(block_m=16, up=tiles, down=tiles, dequant="shift", fragments=True)
+
+
+@pytest.mark.parametrize("block_n,warps", FRAGMENT_TILES)
+def test_fragment_gemms(tt, block_n, warps):
+    """The Gluon fragment GEMMs (MoEConfig.fragments, ops.moe.gluon_decode) against the reference. h = 384, I = 256
+    (3 and 2 K steps: the loop's odd tail step; 256-wide tiles leave a partial column tile of h) and h = 128,
+    I = 640 (one K step: the tail alone; 5 steps down); experts with no token, one token on its k experts, every
+    token on the same k, zipf; SiTU and SiLU; NaN-poisoned output and workspace."""
+    cfg = fragment_config(tt, block_n, warps)
+    for h, inter in ((384, 256), (128, 640)):
+        for N, routing, act in ((45, "subset", "situ"), (1, "random", "situ"), (7, "same", "silu"),
+                                (33, "zipf", "situ")):
+            check_case(tt, N, h, inter, 9, 3, torch.bfloat16, True, act, routing, "cuda", cfg, seed=N)
+
+
+def test_fragment_config_errors(tt):
+    """MoEConfig.fragments outside its scope is a ValueError that says what to change."""
+    gen = torch.Generator().manual_seed(0)
+    w = shift_layout(expert_weights(4, 160, 256, True, torch.bfloat16, gen))
+    ids, weights = torch.tensor([[0, 1]]), torch.rand(1, 2)
+    with pytest.raises(ValueError, match="CUDA"):  # a CPU tensor
+        tt.fused_moe(torch.randn(1, 160).bfloat16(), w["w1"], w["w2"], w["w3"], ids, weights,
+                     w1_scale=w["w1_scale"], w2_scale=w["w2_scale"], w3_scale=w["w3_scale"],
+                     config=fragment_config(tt), mxfp4_layout="shift")
+    w = {n: t.cuda() for n, t in w.items()}
+    with pytest.raises(ValueError, match="multiples of 128"):  # h = 160
+        tt.fused_moe(torch.randn(1, 160).bfloat16().cuda(), w["w1"], w["w2"], w["w3"], ids.cuda(), weights.cuda(),
+                     w1_scale=w["w1_scale"], w2_scale=w["w2_scale"], w3_scale=w["w3_scale"],
+                     config=fragment_config(tt), mxfp4_layout="shift")
+
+
 def dequant_bytes(first_scale: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """Every code byte (256 per row: all code pairs) with every scale byte first_scale..254, one row
     each, and a row of zero codes with scale byte 0 (how quantize_mxfp4 stores an all-zero group)."""
@@ -356,6 +393,27 @@ def test_k31_shape_variants(tt, k31_experts, variant):  # the shift variants re-
         err = rel_rms(got, want)
         print(f"K3.1 shape, 64 tokens, {variant}, block_m {block_m}: rel RMS {err:.2e}")
         assert torch.isfinite(got).all() and err < 1e-2
+
+
+@pytest.fixture(scope="module")
+def k31_shift(k31_experts):
+    """The K3.1-shape layer with its codes in the shift layout (a second 15.7 GB)."""
+    from kimiserve.ops.moe.mxfp4_layout import to_shift_layout
+
+    return {n: t if n.endswith("_scale") else to_shift_layout(t) for n, t in k31_experts.items()}
+
+
+@pytest.mark.parametrize("N", [1, 16, 64])
+def test_k31_shape_fragments(tt, k31_experts, k31_shift, N):
+    """The fragment GEMMs at the K3.1 shape, random routing; two runs bitwise equal."""
+    w = k31_shift
+    x, ids, weights = _k31_inputs(N, "random", 11 + N)
+    want = reference(x, k31_experts, ids, weights, "situ")
+    runs = [tt.fused_moe(x, w["w1"], w["w2"], w["w3"], ids, weights, w1_scale=w["w1_scale"], w2_scale=w["w2_scale"],
+                         w3_scale=w["w3_scale"], config=fragment_config(tt), mxfp4_layout="shift") for _ in range(2)]
+    err = rel_rms(runs[0], want)
+    print(f"K3.1 shape, {N} tokens, fragments: rel RMS {err:.2e}")
+    assert torch.isfinite(runs[0]).all() and err < 1e-2 and torch.equal(runs[0], runs[1])
 
 
 @pytest.mark.parametrize("N", [1, 33, 700])

@@ -111,13 +111,16 @@ class MoEConfig:
     """block_m: rows (routed pairs) per block, shared by both GEMMs; up: the gate/up GEMM (N = the
     intermediate dim, K = hidden); down: the down GEMM (N = hidden, K = intermediate); dequant:
     "exact", "lut" or "dot_scaled" (the last two for bf16 inputs only; see the module doc);
-    combine_block: hidden columns per program of the combine."""
+    combine_block: hidden columns per program of the combine; fragments: both GEMMs as `ops.moe.gluon_decode`'s
+    Gluon kernels (mma.sync operands loaded as register fragments: CUDA, bf16, the shift layout, block_m 16,
+    block_k 128; the activation between them kept in that module's MMA-k column order)."""
 
     block_m: int = 16
     up: GemmTiles = field(default_factory=GemmTiles)
     down: GemmTiles = field(default_factory=GemmTiles)
     dequant: str = "exact"
     combine_block: int = 512
+    fragments: bool = False
 
 
 def default_config(num_tokens: int, top_k: int, num_experts: int, dtype: torch.dtype, mxfp4: bool,
@@ -707,6 +710,14 @@ def _check(x, w1, w2, w3, w1_scale, w2_scale, w3_scale, ids, weights, config: Mo
             raise ValueError(f"split_k must be 1..16, got {tiles.split_k}")
         if tiles.max_registers is not None and not 24 <= tiles.max_registers <= 255:
             raise ValueError(f"max_registers must be None or 24..255, got {tiles.max_registers}")
+    if config.fragments:
+        if not (mxfp4 and config.dequant == "shift" and x.dtype == torch.bfloat16 and x.is_cuda):
+            raise ValueError("MoEConfig.fragments runs bf16 activations on CUDA against MXFP4 experts in the shift "
+                             f"layout (dequant 'shift'); got {x.dtype} on {x.device.type}, dequant {config.dequant!r}")
+        from kimiserve.ops.moe.fragment_order import check_fragment_shapes
+        why = check_fragment_shapes(h, inter, config.block_m, (config.up, config.down))
+        if why:
+            raise ValueError(f"MoEConfig.fragments: {why}")
 
 
 def fused_moe(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, ids: torch.Tensor,
@@ -752,9 +763,15 @@ def fused_moe(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Ten
 
 def gate_up(x, w1, w1_scale, w3, w3_scale, act, align, config: MoEConfig, activation: str, beta: float,
             linear_beta: float | None):
-    """fused_moe's gate/up stage: act [N k, I] (split-K: fp32 partials, then their reduce with the activation)."""
+    """fused_moe's gate/up stage: act [N k, I] (split-K: fp32 partials, then their reduce with the activation;
+    config.fragments: act's columns in `gluon_decode`'s MMA-k order, as its down GEMM reads them)."""
     k = act.shape[0] // x.shape[0]
     split, inter = config.up.split_k, act.shape[1]
+    if config.fragments:
+        from kimiserve.ops.moe import gluon_decode
+        gluon_decode.fragment_gemm(gluon_decode.fragment_order(x), w1, w1_scale, w3, w3_scale, act, align, k,
+                                   config.up, activation, beta, linear_beta)
+        return
     if split == 1:
         _gemm(x, w1, w1_scale, w3, w3_scale, act, align, k, config.up, config.block_m, config.dequant, activation,
               beta, linear_beta)
@@ -776,7 +793,12 @@ def down_combine(act, w2, w2_scale, y, weights, out, align, config: MoEConfig):
     split = config.down.split_k
     if split > 1:
         y = torch.empty(split, N * k, h, dtype=torch.float32, device=out.device)
-    _gemm(act, w2, w2_scale, None, None, y, align, 1, config.down, config.block_m, config.dequant, "silu", 1.0, None)
+    if config.fragments:
+        from kimiserve.ops.moe import gluon_decode
+        gluon_decode.fragment_gemm(act, w2, w2_scale, None, None, y, align, 1, config.down, "silu", 1.0, None)
+    else:
+        _gemm(act, w2, w2_scale, None, None, y, align, 1, config.down, config.block_m, config.dequant, "silu", 1.0,
+              None)
     BH = min(config.combine_block, triton.next_power_of_2(h))
     _combine_kernel[(N, triton.cdiv(h, BH))](y, weights, out, h, y.stride(-2), *weights.stride(), out.stride(0),
                                               y.stride(0) if split > 1 else 0, TOP_K=k, BH=BH, SPLIT=split,

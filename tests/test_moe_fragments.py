@@ -1,0 +1,100 @@
+"""The K order of the fragment MoE GEMMs (kimiserve/ops/moe/fragment_order.py) on the CPU, and the sm_90 build of
+their Gluon kernel offline (when Triton is installed). The kernel itself runs against the reference on CUDA in
+tests/test_triton_moe.py (`test_fragment_gemms`)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from kimiserve.ops.moe.fragment_order import (check_fragment_shapes, fragment_order, from_fragment_order,
+                                              mma_position)
+from kimiserve.ops.moe.mxfp4_layout import to_shift_layout
+from kimiserve.ops.quant.reference import dequantize_mxfp4, quantize_mxfp4
+
+
+def test_order_is_the_documented_permutation():
+    """Physical k = 32t + 4s + 2b1 + b0 of each 128-wide step sits at 16s + 8b1 + 2t + b0, for K = 3 steps."""
+    x = torch.arange(384).reshape(1, 384)
+    got = fragment_order(x)[0]
+    for step, t, s, b1, b0 in itertools.product(range(3), range(4), range(8), range(2), range(2)):
+        assert got[128 * step + 16 * s + 8 * b1 + 2 * t + b0] == 128 * step + 32 * t + 4 * s + 2 * b1 + b0
+    assert torch.equal(mma_position(x[0]).argsort(), got)  # the gate/up kernel's store positions agree
+    assert torch.equal(from_fragment_order(fragment_order(x)), x)
+
+
+def test_thread_words_are_its_fragments():
+    """The index algebra of gluon_decode._b_fragments: word u of quad thread t (shift layout, physical k
+    32t + 8u .. 32t + 8u + 7, pair r = codes 2r, 2r + 1) holds MMA positions 32u + 16 (r >> 1) + 8 (r & 1) + 2t + b0,
+    i.e. the thread's B fragments (k 2t, 2t + 1 and 2t + 8, 2t + 9 of a k16 step) of steps 2u and 2u + 1."""
+    gen = torch.Generator().manual_seed(0)
+    packed, scales = quantize_mxfp4(torch.randn(5, 256, generator=gen))
+    words = to_shift_layout(packed, scales)  # the kernel reads these bytes; its decode is checked bit-exact on CUDA
+    assert words.shape == packed.shape
+    w = dequantize_mxfp4(packed, scales, torch.float32)
+    mma = fragment_order(w)
+    for step, t, u, r, b0 in itertools.product(range(2), range(4), range(4), range(4), range(2)):
+        phys = 128 * step + 32 * t + 8 * u + 2 * r + b0
+        pos = 128 * step + 32 * u + 16 * (r >> 1) + 8 * (r & 1) + 2 * t + b0
+        assert torch.equal(mma[:, pos], w[:, phys])
+        s, half = divmod(pos % 128 - 2 * t - b0, 16)
+        assert (s >> 1, half) == (u, 8 * (r & 1)) and (s & 1) == (r >> 1)  # k16 step 2u + (r >> 1), fragment half
+
+
+def test_sums_are_the_same_sums():
+    gen = torch.Generator().manual_seed(1)
+    x, w = torch.randn(7, 256, generator=gen, dtype=torch.float64), torch.randn(9, 256, generator=gen, dtype=torch.float64)
+    torch.testing.assert_close(fragment_order(x) @ fragment_order(w).T, x @ w.T)
+
+
+@pytest.mark.parametrize("h,inter,block_m,block_n,warps,block_k,fits", [
+    (3584, 3072, 16, 128, 4, 128, True), (256, 384, 16, 256, 8, 128, True), (256, 128, 16, 64, 2, 128, True),
+    (160, 256, 16, 128, 4, 128, False), (256, 256, 32, 128, 4, 128, False), (256, 256, 16, 128, 4, 64, False),
+    (256, 256, 16, 96, 4, 128, False)])
+def test_fragment_shape_checks(h, inter, block_m, block_n, warps, block_k, fits):
+    from dataclasses import dataclass
+
+    @dataclass
+    class Tiles:  # GemmTiles' fields (ops.moe.triton needs Triton to import)
+        block_n: int
+        block_k: int
+        num_warps: int
+        swap: bool = False
+        split_k: int = 1
+
+    tiles = Tiles(block_n, block_k, warps)
+    assert (check_fragment_shapes(h, inter, block_m, (tiles, tiles)) is None) == fits
+    with pytest.raises(ValueError, match="divisible by 128"):
+        fragment_order(torch.zeros(2, 160))
+
+
+@pytest.mark.parametrize("gated", [True, False])
+def test_sm90_build_has_no_fragment_moves(gated):
+    """The Gluon kernel's sm_90 build (Triton's ptxas, offline): the B operand's layout conversion is trivial
+    (the kernel asserts it), no spills, and the K loop has almost no register moves (Triton's own decode GEMM:
+    0.89 a weight for gate/up) and two K steps of mma.sync per iteration."""
+    pytest.importorskip("triton")
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    from moe_layer import _largest_loop, loop_mix
+    from sass_report import compile_sm90, resource_usage, sass_of
+
+    from kimiserve.ops.moe import gluon_decode
+
+    types = dict(a_ptr="*bf16", w_ptr="*i32", ws_ptr="*u8", v_ptr="*i32", vs_ptr="*u8", out_ptr="*bf16",
+                 sorted_ptr="*i32", bexp_ptr="*i32", brows_ptr="*i32", nblk_ptr="*i32", N_OUT="i32", K="i32",
+                 A_ROW_DIV="i32", s_am="i32", s_we="i64", s_wn="i32", s_se="i64", s_sn="i32", s_om="i32",
+                 beta="fp32", linear_beta="fp32")
+    consts = dict(GATED=gated, ACT=1, LINEAR_TANH=True, BN=128, NUM_WARPS=4)
+    kernel = compile_sm90(gluon_decode._fragment_gemm_kernel, types, consts, dict(num_warps=4),
+                          ["K", "s_am", "s_we", "s_wn", "s_se", "s_sn", "s_om"])
+    assert resource_usage(kernel)["stack"] == 0
+    ops = _largest_loop(sass_of(kernel))
+    weights = 2 * (2 if gated else 1) * 128 * 128 / 128  # per thread: two K steps of one or two weight tiles
+    assert sum(op.startswith("HMMA.16816") for op in ops) == 2 * (2 if gated else 1) * 8 * 4
+    assert loop_mix(ops)["moves"] / weights < 0.2
+    assert len(ops) / weights < 3.2
