@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from moe_layer import packed_experts, route, shift_layout  # noqa: E402
+from moe_layer import packed_experts, parse_variant, route, shift_layout  # noqa: E402
 
 
 def main() -> int:
@@ -30,6 +30,8 @@ def main() -> int:
     parser.add_argument("--experts", type=int, default=256)
     parser.add_argument("--calls", type=int, default=3)
     parser.add_argument("--routing", default="random", choices=("random", "zipf"))
+    parser.add_argument("--variant", default="", help="a benchmarks/moe_layer.py variant spec (shift dequant) "
+                        "instead of the default config, e.g. shift-m16-n128-k128-w4-s3-frag")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("moe_ncu_target.py profiles the CUDA kernels: it needs a GPU")
@@ -39,11 +41,14 @@ def main() -> int:
     w = shift_layout(packed_experts(E, h, inter, "cuda"), True)
     x = torch.randn(N, h, device="cuda").bfloat16()
     ids, weights = route(N, E, k, args.routing, "cuda", 0)
+    config = parse_variant(args.variant) if args.variant else tt.default_config(N, k, E, torch.bfloat16, True, "shift")
+    if config.dequant != "shift":
+        raise SystemExit(f"--variant {args.variant!r}: the weights here are in the shift layout (dequant 'shift')")
     for _ in range(args.calls):
         out = tt.fused_moe(x, w["w1"], w["w2"], w["w3"], ids, weights, w1_scale=w["w1_scale"], w2_scale=w["w2_scale"],
-                           w3_scale=w["w3_scale"], mxfp4_layout="shift")
+                           w3_scale=w["w3_scale"], config=config, mxfp4_layout="shift")
     torch.cuda.synchronize()
-    print(f"{args.calls} calls, {N} tokens, {E} experts; config {tt.default_config(N, k, E, torch.bfloat16, True, 'shift')}; "
+    print(f"{args.calls} calls, {N} tokens, {E} experts; config {config}; "
           f"mean |out| {out.float().abs().mean().item():.4f}")
     return 0
 
