@@ -15,44 +15,50 @@ from kimiserve.ops.moe.mxfp4_layout import to_shift_layout
 from kimiserve.ops.quant.reference import dequantize_mxfp4, quantize_mxfp4
 
 
-def test_order_is_the_documented_permutation():
-    """Physical k = 32t + 4s + 2b1 + b0 of each 128-wide step sits at 16s + 8b1 + 2t + b0, for K = 3 steps."""
-    x = torch.arange(384).reshape(1, 384)
-    got = fragment_order(x)[0]
-    for step, t, s, b1, b0 in itertools.product(range(3), range(4), range(8), range(2), range(2)):
-        assert got[128 * step + 16 * s + 8 * b1 + 2 * t + b0] == 128 * step + 32 * t + 4 * s + 2 * b1 + b0
-    assert torch.equal(mma_position(x[0]).argsort(), got)  # the gate/up kernel's store positions agree
-    assert torch.equal(from_fragment_order(fragment_order(x)), x)
+@pytest.mark.parametrize("block_k", [128, 256])
+def test_order_is_the_documented_permutation(block_k):
+    """Physical k = (block_k / 4) t + 4s + 2b1 + b0 of each step sits at 16s + 8b1 + 2t + b0, for K = 3 steps."""
+    x = torch.arange(3 * block_k).reshape(1, -1)
+    got = fragment_order(x, block_k)[0]
+    for step, t, s, b1, b0 in itertools.product(range(3), range(4), range(block_k // 16), range(2), range(2)):
+        assert got[block_k * step + 16 * s + 8 * b1 + 2 * t + b0] == block_k * (step + t / 4) + 4 * s + 2 * b1 + b0
+    assert torch.equal(mma_position(x[0], block_k).argsort(), got)  # the gate/up kernel's store positions agree
+    assert torch.equal(from_fragment_order(fragment_order(x, block_k), block_k), x)
 
 
-def test_thread_words_are_its_fragments():
-    """The index algebra of gluon_decode._b_fragments: word u of quad thread t (shift layout, physical k
-    32t + 8u .. 32t + 8u + 7, pair r = codes 2r, 2r + 1) holds MMA positions 32u + 16 (r >> 1) + 8 (r & 1) + 2t + b0,
-    i.e. the thread's B fragments (k 2t, 2t + 1 and 2t + 8, 2t + 9 of a k16 step) of steps 2u and 2u + 1."""
+@pytest.mark.parametrize("block_k", [128, 256])
+def test_thread_words_are_its_fragments(block_k):
+    """The index algebra of gluon_decode._b_fragments: word (g, u) of quad thread t (shift layout, physical k
+    (block_k / 4) t + 32g + 8u .. + 7, pair r = codes 2r, 2r + 1) holds MMA positions
+    128g + 32u + 16 (r >> 1) + 8 (r & 1) + 2t + b0, i.e. the thread's B fragments (k 2t, 2t + 1 and 2t + 8, 2t + 9
+    of a k16 step) of steps 8g + 2u and 8g + 2u + 1; its scale is group (block_k / 128) t + g of the step."""
     gen = torch.Generator().manual_seed(0)
-    packed, scales = quantize_mxfp4(torch.randn(5, 256, generator=gen))
+    packed, scales = quantize_mxfp4(torch.randn(5, 2 * block_k, generator=gen))
     words = to_shift_layout(packed, scales)  # the kernel reads these bytes; its decode is checked bit-exact on CUDA
     assert words.shape == packed.shape
     w = dequantize_mxfp4(packed, scales, torch.float32)
-    mma = fragment_order(w)
-    for step, t, u, r, b0 in itertools.product(range(2), range(4), range(4), range(4), range(2)):
-        phys = 128 * step + 32 * t + 8 * u + 2 * r + b0
-        pos = 128 * step + 32 * u + 16 * (r >> 1) + 8 * (r & 1) + 2 * t + b0
+    mma = fragment_order(w, block_k)
+    G = block_k // 128
+    for step, t, g, u, r, b0 in itertools.product(range(2), range(4), range(G), range(4), range(4), range(2)):
+        phys = block_k * step + (block_k // 4) * t + 32 * g + 8 * u + 2 * r + b0
+        pos = block_k * step + 128 * g + 32 * u + 16 * (r >> 1) + 8 * (r & 1) + 2 * t + b0
         assert torch.equal(mma[:, pos], w[:, phys])
-        s, half = divmod(pos % 128 - 2 * t - b0, 16)
-        assert (s >> 1, half) == (u, 8 * (r & 1)) and (s & 1) == (r >> 1)  # k16 step 2u + (r >> 1), fragment half
+        assert (phys % block_k) // 32 == G * t + g  # the scale group the kernel loads for this word
+        s, half = divmod(pos % block_k - 2 * t - b0, 16)
+        assert (s >> 1, half) == (4 * g + u, 8 * (r & 1)) and (s & 1) == (r >> 1)
 
 
-def test_sums_are_the_same_sums():
+@pytest.mark.parametrize("block_k", [128, 256])
+def test_sums_are_the_same_sums(block_k):
     gen = torch.Generator().manual_seed(1)
-    x, w = torch.randn(7, 256, generator=gen, dtype=torch.float64), torch.randn(9, 256, generator=gen, dtype=torch.float64)
-    torch.testing.assert_close(fragment_order(x) @ fragment_order(w).T, x @ w.T)
+    x, w = torch.randn(7, 512, generator=gen, dtype=torch.float64), torch.randn(9, 512, generator=gen, dtype=torch.float64)
+    torch.testing.assert_close(fragment_order(x, block_k) @ fragment_order(w, block_k).T, x @ w.T)
 
 
 @pytest.mark.parametrize("h,inter,block_m,block_n,warps,block_k,fits", [
-    (3584, 3072, 16, 128, 4, 128, True), (256, 384, 16, 256, 8, 128, True), (256, 128, 16, 64, 2, 128, True),
-    (160, 256, 16, 128, 4, 128, False), (256, 256, 32, 128, 4, 128, False), (256, 256, 16, 128, 4, 64, False),
-    (256, 256, 16, 96, 4, 128, False)])
+    (3584, 3072, 16, 128, 4, 128, True), (3584, 3072, 16, 64, 4, 256, True), (256, 384, 16, 256, 8, 128, True),
+    (256, 128, 16, 64, 2, 128, True), (384, 256, 16, 64, 4, 256, False), (160, 256, 16, 128, 4, 128, False),
+    (256, 256, 32, 128, 4, 128, False), (256, 256, 16, 128, 4, 64, False), (256, 256, 16, 96, 4, 128, False)])
 def test_fragment_shape_checks(h, inter, block_m, block_n, warps, block_k, fits):
     from dataclasses import dataclass
 
@@ -65,9 +71,11 @@ def test_fragment_shape_checks(h, inter, block_m, block_n, warps, block_k, fits)
         split_k: int = 1
 
     tiles = Tiles(block_n, block_k, warps)
-    assert (check_fragment_shapes(h, inter, block_m, (tiles, tiles)) is None) == fits
-    with pytest.raises(ValueError, match="divisible by 128"):
+    assert (check_fragment_shapes(h, inter, block_m, tiles, tiles) is None) == fits
+    with pytest.raises(ValueError, match="dividing K"):
         fragment_order(torch.zeros(2, 160))
+    with pytest.raises(ValueError, match="dividing K"):
+        fragment_order(torch.zeros(2, 384), 256)
 
 
 @pytest.mark.parametrize("gated", [True, False])
@@ -89,7 +97,7 @@ def test_sm90_build_has_no_fragment_moves(gated):
                  sorted_ptr="*i32", bexp_ptr="*i32", brows_ptr="*i32", nblk_ptr="*i32", N_OUT="i32", K="i32",
                  A_ROW_DIV="i32", s_am="i32", s_we="i64", s_wn="i32", s_se="i64", s_sn="i32", s_om="i32",
                  beta="fp32", linear_beta="fp32")
-    consts = dict(GATED=gated, ACT=1, LINEAR_TANH=True, BN=128, NUM_WARPS=4)
+    consts = dict(GATED=gated, ACT=1, LINEAR_TANH=True, BN=128, BK=128, OUT_BK=128, NUM_WARPS=4, PREFETCH_A=True)
     kernel = compile_sm90(gluon_decode._fragment_gemm_kernel, types, consts, dict(num_warps=4),
                           ["K", "s_am", "s_we", "s_wn", "s_se", "s_sn", "s_om"])
     assert resource_usage(kernel)["stack"] == 0

@@ -258,22 +258,27 @@ def test_shift_clamped_rows(tt, dequant, swap, block_m, block_n, block_k):
         check_case(tt, N, 96, 160, 7, 3, torch.bfloat16, True, "situ", routing, "cuda", cfg, seed=N)
 
 
-FRAGMENT_TILES = [(128, 4), (256, 8), (64, 2), (64, 4)]  # block_n, num_warps
+FRAGMENT_TILES = [  # block_n, num_warps, block_k of gate/up, of down, stages (> 1: activations loaded a step ahead)
+    (128, 4, 128, 128, 3), (256, 8, 128, 128, 1), (64, 2, 256, 256, 1), (64, 4, 256, 128, 3), (32, 2, 128, 256, 1)]
 
 
-def fragment_config(tt, block_n: int = 128, warps: int = 4):
-    tiles = tt.GemmTiles(block_n=block_n, block_k=128, num_warps=warps, num_stages=1)
-    return tt.MoEConfig(block_m=16, up=tiles, down=tiles, dequant="shift", fragments=True)
+def fragment_config(tt, block_n: int = 128, warps: int = 4, block_k: int = 128, down_block_k: int = 128,
+                    stages: int = 3):
+    up = tt.GemmTiles(block_n=block_n, block_k=block_k, num_warps=warps, num_stages=stages)
+    down = tt.GemmTiles(block_n=block_n, block_k=down_block_k, num_warps=warps, num_stages=stages)
+    return tt.MoEConfig(block_m=16, up=up, down=down, dequant="shift", fragments=True)
 
 
-@pytest.mark.parametrize("block_n,warps", FRAGMENT_TILES)
-def test_fragment_gemms(tt, block_n, warps):
-    """The Gluon fragment GEMMs (MoEConfig.fragments, ops.moe.gluon_decode) against the reference. h = 384, I = 256
-    (3 and 2 K steps: the loop's odd tail step; 256-wide tiles leave a partial column tile of h) and h = 128,
-    I = 640 (one K step: the tail alone; 5 steps down); experts with no token, one token on its k experts, every
-    token on the same k, zipf; SiTU and SiLU; NaN-poisoned output and workspace."""
-    cfg = fragment_config(tt, block_n, warps)
-    for h, inter in ((384, 256), (128, 640)):
+@pytest.mark.parametrize("block_n,warps,block_k,down_block_k,stages", FRAGMENT_TILES)
+def test_fragment_gemms(tt, block_n, warps, block_k, down_block_k, stages):
+    """The Gluon fragment GEMMs (MoEConfig.fragments, ops.moe.gluon_decode) against the reference. Shapes of 3 and 2
+    K steps (the loop's odd tail step; 256-wide tiles on h = 384 leave a partial column tile) and of 1 and 5 steps
+    (the tail alone); gate/up and down steps of different widths (the activation stored in the down GEMM's order);
+    experts with no token, one token on its k experts, every token on the same k, zipf; SiTU and SiLU;
+    NaN-poisoned output and workspace."""
+    cfg = fragment_config(tt, block_n, warps, block_k, down_block_k, stages)
+    big = max(block_k, down_block_k)
+    for h, inter in ((3 * block_k, 2 * big), (block_k, 5 * big)):
         for N, routing, act in ((45, "subset", "situ"), (1, "random", "situ"), (7, "same", "silu"),
                                 (33, "zipf", "situ")):
             check_case(tt, N, h, inter, 9, 3, torch.bfloat16, True, act, routing, "cuda", cfg, seed=N)
@@ -289,7 +294,7 @@ def test_fragment_config_errors(tt):
                      w1_scale=w["w1_scale"], w2_scale=w["w2_scale"], w3_scale=w["w3_scale"],
                      config=fragment_config(tt), mxfp4_layout="shift")
     w = {n: t.cuda() for n, t in w.items()}
-    with pytest.raises(ValueError, match="multiples of 128"):  # h = 160
+    with pytest.raises(ValueError, match="dividing their K"):  # h = 160
         tt.fused_moe(torch.randn(1, 160).bfloat16().cuda(), w["w1"], w["w2"], w["w3"], ids.cuda(), weights.cuda(),
                      w1_scale=w["w1_scale"], w2_scale=w["w2_scale"], w3_scale=w["w3_scale"],
                      config=fragment_config(tt), mxfp4_layout="shift")
@@ -403,14 +408,15 @@ def k31_shift(k31_experts):
     return {n: t if n.endswith("_scale") else to_shift_layout(t) for n, t in k31_experts.items()}
 
 
-@pytest.mark.parametrize("N", [1, 16, 64])
-def test_k31_shape_fragments(tt, k31_experts, k31_shift, N):
+@pytest.mark.parametrize("N,block_n,block_k", [(1, 128, 128), (16, 64, 256), (64, 128, 128), (64, 64, 256)])
+def test_k31_shape_fragments(tt, k31_experts, k31_shift, N, block_n, block_k):
     """The fragment GEMMs at the K3.1 shape, random routing; two runs bitwise equal."""
     w = k31_shift
     x, ids, weights = _k31_inputs(N, "random", 11 + N)
     want = reference(x, k31_experts, ids, weights, "situ")
+    cfg = fragment_config(tt, block_n, 4, block_k, block_k, 1)
     runs = [tt.fused_moe(x, w["w1"], w["w2"], w["w3"], ids, weights, w1_scale=w["w1_scale"], w2_scale=w["w2_scale"],
-                         w3_scale=w["w3_scale"], config=fragment_config(tt), mxfp4_layout="shift") for _ in range(2)]
+                         w3_scale=w["w3_scale"], config=cfg, mxfp4_layout="shift") for _ in range(2)]
     err = rel_rms(runs[0], want)
     print(f"K3.1 shape, {N} tokens, fragments: rel RMS {err:.2e}")
     assert torch.isfinite(runs[0]).all() and err < 1e-2 and torch.equal(runs[0], runs[1])

@@ -16,8 +16,8 @@ sits at MMA position 16 s + 8 b1 + 2 t + b0 (s the k16 step, b1 the fragment's h
 - Activations: read in MMA-k order (`fragment_order` of x for the gate/up GEMM; the gate/up GEMM stores the
   activation's columns in that order for the down GEMM), each thread loading its A fragments as 32-bit words.
 
-Scope: bf16 activations, MXFP4 weights in the shift layout, 16-row blocks (the decode regime), K a multiple of
-128, 128 weight rows a program at 4 warps (block_n a multiple of 8 x num_warps). A step's loads are issued one
+Scope: bf16 activations, MXFP4 weights in the shift layout, 16-row blocks (the decode regime), K steps of 128 or
+256 columns dividing K, block_n a power of two >= 8 x num_warps. A step's loads are issued one
 step ahead into registers (the loop unrolled by two, so no prefetched value is copied). The tail tile's extra
 weight rows read the last row (clamped) and are not stored; padding rows of a block read pair 0's row.
 `ops.moe.triton` runs these when `MoEConfig.fragments` is set; its module doc has the rest of the contract.
@@ -42,18 +42,19 @@ def _tanh(x):
 
 
 @gluon.jit
-def _b_fragments(words, sc, BN: gl.constexpr, LB: gl.constexpr):
-    """Shift-layout words [BN, 4 (t), 4 (u)] and ue8m0 scales [BN, 4 (t)] -> B [128, BN] bf16 in MMA-k order,
-    in the mma's operand layout (a trivial conversion: every value already sits in its thread)."""
+def _b_fragments(words, sc, BN: gl.constexpr, BK: gl.constexpr, LB: gl.constexpr):
+    """Shift-layout words [BN, 4 (t), G (g), 4 (u)] and ue8m0 scales [BN, 4 (t), G (g)], G = BK / 128 -> B [BK, BN]
+    bf16 in MMA-k order, in the mma's operand layout (a trivial conversion: every value already sits in its
+    thread)."""
     s16 = (sc.to(gl.int32) + 126) << 7  # 2^(s - 1) as bf16 bits (see ops.moe.triton's "shift" dequant)
     s2 = s16 | (s16 << 16)
-    s2 = gl.broadcast(gl.expand_dims(s2, 2), words)[0]
+    s2 = gl.broadcast(gl.expand_dims(s2, 3), words)[0]
     e0, e1, e2, e3, e4, e5, e6, e7 = gl.inline_asm_elementwise(
         _SHIFT_ASM_C, _LUT_CONSTRAINTS, [words, s2], dtype=(gl.bfloat16, ) * 8, is_pure=True, pack=1)
-    # code 2r + b0 of word (t, u) is physical k 32t + 8u + 2r + b0; join appends its new dim last
+    # code 2r + b0 of word (t, g, u) is physical k (BK / 4) t + 32 g + 8 u + 2r + b0; join appends its new dim last
     v = gl.join(gl.join(gl.join(e0, e1), gl.join(e2, e3)), gl.join(gl.join(e4, e5), gl.join(e6, e7)))
-    # [BN, t, u, b0, r & 1, r >> 1] -> MMA position 32u + 16 (r >> 1) + 8 (r & 1) + 2t + b0
-    v = gl.reshape(gl.permute(v, (0, 2, 5, 4, 1, 3)), (BN, 128))
+    # [BN, t, g, u, b0, r & 1, r >> 1] -> MMA position 128 g + 32 u + 16 (r >> 1) + 8 (r & 1) + 2t + b0
+    v = gl.reshape(gl.permute(v, (0, 2, 3, 6, 5, 1, 4)), (BN, BK))
     return gl.convert_layout(gl.permute(v, (1, 0)), LB, assert_trivial=True)
 
 
@@ -61,18 +62,20 @@ def _b_fragments(words, sc, BN: gl.constexpr, LB: gl.constexpr):
 def _fragment_gemm_kernel(
     a_ptr, w_ptr, ws_ptr, v_ptr, vs_ptr, out_ptr, sorted_ptr, bexp_ptr, brows_ptr, nblk_ptr,
     N_OUT, K, A_ROW_DIV, s_am, s_we, s_wn, s_se, s_sn, s_om, beta, linear_beta,
-    GATED: gl.constexpr, ACT: gl.constexpr, LINEAR_TANH: gl.constexpr, BN: gl.constexpr, NUM_WARPS: gl.constexpr,
+    GATED: gl.constexpr, ACT: gl.constexpr, LINEAR_TANH: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
+    OUT_BK: gl.constexpr, NUM_WARPS: gl.constexpr, PREFETCH_A: gl.constexpr,
 ):
     """One (block of 16 pairs, BN output columns): out[pair, cols] = act(A W^T, A V^T) (GATED, stored at the
-    columns' MMA-k positions for the down GEMM) or A W^T (stored in place), rounded to bf16."""
+    columns' MMA-k positions for a down GEMM of OUT_BK-wide steps) or A W^T (stored in place), rounded to bf16.
+    PREFETCH_A: the activation fragments loaded a step ahead with the weights (else at their step)."""
     BM: gl.constexpr = 16
-    BK: gl.constexpr = 128
+    G: gl.constexpr = BK // 128
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, NUM_WARPS], instr_shape=[16, 8])
     LA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     LB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
-    # weight words [BN, 4 (t), 4 (u)]: row 8 w + g (+ 8 NUM_WARPS j) in lane 4 g + t of warp w, as in the mma
-    LW: gl.constexpr = gl.BlockedLayout([1, 1, 4], [8, 4, 1], [NUM_WARPS, 1, 1], [2, 1, 0])
-    LS: gl.constexpr = gl.SliceLayout(2, LW)
+    # weight words [BN, 4 (t), G, 4 (u)]: row 8 w + g (+ 8 NUM_WARPS j) in lane 4 g + t of warp w, as in the mma
+    LW: gl.constexpr = gl.BlockedLayout([1, 1, G, 4], [8, 4, 1, 1], [NUM_WARPS, 1, 1, 1], [3, 2, 1, 0])
+    LS: gl.constexpr = gl.SliceLayout(3, LW)
     pid = gl.program_id(0)
     n_tiles = gl.cdiv(N_OUT, BN)
     b = pid // n_tiles
@@ -85,12 +88,16 @@ def _fragment_gemm_kernel(
     pa = gl.load(sorted_ptr + b * BM + ra, mask=ra < nrows, other=0).to(gl.int64)
     ka = gl.arange(0, BK, layout=gl.SliceLayout(0, LA))
     a_ptrs = gl.expand_dims(a_ptr + (pa // A_ROW_DIV) * s_am, 1) + gl.expand_dims(ka, 0)
-    rows = gl.minimum(nt * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, LS)), N_OUT - 1)
-    quads = gl.arange(0, 4, layout=gl.SliceLayout(0, LS))
-    words = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, LW)))
-    w_off = gl.expand_dims(gl.expand_dims(rows, 1) * s_wn + gl.expand_dims(quads, 0) * 4, 2) + \
-        gl.expand_dims(gl.expand_dims(words, 0), 1)
-    s_off = gl.expand_dims(rows, 1) * s_sn + gl.expand_dims(quads, 0)
+    rows = gl.minimum(nt * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, gl.SliceLayout(2, LS))), N_OUT - 1)
+    quads = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, LS)))
+    groups = gl.arange(0, G, layout=gl.SliceLayout(0, gl.SliceLayout(1, LS)))
+    s_off = gl.expand_dims(gl.expand_dims(rows, 1) * s_sn + gl.expand_dims(quads, 0) * G, 2) + \
+        gl.expand_dims(gl.expand_dims(groups, 0), 1)
+    words = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, LW))))
+    w_row = gl.expand_dims(gl.expand_dims(rows, 1) * s_wn + gl.expand_dims(quads, 0) * (4 * G), 2) + \
+        gl.expand_dims(gl.expand_dims(groups, 0), 1) * 4
+    w_off = gl.expand_dims(w_row, 3) + \
+        gl.expand_dims(gl.expand_dims(gl.expand_dims(words, 0), 1), 2)
     w_e = w_ptr + e * s_we
     ws_e = ws_ptr + e * s_se
     v_e = v_ptr + e * s_we
@@ -98,37 +105,46 @@ def _fragment_gemm_kernel(
     acc = gl.zeros((BM, BN), gl.float32, MMA)
     acc2 = gl.zeros((BM, BN), gl.float32, MMA)
     steps = K // BK
-    # loads one step ahead; unrolled by two so that each loaded value is used where it was loaded into
-    a_c = gl.load(a_ptrs)
+    # weights loaded one step ahead; unrolled by two so that each loaded value is used where it was loaded into
     w_c = gl.load(w_e + w_off)
     s_c = gl.load(ws_e + s_off)
     v_c = gl.load(v_e + w_off)
     t_c = gl.load(vs_e + s_off)
+    if PREFETCH_A:
+        a_c = gl.load(a_ptrs)
     for i in range(steps // 2):
         j = gl.minimum(2 * i + 1, steps - 1)
-        a_n = gl.load(a_ptrs + j * BK)
+        if PREFETCH_A:
+            a_n = gl.load(a_ptrs + j * BK)
+        else:
+            a_c = gl.load(a_ptrs + (2 * i) * BK)
         w_n = gl.load(w_e + w_off + j * (BK // 8))
         s_n = gl.load(ws_e + s_off + j * (BK // 32))
         if GATED:
             v_n = gl.load(v_e + w_off + j * (BK // 8))
             t_n = gl.load(vs_e + s_off + j * (BK // 32))
-        acc = mma_v2(a_c, _b_fragments(w_c, s_c, BN, LB), acc)
+        acc = mma_v2(a_c, _b_fragments(w_c, s_c, BN, BK, LB), acc)
         if GATED:
-            acc2 = mma_v2(a_c, _b_fragments(v_c, t_c, BN, LB), acc2)
+            acc2 = mma_v2(a_c, _b_fragments(v_c, t_c, BN, BK, LB), acc2)
         j = gl.minimum(2 * i + 2, steps - 1)  # past the end: the last step again, never used
-        a_c = gl.load(a_ptrs + j * BK)
+        if PREFETCH_A:
+            a_c = gl.load(a_ptrs + j * BK)
+        else:
+            a_n = gl.load(a_ptrs + (2 * i + 1) * BK)
         w_c = gl.load(w_e + w_off + j * (BK // 8))
         s_c = gl.load(ws_e + s_off + j * (BK // 32))
         if GATED:
             v_c = gl.load(v_e + w_off + j * (BK // 8))
             t_c = gl.load(vs_e + s_off + j * (BK // 32))
-        acc = mma_v2(a_n, _b_fragments(w_n, s_n, BN, LB), acc)
+        acc = mma_v2(a_n, _b_fragments(w_n, s_n, BN, BK, LB), acc)
         if GATED:
-            acc2 = mma_v2(a_n, _b_fragments(v_n, t_n, BN, LB), acc2)
+            acc2 = mma_v2(a_n, _b_fragments(v_n, t_n, BN, BK, LB), acc2)
     if steps % 2:
-        acc = mma_v2(a_c, _b_fragments(w_c, s_c, BN, LB), acc)
+        if not PREFETCH_A:
+            a_c = gl.load(a_ptrs + (steps - 1) * BK)
+        acc = mma_v2(a_c, _b_fragments(w_c, s_c, BN, BK, LB), acc)
         if GATED:
-            acc2 = mma_v2(a_c, _b_fragments(v_c, t_c, BN, LB), acc2)
+            acc2 = mma_v2(a_c, _b_fragments(v_c, t_c, BN, BK, LB), acc2)
     ro = gl.arange(0, BM, layout=gl.SliceLayout(1, MMA))
     row_ok = ro < nrows
     po = gl.load(sorted_ptr + b * BM + ro, mask=row_ok, other=0).to(gl.int64)
@@ -143,8 +159,8 @@ def _fragment_gemm_kernel(
             y = beta * _tanh(g / beta) * sig * u
         else:
             y = (g * sig).to(gl.bfloat16).to(gl.float32) * u
-        q = cols % 128  # physical 32t + 4s + 2b1 + b0 -> MMA position 16s + 8b1 + 2t + b0
-        dst = cols - q + (q % 32 // 4) * 16 + (q % 4 // 2) * 8 + (q // 32) * 2 + q % 2
+        q = cols % OUT_BK  # physical (OUT_BK / 4) t + 4s + 2b1 + b0 -> MMA position 16s + 8b1 + 2t + b0
+        dst = cols - q + (q % (OUT_BK // 4) // 4) * 16 + (q % 4 // 2) * 8 + (q // (OUT_BK // 4)) * 2 + q % 2
     else:
         y = acc
         dst = cols
@@ -153,9 +169,10 @@ def _fragment_gemm_kernel(
 
 
 def fragment_gemm(a, w, w_scale, v, v_scale, out, align, a_row_div: int, tiles, act: str, beta: float,
-                  linear_beta: float | None):
-    """One grouped GEMM (see the module doc): a [rows, K] bf16 in MMA-k order; w, v uint8 [E, N, K/2] in the
-    shift layout with ue8m0 scales [E, N, K/32] (v None: the down GEMM); out [N k, N] bf16."""
+                  linear_beta: float | None, out_block_k: int = 128):
+    """One grouped GEMM (see the module doc): a [rows, K] bf16 in the MMA-k order of tiles.block_k; w, v uint8
+    [E, N, K/2] in the shift layout with ue8m0 scales [E, N, K/32] (v None: the down GEMM); out [N k, N] bf16 (the
+    gate/up GEMM: its columns in the MMA-k order of out_block_k, the down GEMM's step)."""
     sorted_pairs, bexp, brows, nblk = align
     n_out, k_in = w.shape[1], a.shape[1]
     gated = v is not None
@@ -167,13 +184,13 @@ def fragment_gemm(a, w, w_scale, v, v_scale, out, align, a_row_div: int, tiles, 
         a, w, w_scale, v, v_scale, out, sorted_pairs, bexp, brows, nblk,
         n_out, k_in, a_row_div, a.stride(0), w.stride(0), w.stride(1), w_scale.stride(0), w_scale.stride(1),
         out.stride(0), float(beta), float(linear_beta or 1.0),
-        GATED=gated, ACT=_ACT[act], LINEAR_TANH=linear_beta is not None, BN=tiles.block_n, NUM_WARPS=tiles.num_warps,
-        **compile_options(tiles))
+        GATED=gated, ACT=_ACT[act], LINEAR_TANH=linear_beta is not None, BN=tiles.block_n, BK=tiles.block_k,
+        OUT_BK=out_block_k, NUM_WARPS=tiles.num_warps, PREFETCH_A=tiles.num_stages > 1, **compile_options(tiles))
 
 
 def compile_options(tiles) -> dict:
     """Gluon's compile options for a GemmTiles: warps, and maxnreg where capped (no software pipeliner here:
-    the kernel issues its loads a step ahead itself, so num_stages does not apply)."""
+    the kernel loads its weights a step ahead itself; num_stages > 1 loads the activations a step ahead too)."""
     options = dict(num_warps=tiles.num_warps)
     if tiles.max_registers:
         options["maxnreg"] = tiles.max_registers

@@ -715,7 +715,7 @@ def _check(x, w1, w2, w3, w1_scale, w2_scale, w3_scale, ids, weights, config: Mo
             raise ValueError("MoEConfig.fragments runs bf16 activations on CUDA against MXFP4 experts in the shift "
                              f"layout (dequant 'shift'); got {x.dtype} on {x.device.type}, dequant {config.dequant!r}")
         from kimiserve.ops.moe.fragment_order import check_fragment_shapes
-        why = check_fragment_shapes(h, inter, config.block_m, (config.up, config.down))
+        why = check_fragment_shapes(h, inter, config.block_m, config.up, config.down)
         if why:
             raise ValueError(f"MoEConfig.fragments: {why}")
 
@@ -769,8 +769,8 @@ def gate_up(x, w1, w1_scale, w3, w3_scale, act, align, config: MoEConfig, activa
     split, inter = config.up.split_k, act.shape[1]
     if config.fragments:
         from kimiserve.ops.moe import gluon_decode
-        gluon_decode.fragment_gemm(gluon_decode.fragment_order(x), w1, w1_scale, w3, w3_scale, act, align, k,
-                                   config.up, activation, beta, linear_beta)
+        gluon_decode.fragment_gemm(gluon_decode.fragment_order(x, config.up.block_k), w1, w1_scale, w3, w3_scale,
+                                   act, align, k, config.up, activation, beta, linear_beta, config.down.block_k)
         return
     if split == 1:
         _gemm(x, w1, w1_scale, w3, w3_scale, act, align, k, config.up, config.block_m, config.dequant, activation,
