@@ -258,7 +258,7 @@ def test_shift_clamped_rows(tt, dequant, swap, block_m, block_n, block_k):
         check_case(tt, N, 96, 160, 7, 3, torch.bfloat16, True, "situ", routing, "cuda", cfg, seed=N)
 
 
-FRAGMENT_TILES = [  # block_n, num_warps, block_k of gate/up, of down, stages (> 1: activations loaded a step ahead)
+FRAGMENT_TILES = [  # block_n, num_warps, block_k of gate/up, of down, stages (> 1: activations through shared memory)
     (128, 4, 128, 128, 3), (256, 8, 128, 128, 1), (64, 2, 256, 256, 1), (64, 4, 256, 128, 3), (32, 2, 128, 256, 1)]
 
 
@@ -408,13 +408,14 @@ def k31_shift(k31_experts):
     return {n: t if n.endswith("_scale") else to_shift_layout(t) for n, t in k31_experts.items()}
 
 
-@pytest.mark.parametrize("N,block_n,block_k", [(1, 128, 128), (16, 64, 256), (64, 128, 128), (64, 64, 256)])
-def test_k31_shape_fragments(tt, k31_experts, k31_shift, N, block_n, block_k):
+@pytest.mark.parametrize("N,block_n,block_k,stages", [(1, 128, 128, 1), (16, 64, 256, 2), (64, 128, 128, 2),
+                                                      (64, 64, 256, 1)])
+def test_k31_shape_fragments(tt, k31_experts, k31_shift, N, block_n, block_k, stages):
     """The fragment GEMMs at the K3.1 shape, random routing; two runs bitwise equal."""
     w = k31_shift
     x, ids, weights = _k31_inputs(N, "random", 11 + N)
     want = reference(x, k31_experts, ids, weights, "situ")
-    cfg = fragment_config(tt, block_n, 4, block_k, block_k, 1)
+    cfg = fragment_config(tt, block_n, 4, block_k, block_k, stages)
     runs = [tt.fused_moe(x, w["w1"], w["w2"], w["w3"], ids, weights, w1_scale=w["w1_scale"], w2_scale=w["w2_scale"],
                          w3_scale=w["w3_scale"], config=cfg, mxfp4_layout="shift") for _ in range(2)]
     err = rel_rms(runs[0], want)

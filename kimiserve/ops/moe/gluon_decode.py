@@ -43,9 +43,11 @@ def _tanh(x):
 
 @gluon.jit
 def _b_fragments(words, sc, BN: gl.constexpr, BK: gl.constexpr, LB: gl.constexpr):
-    """Shift-layout words [BN, 4 (t), G (g), 4 (u)] and ue8m0 scales [BN, 4 (t), G (g)], G = BK / 128 -> B [BK, BN]
-    bf16 in MMA-k order, in the mma's operand layout (a trivial conversion: every value already sits in its
+    """Shift-layout words [BN, 4 (t), 4 G (g, u)] and ue8m0 scales [BN, 4 (t), G (g)], G = BK / 128 -> B [BK, BN]
+    bf16 in MMA-k order, in the mma's operand layout (trivial conversions: every value already sits in its
     thread)."""
+    words = gl.reshape(words, (BN, 4, BK // 128, 4))
+    sc = gl.convert_layout(sc, gl.SliceLayout(3, words.type.layout), assert_trivial=True)
     s16 = (sc.to(gl.int32) + 126) << 7  # 2^(s - 1) as bf16 bits (see ops.moe.triton's "shift" dequant)
     s2 = s16 | (s16 << 16)
     s2 = gl.broadcast(gl.expand_dims(s2, 3), words)[0]
@@ -63,19 +65,21 @@ def _fragment_gemm_kernel(
     a_ptr, w_ptr, ws_ptr, v_ptr, vs_ptr, out_ptr, sorted_ptr, bexp_ptr, brows_ptr, nblk_ptr,
     N_OUT, K, A_ROW_DIV, s_am, s_we, s_wn, s_se, s_sn, s_om, beta, linear_beta,
     GATED: gl.constexpr, ACT: gl.constexpr, LINEAR_TANH: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
-    OUT_BK: gl.constexpr, NUM_WARPS: gl.constexpr, PREFETCH_A: gl.constexpr,
+    OUT_BK: gl.constexpr, NUM_WARPS: gl.constexpr, SMEM_A: gl.constexpr,
 ):
     """One (block of 16 pairs, BN output columns): out[pair, cols] = act(A W^T, A V^T) (GATED, stored at the
     columns' MMA-k positions for a down GEMM of OUT_BK-wide steps) or A W^T (stored in place), rounded to bf16.
-    PREFETCH_A: the activation fragments loaded a step ahead with the weights (else at their step)."""
+    SMEM_A: the activation tile loaded a step ahead into shared memory and read with ldmatrix (else each warp
+    loads its fragments at their step)."""
     BM: gl.constexpr = 16
     G: gl.constexpr = BK // 128
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, NUM_WARPS], instr_shape=[16, 8])
     LA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     LB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
-    # weight words [BN, 4 (t), G, 4 (u)]: row 8 w + g (+ 8 NUM_WARPS j) in lane 4 g + t of warp w, as in the mma
-    LW: gl.constexpr = gl.BlockedLayout([1, 1, G, 4], [8, 4, 1, 1], [NUM_WARPS, 1, 1, 1], [3, 2, 1, 0])
-    LS: gl.constexpr = gl.SliceLayout(3, LW)
+    # weight words [BN, 4 (t), 4 G]: row 8 w + g (+ 8 NUM_WARPS j) in lane 4 g + t of warp w, as in the mma; scales
+    # [BN, 4 (t), G]
+    LW: gl.constexpr = gl.BlockedLayout([1, 1, 4 * G], [8, 4, 1], [NUM_WARPS, 1, 1], [2, 1, 0])
+    LS: gl.constexpr = gl.BlockedLayout([1, 1, G], [8, 4, 1], [NUM_WARPS, 1, 1], [2, 1, 0])
     pid = gl.program_id(0)
     n_tiles = gl.cdiv(N_OUT, BN)
     b = pid // n_tiles
@@ -88,16 +92,16 @@ def _fragment_gemm_kernel(
     pa = gl.load(sorted_ptr + b * BM + ra, mask=ra < nrows, other=0).to(gl.int64)
     ka = gl.arange(0, BK, layout=gl.SliceLayout(0, LA))
     a_ptrs = gl.expand_dims(a_ptr + (pa // A_ROW_DIV) * s_am, 1) + gl.expand_dims(ka, 0)
-    rows = gl.minimum(nt * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, gl.SliceLayout(2, LS))), N_OUT - 1)
-    quads = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, LS)))
+    rows_s = gl.minimum(nt * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, gl.SliceLayout(2, LS))), N_OUT - 1)
+    quads_s = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, LS)))
     groups = gl.arange(0, G, layout=gl.SliceLayout(0, gl.SliceLayout(1, LS)))
-    s_off = gl.expand_dims(gl.expand_dims(rows, 1) * s_sn + gl.expand_dims(quads, 0) * G, 2) + \
+    s_off = gl.expand_dims(gl.expand_dims(rows_s, 1) * s_sn + gl.expand_dims(quads_s, 0) * G, 2) + \
         gl.expand_dims(gl.expand_dims(groups, 0), 1)
-    words = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, LW))))
-    w_row = gl.expand_dims(gl.expand_dims(rows, 1) * s_wn + gl.expand_dims(quads, 0) * (4 * G), 2) + \
-        gl.expand_dims(gl.expand_dims(groups, 0), 1) * 4
-    w_off = gl.expand_dims(w_row, 3) + \
-        gl.expand_dims(gl.expand_dims(gl.expand_dims(words, 0), 1), 2)
+    rows_w = gl.minimum(nt * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, gl.SliceLayout(2, LW))), N_OUT - 1)
+    quads_w = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, LW)))
+    words = gl.arange(0, 4 * G, layout=gl.SliceLayout(0, gl.SliceLayout(1, LW)))
+    w_off = gl.expand_dims(gl.expand_dims(rows_w, 1) * s_wn + gl.expand_dims(quads_w, 0) * (4 * G), 2) + \
+        gl.expand_dims(gl.expand_dims(words, 0), 1)
     w_e = w_ptr + e * s_we
     ws_e = ws_ptr + e * s_se
     v_e = v_ptr + e * s_we
@@ -110,41 +114,76 @@ def _fragment_gemm_kernel(
     s_c = gl.load(ws_e + s_off)
     v_c = gl.load(v_e + w_off)
     t_c = gl.load(vs_e + s_off)
-    if PREFETCH_A:
-        a_c = gl.load(a_ptrs)
-    for i in range(steps // 2):
-        j = gl.minimum(2 * i + 1, steps - 1)
-        if PREFETCH_A:
-            a_n = gl.load(a_ptrs + j * BK)
-        else:
+    if SMEM_A:  # the activation tile a step ahead through shared memory (16-byte loads, ldmatrix), two buffers
+        TK: gl.constexpr = BK // 8 if BK // 8 < 32 else 32
+        LG: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TK, TK], [NUM_WARPS, 1], [1, 0])
+        rg = gl.arange(0, BM, layout=gl.SliceLayout(1, LG))
+        pg = gl.load(sorted_ptr + b * BM + rg, mask=rg < nrows, other=0).to(gl.int64)
+        kg = gl.arange(0, BK, layout=gl.SliceLayout(0, LG))
+        g_ptrs = gl.expand_dims(a_ptr + (pg // A_ROW_DIV) * s_am, 1) + gl.expand_dims(kg, 0)
+        a_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BM, BK],
+                                           gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0]))
+        a_smem.index(0).store(gl.load(g_ptrs))
+        gl.thread_barrier()
+        for i in range(steps // 2):
+            j = gl.minimum(2 * i + 1, steps - 1)
+            a_next = gl.load(g_ptrs + j * BK)
+            w_n = gl.load(w_e + w_off + j * (BK // 8))
+            s_n = gl.load(ws_e + s_off + j * (BK // 32))
+            if GATED:
+                v_n = gl.load(v_e + w_off + j * (BK // 8))
+                t_n = gl.load(vs_e + s_off + j * (BK // 32))
+            a_c = a_smem.index(0).load(LA)
+            acc = mma_v2(a_c, _b_fragments(w_c, s_c, BN, BK, LB), acc)
+            if GATED:
+                acc2 = mma_v2(a_c, _b_fragments(v_c, t_c, BN, BK, LB), acc2)
+            a_smem.index(1).store(a_next)
+            gl.thread_barrier()
+            j = gl.minimum(2 * i + 2, steps - 1)  # past the end: the last step again, never used
+            a_next = gl.load(g_ptrs + j * BK)
+            w_c = gl.load(w_e + w_off + j * (BK // 8))
+            s_c = gl.load(ws_e + s_off + j * (BK // 32))
+            if GATED:
+                v_c = gl.load(v_e + w_off + j * (BK // 8))
+                t_c = gl.load(vs_e + s_off + j * (BK // 32))
+            a_n = a_smem.index(1).load(LA)
+            acc = mma_v2(a_n, _b_fragments(w_n, s_n, BN, BK, LB), acc)
+            if GATED:
+                acc2 = mma_v2(a_n, _b_fragments(v_n, t_n, BN, BK, LB), acc2)
+            a_smem.index(0).store(a_next)
+            gl.thread_barrier()
+        if steps % 2:
+            a_c = a_smem.index(0).load(LA)
+            acc = mma_v2(a_c, _b_fragments(w_c, s_c, BN, BK, LB), acc)
+            if GATED:
+                acc2 = mma_v2(a_c, _b_fragments(v_c, t_c, BN, BK, LB), acc2)
+    else:  # each warp loads its activation fragments itself (32-bit loads), at their step
+        for i in range(steps // 2):
+            j = gl.minimum(2 * i + 1, steps - 1)
             a_c = gl.load(a_ptrs + (2 * i) * BK)
-        w_n = gl.load(w_e + w_off + j * (BK // 8))
-        s_n = gl.load(ws_e + s_off + j * (BK // 32))
-        if GATED:
-            v_n = gl.load(v_e + w_off + j * (BK // 8))
-            t_n = gl.load(vs_e + s_off + j * (BK // 32))
-        acc = mma_v2(a_c, _b_fragments(w_c, s_c, BN, BK, LB), acc)
-        if GATED:
-            acc2 = mma_v2(a_c, _b_fragments(v_c, t_c, BN, BK, LB), acc2)
-        j = gl.minimum(2 * i + 2, steps - 1)  # past the end: the last step again, never used
-        if PREFETCH_A:
-            a_c = gl.load(a_ptrs + j * BK)
-        else:
+            w_n = gl.load(w_e + w_off + j * (BK // 8))
+            s_n = gl.load(ws_e + s_off + j * (BK // 32))
+            if GATED:
+                v_n = gl.load(v_e + w_off + j * (BK // 8))
+                t_n = gl.load(vs_e + s_off + j * (BK // 32))
+            acc = mma_v2(a_c, _b_fragments(w_c, s_c, BN, BK, LB), acc)
+            if GATED:
+                acc2 = mma_v2(a_c, _b_fragments(v_c, t_c, BN, BK, LB), acc2)
+            j = gl.minimum(2 * i + 2, steps - 1)  # past the end: the last step again, never used
             a_n = gl.load(a_ptrs + (2 * i + 1) * BK)
-        w_c = gl.load(w_e + w_off + j * (BK // 8))
-        s_c = gl.load(ws_e + s_off + j * (BK // 32))
-        if GATED:
-            v_c = gl.load(v_e + w_off + j * (BK // 8))
-            t_c = gl.load(vs_e + s_off + j * (BK // 32))
-        acc = mma_v2(a_n, _b_fragments(w_n, s_n, BN, BK, LB), acc)
-        if GATED:
-            acc2 = mma_v2(a_n, _b_fragments(v_n, t_n, BN, BK, LB), acc2)
-    if steps % 2:
-        if not PREFETCH_A:
+            w_c = gl.load(w_e + w_off + j * (BK // 8))
+            s_c = gl.load(ws_e + s_off + j * (BK // 32))
+            if GATED:
+                v_c = gl.load(v_e + w_off + j * (BK // 8))
+                t_c = gl.load(vs_e + s_off + j * (BK // 32))
+            acc = mma_v2(a_n, _b_fragments(w_n, s_n, BN, BK, LB), acc)
+            if GATED:
+                acc2 = mma_v2(a_n, _b_fragments(v_n, t_n, BN, BK, LB), acc2)
+        if steps % 2:
             a_c = gl.load(a_ptrs + (steps - 1) * BK)
-        acc = mma_v2(a_c, _b_fragments(w_c, s_c, BN, BK, LB), acc)
-        if GATED:
-            acc2 = mma_v2(a_c, _b_fragments(v_c, t_c, BN, BK, LB), acc2)
+            acc = mma_v2(a_c, _b_fragments(w_c, s_c, BN, BK, LB), acc)
+            if GATED:
+                acc2 = mma_v2(a_c, _b_fragments(v_c, t_c, BN, BK, LB), acc2)
     ro = gl.arange(0, BM, layout=gl.SliceLayout(1, MMA))
     row_ok = ro < nrows
     po = gl.load(sorted_ptr + b * BM + ro, mask=row_ok, other=0).to(gl.int64)
@@ -185,12 +224,12 @@ def fragment_gemm(a, w, w_scale, v, v_scale, out, align, a_row_div: int, tiles, 
         n_out, k_in, a_row_div, a.stride(0), w.stride(0), w.stride(1), w_scale.stride(0), w_scale.stride(1),
         out.stride(0), float(beta), float(linear_beta or 1.0),
         GATED=gated, ACT=_ACT[act], LINEAR_TANH=linear_beta is not None, BN=tiles.block_n, BK=tiles.block_k,
-        OUT_BK=out_block_k, NUM_WARPS=tiles.num_warps, PREFETCH_A=tiles.num_stages > 1, **compile_options(tiles))
+        OUT_BK=out_block_k, NUM_WARPS=tiles.num_warps, SMEM_A=tiles.num_stages > 1, **compile_options(tiles))
 
 
 def compile_options(tiles) -> dict:
     """Gluon's compile options for a GemmTiles: warps, and maxnreg where capped (no software pipeliner here:
-    the kernel loads its weights a step ahead itself; num_stages > 1 loads the activations a step ahead too)."""
+    the kernel loads its weights a step ahead itself; num_stages > 1 stages the activations through shared memory)."""
     options = dict(num_warps=tiles.num_warps)
     if tiles.max_registers:
         options["maxnreg"] = tiles.max_registers
