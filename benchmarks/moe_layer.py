@@ -232,8 +232,7 @@ def stage_fns(x, w, ids, weights, cfg: tt.MoEConfig) -> dict:
         tt.gate_up(x, w["w1"], w["w1_scale"], w["w3"], w["w3_scale"], act, align, cfg, "situ", 4.0, 25.0)
 
     def down():
-        tt._gemm(act, w["w2"], w["w2_scale"], None, None, y, align, 1, cfg.down, cfg.block_m, cfg.dequant, "situ",
-                 1.0, None)
+        tt.down_gemm(act, w["w2"], w["w2_scale"], y, align, cfg)
 
     def combine():
         tt._combine_kernel[(N, triton.cdiv(h, BH))](y, weights, out, h, y.stride(0), *weights.stride(), out.stride(0),

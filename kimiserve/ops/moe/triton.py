@@ -786,6 +786,16 @@ def gate_up(x, w1, w1_scale, w3, w3_scale, act, align, config: MoEConfig, activa
         DTYPE=_DOT_DTYPES[act.dtype], BR=BR, num_warps=4)
 
 
+def down_gemm(act, w2, w2_scale, y, align, config: MoEConfig):
+    """fused_moe's down GEMM alone: y [N k, h] (split-K: fp32 partials [S, N k, h]), unweighted."""
+    if config.fragments:
+        from kimiserve.ops.moe import gluon_decode
+        gluon_decode.fragment_gemm(act, w2, w2_scale, None, None, y, align, 1, config.down, "silu", 1.0, None)
+    else:
+        _gemm(act, w2, w2_scale, None, None, y, align, 1, config.down, config.block_m, config.dequant, "silu", 1.0,
+              None)
+
+
 def down_combine(act, w2, w2_scale, y, weights, out, align, config: MoEConfig):
     """fused_moe's down stage and combine: out [N, h] (split-K: fp32 partials summed inside the combine;
     y is then not written)."""
@@ -793,12 +803,7 @@ def down_combine(act, w2, w2_scale, y, weights, out, align, config: MoEConfig):
     split = config.down.split_k
     if split > 1:
         y = torch.empty(split, N * k, h, dtype=torch.float32, device=out.device)
-    if config.fragments:
-        from kimiserve.ops.moe import gluon_decode
-        gluon_decode.fragment_gemm(act, w2, w2_scale, None, None, y, align, 1, config.down, "silu", 1.0, None)
-    else:
-        _gemm(act, w2, w2_scale, None, None, y, align, 1, config.down, config.block_m, config.dequant, "silu", 1.0,
-              None)
+    down_gemm(act, w2, w2_scale, y, align, config)
     BH = min(config.combine_block, triton.next_power_of_2(h))
     _combine_kernel[(N, triton.cdiv(h, BH))](y, weights, out, h, y.stride(-2), *weights.stride(), out.stride(0),
                                               y.stride(0) if split > 1 else 0, TOP_K=k, BH=BH, SPLIT=split,
@@ -806,4 +811,4 @@ def down_combine(act, w2, w2_scale, y, weights, out, align, config: MoEConfig):
 
 
 __all__ = ["ALIGN_SMALL_PAIRS", "DECODE_MAX_ROWS", "GemmTiles", "MoEConfig", "align_blocks", "default_config",
-           "dequantize_weights", "down_combine", "fused_moe", "gate_up", "max_blocks"]
+           "dequantize_weights", "down_combine", "down_gemm", "fused_moe", "gate_up", "max_blocks"]
