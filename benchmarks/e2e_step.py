@@ -84,8 +84,8 @@ def use_decode_tile(spec: str | None) -> None:
 
     tile = parse_variant(spec)
 
-    def patched(num_tokens, top_k, num_experts, dtype, mxfp4, mxfp4_layout="checkpoint"):
-        config = original(num_tokens, top_k, num_experts, dtype, mxfp4, mxfp4_layout)
+    def patched(num_tokens, top_k, num_experts, dtype, mxfp4, mxfp4_layout="checkpoint", dims=None):
+        config = original(num_tokens, top_k, num_experts, dtype, mxfp4, mxfp4_layout, dims)
         rows = num_tokens * top_k / max(1, num_experts)
         decode = dtype == torch.bfloat16 and mxfp4 and rows <= moe_triton.DECODE_MAX_ROWS
         return tile if decode and tile.dequant == config.dequant else config

@@ -473,7 +473,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.sass:
         _, _, h, inter = (int(v) for v in args.shape.split(","))
-        defaults = [config_spec(tt.default_config(n, 16, 896, torch.bfloat16, True)) for n in (1, 1024, 8192)]
+        defaults = [config_spec(tt.default_config(n, 16, 896, torch.bfloat16, True, layout, dims=(h, inter)))
+                    for layout in ("checkpoint", "shift") for n in (1, 1024, 8192)]
         return sass_report(list(dict.fromkeys(defaults + variants_for(args.variants, False))), h, inter)
 
     dry = args.dry_run
@@ -535,7 +536,7 @@ def main(argv: list[str] | None = None) -> int:
         if spec == "default":
             return None
         if spec == "default-shift":
-            return tt.default_config(n, k, E, dtype, True, "shift")
+            return tt.default_config(n, k, E, dtype, True, "shift", dims=(h, inter))
         return parse_variant(spec)
     per_expert = sum(w[n][0].numel() for n in w)  # bytes: uint8 codes and scales
     act_bytes = torch.tensor([], dtype=dtype).element_size()
@@ -577,7 +578,7 @@ def main(argv: list[str] | None = None) -> int:
             workspace = 2 * n * k * (inter + h) * act_bytes
             flops = 6 * n * k * h * inter
             out = torch.empty_like(x)
-            default_cfg = tt.default_config(n, k, E, dtype, True)
+            default_cfg = tt.default_config(n, k, E, dtype, True, dims=(h, inter))
             row = dict(kind="moe_layer", routing=routing, tokens=n, experts_hit=hit, bytes=nbytes,
                        bytes_with_workspace=nbytes + workspace, roofline_ms=nbytes / (copy * 1e9) * 1e3,
                        flops=flops, flop_roofline_ms=flops / (mm * 1e12) * 1e3, default_config=config_spec(default_cfg))

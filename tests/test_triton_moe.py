@@ -284,6 +284,53 @@ def test_fragment_gemms(tt, block_n, warps, block_k, down_block_k, stages):
             check_case(tt, N, h, inter, 9, 3, torch.bfloat16, True, act, routing, "cuda", cfg, seed=N)
 
 
+def test_fragment_gemms_graph_capture(tt):
+    """The default fragment config captured in a CUDA graph (its MMA-k copy of x included) replays other routings
+    bitwise as eager calls compute them."""
+    from kimiserve.utils.cuda_timing import capture_graph
+
+    gen = torch.Generator().manual_seed(3)
+    w_checkpoint = {n: t.cuda() for n, t in expert_weights(9, 768, 512, True, torch.bfloat16, gen).items()}
+    w = shift_layout(w_checkpoint)
+    assert tt.default_config(7, 3, 9, torch.bfloat16, True, "shift", dims=(768, 512)).fragments
+
+    def inputs(seed):
+        g = torch.Generator().manual_seed(seed)
+        return (torch.randn(7, 768, generator=g).bfloat16().cuda(), route_ids(7, 9, 3, "random", g).cuda(),
+                torch.rand(7, 3, generator=g).cuda())
+
+    def call(x, ids, weights, out=None):
+        return tt.fused_moe(x, w["w1"], w["w2"], w["w3"], ids, weights, w1_scale=w["w1_scale"], w2_scale=w["w2_scale"],
+                            w3_scale=w["w3_scale"], out=out, mxfp4_layout="shift")
+
+    sx, sids, sw = inputs(0)
+    out = torch.empty_like(sx)
+    graph = capture_graph(lambda: call(sx, sids, sw, out))
+    for seed in (1, 2):
+        x, ids, weights = inputs(seed)
+        sx.copy_(x), sids.copy_(ids), sw.copy_(weights)
+        out.fill_(float("nan"))
+        graph.replay()
+        assert torch.equal(out, call(x, ids, weights))
+        assert rel_rms(out, reference(x, w_checkpoint, ids, weights, "situ")) < 1e-2
+
+
+def test_default_config_takes_fragments(tt):
+    """The decode regime's default (<= DECODE_MAX_ROWS rows per expert) is the fragment GEMMs wherever they fit:
+    the shift layout, bf16, dims given and multiples of 128 (256-wide K steps where 256 divides K)."""
+    bf16 = torch.bfloat16
+    for E, N in ((896, 1), (896, 256), (16, 32)):
+        cfg = tt.default_config(N, 16 if E == 896 else 4, E, bf16, True, "shift", dims=(3584, 3072))
+        assert cfg.fragments and (cfg.block_m, cfg.up.block_n, cfg.up.block_k, cfg.down.block_k) == (16, 64, 256, 256)
+    cfg = tt.default_config(16, 16, 896, bf16, True, "shift", dims=(384, 256))
+    assert cfg.fragments and (cfg.up.block_n, cfg.up.block_k, cfg.down.block_n, cfg.down.block_k) == (128, 128, 64, 256)
+    assert not tt.default_config(1024, 16, 896, bf16, True, "shift", dims=(3584, 3072)).fragments  # 18 rows/expert
+    assert not tt.default_config(16, 16, 896, bf16, True, "checkpoint", dims=(3584, 3072)).fragments
+    assert not tt.default_config(16, 16, 896, bf16, True, "shift", dims=(160, 256)).fragments
+    assert not tt.default_config(16, 16, 896, bf16, True, "shift").fragments  # dims unknown
+    assert not tt.default_config(16, 16, 896, torch.float32, True, "shift", dims=(3584, 3072)).fragments
+
+
 def test_fragment_config_errors(tt):
     """MoEConfig.fragments outside its scope is a ValueError that says what to change."""
     gen = torch.Generator().manual_seed(0)

@@ -61,6 +61,7 @@ splits each (block, column tile) along K over that many programs into fp32 parti
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, field
 
@@ -124,23 +125,31 @@ class MoEConfig:
 
 
 def default_config(num_tokens: int, top_k: int, num_experts: int, dtype: torch.dtype, mxfp4: bool,
-                   mxfp4_layout: str = "checkpoint") -> MoEConfig:
-    """The launch config for a batch: BLOCK_M from the mean rows per expert, tiles by regime.
+                   mxfp4_layout: str = "checkpoint", dims: tuple[int, int] | None = None) -> MoEConfig:
+    """The launch config for a batch: BLOCK_M from the mean rows per expert, tiles by regime. dims: the experts'
+    (hidden, intermediate) sizes, which decide whether the fragment GEMMs fit (None: they are not considered).
 
     The MXFP4 choices are the fastest of benchmarks/moe_layer.py's H200 sweeps at the K3.1 shape: up to
-    DECODE_MAX_ROWS rows per expert (256 tokens) 16-row blocks, unswapped (~15% under the swapped form); of 64
-    or more experts, 128 weight rows x 128 K per step (3-6% under 64 x 256 at 1-256 tokens in sessions 8 and
-    13, at 16-64 in session 4), of fewer (the `small` preset's 16) 64 x 256 (the 128-row tile was 0.6% slower
-    in its engine's decode steps at batch 1 and 8, session 13: half as many programs on a few experts); up to
-    24 (1024 tokens) 32-row blocks, 64 (gate/up) and 128 (down) columns x 128 K, unswapped (7% under the
-    swapped 32-row tile); above, 64-row blocks on 4 warps (9% under 128-row blocks on 8 at 8192 tokens: ~146
-    rows per expert pad less). bf16 weights keep the swapped form for decode (not re-measured). The shift
-    layout takes dequant "shift"."""
+    DECODE_MAX_ROWS rows per expert (256 tokens) the Gluon fragment GEMMs (`ops.moe.gluon_decode`; shift layout,
+    compiled, dims multiples of 128) with 256-wide K steps (128-byte weight rows) where 256 divides K, 64 columns,
+    4 warps, the activations through shared memory: 1.13-1.27x the Triton tile at 1-64 tokens (session 14), and
+    1.3-2.6% off the `small` preset's engine decode step at batch 1 and 8 (16 experts). Else in that regime
+    16-row blocks, unswapped (~15% under the swapped form); of 64 or more experts, 128 weight rows x 128 K per step
+    (3-6% under 64 x 256 at 1-256 tokens in sessions 8 and 13, at 16-64 in session 4), of fewer (the `small`
+    preset's 16) 64 x 256 (the 128-row tile was 0.6% slower in its engine's decode steps at batch 1 and 8,
+    session 13: half as many programs on a few experts); up to 24 (1024 tokens) 32-row blocks, 64 (gate/up) and
+    128 (down) columns x 128 K, unswapped (7% under the swapped 32-row tile); above, 64-row blocks on 4 warps (9%
+    under 128-row blocks on 8 at 8192 tokens: ~146 rows per expert pad less). bf16 weights keep the swapped form
+    for decode (not re-measured). The shift layout takes dequant "shift"."""
     if dtype != torch.bfloat16:  # fp32 (the CPU-sized models) and fp16: exact dequant, IEEE or fp16 dots
         small = GemmTiles(block_n=32, block_k=32, num_warps=4, num_stages=2)
         return MoEConfig(block_m=16, up=small, down=small, dequant="exact")
     dequant = "exact" if not mxfp4 else "shift" if mxfp4_layout == "shift" else "lut"
     mean_rows = num_tokens * top_k / max(1, num_experts)
+    if mean_rows <= DECODE_MAX_ROWS and dequant == "shift" and dims is not None and _fragments_fit(*dims):
+        up, down = (GemmTiles(block_n=64 if k % 256 == 0 else 128, block_k=256 if k % 256 == 0 else 128, num_warps=4,
+                              num_stages=2) for k in dims)
+        return MoEConfig(block_m=16, up=up, down=down, dequant=dequant, fragments=True)
     if mean_rows <= DECODE_MAX_ROWS and mxfp4 and num_experts >= 64:
         tiles = GemmTiles(block_n=128, block_k=128, num_warps=4, num_stages=3)
         return MoEConfig(block_m=16, up=tiles, down=tiles, dequant=dequant)
@@ -159,6 +168,19 @@ def default_config(num_tokens: int, top_k: int, num_experts: int, dtype: torch.d
     up = GemmTiles(block_n=64, block_k=128, num_warps=8, num_stages=3)
     down = GemmTiles(block_n=128, block_k=128, num_warps=8, num_stages=3)
     return MoEConfig(block_m=128, up=up, down=down, dequant=dequant)
+
+
+@functools.cache
+def _fragments_fit(h: int, inter: int) -> bool:
+    """The fragment GEMMs can run experts of these dims here: compiled (not the interpreter), Gluon's mma_v2
+    importable, both dims multiples of 128."""
+    if _INTERPRET or h % 128 or inter % 128:
+        return False
+    try:
+        from kimiserve.ops.moe import gluon_decode  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -742,7 +764,7 @@ def fused_moe(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Ten
     mxfp4 = w1.dtype == torch.uint8
     if mxfp4_layout not in ("checkpoint", "shift"):
         raise ValueError(f"mxfp4_layout must be 'checkpoint' or 'shift', got {mxfp4_layout!r}")
-    config = config or default_config(N, k, E, x.dtype, mxfp4, mxfp4_layout)
+    config = config or default_config(N, k, E, x.dtype, mxfp4, mxfp4_layout, dims=(h, inter))
     _check(x, w1, w2, w3, w1_scale, w2_scale, w3_scale, ids, weights, config, mxfp4_layout)
     x = x if x.stride(-1) == 1 else x.contiguous()
     out = torch.empty_like(x) if out is None else out
