@@ -389,7 +389,7 @@ def sass_report(specs: list[str], h: int, inter: int) -> int:
                 from kimiserve.ops.moe import gluon_decode
                 fn, options = gluon_decode._fragment_gemm_kernel, gluon_decode.compile_options(tiles)
                 consts = dict(GATED=gated, ACT=1, LINEAR_TANH=True, BN=tiles.block_n, BK=tiles.block_k,
-                              OUT_BK=cfg.down.block_k, NUM_WARPS=tiles.num_warps, SMEM_A=tiles.num_stages > 1)
+                              OUT_BK=cfg.down.block_k, NUM_WARPS=tiles.num_warps)
                 types.update(s_we="i64", s_se="i64")
             try:
                 kernel = compile_sm90(fn, types, consts, options, [n for n in _GEMM_INTS if n != "A_ROW_DIV"] + ["s_ps"])

@@ -97,7 +97,7 @@ def test_sm90_build_has_no_fragment_moves(gated):
                  sorted_ptr="*i32", bexp_ptr="*i32", brows_ptr="*i32", nblk_ptr="*i32", N_OUT="i32", K="i32",
                  A_ROW_DIV="i32", s_am="i32", s_we="i64", s_wn="i32", s_se="i64", s_sn="i32", s_om="i32",
                  beta="fp32", linear_beta="fp32")
-    consts = dict(GATED=gated, ACT=1, LINEAR_TANH=True, BN=128, BK=128, OUT_BK=128, NUM_WARPS=4, SMEM_A=False)
+    consts = dict(GATED=gated, ACT=1, LINEAR_TANH=True, BN=128, BK=128, OUT_BK=128, NUM_WARPS=4)
     kernel = compile_sm90(gluon_decode._fragment_gemm_kernel, types, consts, dict(num_warps=4),
                           ["K", "s_am", "s_we", "s_wn", "s_se", "s_sn", "s_om"])
     assert resource_usage(kernel)["stack"] == 0

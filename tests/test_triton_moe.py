@@ -258,25 +258,24 @@ def test_shift_clamped_rows(tt, dequant, swap, block_m, block_n, block_k):
         check_case(tt, N, 96, 160, 7, 3, torch.bfloat16, True, "situ", routing, "cuda", cfg, seed=N)
 
 
-FRAGMENT_TILES = [  # block_n, num_warps, block_k of gate/up, of down, stages (> 1: activations through shared memory)
-    (128, 4, 128, 128, 3), (256, 8, 128, 128, 1), (64, 2, 256, 256, 1), (64, 4, 256, 128, 3), (32, 2, 128, 256, 1)]
+FRAGMENT_TILES = [  # block_n, num_warps, block_k of gate/up, of down
+    (128, 4, 128, 128), (256, 8, 128, 128), (64, 2, 256, 256), (64, 4, 256, 128), (32, 2, 128, 256)]
 
 
-def fragment_config(tt, block_n: int = 128, warps: int = 4, block_k: int = 128, down_block_k: int = 128,
-                    stages: int = 3):
-    up = tt.GemmTiles(block_n=block_n, block_k=block_k, num_warps=warps, num_stages=stages)
-    down = tt.GemmTiles(block_n=block_n, block_k=down_block_k, num_warps=warps, num_stages=stages)
+def fragment_config(tt, block_n: int = 128, warps: int = 4, block_k: int = 128, down_block_k: int = 128):
+    up = tt.GemmTiles(block_n=block_n, block_k=block_k, num_warps=warps)
+    down = tt.GemmTiles(block_n=block_n, block_k=down_block_k, num_warps=warps)
     return tt.MoEConfig(block_m=16, up=up, down=down, dequant="shift", fragments=True)
 
 
-@pytest.mark.parametrize("block_n,warps,block_k,down_block_k,stages", FRAGMENT_TILES)
-def test_fragment_gemms(tt, block_n, warps, block_k, down_block_k, stages):
+@pytest.mark.parametrize("block_n,warps,block_k,down_block_k", FRAGMENT_TILES)
+def test_fragment_gemms(tt, block_n, warps, block_k, down_block_k):
     """The Gluon fragment GEMMs (MoEConfig.fragments, ops.moe.gluon_decode) against the reference. Shapes of 3 and 2
     K steps (the loop's odd tail step; 256-wide tiles on h = 384 leave a partial column tile) and of 1 and 5 steps
     (the tail alone); gate/up and down steps of different widths (the activation stored in the down GEMM's order);
     experts with no token, one token on its k experts, every token on the same k, zipf; SiTU and SiLU;
     NaN-poisoned output and workspace."""
-    cfg = fragment_config(tt, block_n, warps, block_k, down_block_k, stages)
+    cfg = fragment_config(tt, block_n, warps, block_k, down_block_k)
     big = max(block_k, down_block_k)
     for h, inter in ((3 * block_k, 2 * big), (block_k, 5 * big)):
         for N, routing, act in ((45, "subset", "situ"), (1, "random", "situ"), (7, "same", "silu"),
@@ -455,14 +454,13 @@ def k31_shift(k31_experts):
     return {n: t if n.endswith("_scale") else to_shift_layout(t) for n, t in k31_experts.items()}
 
 
-@pytest.mark.parametrize("N,block_n,block_k,stages", [(1, 128, 128, 1), (16, 64, 256, 2), (64, 128, 128, 2),
-                                                      (64, 64, 256, 1)])
-def test_k31_shape_fragments(tt, k31_experts, k31_shift, N, block_n, block_k, stages):
+@pytest.mark.parametrize("N,block_n,block_k", [(1, 128, 128), (16, 64, 256), (64, 128, 128), (64, 64, 256)])
+def test_k31_shape_fragments(tt, k31_experts, k31_shift, N, block_n, block_k):
     """The fragment GEMMs at the K3.1 shape, random routing; two runs bitwise equal."""
     w = k31_shift
     x, ids, weights = _k31_inputs(N, "random", 11 + N)
     want = reference(x, k31_experts, ids, weights, "situ")
-    cfg = fragment_config(tt, block_n, 4, block_k, block_k, stages)
+    cfg = fragment_config(tt, block_n, 4, block_k, block_k)
     runs = [tt.fused_moe(x, w["w1"], w["w2"], w["w3"], ids, weights, w1_scale=w["w1_scale"], w2_scale=w["w2_scale"],
                          w3_scale=w["w3_scale"], config=cfg, mxfp4_layout="shift") for _ in range(2)]
     err = rel_rms(runs[0], want)

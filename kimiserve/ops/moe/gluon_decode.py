@@ -4,23 +4,29 @@ Why. Triton lays a dequantised weight tile out for its MMAs with 8 consecutive K
 and then assembles every activation fragment from shared-memory loads with register moves: 0.9 of the 3.6
 instructions per weight of the decode gate/up loop (benchmarks/moe_layer.py --sass), on the integer pipe that
 already carries the MXFP4 decode. Here the layouts are explicit (`triton.experimental.gluon`): mma.sync
-m16n8k16 with kWidth 2 on both operands, each thread loading exactly the values its fragments hold.
+m16n8k16 with kWidth 2 on both operands, each thread holding exactly the values its fragments need (2.5 / 2.6
+instructions a weight for gate/up / down). And a K step is 256 columns where it divides K: each weight row then
+gives 128 contiguous bytes a step; the 64 bytes of a 128-wide step cap any kernel's weight reads near 60% of the
+copy bandwidth on the H200 (benchmarks/moe_access_pattern.py).
 
 The K order ("MMA-k order", `ops.moe.fragment_order`). The sum over K is the same in any order, so the MMA's K
 positions are a permutation of the physical ones, the same for both operands, chosen so that thread t of a quad
-(lane % 4) holds whole words of the shift layout: within each 128-wide K step, physical k = 32 t + 4 s + 2 b1 + b0
-sits at MMA position 16 s + 8 b1 + 2 t + b0 (s the k16 step, b1 the fragment's half, b0 the element of a pair).
-- Weights (`mxfp4_layout`'s shift layout, unchanged): thread t loads, per weight row, the 16 bytes of codes of
-  physical k 32 t .. 32 t + 31 (one 128-bit load, one ue8m0 scale); the shift decode of word u turns it into
-  the four bf16 pairs that are exactly the B fragments of k16 steps 2u and 2u + 1. No shared memory.
+(lane % 4) holds whole words of the shift layout: within each K step of BK columns, physical
+k = (BK / 4) t + 4 s + 2 b1 + b0 sits at MMA position 16 s + 8 b1 + 2 t + b0 (s the k16 step, b1 the fragment's
+half, b0 the element of a pair).
+- Weights (`mxfp4_layout`'s shift layout, unchanged): thread t loads, per weight row, the BK / 8 bytes of codes of
+  physical k (BK / 4) t onwards (one or two 128-bit loads, BK / 128 ue8m0 scales); the shift decode of its word u
+  gives the four bf16 pairs that are exactly its B fragments of k16 steps 2u and 2u + 1. No shared memory.
 - Activations: read in MMA-k order (`fragment_order` of x for the gate/up GEMM; the gate/up GEMM stores the
-  activation's columns in that order for the down GEMM), each thread loading its A fragments as 32-bit words.
+  activation's columns in the down GEMM's order), a step's [16, BK] tile staged through shared memory (two
+  buffers, one barrier a step) and read with ldmatrix into the A fragments.
 
 Scope: bf16 activations, MXFP4 weights in the shift layout, 16-row blocks (the decode regime), K steps of 128 or
-256 columns dividing K, block_n a power of two >= 8 x num_warps. A step's loads are issued one
-step ahead into registers (the loop unrolled by two, so no prefetched value is copied). The tail tile's extra
-weight rows read the last row (clamped) and are not stored; padding rows of a block read pair 0's row.
-`ops.moe.triton` runs these when `MoEConfig.fragments` is set; its module doc has the rest of the contract.
+256 columns dividing K, block_n a power of two >= 8 x num_warps. Each step's loads are issued a step ahead (the
+loop unrolled by two, so no prefetched register is copied). The tail tile's extra weight rows read the last row
+(clamped) and are not stored; padding rows of a block read pair 0's row. `ops.moe.triton` runs these when
+`MoEConfig.fragments` is set (`ops.moe.config.default_config` sets it for decode batches where they fit); its
+module doc has the rest of the contract.
 """
 
 from __future__ import annotations
@@ -65,12 +71,11 @@ def _fragment_gemm_kernel(
     a_ptr, w_ptr, ws_ptr, v_ptr, vs_ptr, out_ptr, sorted_ptr, bexp_ptr, brows_ptr, nblk_ptr,
     N_OUT, K, A_ROW_DIV, s_am, s_we, s_wn, s_se, s_sn, s_om, beta, linear_beta,
     GATED: gl.constexpr, ACT: gl.constexpr, LINEAR_TANH: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
-    OUT_BK: gl.constexpr, NUM_WARPS: gl.constexpr, SMEM_A: gl.constexpr,
+    OUT_BK: gl.constexpr, NUM_WARPS: gl.constexpr,
 ):
     """One (block of 16 pairs, BN output columns): out[pair, cols] = act(A W^T, A V^T) (GATED, stored at the
     columns' MMA-k positions for a down GEMM of OUT_BK-wide steps) or A W^T (stored in place), rounded to bf16.
-    SMEM_A: the activation tile loaded a step ahead into shared memory and read with ldmatrix (else each warp
-    loads its fragments at their step)."""
+    """
     BM: gl.constexpr = 16
     G: gl.constexpr = BK // 128
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, NUM_WARPS], instr_shape=[16, 8])
@@ -88,10 +93,6 @@ def _fragment_gemm_kernel(
     nt = pid % n_tiles
     e = gl.load(bexp_ptr + b).to(gl.int64)
     nrows = gl.load(brows_ptr + b)
-    ra = gl.arange(0, BM, layout=gl.SliceLayout(1, LA))
-    pa = gl.load(sorted_ptr + b * BM + ra, mask=ra < nrows, other=0).to(gl.int64)
-    ka = gl.arange(0, BK, layout=gl.SliceLayout(0, LA))
-    a_ptrs = gl.expand_dims(a_ptr + (pa // A_ROW_DIV) * s_am, 1) + gl.expand_dims(ka, 0)
     rows_s = gl.minimum(nt * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, gl.SliceLayout(2, LS))), N_OUT - 1)
     quads_s = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, LS)))
     groups = gl.arange(0, G, layout=gl.SliceLayout(0, gl.SliceLayout(1, LS)))
@@ -114,76 +115,50 @@ def _fragment_gemm_kernel(
     s_c = gl.load(ws_e + s_off)
     v_c = gl.load(v_e + w_off)
     t_c = gl.load(vs_e + s_off)
-    if SMEM_A:  # the activation tile a step ahead through shared memory (16-byte loads, ldmatrix), two buffers
-        TK: gl.constexpr = BK // 8 if BK // 8 < 32 else 32
-        LG: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TK, TK], [NUM_WARPS, 1], [1, 0])
-        rg = gl.arange(0, BM, layout=gl.SliceLayout(1, LG))
-        pg = gl.load(sorted_ptr + b * BM + rg, mask=rg < nrows, other=0).to(gl.int64)
-        kg = gl.arange(0, BK, layout=gl.SliceLayout(0, LG))
-        g_ptrs = gl.expand_dims(a_ptr + (pg // A_ROW_DIV) * s_am, 1) + gl.expand_dims(kg, 0)
-        a_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BM, BK],
-                                           gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0]))
-        a_smem.index(0).store(gl.load(g_ptrs))
+    # the activation tile a step ahead through shared memory (16-byte loads, ldmatrix into the A fragments), two
+    # buffers, one barrier a step
+    TK: gl.constexpr = BK // 8 if BK // 8 < 32 else 32
+    LG: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TK, TK], [NUM_WARPS, 1], [1, 0])
+    rg = gl.arange(0, BM, layout=gl.SliceLayout(1, LG))
+    pg = gl.load(sorted_ptr + b * BM + rg, mask=rg < nrows, other=0).to(gl.int64)
+    kg = gl.arange(0, BK, layout=gl.SliceLayout(0, LG))
+    g_ptrs = gl.expand_dims(a_ptr + (pg // A_ROW_DIV) * s_am, 1) + gl.expand_dims(kg, 0)
+    a_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BM, BK],
+                                       gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0]))
+    a_smem.index(0).store(gl.load(g_ptrs))
+    gl.thread_barrier()
+    for i in range(steps // 2):
+        j = gl.minimum(2 * i + 1, steps - 1)
+        a_next = gl.load(g_ptrs + j * BK)
+        w_n = gl.load(w_e + w_off + j * (BK // 8))
+        s_n = gl.load(ws_e + s_off + j * (BK // 32))
+        if GATED:
+            v_n = gl.load(v_e + w_off + j * (BK // 8))
+            t_n = gl.load(vs_e + s_off + j * (BK // 32))
+        a_c = a_smem.index(0).load(LA)
+        acc = mma_v2(a_c, _b_fragments(w_c, s_c, BN, BK, LB), acc)
+        if GATED:
+            acc2 = mma_v2(a_c, _b_fragments(v_c, t_c, BN, BK, LB), acc2)
+        a_smem.index(1).store(a_next)  # buffer 1 was last read before the previous barrier
         gl.thread_barrier()
-        for i in range(steps // 2):
-            j = gl.minimum(2 * i + 1, steps - 1)
-            a_next = gl.load(g_ptrs + j * BK)
-            w_n = gl.load(w_e + w_off + j * (BK // 8))
-            s_n = gl.load(ws_e + s_off + j * (BK // 32))
-            if GATED:
-                v_n = gl.load(v_e + w_off + j * (BK // 8))
-                t_n = gl.load(vs_e + s_off + j * (BK // 32))
-            a_c = a_smem.index(0).load(LA)
-            acc = mma_v2(a_c, _b_fragments(w_c, s_c, BN, BK, LB), acc)
-            if GATED:
-                acc2 = mma_v2(a_c, _b_fragments(v_c, t_c, BN, BK, LB), acc2)
-            a_smem.index(1).store(a_next)
-            gl.thread_barrier()
-            j = gl.minimum(2 * i + 2, steps - 1)  # past the end: the last step again, never used
-            a_next = gl.load(g_ptrs + j * BK)
-            w_c = gl.load(w_e + w_off + j * (BK // 8))
-            s_c = gl.load(ws_e + s_off + j * (BK // 32))
-            if GATED:
-                v_c = gl.load(v_e + w_off + j * (BK // 8))
-                t_c = gl.load(vs_e + s_off + j * (BK // 32))
-            a_n = a_smem.index(1).load(LA)
-            acc = mma_v2(a_n, _b_fragments(w_n, s_n, BN, BK, LB), acc)
-            if GATED:
-                acc2 = mma_v2(a_n, _b_fragments(v_n, t_n, BN, BK, LB), acc2)
-            a_smem.index(0).store(a_next)
-            gl.thread_barrier()
-        if steps % 2:
-            a_c = a_smem.index(0).load(LA)
-            acc = mma_v2(a_c, _b_fragments(w_c, s_c, BN, BK, LB), acc)
-            if GATED:
-                acc2 = mma_v2(a_c, _b_fragments(v_c, t_c, BN, BK, LB), acc2)
-    else:  # each warp loads its activation fragments itself (32-bit loads), at their step
-        for i in range(steps // 2):
-            j = gl.minimum(2 * i + 1, steps - 1)
-            a_c = gl.load(a_ptrs + (2 * i) * BK)
-            w_n = gl.load(w_e + w_off + j * (BK // 8))
-            s_n = gl.load(ws_e + s_off + j * (BK // 32))
-            if GATED:
-                v_n = gl.load(v_e + w_off + j * (BK // 8))
-                t_n = gl.load(vs_e + s_off + j * (BK // 32))
-            acc = mma_v2(a_c, _b_fragments(w_c, s_c, BN, BK, LB), acc)
-            if GATED:
-                acc2 = mma_v2(a_c, _b_fragments(v_c, t_c, BN, BK, LB), acc2)
-            j = gl.minimum(2 * i + 2, steps - 1)  # past the end: the last step again, never used
-            a_n = gl.load(a_ptrs + (2 * i + 1) * BK)
-            w_c = gl.load(w_e + w_off + j * (BK // 8))
-            s_c = gl.load(ws_e + s_off + j * (BK // 32))
-            if GATED:
-                v_c = gl.load(v_e + w_off + j * (BK // 8))
-                t_c = gl.load(vs_e + s_off + j * (BK // 32))
-            acc = mma_v2(a_n, _b_fragments(w_n, s_n, BN, BK, LB), acc)
-            if GATED:
-                acc2 = mma_v2(a_n, _b_fragments(v_n, t_n, BN, BK, LB), acc2)
-        if steps % 2:
-            a_c = gl.load(a_ptrs + (steps - 1) * BK)
-            acc = mma_v2(a_c, _b_fragments(w_c, s_c, BN, BK, LB), acc)
-            if GATED:
-                acc2 = mma_v2(a_c, _b_fragments(v_c, t_c, BN, BK, LB), acc2)
+        j = gl.minimum(2 * i + 2, steps - 1)  # past the end: the last step again, never used
+        a_next = gl.load(g_ptrs + j * BK)
+        w_c = gl.load(w_e + w_off + j * (BK // 8))
+        s_c = gl.load(ws_e + s_off + j * (BK // 32))
+        if GATED:
+            v_c = gl.load(v_e + w_off + j * (BK // 8))
+            t_c = gl.load(vs_e + s_off + j * (BK // 32))
+        a_n = a_smem.index(1).load(LA)
+        acc = mma_v2(a_n, _b_fragments(w_n, s_n, BN, BK, LB), acc)
+        if GATED:
+            acc2 = mma_v2(a_n, _b_fragments(v_n, t_n, BN, BK, LB), acc2)
+        a_smem.index(0).store(a_next)
+        gl.thread_barrier()
+    if steps % 2:
+        a_c = a_smem.index(0).load(LA)
+        acc = mma_v2(a_c, _b_fragments(w_c, s_c, BN, BK, LB), acc)
+        if GATED:
+            acc2 = mma_v2(a_c, _b_fragments(v_c, t_c, BN, BK, LB), acc2)
     ro = gl.arange(0, BM, layout=gl.SliceLayout(1, MMA))
     row_ok = ro < nrows
     po = gl.load(sorted_ptr + b * BM + ro, mask=row_ok, other=0).to(gl.int64)
@@ -224,12 +199,12 @@ def fragment_gemm(a, w, w_scale, v, v_scale, out, align, a_row_div: int, tiles, 
         n_out, k_in, a_row_div, a.stride(0), w.stride(0), w.stride(1), w_scale.stride(0), w_scale.stride(1),
         out.stride(0), float(beta), float(linear_beta or 1.0),
         GATED=gated, ACT=_ACT[act], LINEAR_TANH=linear_beta is not None, BN=tiles.block_n, BK=tiles.block_k,
-        OUT_BK=out_block_k, NUM_WARPS=tiles.num_warps, SMEM_A=tiles.num_stages > 1, **compile_options(tiles))
+        OUT_BK=out_block_k, NUM_WARPS=tiles.num_warps, **compile_options(tiles))
 
 
 def compile_options(tiles) -> dict:
     """Gluon's compile options for a GemmTiles: warps, and maxnreg where capped (no software pipeliner here:
-    the kernel loads its weights a step ahead itself; num_stages > 1 stages the activations through shared memory)."""
+    the kernel loads its weights and activations a step ahead itself: num_stages does not apply)."""
     options = dict(num_warps=tiles.num_warps)
     if tiles.max_registers:
         options["maxnreg"] = tiles.max_registers

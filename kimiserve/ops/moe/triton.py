@@ -51,136 +51,32 @@ tile W x^T ([BLOCK_N, BLOCK_M]) so that the weight tile is the MMA's first opera
 side, >= 64, from registers) and the few tokens of a decode block its N side (>= 8): no 16-row
 MMA padding, the tokens' tile from shared memory.
 
-Configs (`MoEConfig`, `default_config`): decode (few tokens) takes BLOCK_M 16 and narrow column
-tiles, so that blocks x tiles programs each stream a slice of the weights (bytes-bound: the split
-is along the weight's output dim, no split-K, so the activation stays fused); prefill takes BLOCK_M
-64-128 tiles for the tensor cores. benchmarks/moe_layer.py sweeps these on the GPU. GemmTiles.split_k > 1 (opt-in)
+Configs (`ops.moe.config`: `MoEConfig`, `default_config`): decode (few tokens) takes BLOCK_M 16 and narrow
+column tiles, so that blocks x tiles programs each stream a slice of the weights (bytes-bound: the split is along
+the weight's output dim, no split-K, so the activation stays fused), and where they fit the Gluon fragment GEMMs of
+`ops.moe.gluon_decode` instead of the two Triton GEMMs below (MoEConfig.fragments); prefill takes BLOCK_M 64-128
+tiles for the tensor cores. benchmarks/moe_layer.py sweeps these on the GPU. GemmTiles.split_k > 1 (opt-in)
 splits each (block, column tile) along K over that many programs into fp32 partials, reduced in a fixed order
 (`ops.moe.epilogue`: gate/up with the activation in one small kernel, down inside the combine).
 """
 
 from __future__ import annotations
 
-import functools
 import os
-from dataclasses import dataclass, field
 
 import torch
 import triton
 import triton.language as tl
 
+from kimiserve.ops.moe.config import DECODE_MAX_ROWS, GemmTiles, MoEConfig, default_config
 from kimiserve.ops.moe.epilogue import _activate, _combine_kernel, _reduce_act_kernel
 from kimiserve.ops.moe.mxfp4_layout import MAG_MASK, SHIFT_PAIRS, SIGN_MASK
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # no inline PTX: the "lut" dequant runs emulated
-DECODE_MAX_ROWS = 8  # mean routed rows per expert up to which `default_config` takes its decode tiles
 ALIGN_SMALL_PAIRS = 4096  # up to this many (token, slot) pairs (K3.1: 256 tokens) the alignment is one program
 _DOT_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 _DEQUANT = {"exact": 0, "lut": 1, "dot_scaled": 2, "shift": 3}  # "shift": weights in mxfp4_layout's shift layout
 _ACT = {"silu": 0, "situ": 1}
-
-
-# ------------------------------------------------------------------------------------------------
-# configs
-
-
-@dataclass(frozen=True)
-class GemmTiles:
-    """Tiling of one of the two grouped GEMMs. split_k > 1: each (block, column tile) split over that many
-    programs along K, fp32 partials reduced in a fixed order (`ops.moe.epilogue`). max_registers: a cap on the
-    compiled kernel's registers per thread (Triton's maxnreg; more programs per SM, spills past it), None for
-    the compiler's choice."""
-
-    block_n: int = 64
-    block_k: int = 128
-    num_warps: int = 4
-    num_stages: int = 3
-    swap: bool = False
-    split_k: int = 1
-    max_registers: int | None = None
-
-    def compile_options(self) -> dict:
-        """Triton's compile options for this tiling: warps, stages, and maxnreg where capped."""
-        options = dict(num_warps=self.num_warps, num_stages=self.num_stages)
-        if self.max_registers:
-            options["maxnreg"] = self.max_registers
-        return options
-
-
-@dataclass(frozen=True)
-class MoEConfig:
-    """block_m: rows (routed pairs) per block, shared by both GEMMs; up: the gate/up GEMM (N = the
-    intermediate dim, K = hidden); down: the down GEMM (N = hidden, K = intermediate); dequant:
-    "exact", "lut" or "dot_scaled" (the last two for bf16 inputs only; see the module doc);
-    combine_block: hidden columns per program of the combine; fragments: both GEMMs as `ops.moe.gluon_decode`'s
-    Gluon kernels (mma.sync operands loaded as register fragments: CUDA, bf16, the shift layout, block_m 16,
-    block_k 128; the activation between them kept in that module's MMA-k column order)."""
-
-    block_m: int = 16
-    up: GemmTiles = field(default_factory=GemmTiles)
-    down: GemmTiles = field(default_factory=GemmTiles)
-    dequant: str = "exact"
-    combine_block: int = 512
-    fragments: bool = False
-
-
-def default_config(num_tokens: int, top_k: int, num_experts: int, dtype: torch.dtype, mxfp4: bool,
-                   mxfp4_layout: str = "checkpoint", dims: tuple[int, int] | None = None) -> MoEConfig:
-    """The launch config for a batch: BLOCK_M from the mean rows per expert, tiles by regime. dims: the experts'
-    (hidden, intermediate) sizes, which decide whether the fragment GEMMs fit (None: they are not considered).
-
-    The MXFP4 choices are the fastest of benchmarks/moe_layer.py's H200 sweeps at the K3.1 shape: up to
-    DECODE_MAX_ROWS rows per expert (256 tokens) the Gluon fragment GEMMs (`ops.moe.gluon_decode`; shift layout,
-    compiled, dims multiples of 128) with 256-wide K steps (128-byte weight rows) where 256 divides K, 64 columns,
-    4 warps, the activations through shared memory: 1.13-1.27x the Triton tile at 1-64 tokens (session 14), and
-    1.3-2.6% off the `small` preset's engine decode step at batch 1 and 8 (16 experts). Else in that regime
-    16-row blocks, unswapped (~15% under the swapped form); of 64 or more experts, 128 weight rows x 128 K per step
-    (3-6% under 64 x 256 at 1-256 tokens in sessions 8 and 13, at 16-64 in session 4), of fewer (the `small`
-    preset's 16) 64 x 256 (the 128-row tile was 0.6% slower in its engine's decode steps at batch 1 and 8,
-    session 13: half as many programs on a few experts); up to 24 (1024 tokens) 32-row blocks, 64 (gate/up) and
-    128 (down) columns x 128 K, unswapped (7% under the swapped 32-row tile); above, 64-row blocks on 4 warps (9%
-    under 128-row blocks on 8 at 8192 tokens: ~146 rows per expert pad less). bf16 weights keep the swapped form
-    for decode (not re-measured). The shift layout takes dequant "shift"."""
-    if dtype != torch.bfloat16:  # fp32 (the CPU-sized models) and fp16: exact dequant, IEEE or fp16 dots
-        small = GemmTiles(block_n=32, block_k=32, num_warps=4, num_stages=2)
-        return MoEConfig(block_m=16, up=small, down=small, dequant="exact")
-    dequant = "exact" if not mxfp4 else "shift" if mxfp4_layout == "shift" else "lut"
-    mean_rows = num_tokens * top_k / max(1, num_experts)
-    if mean_rows <= DECODE_MAX_ROWS and dequant == "shift" and dims is not None and _fragments_fit(*dims):
-        up, down = (GemmTiles(block_n=64 if k % 256 == 0 else 128, block_k=256 if k % 256 == 0 else 128, num_warps=4,
-                              num_stages=2) for k in dims)
-        return MoEConfig(block_m=16, up=up, down=down, dequant=dequant, fragments=True)
-    if mean_rows <= DECODE_MAX_ROWS and mxfp4 and num_experts >= 64:
-        tiles = GemmTiles(block_n=128, block_k=128, num_warps=4, num_stages=3)
-        return MoEConfig(block_m=16, up=tiles, down=tiles, dequant=dequant)
-    if mean_rows <= DECODE_MAX_ROWS:  # bf16 weights: 128-wide K steps (shared memory: two weight tiles per stage)
-        tiles = GemmTiles(block_n=64, block_k=256 if mxfp4 else 128, num_warps=4, num_stages=3, swap=not mxfp4)
-        return MoEConfig(block_m=16, up=tiles, down=tiles, dequant=dequant)
-    if mean_rows <= 24 and not mxfp4:  # still one weight tile per block: the swapped form, wgmma N = 32
-        tiles = GemmTiles(block_n=64, block_k=128, num_warps=4, num_stages=3, swap=True)
-        return MoEConfig(block_m=32, up=tiles, down=tiles, dequant=dequant)
-    up = GemmTiles(block_n=64, block_k=128, num_warps=4, num_stages=3)
-    down = GemmTiles(block_n=128, block_k=128, num_warps=4, num_stages=3)
-    if mean_rows <= 24:
-        return MoEConfig(block_m=32, up=up, down=down, dequant=dequant)
-    if mean_rows <= 48 or mxfp4:
-        return MoEConfig(block_m=64, up=up, down=down, dequant=dequant)
-    up = GemmTiles(block_n=64, block_k=128, num_warps=8, num_stages=3)
-    down = GemmTiles(block_n=128, block_k=128, num_warps=8, num_stages=3)
-    return MoEConfig(block_m=128, up=up, down=down, dequant=dequant)
-
-
-@functools.cache
-def _fragments_fit(h: int, inter: int) -> bool:
-    """The fragment GEMMs can run experts of these dims here: compiled (not the interpreter), Gluon's mma_v2
-    importable, both dims multiples of 128."""
-    if _INTERPRET or h % 128 or inter % 128:
-        return False
-    try:
-        from kimiserve.ops.moe import gluon_decode  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:

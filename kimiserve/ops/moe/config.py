@@ -1,0 +1,115 @@
+"""Launch configs of the fused MoE (`ops.moe.triton`, `ops.moe.gluon_decode`): the tilings of its two grouped GEMMs
+and the default for a batch. Plain Python (no Triton needed to read or build one)."""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+DECODE_MAX_ROWS = 8  # mean routed rows per expert up to which `default_config` takes its decode tiles
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's CPU interpreter: no Gluon, no inline PTX
+
+
+@dataclass(frozen=True)
+class GemmTiles:
+    """Tiling of one of the two grouped GEMMs. split_k > 1: each (block, column tile) split over that many
+    programs along K, fp32 partials reduced in a fixed order (`ops.moe.epilogue`). max_registers: a cap on the
+    compiled kernel's registers per thread (Triton's maxnreg; more programs per SM, spills past it), None for
+    the compiler's choice."""
+
+    block_n: int = 64
+    block_k: int = 128
+    num_warps: int = 4
+    num_stages: int = 3
+    swap: bool = False
+    split_k: int = 1
+    max_registers: int | None = None
+
+    def compile_options(self) -> dict:
+        """Triton's compile options for this tiling: warps, stages, and maxnreg where capped."""
+        options = dict(num_warps=self.num_warps, num_stages=self.num_stages)
+        if self.max_registers:
+            options["maxnreg"] = self.max_registers
+        return options
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """block_m: rows (routed pairs) per block, shared by both GEMMs; up: the gate/up GEMM (N = the
+    intermediate dim, K = hidden); down: the down GEMM (N = hidden, K = intermediate); dequant:
+    "exact", "lut" or "dot_scaled" (the last two for bf16 inputs only; see the module doc);
+    combine_block: hidden columns per program of the combine; fragments: both GEMMs as `ops.moe.gluon_decode`'s
+    Gluon kernels (mma.sync operands loaded as register fragments: CUDA, bf16, the shift layout, block_m 16,
+    block_k 128 or 256, num_stages not used; the activation between them kept in that module's MMA-k order)."""
+
+    block_m: int = 16
+    up: GemmTiles = field(default_factory=GemmTiles)
+    down: GemmTiles = field(default_factory=GemmTiles)
+    dequant: str = "exact"
+    combine_block: int = 512
+    fragments: bool = False
+
+
+def default_config(num_tokens: int, top_k: int, num_experts: int, dtype: torch.dtype, mxfp4: bool,
+                   mxfp4_layout: str = "checkpoint", dims: tuple[int, int] | None = None) -> MoEConfig:
+    """The launch config for a batch: BLOCK_M from the mean rows per expert, tiles by regime. dims: the experts'
+    (hidden, intermediate) sizes, which decide whether the fragment GEMMs fit (None: they are not considered).
+
+    The MXFP4 choices are the fastest of benchmarks/moe_layer.py's H200 sweeps at the K3.1 shape: up to
+    DECODE_MAX_ROWS rows per expert (256 tokens) the Gluon fragment GEMMs (`ops.moe.gluon_decode`; shift layout,
+    compiled, dims multiples of 128) with 256-wide K steps (128-byte weight rows) where 256 divides K, 64 columns,
+    4 warps, the activations through shared memory: 1.13-1.27x the Triton tile at 1-64 tokens (session 14), and
+    1.3-2.6% off the `small` preset's engine decode step at batch 1 and 8 (16 experts). Else in that regime
+    16-row blocks, unswapped (~15% under the swapped form); of 64 or more experts, 128 weight rows x 128 K per step
+    (3-6% under 64 x 256 at 1-256 tokens in sessions 8 and 13, at 16-64 in session 4), of fewer (the `small`
+    preset's 16) 64 x 256 (the 128-row tile was 0.6% slower in its engine's decode steps at batch 1 and 8,
+    session 13: half as many programs on a few experts); up to 24 (1024 tokens) 32-row blocks, 64 (gate/up) and
+    128 (down) columns x 128 K, unswapped (7% under the swapped 32-row tile); above, 64-row blocks on 4 warps (9%
+    under 128-row blocks on 8 at 8192 tokens: ~146 rows per expert pad less). bf16 weights keep the swapped form
+    for decode (not re-measured). The shift layout takes dequant "shift"."""
+    if dtype != torch.bfloat16:  # fp32 (the CPU-sized models) and fp16: exact dequant, IEEE or fp16 dots
+        small = GemmTiles(block_n=32, block_k=32, num_warps=4, num_stages=2)
+        return MoEConfig(block_m=16, up=small, down=small, dequant="exact")
+    dequant = "exact" if not mxfp4 else "shift" if mxfp4_layout == "shift" else "lut"
+    mean_rows = num_tokens * top_k / max(1, num_experts)
+    if mean_rows <= DECODE_MAX_ROWS and dequant == "shift" and dims is not None and _fragments_fit(*dims):
+        up, down = (GemmTiles(block_n=64 if k % 256 == 0 else 128, block_k=256 if k % 256 == 0 else 128, num_warps=4,
+                              num_stages=2) for k in dims)
+        return MoEConfig(block_m=16, up=up, down=down, dequant=dequant, fragments=True)
+    if mean_rows <= DECODE_MAX_ROWS and mxfp4 and num_experts >= 64:
+        tiles = GemmTiles(block_n=128, block_k=128, num_warps=4, num_stages=3)
+        return MoEConfig(block_m=16, up=tiles, down=tiles, dequant=dequant)
+    if mean_rows <= DECODE_MAX_ROWS:  # bf16 weights: 128-wide K steps (shared memory: two weight tiles per stage)
+        tiles = GemmTiles(block_n=64, block_k=256 if mxfp4 else 128, num_warps=4, num_stages=3, swap=not mxfp4)
+        return MoEConfig(block_m=16, up=tiles, down=tiles, dequant=dequant)
+    if mean_rows <= 24 and not mxfp4:  # still one weight tile per block: the swapped form, wgmma N = 32
+        tiles = GemmTiles(block_n=64, block_k=128, num_warps=4, num_stages=3, swap=True)
+        return MoEConfig(block_m=32, up=tiles, down=tiles, dequant=dequant)
+    up = GemmTiles(block_n=64, block_k=128, num_warps=4, num_stages=3)
+    down = GemmTiles(block_n=128, block_k=128, num_warps=4, num_stages=3)
+    if mean_rows <= 24:
+        return MoEConfig(block_m=32, up=up, down=down, dequant=dequant)
+    if mean_rows <= 48 or mxfp4:
+        return MoEConfig(block_m=64, up=up, down=down, dequant=dequant)
+    up = GemmTiles(block_n=64, block_k=128, num_warps=8, num_stages=3)
+    down = GemmTiles(block_n=128, block_k=128, num_warps=8, num_stages=3)
+    return MoEConfig(block_m=128, up=up, down=down, dequant=dequant)
+
+
+@functools.cache
+def _fragments_fit(h: int, inter: int) -> bool:
+    """The fragment GEMMs can run experts of these dims here: compiled (not the interpreter), Gluon's mma_v2
+    importable, both dims multiples of 128."""
+    if _INTERPRET or h % 128 or inter % 128:
+        return False
+    try:
+        from kimiserve.ops.moe import gluon_decode  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+__all__ = ["DECODE_MAX_ROWS", "GemmTiles", "MoEConfig", "default_config"]
