@@ -60,8 +60,8 @@ def default_config(num_tokens: int, top_k: int, num_experts: int, dtype: torch.d
 
     The MXFP4 choices are the fastest of benchmarks/moe_layer.py's H200 sweeps at the K3.1 shape: up to
     DECODE_MAX_ROWS rows per expert (256 tokens) the Gluon fragment GEMMs (`ops.moe.gluon_decode`; shift layout,
-    compiled, dims multiples of 128) with 256-wide K steps (128-byte weight rows) where 256 divides K, 64 columns,
-    4 warps, the activations through shared memory: 1.13-1.27x the Triton tile at 1-64 tokens (session 14), and
+    compiled, dims multiples of 256) with 256-wide K steps (128-byte weight rows), 64 columns, 4 warps, the
+    activations through shared memory: 1.13-1.27x the Triton tile at 1-64 tokens (session 14), and
     1.3-2.6% off the `small` preset's engine decode step at batch 1 and 8 (16 experts). Else in that regime
     16-row blocks, unswapped (~15% under the swapped form); of 64 or more experts, 128 weight rows x 128 K per step
     (3-6% under 64 x 256 at 1-256 tokens in sessions 8 and 13, at 16-64 in session 4), of fewer (the `small`
@@ -76,9 +76,8 @@ def default_config(num_tokens: int, top_k: int, num_experts: int, dtype: torch.d
     dequant = "exact" if not mxfp4 else "shift" if mxfp4_layout == "shift" else "lut"
     mean_rows = num_tokens * top_k / max(1, num_experts)
     if mean_rows <= DECODE_MAX_ROWS and dequant == "shift" and dims is not None and _fragments_fit(*dims):
-        up, down = (GemmTiles(block_n=64 if k % 256 == 0 else 128, block_k=256 if k % 256 == 0 else 128, num_warps=4,
-                              num_stages=2) for k in dims)
-        return MoEConfig(block_m=16, up=up, down=down, dequant=dequant, fragments=True)
+        tiles = GemmTiles(block_n=64, block_k=256, num_warps=4, num_stages=2)
+        return MoEConfig(block_m=16, up=tiles, down=tiles, dequant=dequant, fragments=True)
     if mean_rows <= DECODE_MAX_ROWS and mxfp4 and num_experts >= 64:
         tiles = GemmTiles(block_n=128, block_k=128, num_warps=4, num_stages=3)
         return MoEConfig(block_m=16, up=tiles, down=tiles, dequant=dequant)
@@ -101,9 +100,10 @@ def default_config(num_tokens: int, top_k: int, num_experts: int, dtype: torch.d
 
 @functools.cache
 def _fragments_fit(h: int, inter: int) -> bool:
-    """The fragment GEMMs can run experts of these dims here: compiled (not the interpreter), Gluon's mma_v2
-    importable, both dims multiples of 128."""
-    if _INTERPRET or h % 128 or inter % 128:
+    """The default takes the fragment GEMMs for experts of these dims: compiled (not the interpreter), Gluon's
+    mma_v2 importable, both dims multiples of 256 (the measured 256-wide K steps; 128-wide steps, which smaller
+    experts such as kimi-demo's 128 x 128 would take, stay opt-in: not timed against the Triton tiles)."""
+    if _INTERPRET or h % 256 or inter % 256:
         return False
     try:
         from kimiserve.ops.moe import gluon_decode  # noqa: F401
