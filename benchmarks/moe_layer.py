@@ -392,7 +392,8 @@ def sass_report(specs: list[str], h: int, inter: int) -> int:
                               OUT_BK=cfg.down.block_k, NUM_WARPS=tiles.num_warps)
                 types.update(s_we="i64", s_se="i64")
             try:
-                kernel = compile_sm90(fn, types, consts, options, [n for n in _GEMM_INTS if n != "A_ROW_DIV"] + ["s_ps"])
+                div16 = [n for n in _GEMM_INTS if n != "A_ROW_DIV"] + ["s_ps"]
+                kernel = compile_sm90(fn, types, consts, options, div16)
             except Exception as e:
                 print(f"{spec:<40} {name:<5} does not compile: {type(e).__name__}: {str(e)[:200]}")
                 continue

@@ -51,7 +51,8 @@ def test_thread_words_are_its_fragments(block_k):
 @pytest.mark.parametrize("block_k", [128, 256])
 def test_sums_are_the_same_sums(block_k):
     gen = torch.Generator().manual_seed(1)
-    x, w = torch.randn(7, 512, generator=gen, dtype=torch.float64), torch.randn(9, 512, generator=gen, dtype=torch.float64)
+    x = torch.randn(7, 512, generator=gen, dtype=torch.float64)
+    w = torch.randn(9, 512, generator=gen, dtype=torch.float64)
     torch.testing.assert_close(fragment_order(x, block_k) @ fragment_order(w, block_k).T, x @ w.T)
 
 
