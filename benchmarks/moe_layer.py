@@ -110,10 +110,10 @@ def parse_variant(spec: str) -> tt.MoEConfig:
     dequant, *parts = spec.split("-")
     if dequant not in tt._DEQUANT:
         raise ValueError(f"variant {spec!r}: dequant must be one of {list(tt._DEQUANT)}")
-    vals, swap, frag = {}, False, False
+    vals, flags = {}, set()
     for p in parts:
         if p in ("swap", "frag"):
-            swap, frag = swap or p == "swap", frag or p == "frag"
+            flags.add(p)
             continue
         key = next((pre for pre in ("dsk", "dn", "dk", "dw", "ds", "dr", "sk") if p.startswith(pre)), p[:1])
         if key not in ("m", "n", "k", "w", "s", "r", "dn", "dk", "dw", "ds", "dr", "sk", "dsk") \
@@ -123,12 +123,13 @@ def parse_variant(spec: str) -> tt.MoEConfig:
     missing = {"m", "n", "k", "w", "s"} - vals.keys()
     if missing:
         raise ValueError(f"variant {spec!r} lacks {sorted(missing)}")
+    swap = "swap" in flags
     up = tt.GemmTiles(block_n=vals["n"], block_k=vals["k"], num_warps=vals["w"], num_stages=vals["s"], swap=swap,
                       split_k=vals.get("sk", 1), max_registers=vals.get("r"))
     down = tt.GemmTiles(block_n=vals.get("dn", vals["n"]), block_k=vals.get("dk", vals["k"]),
                         num_warps=vals.get("dw", vals["w"]), num_stages=vals.get("ds", vals["s"]), swap=swap,
                         split_k=vals.get("dsk", 1), max_registers=vals.get("dr"))
-    return tt.MoEConfig(block_m=vals["m"], up=up, down=down, dequant=dequant, fragments=frag)
+    return tt.MoEConfig(block_m=vals["m"], up=up, down=down, dequant=dequant, fragments="frag" in flags)
 
 
 def config_spec(cfg: tt.MoEConfig) -> str:

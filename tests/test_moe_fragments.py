@@ -9,6 +9,7 @@ import itertools
 import pytest
 import torch
 
+from kimiserve.ops.moe.config import GemmTiles
 from kimiserve.ops.moe.fragment_order import (check_fragment_shapes, fragment_order, from_fragment_order,
                                               mma_position)
 from kimiserve.ops.moe.mxfp4_layout import to_shift_layout
@@ -61,17 +62,7 @@ def test_sums_are_the_same_sums(block_k):
     (256, 128, 16, 64, 2, 128, True), (384, 256, 16, 64, 4, 256, False), (160, 256, 16, 128, 4, 128, False),
     (256, 256, 32, 128, 4, 128, False), (256, 256, 16, 128, 4, 64, False), (256, 256, 16, 96, 4, 128, False)])
 def test_fragment_shape_checks(h, inter, block_m, block_n, warps, block_k, fits):
-    from dataclasses import dataclass
-
-    @dataclass
-    class Tiles:  # GemmTiles' fields (ops.moe.triton needs Triton to import)
-        block_n: int
-        block_k: int
-        num_warps: int
-        swap: bool = False
-        split_k: int = 1
-
-    tiles = Tiles(block_n, block_k, warps)
+    tiles = GemmTiles(block_n=block_n, block_k=block_k, num_warps=warps)
     assert (check_fragment_shapes(h, inter, block_m, tiles, tiles) is None) == fits
     with pytest.raises(ValueError, match="dividing K"):
         fragment_order(torch.zeros(2, 160))

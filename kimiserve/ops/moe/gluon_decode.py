@@ -37,14 +37,9 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
+from kimiserve.ops.moe.epilogue import _activate
 from kimiserve.ops.moe.fragment_order import fragment_order
 from kimiserve.ops.moe.triton import _ACT, _LUT_CONSTRAINTS, _SHIFT_ASM_C
-
-
-@gluon.jit
-def _tanh(x):
-    t = 1.0 - 2.0 / (gl.exp(2.0 * gl.abs(x)) + 1.0)
-    return gl.where(x < 0, -t, t)
 
 
 @gluon.jit
@@ -64,6 +59,31 @@ def _b_fragments(words, sc, BN: gl.constexpr, BK: gl.constexpr, LB: gl.constexpr
     # [BN, t, g, u, b0, r & 1, r >> 1] -> MMA position 128 g + 32 u + 16 (r >> 1) + 8 (r & 1) + 2t + b0
     v = gl.reshape(gl.permute(v, (0, 2, 3, 6, 5, 1, 4)), (BN, BK))
     return gl.convert_layout(gl.permute(v, (1, 0)), LB, assert_trivial=True)
+
+
+@gluon.jit
+def _load_weights(w_e, ws_e, v_e, vs_e, w_off, s_off, step, BK: gl.constexpr, GATED: gl.constexpr):
+    """One K step's weight words and scales of W (and V where GATED; else W's again, unused)."""
+    w = gl.load(w_e + w_off + step * (BK // 8))
+    s = gl.load(ws_e + s_off + step * (BK // 32))
+    if GATED:
+        v = gl.load(v_e + w_off + step * (BK // 8))
+        t = gl.load(vs_e + s_off + step * (BK // 32))
+    else:
+        v = w
+        t = s
+    return w, s, v, t
+
+
+@gluon.jit
+def _mma_step(a_buf, w, s, v, t, acc, acc2, BN: gl.constexpr, BK: gl.constexpr, LA: gl.constexpr,
+              LB: gl.constexpr, GATED: gl.constexpr):
+    """acc (+ acc2) += the activation tile in shared memory times one K step of W (and V)."""
+    a = a_buf.load(LA)
+    acc = mma_v2(a, _b_fragments(w, s, BN, BK, LB), acc)
+    if GATED:
+        acc2 = mma_v2(a, _b_fragments(v, t, BN, BK, LB), acc2)
+    return acc, acc2
 
 
 @gluon.jit
@@ -110,13 +130,10 @@ def _fragment_gemm_kernel(
     acc = gl.zeros((BM, BN), gl.float32, MMA)
     acc2 = gl.zeros((BM, BN), gl.float32, MMA)
     steps = K // BK
-    # weights loaded one step ahead; unrolled by two so that each loaded value is used where it was loaded into
-    w_c = gl.load(w_e + w_off)
-    s_c = gl.load(ws_e + s_off)
-    v_c = gl.load(v_e + w_off)
-    t_c = gl.load(vs_e + s_off)
+    w_c, s_c, v_c, t_c = _load_weights(w_e, ws_e, v_e, vs_e, w_off, s_off, 0, BK, GATED)
     # the activation tile a step ahead through shared memory (16-byte loads, ldmatrix into the A fragments), two
-    # buffers, one barrier a step
+    # buffers, one barrier a step; the weights a step ahead in registers, the loop unrolled by two so that each
+    # loaded value is used where it was loaded into
     TK: gl.constexpr = BK // 8 if BK // 8 < 32 else 32
     LG: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TK, TK], [NUM_WARPS, 1], [1, 0])
     rg = gl.arange(0, BM, layout=gl.SliceLayout(1, LG))
@@ -130,49 +147,24 @@ def _fragment_gemm_kernel(
     for i in range(steps // 2):
         j = gl.minimum(2 * i + 1, steps - 1)
         a_next = gl.load(g_ptrs + j * BK)
-        w_n = gl.load(w_e + w_off + j * (BK // 8))
-        s_n = gl.load(ws_e + s_off + j * (BK // 32))
-        if GATED:
-            v_n = gl.load(v_e + w_off + j * (BK // 8))
-            t_n = gl.load(vs_e + s_off + j * (BK // 32))
-        a_c = a_smem.index(0).load(LA)
-        acc = mma_v2(a_c, _b_fragments(w_c, s_c, BN, BK, LB), acc)
-        if GATED:
-            acc2 = mma_v2(a_c, _b_fragments(v_c, t_c, BN, BK, LB), acc2)
+        w_n, s_n, v_n, t_n = _load_weights(w_e, ws_e, v_e, vs_e, w_off, s_off, j, BK, GATED)
+        acc, acc2 = _mma_step(a_smem.index(0), w_c, s_c, v_c, t_c, acc, acc2, BN, BK, LA, LB, GATED)
         a_smem.index(1).store(a_next)  # buffer 1 was last read before the previous barrier
         gl.thread_barrier()
         j = gl.minimum(2 * i + 2, steps - 1)  # past the end: the last step again, never used
         a_next = gl.load(g_ptrs + j * BK)
-        w_c = gl.load(w_e + w_off + j * (BK // 8))
-        s_c = gl.load(ws_e + s_off + j * (BK // 32))
-        if GATED:
-            v_c = gl.load(v_e + w_off + j * (BK // 8))
-            t_c = gl.load(vs_e + s_off + j * (BK // 32))
-        a_n = a_smem.index(1).load(LA)
-        acc = mma_v2(a_n, _b_fragments(w_n, s_n, BN, BK, LB), acc)
-        if GATED:
-            acc2 = mma_v2(a_n, _b_fragments(v_n, t_n, BN, BK, LB), acc2)
+        w_c, s_c, v_c, t_c = _load_weights(w_e, ws_e, v_e, vs_e, w_off, s_off, j, BK, GATED)
+        acc, acc2 = _mma_step(a_smem.index(1), w_n, s_n, v_n, t_n, acc, acc2, BN, BK, LA, LB, GATED)
         a_smem.index(0).store(a_next)
         gl.thread_barrier()
     if steps % 2:
-        a_c = a_smem.index(0).load(LA)
-        acc = mma_v2(a_c, _b_fragments(w_c, s_c, BN, BK, LB), acc)
-        if GATED:
-            acc2 = mma_v2(a_c, _b_fragments(v_c, t_c, BN, BK, LB), acc2)
+        acc, acc2 = _mma_step(a_smem.index(0), w_c, s_c, v_c, t_c, acc, acc2, BN, BK, LA, LB, GATED)
     ro = gl.arange(0, BM, layout=gl.SliceLayout(1, MMA))
     row_ok = ro < nrows
     po = gl.load(sorted_ptr + b * BM + ro, mask=row_ok, other=0).to(gl.int64)
     cols = nt * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, MMA))
-    if GATED:  # as ops.moe.epilogue._activate: gate and up rounded to bf16, the activation in fp32
-        g = acc.to(gl.bfloat16).to(gl.float32)
-        u = acc2.to(gl.bfloat16).to(gl.float32)
-        sig = 1.0 / (1.0 + gl.exp(-g))
-        if ACT == 1:
-            if LINEAR_TANH:
-                u = linear_beta * _tanh(u / linear_beta)
-            y = beta * _tanh(g / beta) * sig * u
-        else:
-            y = (g * sig).to(gl.bfloat16).to(gl.float32) * u
+    if GATED:  # gate and up rounded to bf16, the activation in fp32 (the Triton kernels' epilogue)
+        y = _activate(acc, acc2, beta, linear_beta, ACT, LINEAR_TANH, gl.bfloat16)
         q = cols % OUT_BK  # physical (OUT_BK / 4) t + 4s + 2b1 + b0 -> MMA position 16s + 8b1 + 2t + b0
         dst = cols - q + (q % (OUT_BK // 4) // 4) * 16 + (q % 4 // 2) * 8 + (q // (OUT_BK // 4)) * 2 + q % 2
     else:
@@ -203,11 +195,10 @@ def fragment_gemm(a, w, w_scale, v, v_scale, out, align, a_row_div: int, tiles, 
 
 
 def compile_options(tiles) -> dict:
-    """Gluon's compile options for a GemmTiles: warps, and maxnreg where capped (no software pipeliner here:
-    the kernel loads its weights and activations a step ahead itself: num_stages does not apply)."""
-    options = dict(num_warps=tiles.num_warps)
-    if tiles.max_registers:
-        options["maxnreg"] = tiles.max_registers
+    """GemmTiles.compile_options without num_stages: no software pipeliner here, the kernel loads its weights
+    and activations a step ahead itself."""
+    options = tiles.compile_options()
+    del options["num_stages"]
     return options
 
 
