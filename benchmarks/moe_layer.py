@@ -386,7 +386,12 @@ def sass_report(specs: list[str], h: int, inter: int) -> int:
                           DTYPE=tl.bfloat16, PRECISION="tf32", BM=cfg.block_m, BN=tiles.block_n, BK=tiles.block_k,
                           EVEN_K=K % tiles.block_k == 0, SPLIT=tiles.split_k)
             fn, options = tt._moe_gemm_kernel, tiles.compile_options()
-            if cfg.fragments:
+            if cfg.fragments and cfg.block_m > 16:
+                from kimiserve.ops.moe import gluon_prefill
+                fn, options = gluon_prefill._wgmma_gemm_kernel, dict(num_warps=8)
+                consts = dict(GATED=gated, ACT=1, LINEAR_TANH=True, BM=cfg.block_m, STAGES=tiles.num_stages)
+                types.update(s_we="i64", s_se="i64", w_ptr="*i32", ws_ptr="*i32", v_ptr="*i32", vs_ptr="*i32")
+            elif cfg.fragments:
                 from kimiserve.ops.moe import gluon_decode
                 fn, options = gluon_decode._fragment_gemm_kernel, gluon_decode.compile_options(tiles)
                 consts = dict(GATED=gated, ACT=1, LINEAR_TANH=True, BN=tiles.block_n, BK=tiles.block_k,
@@ -407,7 +412,7 @@ def sass_report(specs: list[str], h: int, inter: int) -> int:
             ops = _largest_loop(sass)
             mix = loop_mix(ops)
             weights = (2 if gated else 1) * tiles.block_n * tiles.block_k / (32 * tiles.num_warps)
-            weights *= 2 if cfg.fragments else 1  # the fragment kernel's loop body runs two K steps
+            weights *= 2 if cfg.fragments and cfg.block_m == 16 else 1  # the decode fragment kernel's loop: 2 steps
             mma = ",".join(sorted(op for op in instruction_mix(sass) if "MMA" in op))
             print(f"{spec:<40} {name:<5} {m.group(1):>4} {m.group(2):>5} {kernel.metadata.shared / 1024:8.1f} "
                   f"{len(ops):11d} {len(ops) / weights:11.2f} {mix['moves'] / weights:6.2f} {mix['alu'] / weights:5.2f} "

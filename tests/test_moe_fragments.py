@@ -1,6 +1,6 @@
-"""The K order of the fragment MoE GEMMs (kimiserve/ops/moe/fragment_order.py) on the CPU, and the sm_90 build of
-their Gluon kernel offline (when Triton is installed). The kernel itself runs against the reference on CUDA in
-tests/test_triton_moe.py (`test_fragment_gemms`)."""
+"""The K order of the fragment MoE GEMMs (kimiserve/ops/moe/fragment_order.py) on the CPU, and the sm_90 builds of
+their Gluon kernels offline (when Triton is installed). The kernels themselves run against the reference on CUDA in
+tests/test_triton_moe.py (`test_fragment_gemms`, `test_wgmma_fragment_gemms`)."""
 
 from __future__ import annotations
 
@@ -60,7 +60,10 @@ def test_sums_are_the_same_sums(block_k):
 @pytest.mark.parametrize("h,inter,block_m,block_n,warps,block_k,fits", [
     (3584, 3072, 16, 128, 4, 128, True), (3584, 3072, 16, 64, 4, 256, True), (256, 384, 16, 256, 8, 128, True),
     (256, 128, 16, 64, 2, 128, True), (384, 256, 16, 64, 4, 256, False), (160, 256, 16, 128, 4, 128, False),
-    (256, 256, 32, 128, 4, 128, False), (256, 256, 16, 128, 4, 64, False), (256, 256, 16, 96, 4, 128, False)])
+    (256, 256, 32, 128, 4, 128, False), (256, 256, 16, 128, 4, 64, False), (256, 256, 16, 96, 4, 128, False),
+    # the prefill (wgmma) kernels: 128 x 128 tiles on 8 warps, dims multiples of 128
+    (3584, 3072, 64, 128, 8, 128, True), (384, 640, 128, 128, 8, 128, True), (384, 200, 64, 128, 8, 128, False),
+    (384, 256, 64, 64, 8, 128, False), (384, 256, 64, 128, 4, 128, False), (384, 256, 64, 128, 8, 256, False)])
 def test_fragment_shape_checks(h, inter, block_m, block_n, warps, block_k, fits):
     tiles = GemmTiles(block_n=block_n, block_k=block_k, num_warps=warps)
     assert (check_fragment_shapes(h, inter, block_m, tiles, tiles) is None) == fits
@@ -98,3 +101,38 @@ def test_sm90_build_has_no_fragment_moves(gated):
     assert sum(op.startswith("HMMA.16816") for op in ops) == 2 * (2 if gated else 1) * 8 * 4
     assert loop_mix(ops)["moves"] / weights < 0.2
     assert len(ops) / weights < 3.2
+
+
+@pytest.mark.parametrize("gated,block_m,stages", [(True, 64, 4), (False, 64, 4), (True, 128, 3)])
+def test_sm90_build_of_the_wgmma_kernel(gated, block_m, stages):
+    """The prefill kernel's sm_90 build (offline): its A operands' layout conversions are trivial (asserted in the
+    kernel), no spills, eight wgmmas (k16) per weight tile and K step taking A from registers, and ptxas keeps
+    them asynchronous: the loop's waits leave the last chunk's wgmmas in flight (a serialised build waits for 0)."""
+    pytest.importorskip("triton")
+    import os
+    import re
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    from moe_layer import _largest_loop, loop_mix
+    from sass_report import compile_sm90, resource_usage, sass_of
+
+    from kimiserve.ops.moe import gluon_prefill
+
+    types = dict(a_ptr="*bf16", w_ptr="*i32", ws_ptr="*i32", v_ptr="*i32", vs_ptr="*i32", out_ptr="*bf16",
+                 sorted_ptr="*i32", bexp_ptr="*i32", brows_ptr="*i32", nblk_ptr="*i32", N_OUT="i32", K="i32",
+                 A_ROW_DIV="i32", s_am="i32", s_we="i64", s_wn="i32", s_se="i64", s_sn="i32", s_om="i32",
+                 beta="fp32", linear_beta="fp32")
+    consts = dict(GATED=gated, ACT=1, LINEAR_TANH=True, BM=block_m, STAGES=stages)
+    kernel = compile_sm90(gluon_prefill._wgmma_gemm_kernel, types, consts, dict(num_warps=8),
+                          ["N_OUT", "K", "s_am", "s_we", "s_wn", "s_se", "s_sn", "s_om"])
+    assert resource_usage(kernel)["stack"] == 0
+    sass = sass_of(kernel)
+    ops = _largest_loop(sass)
+    tiles = 2 if gated else 1
+    assert sum(op == f"HGMMA.64x{block_m}x16.F32.BF16" for op in ops) == 8 * tiles
+    waits = re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, (0x[0-9a-f]+)", sass)
+    assert waits.count(hex(tiles)) == 4 and waits.count("0x0") == 1, waits  # in the loop, then the epilogue's
+    weights = tiles * 128 * 128 / 256
+    assert loop_mix(ops)["moves"] / weights < 0.1
+    assert len(ops) / weights < 3.6

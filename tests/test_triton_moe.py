@@ -347,6 +347,45 @@ def test_fragment_config_errors(tt):
                      config=fragment_config(tt), mxfp4_layout="shift")
 
 
+def wgmma_config(tt, block_m: int = 64, stages: int = 4, down_stages: int | None = None):
+    up = tt.GemmTiles(block_n=128, block_k=128, num_warps=8, num_stages=stages)
+    down = tt.GemmTiles(block_n=128, block_k=128, num_warps=8, num_stages=down_stages or stages)
+    return tt.MoEConfig(block_m=block_m, up=up, down=down, dequant="shift", fragments=True)
+
+
+@pytest.mark.parametrize("block_m,stages,down_stages", [(64, 4, 4), (64, 3, 5), (128, 3, 4)])
+def test_wgmma_fragment_gemms(tt, block_m, stages, down_stages):
+    """The prefill fragment GEMMs (block_m 64 / 128, ops.moe.gluon_prefill: wgmma with the dequantised weights as
+    the register A operand) against the reference. K of 1, 2, 3 and 5 steps (fewer steps than stages in flight:
+    the clamped copies past the end), several column tiles; experts with no token, one token on its k experts,
+    an expert with 1.5-3 blocks of rows (every token on the same k), zipf; SiTU and SiLU; NaN-poisoned output and
+    workspace."""
+    cfg = wgmma_config(tt, block_m, stages, down_stages)
+    for h, inter in ((384, 256), (128, 640)):
+        for N, routing, act in ((45, "subset", "situ"), (1, "random", "situ"), (190, "same", "silu"),
+                                (300, "zipf", "situ")):
+            check_case(tt, N, h, inter, 9, 3, torch.bfloat16, True, act, routing, "cuda", cfg, seed=N)
+
+
+def test_wgmma_fragment_config_errors(tt):
+    """The prefill fragment GEMMs outside their scope: a ValueError that says what to change."""
+    gen = torch.Generator().manual_seed(0)
+    w = {n: t.cuda() for n, t in shift_layout(expert_weights(4, 160, 256, True, torch.bfloat16, gen)).items()}
+    ids, weights = torch.tensor([[0, 1]]).cuda(), torch.rand(1, 2).cuda()
+    x = torch.randn(1, 160).bfloat16().cuda()
+    with pytest.raises(ValueError, match="multiples of 128"):  # h = 160
+        tt.fused_moe(x, w["w1"], w["w2"], w["w3"], ids, weights, w1_scale=w["w1_scale"], w2_scale=w["w2_scale"],
+                     w3_scale=w["w3_scale"], config=wgmma_config(tt), mxfp4_layout="shift")
+    bad = tt.MoEConfig(block_m=64, up=tt.GemmTiles(block_n=64, block_k=128, num_warps=8, num_stages=4),
+                       down=tt.GemmTiles(block_n=128, block_k=128, num_warps=8, num_stages=4), dequant="shift",
+                       fragments=True)
+    w = {n: t.cuda() for n, t in shift_layout(expert_weights(4, 256, 256, True, torch.bfloat16, gen)).items()}
+    with pytest.raises(ValueError, match="block_n 128"):
+        tt.fused_moe(torch.randn(1, 256).bfloat16().cuda(), w["w1"], w["w2"], w["w3"], ids, weights,
+                     w1_scale=w["w1_scale"], w2_scale=w["w2_scale"], w3_scale=w["w3_scale"], config=bad,
+                     mxfp4_layout="shift")
+
+
 def dequant_bytes(first_scale: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """Every code byte (256 per row: all code pairs) with every scale byte first_scale..254, one row
     each, and a row of zero codes with scale byte 0 (how quantize_mxfp4 stores an all-zero group)."""
@@ -466,6 +505,20 @@ def test_k31_shape_fragments(tt, k31_experts, k31_shift, N, block_n, block_k):
                          w3_scale=w["w3_scale"], config=cfg, mxfp4_layout="shift") for _ in range(2)]
     err = rel_rms(runs[0], want)
     print(f"K3.1 shape, {N} tokens, fragments: rel RMS {err:.2e}")
+    assert torch.isfinite(runs[0]).all() and err < 1e-2 and torch.equal(runs[0], runs[1])
+
+
+@pytest.mark.parametrize("N,block_m", [(1024, 64), (4096, 64), (4096, 128)])
+def test_k31_shape_wgmma_fragments(tt, k31_experts, k31_shift, N, block_m):
+    """The prefill fragment GEMMs at the K3.1 shape, random routing; two runs bitwise equal."""
+    w = k31_shift
+    x, ids, weights = _k31_inputs(N, "random", 5 + N)
+    want = reference(x, k31_experts, ids, weights, "situ")
+    cfg = wgmma_config(tt, block_m, 4 if block_m == 64 else 3, 4)
+    runs = [tt.fused_moe(x, w["w1"], w["w2"], w["w3"], ids, weights, w1_scale=w["w1_scale"], w2_scale=w["w2_scale"],
+                         w3_scale=w["w3_scale"], config=cfg, mxfp4_layout="shift") for _ in range(2)]
+    err = rel_rms(runs[0], want)
+    print(f"K3.1 shape, {N} tokens, wgmma fragments, block_m {block_m}: rel RMS {err:.2e}")
     assert torch.isfinite(runs[0]).all() and err < 1e-2 and torch.equal(runs[0], runs[1])
 
 

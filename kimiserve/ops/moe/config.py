@@ -41,9 +41,11 @@ class MoEConfig:
     """block_m: rows (routed pairs) per block, shared by both GEMMs; up: the gate/up GEMM (N = the
     intermediate dim, K = hidden); down: the down GEMM (N = hidden, K = intermediate); dequant:
     "exact", "lut" or "dot_scaled" (the last two for bf16 inputs only; see the module doc);
-    combine_block: hidden columns per program of the combine; fragments: both GEMMs as `ops.moe.gluon_decode`'s
-    Gluon kernels (mma.sync operands loaded as register fragments: CUDA, bf16, the shift layout, block_m 16,
-    block_k 128 or 256, num_stages not used; the activation between them kept in that module's MMA-k order)."""
+    combine_block: hidden columns per program of the combine; fragments: both GEMMs as Gluon kernels whose
+    dequantised weights are register fragments of the MMA (CUDA, bf16, the shift layout; the activation between
+    them kept in `ops.moe.fragment_order`'s MMA-k order): with block_m 16 `ops.moe.gluon_decode`'s (mma.sync,
+    block_k 128 or 256, num_stages not used), with block_m 64 or 128 `ops.moe.gluon_prefill`'s (wgmma, tiles of
+    128 x 128 on 8 warps, num_stages shared-memory stages)."""
 
     block_m: int = 16
     up: GemmTiles = field(default_factory=GemmTiles)

@@ -13,7 +13,8 @@ from __future__ import annotations
 import torch
 
 FRAGMENT_BLOCK_KS = (128, 256)  # K per step: 4 quad threads x 32 or 64 physical columns
-FRAGMENT_BLOCK_M = 16
+FRAGMENT_BLOCK_M = 16  # the decode kernels (mma.sync, `ops.moe.gluon_decode`)
+WGMMA_BLOCK_MS = (64, 128)  # the prefill kernels (wgmma, `ops.moe.gluon_prefill`): tokens per block = wgmma N
 
 
 def _check_block_k(K: int, block_k: int):
@@ -44,9 +45,20 @@ def from_fragment_order(x: torch.Tensor, block_k: int = 128) -> torch.Tensor:
 
 
 def check_fragment_shapes(h: int, inter: int, block_m: int, up, down) -> str | None:
-    """Why the fragment GEMMs cannot run these expert dims and tiles (GemmTiles; None: they can)."""
+    """Why the fragment GEMMs cannot run these expert dims and tiles (GemmTiles; None: they can). block_m 16: the
+    decode kernels; 64 or 128: the prefill (wgmma) kernels, 128 weight rows x 128-wide K steps on 8 warps, 3-6
+    stages."""
+    if block_m in WGMMA_BLOCK_MS:
+        if h % 128 or inter % 128:
+            return f"the wgmma fragment GEMMs need expert dims that are multiples of 128, got {h} and {inter}"
+        for t in (up, down):
+            if (t.block_n, t.block_k, t.num_warps, t.split_k, t.swap) != (128, 128, 8, 1, False) \
+                    or not 3 <= t.num_stages <= 6:
+                return (f"block_m {block_m} (the wgmma fragment GEMMs) takes tiles of block_n 128, block_k 128, 8 warps, "
+                        f"3-6 stages, no split-K, no swap; got {t}")
+        return None
     if block_m != FRAGMENT_BLOCK_M:
-        return f"block_m must be {FRAGMENT_BLOCK_M}, got {block_m}"
+        return f"block_m must be {FRAGMENT_BLOCK_M} (decode) or one of {WGMMA_BLOCK_MS} (prefill), got {block_m}"
     for t, K in ((up, h), (down, inter)):
         if t.block_k not in FRAGMENT_BLOCK_KS or K % t.block_k or t.split_k != 1 or t.swap:
             return (f"tiles need block_k in {FRAGMENT_BLOCK_KS} dividing their K, no split-K and no swap; got {t} "
@@ -56,5 +68,5 @@ def check_fragment_shapes(h: int, inter: int, block_m: int, up, down) -> str | N
     return None
 
 
-__all__ = ["FRAGMENT_BLOCK_KS", "FRAGMENT_BLOCK_M", "check_fragment_shapes", "fragment_order", "from_fragment_order",
+__all__ = ["FRAGMENT_BLOCK_KS", "FRAGMENT_BLOCK_M", "WGMMA_BLOCK_MS", "check_fragment_shapes", "fragment_order", "from_fragment_order",
            "mma_position"]

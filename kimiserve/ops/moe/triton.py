@@ -685,6 +685,12 @@ def gate_up(x, w1, w1_scale, w3, w3_scale, act, align, config: MoEConfig, activa
     config.fragments: act's columns in `gluon_decode`'s MMA-k order, as its down GEMM reads them)."""
     k = act.shape[0] // x.shape[0]
     split, inter = config.up.split_k, act.shape[1]
+    if config.fragments and config.block_m > 16:
+        from kimiserve.ops.moe import gluon_prefill
+        from kimiserve.ops.moe.fragment_order import fragment_order
+        gluon_prefill.wgmma_gemm(fragment_order(x, 128), w1, w1_scale, w3, w3_scale, act, align, k, config.block_m,
+                                 activation, beta, linear_beta, config.up.num_stages)
+        return
     if config.fragments:
         from kimiserve.ops.moe import gluon_decode
         gluon_decode.fragment_gemm(gluon_decode.fragment_order(x, config.up.block_k), w1, w1_scale, w3, w3_scale,
@@ -706,7 +712,11 @@ def gate_up(x, w1, w1_scale, w3, w3_scale, act, align, config: MoEConfig, activa
 
 def down_gemm(act, w2, w2_scale, y, align, config: MoEConfig):
     """fused_moe's down GEMM alone: y [N k, h] (split-K: fp32 partials [S, N k, h]), unweighted."""
-    if config.fragments:
+    if config.fragments and config.block_m > 16:
+        from kimiserve.ops.moe import gluon_prefill
+        gluon_prefill.wgmma_gemm(act, w2, w2_scale, None, None, y, align, 1, config.block_m, "silu", 1.0, None,
+                                 config.down.num_stages)
+    elif config.fragments:
         from kimiserve.ops.moe import gluon_decode
         gluon_decode.fragment_gemm(act, w2, w2_scale, None, None, y, align, 1, config.down, "silu", 1.0, None)
     else:

@@ -1,0 +1,247 @@
+"""The fused MoE's prefill GEMMs as Gluon wgmma kernels whose A operand is the dequantised weight tile in registers.
+
+Why. The Triton prefill tiles dequantise each weight tile into shared memory and read it back for their MMAs; at
+8192 tokens that round trip and the decode bound them near a quarter of the bf16 matmul rate (benchmarks/moe_layer.py,
+BENCHMARKS.md session 14). wgmma takes its A operand from registers: here the weights are A (128 weight rows a
+program, two warpgroups of 64) and the block's tokens are N (BM = 64 or 128), so each thread's shift-decoded words
+are its A fragments, in the MMA-k order of `ops.moe.fragment_order` (the same order as `ops.moe.gluon_decode`'s B
+fragments: wgmma's register A and mma.sync's B hold the same K positions per thread), and the tokens' tile is the
+only operand in shared memory.
+
+The loop. A K step is 128 columns: per weight row, thread t of a quad loads 16 bytes of codes (4 words) and one
+ue8m0 scale. Word u of them is its A fragments of k16 steps 2u and 2u + 1 (a 32-column chunk of the MMA-k order),
+so a step runs as four chunks: decode chunk u (gate and up where gated) while the wgmmas of chunk u - 1 run
+(asynchronous wgmma, at most one chunk's wgmmas outstanding when the next decode starts). The token rows of the
+next step and its weight words are loaded during the current step; the token tiles rotate over three shared
+buffers (a buffer is rewritten two steps after its last read, one barrier a step).
+
+Output. The gate/up kernel (GATED) rounds gate and up to bf16, applies the activation (`ops.moe.epilogue`) and
+stores the activation's columns in the MMA-k order of 128-wide steps, as the down kernel reads them; the down
+kernel stores the expert outputs (unweighted; `ops.moe.epilogue`'s combine weights and sums them). Both go
+through a layout conversion so that each thread stores 16 contiguous bytes.
+
+Scope: bf16 activations, MXFP4 weights in the shift layout, K and N multiples of 128, 8 warps. `ops.moe.triton`
+runs these when `MoEConfig.fragments` is set with block_m 64 or 128 (`ops.moe.config.default_config` sets it for
+prefill batches where they fit).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+
+from kimiserve.ops.moe.epilogue import _activate
+from kimiserve.ops.moe.triton import _ACT, _LUT_CONSTRAINTS, _SHIFT_ASM_C
+
+BLOCK_N = gl.constexpr(128)  # weight rows a program: two warpgroups of wgmma M = 64
+BLOCK_K = gl.constexpr(128)  # K columns a step (4 words of codes a thread and row)
+NUM_WARPS = gl.constexpr(8)
+
+
+@gluon.jit
+def _scale_pairs(sc, like):
+    """ue8m0 scales -> 2^(s - 1) as two bf16 (the shift decode's multiplier; see ops.moe.triton's "shift"), in
+    the layout of `like` (its words)."""
+    s16 = (gl.convert_layout(sc, like.type.layout, assert_trivial=True).to(gl.int32) + 126) << 7
+    return s16 | (s16 << 16)
+
+
+@gluon.jit
+def _scale_bytes(s_buf, BN: gl.constexpr, LS: gl.constexpr):
+    """A stage's scales, one int32 (4 bytes, t = 0..3) a weight row -> [BN, 4] uint8."""
+    L2: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+    return s_buf._reinterpret(gl.uint8, [BN, 4], L2).load(LS)
+
+
+@gluon.jit
+def _a_chunk(word, s2, BN: gl.constexpr, LA: gl.constexpr):
+    """One word per (weight row, quad thread t) [BN, 4] -> the A operand of one 32-column chunk of the MMA-k order,
+    [BN, 32] bf16 in wgmma order (trivial conversion: every value is already in its thread).
+
+    Code 2r + b0 of the word sits at chunk position 16 (r >> 1) + 8 (r & 1) + 2t + b0. Rows: the loads put weight
+    row n = 64 rep + 8 w + g in lane 4 g + t of warp w; wgmma's row m = 16 w + 8 rep + g is there."""
+    e0, e1, e2, e3, e4, e5, e6, e7 = gl.inline_asm_elementwise(
+        _SHIFT_ASM_C, _LUT_CONSTRAINTS, [word, s2], dtype=(gl.bfloat16, ) * 8, is_pure=True, pack=1)
+    v = gl.join(gl.join(gl.join(e0, e1), gl.join(e2, e3)), gl.join(gl.join(e4, e5), gl.join(e6, e7)))
+    v = gl.reshape(gl.permute(v, (0, 4, 3, 1, 2)), (BN, 32))  # [n, t, b0, r & 1, r >> 1] -> [n, position]
+    v = gl.reshape(gl.permute(gl.reshape(v, (2, 2, 4, 8, 32)), (1, 2, 0, 3, 4)), (BN, 32))  # n -> m
+    return gl.convert_layout(v, LA, assert_trivial=True)
+
+
+@gluon.jit
+def _chunks(words):
+    """[BN, 4, 4] words -> the four [BN, 4] words u = 0, 1, 2, 3 (register selects)."""
+    BN: gl.constexpr = words.shape[0]
+    lo, hi = gl.split(gl.reshape(words, (BN, 4, 2, 2)))  # last dim u & 1, then u >> 1
+    w0, w2 = gl.split(lo)
+    w1, w3 = gl.split(hi)
+    return w0, w1, w2, w3
+
+
+@gluon.jit
+def _chunk_mma(wg, sg, wv, sv, x_buf, acc, acc2, BN: gl.constexpr, LA: gl.constexpr, GATED: gl.constexpr):
+    """Decode chunk (gate and up where GATED), issue its wgmmas, wait for the previous chunk's."""
+    xt = x_buf.permute((1, 0))
+    a = _a_chunk(wg, sg, BN, LA)
+    acc = warpgroup_mma(a, xt, acc, is_async=True)
+    if GATED:
+        b = _a_chunk(wv, sv, BN, LA)
+        acc2 = warpgroup_mma(b, xt, acc2, is_async=True)
+        acc, acc2, a, b = warpgroup_mma_wait(2, deps=[acc, acc2, a, b])
+    else:
+        acc, a = warpgroup_mma_wait(1, deps=[acc, a])
+    return acc, acc2
+
+
+@gluon.jit
+def _copy_step(x_bufs, w_bufs, s_bufs, x_ptrs, w_e, ws_e, v_e, vs_e, w_off, s_off, step, slot,
+               BK: gl.constexpr, GATED: gl.constexpr):
+    """Start one K step's copies into stage `slot`: the token chunks (4 x [BM, 32]), the weight words and scales of
+    W (and V where GATED); one commit group."""
+    x0, x1, x2, x3 = x_bufs
+    async_copy.async_copy_global_to_shared(x0.index(slot), x_ptrs + step * BK)
+    async_copy.async_copy_global_to_shared(x1.index(slot), x_ptrs + step * BK + 32)
+    async_copy.async_copy_global_to_shared(x2.index(slot), x_ptrs + step * BK + 64)
+    async_copy.async_copy_global_to_shared(x3.index(slot), x_ptrs + step * BK + 96)
+    w_smem, v_smem = w_bufs
+    s_smem, t_smem = s_bufs
+    async_copy.async_copy_global_to_shared(w_smem.index(slot), w_e + w_off + step * (BK // 8))
+    async_copy.async_copy_global_to_shared(s_smem.index(slot), ws_e + s_off + step)
+    if GATED:
+        async_copy.async_copy_global_to_shared(v_smem.index(slot), v_e + w_off + step * (BK // 8))
+        async_copy.async_copy_global_to_shared(t_smem.index(slot), vs_e + s_off + step)
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _wgmma_gemm_kernel(
+    a_ptr, w_ptr, ws_ptr, v_ptr, vs_ptr, out_ptr, sorted_ptr, bexp_ptr, brows_ptr, nblk_ptr,
+    N_OUT, K, A_ROW_DIV, s_am, s_we, s_wn, s_se, s_sn, s_om, beta, linear_beta,
+    GATED: gl.constexpr, ACT: gl.constexpr, LINEAR_TANH: gl.constexpr, BM: gl.constexpr, STAGES: gl.constexpr,
+):
+    """One (block of BM pairs, 128 output columns): out[pair, cols] = act(A W^T, A V^T) (GATED, stored at the
+    columns' MMA-k positions of 128-wide steps) or A W^T, rounded to bf16. A is read in MMA-k order."""
+    BN: gl.constexpr = BLOCK_N
+    BK: gl.constexpr = BLOCK_K
+    AHEAD: gl.constexpr = STAGES - 2  # steps in flight; a stage is rewritten two steps after its last read
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
+                                                  instr_shape=[16, BM, 16])
+    LA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+    # weight words [BN, 4 (t), 4 (u)]: row 64 rep + 8 w + g in lane 4 g + t of warp w; scales [BN, 4 (t)]; each
+    # thread copies exactly what it reads back, so only the token tiles need a barrier
+    LW: gl.constexpr = gl.BlockedLayout([1, 1, 4], [8, 4, 1], [NUM_WARPS, 1, 1], [2, 1, 0])
+    LS: gl.constexpr = gl.BlockedLayout([1, 1], [8, 4], [NUM_WARPS, 1], [1, 0])
+    LX: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [NUM_WARPS, 1], [1, 0])  # a [BM, 32] token chunk
+    pid = gl.program_id(0)
+    n_tiles = gl.cdiv(N_OUT, BN)
+    b = pid // n_tiles
+    if b >= gl.load(nblk_ptr):
+        return
+    nt = pid % n_tiles
+    e = gl.load(bexp_ptr + b).to(gl.int64)
+    nrows = gl.load(brows_ptr + b)
+    # a step's 4 scale bytes of a row (t = 0..3) copied as one int32 (s_sn in int32 units), read back as bytes
+    LS1: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
+    s_off = (nt * BN + gl.arange(0, BN, layout=LS1)) * s_sn
+    rows_w = nt * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, gl.SliceLayout(2, LW)))
+    quads_w = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, LW)))
+    words = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, LW)))
+    w_off = gl.expand_dims(gl.expand_dims(rows_w * s_wn, 1) + gl.expand_dims(quads_w, 0) * 4, 2) + \
+        gl.expand_dims(gl.expand_dims(words, 0), 1)
+    w_e = w_ptr + e * s_we
+    ws_e = ws_ptr + e * s_se
+    v_e = v_ptr + e * s_we
+    vs_e = vs_ptr + e * s_se
+    rx = gl.arange(0, BM, layout=gl.SliceLayout(1, LX))
+    px = gl.load(sorted_ptr + b * BM + rx, mask=rx < nrows, other=0).to(gl.int64)  # padding rows: pair 0's row
+    x_ptrs = gl.expand_dims(a_ptr + (px // A_ROW_DIV) * s_am, 1) + \
+        gl.expand_dims(gl.arange(0, 32, layout=gl.SliceLayout(0, LX)), 0)
+    LXS: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, 32], gl.bfloat16)
+    x_bufs = (gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, 32], LXS),
+              gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, 32], LXS),
+              gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, 32], LXS),
+              gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, 32], LXS))
+    LWS: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[2, 1, 0])
+    LSS: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
+    w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BN, 4, 4], LWS)
+    s_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BN], LSS)
+    if GATED:
+        v_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BN, 4, 4], LWS)
+        t_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BN], LSS)
+    else:
+        v_smem = w_smem
+        t_smem = s_smem
+    w_bufs = (w_smem, v_smem)
+    s_bufs = (s_smem, t_smem)
+    acc = gl.zeros((BN, BM), gl.float32, MMA)
+    acc2 = gl.zeros((BN, BM), gl.float32, MMA)
+    steps = K // BK
+    for p in gl.static_range(AHEAD):  # past the end: the last step again, never used
+        _copy_step(x_bufs, w_bufs, s_bufs, x_ptrs, w_e, ws_e, v_e, vs_e, w_off, s_off, gl.minimum(p, steps - 1), p,
+                   BK, GATED)
+    for i in range(steps):
+        slot = i % STAGES
+        async_copy.wait_group(AHEAD - 1)
+        fence_async_shared()
+        gl.thread_barrier()  # every thread's token rows of step i are in; stage (i + AHEAD) % STAGES was last read
+        # by step i - 2's wgmmas, which every warp waited for in step i - 1
+        j = gl.minimum(i + AHEAD, steps - 1)
+        _copy_step(x_bufs, w_bufs, s_bufs, x_ptrs, w_e, ws_e, v_e, vs_e, w_off, s_off, j, (i + AHEAD) % STAGES,
+                   BK, GATED)
+        wg0, wg1, wg2, wg3 = _chunks(w_smem.index(slot).load(LW))
+        sg = _scale_pairs(_scale_bytes(s_smem.index(slot), BN, LS), wg0)
+        if GATED:
+            wv0, wv1, wv2, wv3 = _chunks(v_smem.index(slot).load(LW))
+            sv = _scale_pairs(_scale_bytes(t_smem.index(slot), BN, LS), wv0)
+        else:
+            wv0, wv1, wv2, wv3, sv = wg0, wg1, wg2, wg3, sg
+        x0, x1, x2, x3 = x_bufs
+        acc, acc2 = _chunk_mma(wg0, sg, wv0, sv, x0.index(slot), acc, acc2, BN, LA, GATED)
+        acc, acc2 = _chunk_mma(wg1, sg, wv1, sv, x1.index(slot), acc, acc2, BN, LA, GATED)
+        acc, acc2 = _chunk_mma(wg2, sg, wv2, sv, x2.index(slot), acc, acc2, BN, LA, GATED)
+        acc, acc2 = _chunk_mma(wg3, sg, wv3, sv, x3.index(slot), acc, acc2, BN, LA, GATED)
+    async_copy.wait_group(0)
+    if GATED:
+        acc, acc2 = warpgroup_mma_wait(0, deps=[acc, acc2])
+        y = _activate(acc, acc2, beta, linear_beta, ACT, LINEAR_TANH, gl.bfloat16)
+        # row m = 16 w + 8 rep + g holds weight row n = 64 rep + 8 w + g, that is physical column q = 32 t' + 4 s +
+        # 2 b1 + b0 of a 128-wide step (t' = 2 rep + w >> 2, s = 2 (w & 3) + g >> 2, b1 b0 = g & 3), which the down
+        # kernel reads at MMA position 16 s + 8 b1 + 2 t' + b0
+        y = gl.reshape(gl.permute(gl.reshape(y, (2, 4, 2, 2, 2, 2, BM)), (1, 3, 4, 2, 0, 5, 6)), (BN, BM))
+    else:
+        acc = warpgroup_mma_wait(0, deps=[acc])
+        y = gl.reshape(gl.permute(gl.reshape(acc, (2, 4, 2, 8, BM)), (2, 0, 1, 3, 4)), (BN, BM))  # m -> n
+    LO: gl.constexpr = gl.BlockedLayout([8, 1], [16, 2], [1, NUM_WARPS], [0, 1])  # 8 columns of a pair a thread
+    y = gl.convert_layout(y.to(gl.bfloat16), LO)
+    co = gl.arange(0, BM, layout=gl.SliceLayout(0, LO))
+    pc = gl.load(sorted_ptr + b * BM + co, mask=co < nrows, other=0).to(gl.int64)
+    cols = nt * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, LO))
+    ptrs = out_ptr + gl.expand_dims(pc * s_om, 0) + gl.expand_dims(cols, 1)
+    gl.store(ptrs, y, mask=gl.expand_dims(co < nrows, 0))
+
+
+def wgmma_gemm(a, w, w_scale, v, v_scale, out, align, a_row_div: int, block_m: int, act: str, beta: float,
+               linear_beta: float | None, stages: int = 4):
+    """One grouped GEMM (see the module doc): a [rows, K] bf16 in the MMA-k order of 128-wide steps; w, v uint8
+    [E, N, K/2] in the shift layout with ue8m0 scales [E, N, K/32] (v None: the down GEMM); out [N k, N] bf16 (the
+    gate/up GEMM: its columns in the MMA-k order of 128-wide steps)."""
+    sorted_pairs, bexp, brows, nblk = align
+    n_out, k_in = w.shape[1], a.shape[1]
+    gated = v is not None
+    if not gated:
+        v, v_scale = w, w_scale
+    w, v = w.view(torch.int32), v.view(torch.int32)
+    w_scale, v_scale = w_scale.view(torch.int32), v_scale.view(torch.int32)
+    grid = (bexp.numel() * triton.cdiv(n_out, BLOCK_N.value),)
+    _wgmma_gemm_kernel[grid](
+        a, w, w_scale, v, v_scale, out, sorted_pairs, bexp, brows, nblk,
+        n_out, k_in, a_row_div, a.stride(0), w.stride(0), w.stride(1), w_scale.stride(0), w_scale.stride(1),
+        out.stride(0), float(beta), float(linear_beta or 1.0),
+        GATED=gated, ACT=_ACT[act], LINEAR_TANH=linear_beta is not None, BM=block_m, STAGES=stages, num_warps=NUM_WARPS.value)
+
+
+__all__ = ["BLOCK_K", "BLOCK_N", "wgmma_gemm"]
