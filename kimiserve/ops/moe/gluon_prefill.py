@@ -83,18 +83,49 @@ def _chunks(words):
 
 
 @gluon.jit
-def _chunk_mma(wg, sg, wv, sv, x_buf, acc, acc2, BN: gl.constexpr, LA: gl.constexpr, GATED: gl.constexpr):
-    """Decode chunk (gate and up where GATED), issue its wgmmas, wait for the previous chunk's."""
-    xt = x_buf.permute((1, 0))
+def _decode(wg, sg, wv, sv, BN: gl.constexpr, LA: gl.constexpr, GATED: gl.constexpr):
+    """A chunk's A operands: gate's (and up's where GATED; else gate's again, unused)."""
     a = _a_chunk(wg, sg, BN, LA)
-    acc = warpgroup_mma(a, xt, acc, is_async=True)
     if GATED:
         b = _a_chunk(wv, sv, BN, LA)
+    else:
+        b = a
+    return a, b
+
+
+@gluon.jit
+def _issue(a, b, x_buf, acc, acc2, GATED: gl.constexpr):
+    """A chunk's wgmmas (asynchronous): acc += a x^T (and acc2 += b x^T)."""
+    xt = x_buf.permute((1, 0))
+    acc = warpgroup_mma(a, xt, acc, is_async=True)
+    if GATED:
         acc2 = warpgroup_mma(b, xt, acc2, is_async=True)
+    return acc, acc2
+
+
+@gluon.jit
+def _wait_previous(acc, acc2, a, b, GATED: gl.constexpr):
+    """Wait until only the last chunk's wgmmas (on a, b) are in flight."""
+    if GATED:
         acc, acc2, a, b = warpgroup_mma_wait(2, deps=[acc, acc2, a, b])
     else:
         acc, a = warpgroup_mma_wait(1, deps=[acc, a])
     return acc, acc2
+
+
+@gluon.jit
+def _load_words(w_smem, s_smem, v_smem, t_smem, slot, BN: gl.constexpr, LW: gl.constexpr, LS: gl.constexpr,
+                GATED: gl.constexpr):
+    """A stage's weight words [BN, 4, 4] and the shift decode's scale pairs [BN, 4] of W (and V where GATED)."""
+    w = w_smem.index(slot).load(LW)
+    s = _scale_bytes(s_smem.index(slot), BN, LS)
+    if GATED:
+        v = v_smem.index(slot).load(LW)
+        t = _scale_bytes(t_smem.index(slot), BN, LS)
+    else:
+        v = w
+        t = s
+    return w, s, v, t
 
 
 @gluon.jit
@@ -127,7 +158,6 @@ def _wgmma_gemm_kernel(
     columns' MMA-k positions of 128-wide steps) or A W^T, rounded to bf16. A is read in MMA-k order."""
     BN: gl.constexpr = BLOCK_N
     BK: gl.constexpr = BLOCK_K
-    AHEAD: gl.constexpr = STAGES - 2  # steps in flight; a stage is rewritten two steps after its last read
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
                                                   instr_shape=[16, BM, 16])
     LA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
@@ -180,30 +210,47 @@ def _wgmma_gemm_kernel(
     acc = gl.zeros((BN, BM), gl.float32, MMA)
     acc2 = gl.zeros((BN, BM), gl.float32, MMA)
     steps = K // BK
-    for p in gl.static_range(AHEAD):  # past the end: the last step again, never used
+    for p in gl.static_range(STAGES - 1):  # past the end: the last step again, never used
         _copy_step(x_bufs, w_bufs, s_bufs, x_ptrs, w_e, ws_e, v_e, vs_e, w_off, s_off, gl.minimum(p, steps - 1), p,
                    BK, GATED)
+    async_copy.wait_group(STAGES - 2)
+    fence_async_shared()
+    gl.thread_barrier()
+    w_c, s_c, v_c, t_c = _load_words(w_smem, s_smem, v_smem, t_smem, 0, BN, LW, LS, GATED)
+    wg0, wg1, wg2, wg3 = _chunks(w_c)
+    wv0, wv1, wv2, wv3 = _chunks(v_c)
+    sg = _scale_pairs(s_c, wg0)
+    sv = _scale_pairs(t_c, wv0)
+    a0, b0 = _decode(wg0, sg, wv0, sv, BN, LA, GATED)
+    x0, x1, x2, x3 = x_bufs
+    # Chunk c's A operands are decoded while chunks c - 2 and c - 1 run; then the wait for c - 2. Mid-step (chunks
+    # 0 and 1 waited for, so step i - 1 finished in every warp after the barrier) the next step's words are read
+    # and the copies of step i + STAGES - 1 start into the stage step i - 1 used; chunk 0 of step i + 1 is decoded
+    # at the end of step i.
     for i in range(steps):
         slot = i % STAGES
-        async_copy.wait_group(AHEAD - 1)
+        acc, acc2 = _issue(a0, b0, x0.index(slot), acc, acc2, GATED)
+        a1, b1 = _decode(wg1, sg, wv1, sv, BN, LA, GATED)
+        acc, acc2 = _wait_previous(acc, acc2, a0, b0, GATED)
+        acc, acc2 = _issue(a1, b1, x1.index(slot), acc, acc2, GATED)
+        a2, b2 = _decode(wg2, sg, wv2, sv, BN, LA, GATED)
+        acc, acc2 = _wait_previous(acc, acc2, a1, b1, GATED)
+        acc, acc2 = _issue(a2, b2, x2.index(slot), acc, acc2, GATED)
+        async_copy.wait_group(STAGES - 3)  # step i + 1's copies (this thread's) are in
         fence_async_shared()
-        gl.thread_barrier()  # every thread's token rows of step i are in; stage (i + AHEAD) % STAGES was last read
-        # by step i - 2's wgmmas, which every warp waited for in step i - 1
-        j = gl.minimum(i + AHEAD, steps - 1)
-        _copy_step(x_bufs, w_bufs, s_bufs, x_ptrs, w_e, ws_e, v_e, vs_e, w_off, s_off, j, (i + AHEAD) % STAGES,
-                   BK, GATED)
-        wg0, wg1, wg2, wg3 = _chunks(w_smem.index(slot).load(LW))
-        sg = _scale_pairs(_scale_bytes(s_smem.index(slot), BN, LS), wg0)
-        if GATED:
-            wv0, wv1, wv2, wv3 = _chunks(v_smem.index(slot).load(LW))
-            sv = _scale_pairs(_scale_bytes(t_smem.index(slot), BN, LS), wv0)
-        else:
-            wv0, wv1, wv2, wv3, sv = wg0, wg1, wg2, wg3, sg
-        x0, x1, x2, x3 = x_bufs
-        acc, acc2 = _chunk_mma(wg0, sg, wv0, sv, x0.index(slot), acc, acc2, BN, LA, GATED)
-        acc, acc2 = _chunk_mma(wg1, sg, wv1, sv, x1.index(slot), acc, acc2, BN, LA, GATED)
-        acc, acc2 = _chunk_mma(wg2, sg, wv2, sv, x2.index(slot), acc, acc2, BN, LA, GATED)
-        acc, acc2 = _chunk_mma(wg3, sg, wv3, sv, x3.index(slot), acc, acc2, BN, LA, GATED)
+        gl.thread_barrier()
+        w_c, s_c, v_c, t_c = _load_words(w_smem, s_smem, v_smem, t_smem, (i + 1) % STAGES, BN, LW, LS, GATED)
+        _copy_step(x_bufs, w_bufs, s_bufs, x_ptrs, w_e, ws_e, v_e, vs_e, w_off, s_off,
+                   gl.minimum(i + STAGES - 1, steps - 1), (i + STAGES - 1) % STAGES, BK, GATED)
+        a3, b3 = _decode(wg3, sg, wv3, sv, BN, LA, GATED)
+        acc, acc2 = _wait_previous(acc, acc2, a2, b2, GATED)
+        acc, acc2 = _issue(a3, b3, x3.index(slot), acc, acc2, GATED)
+        wg0, wg1, wg2, wg3 = _chunks(w_c)
+        wv0, wv1, wv2, wv3 = _chunks(v_c)
+        sg = _scale_pairs(s_c, wg0)
+        sv = _scale_pairs(t_c, wv0)
+        a0, b0 = _decode(wg0, sg, wv0, sv, BN, LA, GATED)  # past the last step: unused
+        acc, acc2 = _wait_previous(acc, acc2, a3, b3, GATED)
     async_copy.wait_group(0)
     if GATED:
         acc, acc2 = warpgroup_mma_wait(0, deps=[acc, acc2])
