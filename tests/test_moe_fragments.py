@@ -134,5 +134,5 @@ def test_sm90_build_of_the_wgmma_kernel(gated, block_m, stages):
     waits = re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, (0x[0-9a-f]+)", sass)
     assert waits.count(hex(tiles)) == 4 and waits.count("0x0") == 1, waits  # in the loop, then the epilogue's
     weights = tiles * 128 * 128 / 256
-    assert loop_mix(ops)["moves"] / weights < 0.1
+    assert loop_mix(ops)["moves"] / weights < 0.2  # Triton's decode GEMMs: 0.9 (mma.sync) / 0.04 (wgmma)
     assert len(ops) / weights < 3.6
