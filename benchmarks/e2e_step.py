@@ -68,28 +68,35 @@ from kimiserve.sampling_params import SamplingParams  # noqa: E402
 from kimiserve.utils.run_info import git_commit  # noqa: E402
 
 
-def use_decode_tile(spec: str | None) -> None:
-    """The fused MoE's decode-regime config (<= `DECODE_MAX_ROWS` routed rows per expert, bf16, MXFP4) from now
-    on: `spec` (a moe_layer.py variant) where its dequant matches the one the default picks for the experts'
-    layout, else the default. Patches this process's `ops.moe.triton.default_config` (a benchmark's A/B, not a
-    library setting)."""
+def use_decode_tile(spec: str | None, regime: str = "decode") -> None:
+    """The fused MoE's config for one regime (bf16, MXFP4) from now on: "decode" (<= `DECODE_MAX_ROWS` routed rows
+    per expert) or "prefill" (more): `spec` (a moe_layer.py variant) where its dequant matches the one the default
+    picks for the experts' layout, else the default. Patches this process's `ops.moe.triton.default_config` (a
+    benchmark's A/B, not a library setting; the other regime keeps what it had)."""
     from kimiserve.ops.moe import triton as moe_triton
 
-    original = getattr(moe_triton.default_config, "original", moe_triton.default_config)
+    current = moe_triton.default_config
+    original = getattr(current, "original", current)
+    tiles = dict(getattr(current, "tiles", {}))
     if spec in (None, "default"):
+        tiles.pop(regime, None)
+    else:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from moe_layer import parse_variant
+
+        tiles[regime] = parse_variant(spec)
+    if not tiles:
         moe_triton.default_config = original
         return
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from moe_layer import parse_variant
-
-    tile = parse_variant(spec)
 
     def patched(num_tokens, top_k, num_experts, dtype, mxfp4, mxfp4_layout="checkpoint", dims=None):
         config = original(num_tokens, top_k, num_experts, dtype, mxfp4, mxfp4_layout, dims)
         rows = num_tokens * top_k / max(1, num_experts)
-        decode = dtype == torch.bfloat16 and mxfp4 and rows <= moe_triton.DECODE_MAX_ROWS
-        return tile if decode and tile.dequant == config.dequant else config
+        tile = tiles.get("decode" if rows <= moe_triton.DECODE_MAX_ROWS else "prefill")
+        ok = tile is not None and dtype == torch.bfloat16 and mxfp4 and tile.dequant == config.dequant
+        return tile if ok else config
 
+    patched.tiles = tiles
     patched.original = original
     moe_triton.default_config = patched
 
@@ -336,6 +343,11 @@ def main() -> int:
                         "'default' or a benchmarks/moe_layer.py variant SPEC (e.g. shift-m16-n128-k128-w4-s3): the "
                         "decode rows run for each, graphs captured again between them (an A/B of a default change; "
                         "a SPEC whose dequant does not match the experts' layout leaves the default)")
+    p.add_argument("--moe-prefill-tiles", default="",
+                   help="comma-separated fused-MoE configs for the prefill regime (> 8 routed rows per expert), each "
+                        "'default' or a benchmarks/moe_layer.py variant SPEC: the prefill rows run for each (an A/B "
+                        "of a default change; a SPEC whose dequant does not match the experts' layout leaves the "
+                        "default)")
     p.add_argument("--quick", action="store_true", help="the same rows, 8 timed steps and 1 expert-count step each")
     p.add_argument("--dry-run", action="store_true", help="tiny preset on the CPU, small sizes")
     p.add_argument("--out", default="benchmarks/results/e2e_step.json")
@@ -390,12 +402,18 @@ def main() -> int:
             result["rows"].append(row)
             save()
             print_decode(row, label)
-    for tokens in prefills:
+    prefill_tiles = [x for x in args.moe_prefill_tiles.split(",") if x] or [None]
+    for tile, tokens in itertools.product(prefill_tiles, prefills):
+        if args.moe_prefill_tiles:
+            use_decode_tile(tile, "prefill")
         row = prefill_row(engine, tokens, matmul, args.prefill_warmups)
+        if tile is not None:
+            row["moe_prefill_tile"] = tile
         result["rows"].append(row)
         save()
         frac = row["matmul_fraction"]
-        print(f"prefill {tokens:7d} tokens: TTFT {row['ttft_s']:.3f} s ({row['tokens_per_s']:.0f} tok/s), "
+        print(f"prefill {tokens:7d} tokens{f' [{tile}]' if tile else ''}: TTFT {row['ttft_s']:.3f} s "
+              f"({row['tokens_per_s']:.0f} tok/s), "
               f"{'n/a' if frac is None else f'{100 * frac:.1f}%'} of the matmul rate on "
               f"{row['flops'] / 1e12:.1f} TFLOP (warm-up runs: {', '.join(f'{w:.2f}' for w in row['warmup_s'])} s)",
               flush=True)

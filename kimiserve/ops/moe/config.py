@@ -3,7 +3,9 @@ and the default for a batch. Plain Python (no Triton needed to read or build one
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import importlib
 import os
 from dataclasses import dataclass, field
 
@@ -69,9 +71,12 @@ def default_config(num_tokens: int, top_k: int, num_experts: int, dtype: torch.d
     (3-6% under 64 x 256 at 1-256 tokens in sessions 8 and 13, at 16-64 in session 4), of fewer (the `small`
     preset's 16) 64 x 256 (the 128-row tile was 0.6% slower in its engine's decode steps at batch 1 and 8,
     session 13: half as many programs on a few experts); up to 24 (1024 tokens) 32-row blocks, 64 (gate/up) and
-    128 (down) columns x 128 K, unswapped (7% under the swapped 32-row tile); above, 64-row blocks on 4 warps (9%
-    under 128-row blocks on 8 at 8192 tokens: ~146 rows per expert pad less). bf16 weights keep the swapped form
-    for decode (not re-measured). The shift layout takes dequant "shift"."""
+    128 (down) columns x 128 K, unswapped (7% under the swapped 32-row tile); above, in the shift layout with dims
+    that are multiples of 128, the Gluon wgmma fragment GEMMs (`ops.moe.gluon_prefill`): 64-row blocks (1.26-1.32x
+    the Triton tile at 2048-8192 tokens, session 15), 128-row blocks from 256 rows per expert (the `small`
+    preset's prefill chunks: 1.5x); else 64-row blocks on 4 warps (9% under 128-row blocks on 8 at 8192 tokens:
+    ~146 rows per expert pad less). bf16 weights keep the swapped form for decode (not re-measured). The shift
+    layout takes dequant "shift"."""
     if dtype != torch.bfloat16:  # fp32 (the CPU-sized models) and fp16: exact dequant, IEEE or fp16 dots
         small = GemmTiles(block_n=32, block_k=32, num_warps=4, num_stages=2)
         return MoEConfig(block_m=16, up=small, down=small, dequant="exact")
@@ -86,6 +91,14 @@ def default_config(num_tokens: int, top_k: int, num_experts: int, dtype: torch.d
     if mean_rows <= DECODE_MAX_ROWS:  # bf16 weights: 128-wide K steps (shared memory: two weight tiles per stage)
         tiles = GemmTiles(block_n=64, block_k=256 if mxfp4 else 128, num_warps=4, num_stages=3, swap=not mxfp4)
         return MoEConfig(block_m=16, up=tiles, down=tiles, dequant=dequant)
+    if mean_rows > 24 and dequant == "shift" and dims is not None and _wgmma_fragments_fit(*dims):
+        if mean_rows >= 256:  # few experts (the `small` preset): 128-token blocks pad <= 1/3
+            up = GemmTiles(block_n=128, block_k=128, num_warps=8, num_stages=3)
+            return MoEConfig(block_m=128, up=up, down=dataclasses.replace(up, num_stages=4), dequant=dequant,
+                             fragments=True)
+        up = GemmTiles(block_n=128, block_k=128, num_warps=8, num_stages=4)
+        return MoEConfig(block_m=64, up=up, down=dataclasses.replace(up, num_stages=3), dequant=dequant,
+                         fragments=True)
     if mean_rows <= 24 and not mxfp4:  # still one weight tile per block: the swapped form, wgmma N = 32
         tiles = GemmTiles(block_n=64, block_k=128, num_warps=4, num_stages=3, swap=True)
         return MoEConfig(block_m=32, up=tiles, down=tiles, dequant=dequant)
@@ -100,15 +113,25 @@ def default_config(num_tokens: int, top_k: int, num_experts: int, dtype: torch.d
     return MoEConfig(block_m=128, up=up, down=down, dequant=dequant)
 
 
-@functools.cache
 def _fragments_fit(h: int, inter: int) -> bool:
-    """The default takes the fragment GEMMs for experts of these dims: compiled (not the interpreter), Gluon's
-    mma_v2 importable, both dims multiples of 256 (the measured 256-wide K steps; 128-wide steps, which smaller
-    experts such as kimi-demo's 128 x 128 would take, stay opt-in: not timed against the Triton tiles)."""
-    if _INTERPRET or h % 256 or inter % 256:
+    """The default takes the decode fragment GEMMs for experts of these dims: compiled (not the interpreter), Gluon
+    importable, both dims multiples of 256 (the measured 256-wide K steps; 128-wide steps, which smaller experts
+    such as kimi-demo's 128 x 128 would take, stay opt-in: not timed against the Triton tiles)."""
+    return h % 256 == 0 and inter % 256 == 0 and _gluon_kernels("gluon_decode")
+
+
+def _wgmma_fragments_fit(h: int, inter: int) -> bool:
+    """The default takes the prefill (wgmma) fragment GEMMs for experts of these dims: compiled, Gluon importable,
+    both dims multiples of 128 (their 128 x 128 tiles)."""
+    return h % 128 == 0 and inter % 128 == 0 and _gluon_kernels("gluon_prefill")
+
+
+@functools.cache
+def _gluon_kernels(module: str) -> bool:
+    if _INTERPRET:
         return False
     try:
-        from kimiserve.ops.moe import gluon_decode  # noqa: F401
+        importlib.import_module(f"kimiserve.ops.moe.{module}")
     except ImportError:
         return False
     return True

@@ -165,15 +165,20 @@ def _wgmma_gemm_kernel(
     # thread copies exactly what it reads back, so only the token tiles need a barrier
     LW: gl.constexpr = gl.BlockedLayout([1, 1, 4], [8, 4, 1], [NUM_WARPS, 1, 1], [2, 1, 0])
     LS: gl.constexpr = gl.BlockedLayout([1, 1], [8, 4], [NUM_WARPS, 1], [1, 0])
-    LX: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [NUM_WARPS, 1], [1, 0])  # a [BM, 32] token chunk
     pid = gl.program_id(0)
     n_tiles = gl.cdiv(N_OUT, BN)
     b = pid // n_tiles
-    if b >= gl.load(nblk_ptr):
-        return
     nt = pid % n_tiles
+    # the block's expert and rows loaded together with the block count (entries past it are undefined, in bounds,
+    # and unused; a used block has e >= 0 and nrows >= 1, and testing them keeps the loads above the exit): two
+    # global round trips before the first copies instead of three
+    LX: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [NUM_WARPS, 1], [1, 0])  # a [BM, 32] token chunk
+    rx = gl.arange(0, BM, layout=gl.SliceLayout(1, LX))
+    pairs = gl.load(sorted_ptr + b * BM + rx)
     e = gl.load(bexp_ptr + b).to(gl.int64)
     nrows = gl.load(brows_ptr + b)
+    if (b >= gl.load(nblk_ptr)) | (e < 0) | (nrows < 1):
+        return
     # a step's 4 scale bytes of a row (t = 0..3) copied as one int32 (s_sn in int32 units), read back as bytes
     LS1: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
     s_off = (nt * BN + gl.arange(0, BN, layout=LS1)) * s_sn
@@ -186,8 +191,7 @@ def _wgmma_gemm_kernel(
     ws_e = ws_ptr + e * s_se
     v_e = v_ptr + e * s_we
     vs_e = vs_ptr + e * s_se
-    rx = gl.arange(0, BM, layout=gl.SliceLayout(1, LX))
-    px = gl.load(sorted_ptr + b * BM + rx, mask=rx < nrows, other=0).to(gl.int64)  # padding rows: pair 0's row
+    px = gl.where(rx < nrows, pairs, 0).to(gl.int64)  # padding rows: pair 0's row
     x_ptrs = gl.expand_dims(a_ptr + (px // A_ROW_DIV) * s_am, 1) + \
         gl.expand_dims(gl.arange(0, 32, layout=gl.SliceLayout(0, LX)), 0)
     LXS: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, 32], gl.bfloat16)
