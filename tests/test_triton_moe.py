@@ -333,13 +333,15 @@ def test_default_config_takes_fragments(tt):
 
 def test_default_config_takes_wgmma_fragments(tt):
     """Above 24 rows per expert the default is the prefill fragment GEMMs where they fit (shift layout, bf16, dims
-    multiples of 128): 64-row blocks, 128-row blocks from 256 rows per expert."""
+    multiples of 256, the measured shapes): 64-row blocks, 128-row blocks from 256 rows per expert."""
     bf16 = torch.bfloat16
     cfg = tt.default_config(8192, 16, 896, bf16, True, "shift", dims=(3584, 3072))
     assert cfg.fragments and (cfg.block_m, cfg.up.num_stages, cfg.down.num_stages) == (64, 4, 3)
     cfg = tt.default_config(8192, 4, 16, bf16, True, "shift", dims=(3584, 3072))
     assert cfg.fragments and (cfg.block_m, cfg.up.num_stages, cfg.down.num_stages) == (128, 3, 4)
-    assert tt.default_config(2048, 16, 896, bf16, True, "shift", dims=(384, 640)).fragments
+    assert tt.default_config(2048, 16, 896, bf16, True, "shift", dims=(512, 768)).fragments
+    assert not tt.default_config(2048, 16, 896, bf16, True, "shift", dims=(384, 640)).fragments
+    assert not tt.default_config(512, 2, 16, bf16, True, "shift", dims=(128, 128)).fragments  # kimi-demo
     assert not tt.default_config(1024, 16, 896, bf16, True, "shift", dims=(3584, 3072)).fragments  # 18 rows
     assert not tt.default_config(8192, 16, 896, bf16, True, "checkpoint", dims=(3584, 3072)).fragments
     assert not tt.default_config(8192, 16, 896, bf16, True, "shift", dims=(3584, 3000)).fragments
