@@ -384,20 +384,6 @@ def test_wgmma_fragment_gemms(tt, block_m, stages, down_stages):
             check_case(tt, N, h, inter, 9, 3, torch.bfloat16, True, act, routing, "cuda", cfg, seed=N)
 
 
-@pytest.mark.parametrize("h,inter", [(384, 512), (128, 640)])
-def test_wgmma_fragment_gemms_persistent(tt, monkeypatch, h, inter):
-    """Two programs in all (as if the GPU had one SM), so that each runs many tiles as one sequence of K steps: the
-    next tile's first copies start during the current tile's last steps (3 and 4 K steps); with a tile of fewer K
-    steps than copies in flight (h = 128) each program takes one tile instead."""
-    from kimiserve.ops.moe import gluon_prefill
-
-    monkeypatch.setattr(gluon_prefill, "_sm_count", lambda device: 1)
-    for block_m, stages in ((64, 4), (128, 3)):
-        for N, routing in ((300, "zipf"), (190, "same"), (45, "subset")):
-            check_case(tt, N, h, inter, 9, 3, torch.bfloat16, True, "situ", routing, "cuda",
-                       wgmma_config(tt, block_m, stages, 4), seed=N)
-
-
 def test_wgmma_fragment_config_errors(tt):
     """The prefill fragment GEMMs outside their scope: a ValueError that says what to change."""
     gen = torch.Generator().manual_seed(0)

@@ -27,8 +27,6 @@ prefill batches where they fit).
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 from triton.experimental import gluon
@@ -42,7 +40,6 @@ from kimiserve.ops.moe.triton import _ACT, _LUT_CONSTRAINTS, _SHIFT_ASM_C
 BLOCK_N = gl.constexpr(128)  # weight rows a program: two warpgroups of wgmma M = 64
 BLOCK_K = gl.constexpr(128)  # K columns a step (4 words of codes a thread and row)
 NUM_WARPS = gl.constexpr(8)
-PROGRAMS_PER_SM = 2  # persistent programs launched per SM (those that do not fit run after the first ones)
 
 
 @gluon.jit
@@ -152,33 +149,13 @@ def _copy_step(x_bufs, w_bufs, s_bufs, x_ptrs, w_e, ws_e, v_e, vs_e, w_off, s_of
 
 
 @gluon.jit
-def _tile(t, n_tiles, a_ptr, w_ptr, ws_ptr, v_ptr, vs_ptr, sorted_ptr, bexp_ptr, brows_ptr, A_ROW_DIV, s_am, s_we,
-          s_wn, s_se, s_sn, BM: gl.constexpr, BN: gl.constexpr, LX: gl.constexpr):
-    """Tile t = (block b, column tile nt) of a used block: its rows and the base pointers of its copies (the
-    tile's first weight row and scale, its token rows' chunk pointers [BM, 32]; padding rows read pair 0's row)."""
-    b = t // n_tiles
-    nt = t % n_tiles
-    e = gl.load(bexp_ptr + b).to(gl.int64)
-    nrows = gl.load(brows_ptr + b)
-    rx = gl.arange(0, BM, layout=gl.SliceLayout(1, LX))
-    px = gl.load(sorted_ptr + b * BM + rx, mask=rx < nrows, other=0).to(gl.int64)
-    x_ptrs = gl.expand_dims(a_ptr + (px // A_ROW_DIV) * s_am, 1) + \
-        gl.expand_dims(gl.arange(0, 32, layout=gl.SliceLayout(0, LX)), 0)
-    row0 = (nt * BN).to(gl.int64)
-    return (b, nt, nrows, x_ptrs, w_ptr + e * s_we + row0 * s_wn, ws_ptr + e * s_se + row0 * s_sn,
-            v_ptr + e * s_we + row0 * s_wn, vs_ptr + e * s_se + row0 * s_sn)
-
-
-@gluon.jit
 def _wgmma_gemm_kernel(
     a_ptr, w_ptr, ws_ptr, v_ptr, vs_ptr, out_ptr, sorted_ptr, bexp_ptr, brows_ptr, nblk_ptr,
     N_OUT, K, A_ROW_DIV, s_am, s_we, s_wn, s_se, s_sn, s_om, beta, linear_beta,
     GATED: gl.constexpr, ACT: gl.constexpr, LINEAR_TANH: gl.constexpr, BM: gl.constexpr, STAGES: gl.constexpr,
 ):
-    """Persistent: program p runs tiles p, p + P, ... of the (used block of BM pairs, 128 output columns) tiles:
-    out[pair, cols] = act(A W^T, A V^T) (GATED, stored at the columns' MMA-k positions of 128-wide steps) or
-    A W^T, rounded to bf16. A is read in MMA-k order. The K steps of its tiles run as one sequence: the copies of
-    the next tile's first steps start during the current tile's last ones."""
+    """One (block of BM pairs, 128 output columns): out[pair, cols] = act(A W^T, A V^T) (GATED, stored at the
+    columns' MMA-k positions of 128-wide steps) or A W^T, rounded to bf16. A is read in MMA-k order."""
     BN: gl.constexpr = BLOCK_N
     BK: gl.constexpr = BLOCK_K
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
@@ -188,21 +165,35 @@ def _wgmma_gemm_kernel(
     # thread copies exactly what it reads back, so only the token tiles need a barrier
     LW: gl.constexpr = gl.BlockedLayout([1, 1, 4], [8, 4, 1], [NUM_WARPS, 1, 1], [2, 1, 0])
     LS: gl.constexpr = gl.BlockedLayout([1, 1], [8, 4], [NUM_WARPS, 1], [1, 0])
-    LX: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [NUM_WARPS, 1], [1, 0])  # a [BM, 32] token chunk
     pid = gl.program_id(0)
-    programs = gl.num_programs(0)
     n_tiles = gl.cdiv(N_OUT, BN)
-    total = gl.load(nblk_ptr) * n_tiles
-    if pid >= total:
+    b = pid // n_tiles
+    nt = pid % n_tiles
+    # the block's expert and rows loaded together with the block count (entries past it are undefined, in bounds,
+    # and unused; a used block has e >= 0 and nrows >= 1, and testing them keeps the loads above the exit): two
+    # global round trips before the first copies instead of three
+    LX: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [NUM_WARPS, 1], [1, 0])  # a [BM, 32] token chunk
+    rx = gl.arange(0, BM, layout=gl.SliceLayout(1, LX))
+    pairs = gl.load(sorted_ptr + b * BM + rx)
+    e = gl.load(bexp_ptr + b).to(gl.int64)
+    nrows = gl.load(brows_ptr + b)
+    if (b >= gl.load(nblk_ptr)) | (e < 0) | (nrows < 1):
         return
     # a step's 4 scale bytes of a row (t = 0..3) copied as one int32 (s_sn in int32 units), read back as bytes
     LS1: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
-    s_off = gl.arange(0, BN, layout=LS1) * s_sn
-    rows_w = gl.arange(0, BN, layout=gl.SliceLayout(1, gl.SliceLayout(2, LW)))
+    s_off = (nt * BN + gl.arange(0, BN, layout=LS1)) * s_sn
+    rows_w = nt * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, gl.SliceLayout(2, LW)))
     quads_w = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, LW)))
     words = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, LW)))
     w_off = gl.expand_dims(gl.expand_dims(rows_w * s_wn, 1) + gl.expand_dims(quads_w, 0) * 4, 2) + \
         gl.expand_dims(gl.expand_dims(words, 0), 1)
+    w_e = w_ptr + e * s_we
+    ws_e = ws_ptr + e * s_se
+    v_e = v_ptr + e * s_we
+    vs_e = vs_ptr + e * s_se
+    px = gl.where(rx < nrows, pairs, 0).to(gl.int64)  # padding rows: pair 0's row
+    x_ptrs = gl.expand_dims(a_ptr + (px // A_ROW_DIV) * s_am, 1) + \
+        gl.expand_dims(gl.arange(0, 32, layout=gl.SliceLayout(0, LX)), 0)
     LXS: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, 32], gl.bfloat16)
     x_bufs = (gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, 32], LXS),
               gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, 32], LXS),
@@ -220,77 +211,51 @@ def _wgmma_gemm_kernel(
         t_smem = s_smem
     w_bufs = (w_smem, v_smem)
     s_bufs = (s_smem, t_smem)
-    x0, x1, x2, x3 = x_bufs
+    acc = gl.zeros((BN, BM), gl.float32, MMA)
+    acc2 = gl.zeros((BN, BM), gl.float32, MMA)
     steps = K // BK
-    b, nt, nrows, x_ptrs, w_e, ws_e, v_e, vs_e = _tile(pid, n_tiles, a_ptr, w_ptr, ws_ptr, v_ptr, vs_ptr, sorted_ptr,
-                                                       bexp_ptr, brows_ptr, A_ROW_DIV, s_am, s_we, s_wn, s_se, s_sn,
-                                                       BM, BN, LX)
     for p in gl.static_range(STAGES - 1):  # past the end: the last step again, never used
         _copy_step(x_bufs, w_bufs, s_bufs, x_ptrs, w_e, ws_e, v_e, vs_e, w_off, s_off, gl.minimum(p, steps - 1), p,
                    BK, GATED)
     async_copy.wait_group(STAGES - 2)
     fence_async_shared()
     gl.thread_barrier()
-    g = 0  # K steps run so far (all tiles): step g's stage is g % STAGES
-    for t in range(pid, total, programs):
-        # the tile's first step's copies were waited for (the prologue, or the previous tile's last step); its words
-        # are read here, not carried over the previous tile's epilogue (registers)
-        w_c, s_c, v_c, t_c = _load_words(w_smem, s_smem, v_smem, t_smem, g % STAGES, BN, LW, LS, GATED)
+    w_c, s_c, v_c, t_c = _load_words(w_smem, s_smem, v_smem, t_smem, 0, BN, LW, LS, GATED)
+    wg0, wg1, wg2, wg3 = _chunks(w_c)
+    wv0, wv1, wv2, wv3 = _chunks(v_c)
+    sg = _scale_pairs(s_c, wg0)
+    sv = _scale_pairs(t_c, wv0)
+    a0, b0 = _decode(wg0, sg, wv0, sv, BN, LA, GATED)
+    x0, x1, x2, x3 = x_bufs
+    # Chunk c's A operands are decoded while chunks c - 2 and c - 1 run; then the wait for c - 2. Mid-step (chunks
+    # 0 and 1 waited for, so step i - 1 finished in every warp after the barrier) the next step's words are read
+    # and the copies of step i + STAGES - 1 start into the stage step i - 1 used; chunk 0 of step i + 1 is decoded
+    # at the end of step i.
+    for i in range(steps):
+        slot = i % STAGES
+        acc, acc2 = _issue(a0, b0, x0.index(slot), acc, acc2, GATED)
+        a1, b1 = _decode(wg1, sg, wv1, sv, BN, LA, GATED)
+        acc, acc2 = _wait_previous(acc, acc2, a0, b0, GATED)
+        acc, acc2 = _issue(a1, b1, x1.index(slot), acc, acc2, GATED)
+        a2, b2 = _decode(wg2, sg, wv2, sv, BN, LA, GATED)
+        acc, acc2 = _wait_previous(acc, acc2, a1, b1, GATED)
+        acc, acc2 = _issue(a2, b2, x2.index(slot), acc, acc2, GATED)
+        async_copy.wait_group(STAGES - 3)  # step i + 1's copies (this thread's) are in
+        fence_async_shared()
+        gl.thread_barrier()
+        w_c, s_c, v_c, t_c = _load_words(w_smem, s_smem, v_smem, t_smem, (i + 1) % STAGES, BN, LW, LS, GATED)
+        _copy_step(x_bufs, w_bufs, s_bufs, x_ptrs, w_e, ws_e, v_e, vs_e, w_off, s_off,
+                   gl.minimum(i + STAGES - 1, steps - 1), (i + STAGES - 1) % STAGES, BK, GATED)
+        a3, b3 = _decode(wg3, sg, wv3, sv, BN, LA, GATED)
+        acc, acc2 = _wait_previous(acc, acc2, a2, b2, GATED)
+        acc, acc2 = _issue(a3, b3, x3.index(slot), acc, acc2, GATED)
         wg0, wg1, wg2, wg3 = _chunks(w_c)
         wv0, wv1, wv2, wv3 = _chunks(v_c)
         sg = _scale_pairs(s_c, wg0)
         sv = _scale_pairs(t_c, wv0)
-        a0, b0 = _decode(wg0, sg, wv0, sv, BN, LA, GATED)
-        t_next = t + programs
-        t_next = gl.where(t_next < total, t_next, t)  # the last tile: its own steps again, never used
-        b_n, nt_n, nrows_n, x_ptrs_n, w_n, ws_n, v_n, vs_n = _tile(
-            t_next, n_tiles, a_ptr, w_ptr, ws_ptr, v_ptr, vs_ptr, sorted_ptr, bexp_ptr, brows_ptr, A_ROW_DIV, s_am,
-            s_we, s_wn, s_se, s_sn, BM, BN, LX)
-        acc = gl.zeros((BN, BM), gl.float32, MMA)
-        acc2 = gl.zeros((BN, BM), gl.float32, MMA)
-        # Chunk c's A operands are decoded while chunks c - 2 and c - 1 run; then the wait for c - 2. Mid-step
-        # (chunks 0 and 1 waited for, so step g - 1 finished in every warp after the barrier) the next step's
-        # words are read and the copies of step g + STAGES - 1 (of this tile or the next) start into the stage
-        # step g - 1 used; chunk 0 of step g + 1 is decoded at the end of step g.
-        for i in range(steps):
-            slot = (g + i) % STAGES
-            acc, acc2 = _issue(a0, b0, x0.index(slot), acc, acc2, GATED)
-            a1, b1 = _decode(wg1, sg, wv1, sv, BN, LA, GATED)
-            acc, acc2 = _wait_previous(acc, acc2, a0, b0, GATED)
-            acc, acc2 = _issue(a1, b1, x1.index(slot), acc, acc2, GATED)
-            a2, b2 = _decode(wg2, sg, wv2, sv, BN, LA, GATED)
-            acc, acc2 = _wait_previous(acc, acc2, a1, b1, GATED)
-            acc, acc2 = _issue(a2, b2, x2.index(slot), acc, acc2, GATED)
-            async_copy.wait_group(STAGES - 3)  # step g + i + 1's copies (this thread's) are in
-            fence_async_shared()
-            gl.thread_barrier()
-            w_c, s_c, v_c, t_c = _load_words(w_smem, s_smem, v_smem, t_smem, (slot + 1) % STAGES, BN, LW, LS, GATED)
-            ahead = i + STAGES - 1
-            nxt = ahead >= steps  # past the end: the next tile's first steps (where K is short, its last again)
-            _copy_step(x_bufs, w_bufs, s_bufs, gl.where(nxt, x_ptrs_n, x_ptrs), gl.where(nxt, w_n, w_e),
-                       gl.where(nxt, ws_n, ws_e), gl.where(nxt, v_n, v_e), gl.where(nxt, vs_n, vs_e), w_off, s_off,
-                       gl.where(nxt, gl.minimum(ahead - steps, steps - 1), ahead), (slot + STAGES - 1) % STAGES, BK,
-                       GATED)
-            a3, b3 = _decode(wg3, sg, wv3, sv, BN, LA, GATED)
-            acc, acc2 = _wait_previous(acc, acc2, a2, b2, GATED)
-            acc, acc2 = _issue(a3, b3, x3.index(slot), acc, acc2, GATED)
-            wg0, wg1, wg2, wg3 = _chunks(w_c)
-            wv0, wv1, wv2, wv3 = _chunks(v_c)
-            sg = _scale_pairs(s_c, wg0)
-            sv = _scale_pairs(t_c, wv0)
-            a0, b0 = _decode(wg0, sg, wv0, sv, BN, LA, GATED)  # the tile's last step: unused
-            acc, acc2 = _wait_previous(acc, acc2, a3, b3, GATED)
-        _epilogue(acc, acc2, out_ptr, sorted_ptr, b, nt, nrows, s_om, beta, linear_beta, GATED, ACT, LINEAR_TANH, BM,
-                  BN)
-        g += steps
-        b, nt, nrows, x_ptrs, w_e, ws_e, v_e, vs_e = b_n, nt_n, nrows_n, x_ptrs_n, w_n, ws_n, v_n, vs_n
+        a0, b0 = _decode(wg0, sg, wv0, sv, BN, LA, GATED)  # past the last step: unused
+        acc, acc2 = _wait_previous(acc, acc2, a3, b3, GATED)
     async_copy.wait_group(0)
-
-
-@gluon.jit
-def _epilogue(acc, acc2, out_ptr, sorted_ptr, b, nt, nrows, s_om, beta, linear_beta, GATED: gl.constexpr,
-              ACT: gl.constexpr, LINEAR_TANH: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr):
-    """A tile's output: the activation (GATED) and the store, 16 contiguous bytes a thread."""
     if GATED:
         acc, acc2 = warpgroup_mma_wait(0, deps=[acc, acc2])
         y = _activate(acc, acc2, beta, linear_beta, ACT, LINEAR_TANH, gl.bfloat16)
@@ -322,10 +287,7 @@ def wgmma_gemm(a, w, w_scale, v, v_scale, out, align, a_row_div: int, block_m: i
         v, v_scale = w, w_scale
     w, v = w.view(torch.int32), v.view(torch.int32)
     w_scale, v_scale = w_scale.view(torch.int32), v_scale.view(torch.int32)
-    tiles = bexp.numel() * triton.cdiv(n_out, BLOCK_N.value)
-    # a program's tiles run as one sequence of K steps, STAGES - 1 steps of copies ahead: with fewer steps a tile
-    # than that, each program runs one tile
-    grid = (tiles if k_in // BLOCK_K.value < stages - 1 else min(tiles, PROGRAMS_PER_SM * _sm_count(a.device)),)
+    grid = (bexp.numel() * triton.cdiv(n_out, BLOCK_N.value),)
     _wgmma_gemm_kernel[grid](
         a, w, w_scale, v, v_scale, out, sorted_pairs, bexp, brows, nblk,
         n_out, k_in, a_row_div, a.stride(0), w.stride(0), w.stride(1), w_scale.stride(0), w_scale.stride(1),
@@ -333,9 +295,4 @@ def wgmma_gemm(a, w, w_scale, v, v_scale, out, align, a_row_div: int, block_m: i
         GATED=gated, ACT=_ACT[act], LINEAR_TANH=linear_beta is not None, BM=block_m, STAGES=stages, num_warps=NUM_WARPS.value)
 
 
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-__all__ = ["BLOCK_K", "BLOCK_N", "PROGRAMS_PER_SM", "wgmma_gemm"]
+__all__ = ["BLOCK_K", "BLOCK_N", "wgmma_gemm"]
