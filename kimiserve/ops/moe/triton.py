@@ -55,7 +55,8 @@ Configs (`ops.moe.config`: `MoEConfig`, `default_config`): decode (few tokens) t
 column tiles, so that blocks x tiles programs each stream a slice of the weights (bytes-bound: the split is along
 the weight's output dim, no split-K, so the activation stays fused), and where they fit the Gluon fragment GEMMs of
 `ops.moe.gluon_decode` instead of the two Triton GEMMs below (MoEConfig.fragments); prefill takes BLOCK_M 64-128
-tiles for the tensor cores. benchmarks/moe_layer.py sweeps these on the GPU. GemmTiles.split_k > 1 (opt-in)
+tiles for the tensor cores, and where they fit `ops.moe.gluon_prefill`'s wgmma fragment GEMMs (MoEConfig.fragments
+with BLOCK_M 64 or 128). benchmarks/moe_layer.py sweeps these on the GPU. GemmTiles.split_k > 1 (opt-in)
 splits each (block, column tile) along K over that many programs into fp32 partials, reduced in a fixed order
 (`ops.moe.epilogue`: gate/up with the activation in one small kernel, down inside the combine).
 """
@@ -682,7 +683,7 @@ def fused_moe(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Ten
 def gate_up(x, w1, w1_scale, w3, w3_scale, act, align, config: MoEConfig, activation: str, beta: float,
             linear_beta: float | None):
     """fused_moe's gate/up stage: act [N k, I] (split-K: fp32 partials, then their reduce with the activation;
-    config.fragments: act's columns in `gluon_decode`'s MMA-k order, as its down GEMM reads them)."""
+    config.fragments: act's columns in `ops.moe.fragment_order`'s MMA-k order, as the down GEMM reads them)."""
     k = act.shape[0] // x.shape[0]
     split, inter = config.up.split_k, act.shape[1]
     if config.fragments and config.block_m > 16:
