@@ -68,7 +68,7 @@ from kimiserve.sampling_params import SamplingParams  # noqa: E402
 from kimiserve.utils.run_info import git_commit  # noqa: E402
 
 
-def use_decode_tile(spec: str | None, regime: str = "decode") -> None:
+def use_moe_config(spec: str | None, regime: str = "decode") -> None:
     """The fused MoE's config for one regime (bf16, MXFP4) from now on: "decode" (<= `DECODE_MAX_ROWS` routed rows
     per expert) or "prefill" (more): `spec` (a moe_layer.py variant) where its dequant matches the one the default
     picks for the experts' layout, else the default. Patches this process's `ops.moe.triton.default_config` (a
@@ -384,7 +384,7 @@ def main() -> int:
         from kimiserve.ops import backend
 
         if args.moe_decode_tiles:
-            use_decode_tile(tile)
+            use_moe_config(tile)
         ops = base_ops
         if layout is not None:
             ops = backend.shift_moe_layout(ops) if layout == "shift" else dataclasses.replace(ops, moe_layout="checkpoint")
@@ -405,7 +405,7 @@ def main() -> int:
     prefill_tiles = [x for x in args.moe_prefill_tiles.split(",") if x] or [None]
     for tile, tokens in itertools.product(prefill_tiles, prefills):
         if args.moe_prefill_tiles:
-            use_decode_tile(tile, "prefill")
+            use_moe_config(tile, "prefill")
         row = prefill_row(engine, tokens, matmul, args.prefill_warmups)
         if tile is not None:
             row["moe_prefill_tile"] = tile

@@ -181,16 +181,17 @@ def test_e2e_step_dry_run_writes_the_issue_rows(tmp_path):
     assert prefill["prompt_tokens"] == 100 and prefill["ttft_s"] > 0 and "matmul_fraction" in prefill
 
 
-def test_e2e_moe_decode_tile_patches_the_decode_regime_only_and_restores():
-    """e2e_step.py --moe-decode-tiles: a moe_layer.py SPEC replaces the fused MoE's config for the decode regime
-    (<= 8 rows per expert, bf16, MXFP4) when its dequant matches the layout's, nothing else; 'default' restores it.
+def test_e2e_moe_configs_patch_one_regime_and_restore():
+    """e2e_step.py --moe-decode-tiles / --moe-prefill-tiles: a moe_layer.py SPEC replaces the fused MoE's config for
+    the decode regime (<= 8 rows per expert, bf16, MXFP4) or the prefill regime when its dequant matches the
+    layout's, nothing else; 'default' restores that regime's.
     Needs Triton (the library module it patches), which the CPU set-up does not install."""
     import sys
     from pathlib import Path
 
     pytest.importorskip("triton")
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-    from e2e_step import use_decode_tile
+    from e2e_step import use_moe_config
 
     from kimiserve.ops.moe import triton as tt
 
@@ -198,17 +199,26 @@ def test_e2e_moe_decode_tile_patches_the_decode_regime_only_and_restores():
               ((1, torch.bfloat16, "shift"), (1, torch.bfloat16, "checkpoint"), (1024, torch.bfloat16, "shift"),
                (1, torch.float32, "shift"))]
     try:
-        use_decode_tile("shift-m16-n32-k64-w2-s2")
+        use_moe_config("shift-m16-n32-k64-w2-s2")
         tile = tt.default_config(1, 16, 896, torch.bfloat16, True, "shift")
         assert (tile.up.block_n, tile.up.block_k, tile.up.num_warps, tile.dequant) == (32, 64, 2, "shift")
         assert tt.default_config(1, 16, 896, torch.bfloat16, True, "checkpoint") == before[1]  # "lut": not shift
         assert tt.default_config(1024, 16, 896, torch.bfloat16, True, "shift") == before[2]  # 18 rows per expert
         assert tt.default_config(1, 16, 896, torch.float32, True, "shift") == before[3]
-        use_decode_tile("shift-m16-n16-k32-w1-s2")  # a second A/B side patches the original, not the patch
+        use_moe_config("shift-m16-n16-k32-w1-s2")  # a second A/B side patches the original, not the patch
         assert tt.default_config(1, 16, 896, torch.bfloat16, True, "shift").up.block_n == 16
+        use_moe_config("shift-m64-n64-k128-w4-s3-dn128", "prefill")  # --moe-prefill-tiles: the other regime
+        prefill = tt.default_config(1024, 16, 896, torch.bfloat16, True, "shift")
+        assert (prefill.block_m, prefill.down.block_n, prefill.fragments) == (64, 128, False)
+        assert tt.default_config(1, 16, 896, torch.bfloat16, True, "shift").up.block_n == 16  # decode kept
+        use_moe_config("default")  # the decode regime's default again, the prefill patch kept
+        assert tt.default_config(1, 16, 896, torch.bfloat16, True, "shift") == before[0]
+        assert tt.default_config(1024, 16, 896, torch.bfloat16, True, "shift").block_m == 64
     finally:
-        use_decode_tile("default")
+        use_moe_config("default")
+        use_moe_config("default", "prefill")
     assert tt.default_config(1, 16, 896, torch.bfloat16, True, "shift") == before[0]
+    assert tt.default_config(1024, 16, 896, torch.bfloat16, True, "shift") == before[2]
 
 
 def test_e2e_prefill_flops_count_lm_head_once_and_the_selected_latents():

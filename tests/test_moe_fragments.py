@@ -73,6 +73,20 @@ def test_fragment_shape_checks(h, inter, block_m, block_n, warps, block_k, fits)
         fragment_order(torch.zeros(2, 384), 256)
 
 
+def test_wgmma_stages_fit_the_shared_memory():
+    """The prefill kernels' stages: the exact shared memory of their sm_90 builds (a stage holds the token tile and
+    each weight tile's codes and scales: 135168 bytes for 4 stages of gate/up at block_m 64, 200704 for 4 at 128);
+    more than an sm_90 program may take is a ValueError's message that says to take fewer."""
+    def tiles(stages):
+        return GemmTiles(block_n=128, block_k=128, num_warps=8, num_stages=stages)
+
+    assert check_fragment_shapes(3584, 3072, 64, tiles(6), tiles(6)) is None
+    assert check_fragment_shapes(3584, 3072, 128, tiles(4), tiles(5)) is None
+    assert "fewer stages" in check_fragment_shapes(3584, 3072, 64, tiles(7), tiles(3))
+    assert "fewer stages" in check_fragment_shapes(3584, 3072, 128, tiles(5), tiles(4))
+    assert ">= 3 stages" in check_fragment_shapes(3584, 3072, 64, tiles(2), tiles(3))
+
+
 @pytest.mark.parametrize("gated", [True, False])
 def test_sm90_build_has_no_fragment_moves(gated):
     """The Gluon kernel's sm_90 build (Triton's ptxas, offline): the B operand's layout conversion is trivial

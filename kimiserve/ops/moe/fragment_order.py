@@ -15,6 +15,7 @@ import torch
 FRAGMENT_BLOCK_KS = (128, 256)  # K per step: 4 quad threads x 32 or 64 physical columns
 FRAGMENT_BLOCK_M = 16  # the decode kernels (mma.sync, `ops.moe.gluon_decode`)
 WGMMA_BLOCK_MS = (64, 128)  # the prefill kernels (wgmma, `ops.moe.gluon_prefill`): tokens per block = wgmma N
+WGMMA_SHARED_BYTES = 227 * 1024  # the most shared memory one program may take on sm_90
 
 
 def _check_block_k(K: int, block_k: int):
@@ -46,16 +47,21 @@ def from_fragment_order(x: torch.Tensor, block_k: int = 128) -> torch.Tensor:
 
 def check_fragment_shapes(h: int, inter: int, block_m: int, up, down) -> str | None:
     """Why the fragment GEMMs cannot run these expert dims and tiles (GemmTiles; None: they can). block_m 16: the
-    decode kernels; 64 or 128: the prefill (wgmma) kernels, 128 weight rows x 128-wide K steps on 8 warps, 3-6
-    stages."""
+    decode kernels; 64 or 128: the prefill (wgmma) kernels, 128 weight rows x 128-wide K steps on 8 warps, 3 or more
+    stages that fit the shared memory (gate/up: up to 6 at block_m 64, 4 at 128)."""
     if block_m in WGMMA_BLOCK_MS:
         if h % 128 or inter % 128:
             return f"the wgmma fragment GEMMs need expert dims that are multiples of 128, got {h} and {inter}"
-        for t in (up, down):
-            if (t.block_n, t.block_k, t.num_warps, t.split_k, t.swap) != (128, 128, 8, 1, False) \
-                    or not 3 <= t.num_stages <= 6:
-                return (f"block_m {block_m} (the wgmma fragment GEMMs) takes tiles of block_n 128, block_k 128, 8 warps, "
-                        f"3-6 stages, no split-K, no swap; got {t}")
+        for t, weight_tiles in ((up, 2), (down, 1)):
+            if (t.block_n, t.block_k, t.num_warps, t.split_k, t.swap) != (128, 128, 8, 1, False) or t.num_stages < 3:
+                return (f"block_m {block_m} (the wgmma fragment GEMMs) takes tiles of block_n 128, block_k 128, "
+                        f"8 warps, >= 3 stages, no split-K, no swap; got {t}")
+            # a stage: the token tile, each weight tile's codes and scales (the epilogue's [128, block_m] tile reuses
+            # the stages' memory)
+            smem = t.num_stages * (block_m * 256 + weight_tiles * (128 * 64 + 512))
+            if smem > WGMMA_SHARED_BYTES:
+                return (f"{t.num_stages} stages of block_m {block_m} need {smem // 1024} KB of shared memory "
+                        f"({WGMMA_SHARED_BYTES // 1024} KB a program on sm_90): take fewer stages")
         return None
     if block_m != FRAGMENT_BLOCK_M:
         return f"block_m must be {FRAGMENT_BLOCK_M} (decode) or one of {WGMMA_BLOCK_MS} (prefill), got {block_m}"
@@ -68,5 +74,5 @@ def check_fragment_shapes(h: int, inter: int, block_m: int, up, down) -> str | N
     return None
 
 
-__all__ = ["FRAGMENT_BLOCK_KS", "FRAGMENT_BLOCK_M", "WGMMA_BLOCK_MS", "check_fragment_shapes", "fragment_order", "from_fragment_order",
-           "mma_position"]
+__all__ = ["FRAGMENT_BLOCK_KS", "FRAGMENT_BLOCK_M", "WGMMA_BLOCK_MS", "WGMMA_SHARED_BYTES", "check_fragment_shapes",
+           "fragment_order", "from_fragment_order", "mma_position"]

@@ -8,12 +8,13 @@ are its A fragments, in the MMA-k order of `ops.moe.fragment_order` (the same or
 fragments: wgmma's register A and mma.sync's B hold the same K positions per thread), and the tokens' tile is the
 only operand in shared memory.
 
-The loop. A K step is 128 columns: per weight row, thread t of a quad loads 16 bytes of codes (4 words) and one
+The loop. A K step is 128 columns: per weight row, thread t of a quad holds 16 bytes of codes (4 words) and one
 ue8m0 scale. Word u of them is its A fragments of k16 steps 2u and 2u + 1 (a 32-column chunk of the MMA-k order),
-so a step runs as four chunks: decode chunk u (gate and up where gated) while the wgmmas of chunk u - 1 run
-(asynchronous wgmma, at most one chunk's wgmmas outstanding when the next decode starts). The token rows of the
-next step and its weight words are loaded during the current step; the token tiles rotate over three shared
-buffers (a buffer is rewritten two steps after its last read, one barrier a step).
+so a step runs as four chunks, and chunk c (gate and up where gated) is decoded while the wgmmas of chunks c - 2 and
+c - 1 run (asynchronous wgmma; three A operand sets in registers). Token rows, weight words and scales arrive by
+cp.async in STAGES shared stages, STAGES - 1 steps ahead; each thread copies exactly the words and scales it reads
+back, so one barrier a step (mid-step, for the token tiles) suffices, and a stage is rewritten only after every warp
+waited for the wgmmas that read it.
 
 Output. The gate/up kernel (GATED) rounds gate and up to bf16, applies the activation (`ops.moe.epilogue`) and
 stores the activation's columns in the MMA-k order of 128-wide steps, as the down kernel reads them; the down
@@ -22,7 +23,9 @@ through a layout conversion so that each thread stores 16 contiguous bytes.
 
 Scope: bf16 activations, MXFP4 weights in the shift layout, K and N multiples of 128, 8 warps. `ops.moe.triton`
 runs these when `MoEConfig.fragments` is set with block_m 64 or 128 (`ops.moe.config.default_config` sets it for
-prefill batches where they fit).
+prefill batches where they fit). On the H200 (BENCHMARKS.md, session 15): 1.3-1.6x the Triton prefill tiles at
+2048-32768 tokens; the K3.1 layer at 8192 tokens 37.7% of the measured bf16 matmul rate (the loop is latency-bound:
+two warps a scheduler, the tensor pipe ~40% busy).
 """
 
 from __future__ import annotations
@@ -292,7 +295,8 @@ def wgmma_gemm(a, w, w_scale, v, v_scale, out, align, a_row_div: int, block_m: i
         a, w, w_scale, v, v_scale, out, sorted_pairs, bexp, brows, nblk,
         n_out, k_in, a_row_div, a.stride(0), w.stride(0), w.stride(1), w_scale.stride(0), w_scale.stride(1),
         out.stride(0), float(beta), float(linear_beta or 1.0),
-        GATED=gated, ACT=_ACT[act], LINEAR_TANH=linear_beta is not None, BM=block_m, STAGES=stages, num_warps=NUM_WARPS.value)
+        GATED=gated, ACT=_ACT[act], LINEAR_TANH=linear_beta is not None, BM=block_m, STAGES=stages,
+        num_warps=NUM_WARPS.value)
 
 
 __all__ = ["BLOCK_K", "BLOCK_N", "wgmma_gemm"]
