@@ -72,9 +72,9 @@ def default_config(num_tokens: int, top_k: int, num_experts: int, dtype: torch.d
     preset's 16) 64 x 256 (the 128-row tile was 0.6% slower in its engine's decode steps at batch 1 and 8,
     session 13: half as many programs on a few experts); up to 24 (1024 tokens) 32-row blocks, 64 (gate/up) and
     128 (down) columns x 128 K, unswapped (7% under the swapped 32-row tile); above, in the shift layout with dims
-    that are multiples of 256, the Gluon wgmma fragment GEMMs (`ops.moe.gluon_prefill`): 64-row blocks (1.26-1.32x
+    that are multiples of 256, the Gluon wgmma fragment GEMMs (`ops.moe.gluon_prefill`): 64-row blocks (1.2-1.35x
     the Triton tile at 2048-8192 tokens, session 15), 128-row blocks from 256 rows per expert (the `small`
-    preset's prefill chunks: 1.5x); else 64-row blocks on 4 warps (9% under 128-row blocks on 8 at 8192 tokens:
+    preset's prefill chunks: 1.5-1.6x); else 64-row blocks on 4 warps (9% under 128-row blocks on 8 at 8192 tokens:
     ~146 rows per expert pad less). bf16 weights keep the swapped form for decode (not re-measured). The shift
     layout takes dequant "shift"."""
     if dtype != torch.bfloat16:  # fp32 (the CPU-sized models) and fp16: exact dequant, IEEE or fp16 dots

@@ -23,7 +23,7 @@ through a layout conversion so that each thread stores 16 contiguous bytes.
 
 Scope: bf16 activations, MXFP4 weights in the shift layout, K and N multiples of 128, 8 warps. `ops.moe.triton`
 runs these when `MoEConfig.fragments` is set with block_m 64 or 128 (`ops.moe.config.default_config` sets it for
-prefill batches where they fit). On the H200 (BENCHMARKS.md, session 15): 1.3-1.6x the Triton prefill tiles at
+prefill batches where they fit). On the H200 (BENCHMARKS.md, session 15): 1.2-1.6x the Triton prefill tiles at
 2048-32768 tokens; the K3.1 layer at 8192 tokens 37.7% of the measured bf16 matmul rate (the loop is latency-bound:
 two warps a scheduler, the tensor pipe ~40% busy).
 """
