@@ -4,6 +4,7 @@ tests/test_triton_moe.py (`test_fragment_gemms`, `test_wgmma_fragment_gemms`).""
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 
 import pytest
@@ -73,6 +74,58 @@ def test_fragment_shape_checks(h, inter, block_m, block_n, warps, block_k, fits)
         fragment_order(torch.zeros(2, 384), 256)
 
 
+def test_grouped_gemm_args_are_the_kernels_leading_arguments():
+    """`grouped_gemm_args`: the codes as int32 words (strides in words), the scales as bytes or int32, w standing in
+    for v in the down GEMM; in the order of both Gluon kernels' leading parameters (checked when Triton imports)."""
+    from kimiserve.ops.moe.fragment_order import grouped_gemm_args
+
+    E, N, K, rows = 3, 256, 384, 10
+    w = torch.zeros(E, N, K // 2, dtype=torch.uint8)
+    ws = torch.zeros(E, N, K // 32, dtype=torch.uint8)
+    a, out = torch.zeros(rows, K, dtype=torch.bfloat16), torch.zeros(rows, N, dtype=torch.bfloat16)
+    align = tuple(torch.zeros(n, dtype=torch.int32) for n in (64, 4, 4, 1))
+    args, gated = grouped_gemm_args(a, w, ws, None, None, out, align, 3, 4.0, None, int32_scales=True)
+    names = ["a_ptr", "w_ptr", "ws_ptr", "v_ptr", "vs_ptr", "out_ptr", "sorted_ptr", "bexp_ptr", "brows_ptr",
+             "nblk_ptr", "N_OUT", "K", "A_ROW_DIV", "s_am", "s_we", "s_wn", "s_se", "s_sn", "s_om", "beta",
+             "linear_beta"]
+    got = dict(zip(names, args, strict=True))
+    assert not gated and got["v_ptr"].data_ptr() == w.data_ptr() and got["vs_ptr"].data_ptr() == ws.data_ptr()
+    assert got["w_ptr"].dtype == torch.int32 and got["ws_ptr"].dtype == torch.int32
+    assert (got["N_OUT"], got["K"], got["A_ROW_DIV"], got["s_am"], got["s_om"]) == (N, K, 3, K, N)
+    assert (got["s_we"], got["s_wn"], got["s_se"], got["s_sn"]) == (N * K // 8, K // 8, N * K // 128, K // 128)
+    assert (got["beta"], got["linear_beta"]) == (4.0, 1.0)
+    args, gated = grouped_gemm_args(a, w, ws, w.clone(), ws.clone(), out, align, 1, 4.0, 25.0, int32_scales=False)
+    assert gated and args[2].dtype == torch.uint8 and args[17] == K // 32 and args[20] == 25.0
+    if importlib.util.find_spec("triton") is not None:
+        from kimiserve.ops.moe import gluon_decode, gluon_prefill
+
+        for kernel in (gluon_decode._fragment_gemm_kernel, gluon_prefill._wgmma_gemm_kernel):
+            assert kernel.arg_names[:len(names)] == names
+
+
+def _sm90_build(module: str, kernel: str, scale_type: str, consts: dict, num_warps: int, div16: list[str]):
+    """Kernel `kernel` of `kimiserve.ops.moe.<module>` built for sm_90 (Triton's ptxas, offline; skips without
+    Triton), asserted spill-free -> (its SASS, the opcodes of its K loop, benchmarks/moe_layer.py's loop_mix)."""
+    pytest.importorskip("triton")
+    import importlib
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    from moe_layer import _largest_loop, loop_mix
+    from sass_report import compile_sm90, resource_usage, sass_of
+
+    types = dict(a_ptr="*bf16", w_ptr="*i32", ws_ptr=scale_type, v_ptr="*i32", vs_ptr=scale_type, out_ptr="*bf16",
+                 sorted_ptr="*i32", bexp_ptr="*i32", brows_ptr="*i32", nblk_ptr="*i32", N_OUT="i32", K="i32",
+                 A_ROW_DIV="i32", s_am="i32", s_we="i64", s_wn="i32", s_se="i64", s_sn="i32", s_om="i32",
+                 beta="fp32", linear_beta="fp32")
+    fn = getattr(importlib.import_module(f"kimiserve.ops.moe.{module}"), kernel)
+    built = compile_sm90(fn, types, consts, dict(num_warps=num_warps), div16)
+    assert resource_usage(built)["stack"] == 0
+    sass = sass_of(built)
+    return sass, _largest_loop(sass), loop_mix
+
+
 def test_wgmma_stages_fit_the_shared_memory():
     """The prefill kernels' stages: the exact shared memory of their sm_90 builds (a stage holds the token tile and
     each weight tile's codes and scales: 135168 bytes for 4 stages of gate/up at block_m 64, 200704 for 4 at 128);
@@ -92,25 +145,9 @@ def test_sm90_build_has_no_fragment_moves(gated):
     """The Gluon kernel's sm_90 build (Triton's ptxas, offline): the B operand's layout conversion is trivial
     (the kernel asserts it), no spills, and the K loop has almost no register moves (Triton's own decode GEMM:
     0.89 a weight for gate/up) and two K steps of mma.sync per iteration."""
-    pytest.importorskip("triton")
-    import os
-    import sys
-
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
-    from moe_layer import _largest_loop, loop_mix
-    from sass_report import compile_sm90, resource_usage, sass_of
-
-    from kimiserve.ops.moe import gluon_decode
-
-    types = dict(a_ptr="*bf16", w_ptr="*i32", ws_ptr="*u8", v_ptr="*i32", vs_ptr="*u8", out_ptr="*bf16",
-                 sorted_ptr="*i32", bexp_ptr="*i32", brows_ptr="*i32", nblk_ptr="*i32", N_OUT="i32", K="i32",
-                 A_ROW_DIV="i32", s_am="i32", s_we="i64", s_wn="i32", s_se="i64", s_sn="i32", s_om="i32",
-                 beta="fp32", linear_beta="fp32")
     consts = dict(GATED=gated, ACT=1, LINEAR_TANH=True, BN=128, BK=128, OUT_BK=128, NUM_WARPS=4)
-    kernel = compile_sm90(gluon_decode._fragment_gemm_kernel, types, consts, dict(num_warps=4),
-                          ["K", "s_am", "s_we", "s_wn", "s_se", "s_sn", "s_om"])
-    assert resource_usage(kernel)["stack"] == 0
-    ops = _largest_loop(sass_of(kernel))
+    sass, ops, loop_mix = _sm90_build("gluon_decode", "_fragment_gemm_kernel", "*u8", consts, 4,
+                                      ["K", "s_am", "s_we", "s_wn", "s_se", "s_sn", "s_om"])
     weights = 2 * (2 if gated else 1) * 128 * 128 / 128  # per thread: two K steps of one or two weight tiles
     assert sum(op.startswith("HMMA.16816") for op in ops) == 2 * (2 if gated else 1) * 8 * 4
     assert loop_mix(ops)["moves"] / weights < 0.2
@@ -122,27 +159,11 @@ def test_sm90_build_of_the_wgmma_kernel(gated, block_m, stages):
     """The prefill kernel's sm_90 build (offline): its A operands' layout conversions are trivial (asserted in the
     kernel), no spills, eight wgmmas (k16) per weight tile and K step taking A from registers, and ptxas keeps
     them asynchronous: the loop's waits leave the last chunk's wgmmas in flight (a serialised build waits for 0)."""
-    pytest.importorskip("triton")
-    import os
     import re
-    import sys
 
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
-    from moe_layer import _largest_loop, loop_mix
-    from sass_report import compile_sm90, resource_usage, sass_of
-
-    from kimiserve.ops.moe import gluon_prefill
-
-    types = dict(a_ptr="*bf16", w_ptr="*i32", ws_ptr="*i32", v_ptr="*i32", vs_ptr="*i32", out_ptr="*bf16",
-                 sorted_ptr="*i32", bexp_ptr="*i32", brows_ptr="*i32", nblk_ptr="*i32", N_OUT="i32", K="i32",
-                 A_ROW_DIV="i32", s_am="i32", s_we="i64", s_wn="i32", s_se="i64", s_sn="i32", s_om="i32",
-                 beta="fp32", linear_beta="fp32")
     consts = dict(GATED=gated, ACT=1, LINEAR_TANH=True, BM=block_m, STAGES=stages)
-    kernel = compile_sm90(gluon_prefill._wgmma_gemm_kernel, types, consts, dict(num_warps=8),
-                          ["N_OUT", "K", "s_am", "s_we", "s_wn", "s_se", "s_sn", "s_om"])
-    assert resource_usage(kernel)["stack"] == 0
-    sass = sass_of(kernel)
-    ops = _largest_loop(sass)
+    sass, ops, loop_mix = _sm90_build("gluon_prefill", "_wgmma_gemm_kernel", "*i32", consts, 8,
+                                      ["N_OUT", "K", "s_am", "s_we", "s_wn", "s_se", "s_sn", "s_om"])
     tiles = 2 if gated else 1
     assert sum(op == f"HGMMA.64x{block_m}x16.F32.BF16" for op in ops) == 8 * tiles
     waits = re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, (0x[0-9a-f]+)", sass)

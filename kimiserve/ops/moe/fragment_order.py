@@ -45,6 +45,24 @@ def from_fragment_order(x: torch.Tensor, block_k: int = 128) -> torch.Tensor:
     return x.reshape(N, K // block_k, block_k // 16, 2, 4, 2).permute(0, 1, 4, 2, 3, 5).reshape(N, K)
 
 
+def grouped_gemm_args(a, w, w_scale, v, v_scale, out, align, a_row_div: int, beta: float,
+                      linear_beta: float | None, int32_scales: bool) -> tuple[tuple, bool]:
+    """The arguments both fragment kernel families take first (`a_ptr` .. `linear_beta`), and whether the GEMM is
+    gated (v given; else w stands in for v, unused): the codes as int32 words, the scales as int32 (4 bytes, one
+    128-wide step of a row) where int32_scales."""
+    sorted_pairs, bexp, brows, nblk = align
+    gated = v is not None
+    if not gated:
+        v, v_scale = w, w_scale
+    w, v = w.view(torch.int32), v.view(torch.int32)
+    if int32_scales:
+        w_scale, v_scale = w_scale.view(torch.int32), v_scale.view(torch.int32)
+    args = (a, w, w_scale, v, v_scale, out, sorted_pairs, bexp, brows, nblk, w.shape[1], a.shape[1], a_row_div,
+            a.stride(0), w.stride(0), w.stride(1), w_scale.stride(0), w_scale.stride(1), out.stride(0), float(beta),
+            float(linear_beta or 1.0))
+    return args, gated
+
+
 def check_fragment_shapes(h: int, inter: int, block_m: int, up, down) -> str | None:
     """Why the fragment GEMMs cannot run these expert dims and tiles (GemmTiles; None: they can). block_m 16: the
     decode kernels; 64 or 128: the prefill (wgmma) kernels, 128 weight rows x 128-wide K steps on 8 warps, 3 or more
@@ -75,4 +93,4 @@ def check_fragment_shapes(h: int, inter: int, block_m: int, up, down) -> str | N
 
 
 __all__ = ["FRAGMENT_BLOCK_KS", "FRAGMENT_BLOCK_M", "WGMMA_BLOCK_MS", "WGMMA_SHARED_BYTES", "check_fragment_shapes",
-           "fragment_order", "from_fragment_order", "mma_position"]
+           "fragment_order", "from_fragment_order", "grouped_gemm_args", "mma_position"]

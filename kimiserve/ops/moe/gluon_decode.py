@@ -31,14 +31,13 @@ module doc has the rest of the contract.
 
 from __future__ import annotations
 
-import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from kimiserve.ops.moe.epilogue import _activate
-from kimiserve.ops.moe.fragment_order import fragment_order
+from kimiserve.ops.moe.fragment_order import fragment_order, grouped_gemm_args
 from kimiserve.ops.moe.triton import _ACT, _LUT_CONSTRAINTS, _SHIFT_ASM_C
 
 
@@ -179,18 +178,10 @@ def fragment_gemm(a, w, w_scale, v, v_scale, out, align, a_row_div: int, tiles, 
     """One grouped GEMM (see the module doc): a [rows, K] bf16 in the MMA-k order of tiles.block_k; w, v uint8
     [E, N, K/2] in the shift layout with ue8m0 scales [E, N, K/32] (v None: the down GEMM); out [N k, N] bf16 (the
     gate/up GEMM: its columns in the MMA-k order of out_block_k, the down GEMM's step)."""
-    sorted_pairs, bexp, brows, nblk = align
-    n_out, k_in = w.shape[1], a.shape[1]
-    gated = v is not None
-    if not gated:
-        v, v_scale = w, w_scale
-    w, v = w.view(torch.int32), v.view(torch.int32)
-    grid = (bexp.numel() * triton.cdiv(n_out, tiles.block_n),)
+    args, gated = grouped_gemm_args(a, w, w_scale, v, v_scale, out, align, a_row_div, beta, linear_beta, False)
+    grid = (align[1].numel() * triton.cdiv(w.shape[1], tiles.block_n),)
     _fragment_gemm_kernel[grid](
-        a, w, w_scale, v, v_scale, out, sorted_pairs, bexp, brows, nblk,
-        n_out, k_in, a_row_div, a.stride(0), w.stride(0), w.stride(1), w_scale.stride(0), w_scale.stride(1),
-        out.stride(0), float(beta), float(linear_beta or 1.0),
-        GATED=gated, ACT=_ACT[act], LINEAR_TANH=linear_beta is not None, BN=tiles.block_n, BK=tiles.block_k,
+        *args, GATED=gated, ACT=_ACT[act], LINEAR_TANH=linear_beta is not None, BN=tiles.block_n, BK=tiles.block_k,
         OUT_BK=out_block_k, NUM_WARPS=tiles.num_warps, **compile_options(tiles))
 
 

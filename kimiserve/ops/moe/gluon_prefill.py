@@ -30,7 +30,6 @@ two warps a scheduler, the tensor pipe ~40% busy).
 
 from __future__ import annotations
 
-import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -38,6 +37,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
 from kimiserve.ops.moe.epilogue import _activate
+from kimiserve.ops.moe.fragment_order import grouped_gemm_args
 from kimiserve.ops.moe.triton import _ACT, _LUT_CONSTRAINTS, _SHIFT_ASM_C
 
 BLOCK_N = gl.constexpr(128)  # weight rows a program: two warpgroups of wgmma M = 64
@@ -283,19 +283,10 @@ def wgmma_gemm(a, w, w_scale, v, v_scale, out, align, a_row_div: int, block_m: i
     """One grouped GEMM (see the module doc): a [rows, K] bf16 in the MMA-k order of 128-wide steps; w, v uint8
     [E, N, K/2] in the shift layout with ue8m0 scales [E, N, K/32] (v None: the down GEMM); out [N k, N] bf16 (the
     gate/up GEMM: its columns in the MMA-k order of 128-wide steps)."""
-    sorted_pairs, bexp, brows, nblk = align
-    n_out, k_in = w.shape[1], a.shape[1]
-    gated = v is not None
-    if not gated:
-        v, v_scale = w, w_scale
-    w, v = w.view(torch.int32), v.view(torch.int32)
-    w_scale, v_scale = w_scale.view(torch.int32), v_scale.view(torch.int32)
-    grid = (bexp.numel() * triton.cdiv(n_out, BLOCK_N.value),)
+    args, gated = grouped_gemm_args(a, w, w_scale, v, v_scale, out, align, a_row_div, beta, linear_beta, True)
+    grid = (align[1].numel() * triton.cdiv(w.shape[1], BLOCK_N.value),)
     _wgmma_gemm_kernel[grid](
-        a, w, w_scale, v, v_scale, out, sorted_pairs, bexp, brows, nblk,
-        n_out, k_in, a_row_div, a.stride(0), w.stride(0), w.stride(1), w_scale.stride(0), w_scale.stride(1),
-        out.stride(0), float(beta), float(linear_beta or 1.0),
-        GATED=gated, ACT=_ACT[act], LINEAR_TANH=linear_beta is not None, BM=block_m, STAGES=stages,
+        *args, GATED=gated, ACT=_ACT[act], LINEAR_TANH=linear_beta is not None, BM=block_m, STAGES=stages,
         num_warps=NUM_WARPS.value)
 
 
