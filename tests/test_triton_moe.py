@@ -364,23 +364,26 @@ def test_fragment_config_errors(tt):
                      config=fragment_config(tt), mxfp4_layout="shift")
 
 
-def wgmma_config(tt, block_m: int = 64, stages: int = 4, down_stages: int | None = None):
+def wgmma_config(tt, block_m: int = 64, stages: int = 4, down_stages: int | None = None,
+                 down_block_m: int | None = None):
     up = tt.GemmTiles(block_n=128, block_k=128, num_warps=8, num_stages=stages)
     down = tt.GemmTiles(block_n=128, block_k=128, num_warps=8, num_stages=down_stages or stages)
-    return tt.MoEConfig(block_m=block_m, up=up, down=down, dequant="shift", fragments=True)
+    return tt.MoEConfig(block_m=block_m, up=up, down=down, dequant="shift", fragments=True, down_block_m=down_block_m)
 
 
-@pytest.mark.parametrize("block_m,stages,down_stages", [(64, 4, 4), (64, 3, 5), (128, 3, 4)])
-def test_wgmma_fragment_gemms(tt, block_m, stages, down_stages):
+@pytest.mark.parametrize("block_m,stages,down_stages,down_block_m",
+                         [(64, 4, 4, None), (64, 3, 5, None), (128, 3, 4, None), (128, 3, 3, 64)])
+def test_wgmma_fragment_gemms(tt, block_m, stages, down_stages, down_block_m):
     """The prefill fragment GEMMs (block_m 64 / 128, ops.moe.gluon_prefill: wgmma with the dequantised weights as
     the register A operand) against the reference. K of 1, 2, 3 and 5 steps (fewer steps than stages in flight:
     the clamped copies past the end), several column tiles; experts with no token, one token on its k experts,
-    an expert with 1.5-3 blocks of rows (every token on the same k), zipf; SiTU and SiLU; NaN-poisoned output and
-    workspace."""
-    cfg = wgmma_config(tt, block_m, stages, down_stages)
+    experts of 100 rows (at block_m 128: one block in the 128-token launch, none in the tail launch; two 64-row
+    down tiles of 64 and 36 rows) and of 190 rows (128 + a tail of 62 in the 64-token launch), zipf; SiTU and SiLU;
+    NaN-poisoned output and workspace (a row neither launch wrote stays NaN)."""
+    cfg = wgmma_config(tt, block_m, stages, down_stages, down_block_m)
     for h, inter in ((384, 256), (128, 640)):
         for N, routing, act in ((45, "subset", "situ"), (1, "random", "situ"), (190, "same", "silu"),
-                                (300, "zipf", "situ")):
+                                (100, "same", "situ"), (300, "zipf", "situ")):
             check_case(tt, N, h, inter, 9, 3, torch.bfloat16, True, act, routing, "cuda", cfg, seed=N)
 
 
@@ -401,6 +404,12 @@ def test_wgmma_fragment_config_errors(tt):
         tt.fused_moe(torch.randn(1, 256).bfloat16().cuda(), w["w1"], w["w2"], w["w3"], ids, weights,
                      w1_scale=w["w1_scale"], w2_scale=w["w2_scale"], w3_scale=w["w3_scale"], config=bad,
                      mxfp4_layout="shift")
+    for bad, match in ((wgmma_config(tt, 64, down_block_m=128), "dividing block_m"),
+                       (tt.MoEConfig(block_m=64, dequant="shift", down_block_m=64), "wgmma fragment GEMMs")):
+        with pytest.raises(ValueError, match=match):
+            tt.fused_moe(torch.randn(1, 256).bfloat16().cuda(), w["w1"], w["w2"], w["w3"], ids, weights,
+                         w1_scale=w["w1_scale"], w2_scale=w["w2_scale"], w3_scale=w["w3_scale"], config=bad,
+                         mxfp4_layout="shift")
 
 
 def dequant_bytes(first_scale: int, device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -47,7 +47,9 @@ class MoEConfig:
     dequantised weights are register fragments of the MMA (CUDA, bf16, the shift layout; the activation between
     them kept in `ops.moe.fragment_order`'s MMA-k order): with block_m 16 `ops.moe.gluon_decode`'s (mma.sync,
     block_k 128 or 256, num_stages not used), with block_m 64 or 128 `ops.moe.gluon_prefill`'s (wgmma, tiles of
-    128 x 128 on 8 warps, num_stages shared-memory stages)."""
+    128 x 128 on 8 warps, num_stages shared-memory stages; at block_m 128 the gate/up GEMM runs blocks of at most
+    64 rows, each expert's tail, as 64-token tiles in a second launch); down_block_m: the down GEMM's tile rows
+    where smaller than block_m (the wgmma kernels: 64 under 128-row blocks; None: block_m)."""
 
     block_m: int = 16
     up: GemmTiles = field(default_factory=GemmTiles)
@@ -55,6 +57,12 @@ class MoEConfig:
     dequant: str = "exact"
     combine_block: int = 512
     fragments: bool = False
+    down_block_m: int | None = None
+
+    @property
+    def down_tile_m(self) -> int:
+        """The down GEMM's tile rows."""
+        return self.down_block_m or self.block_m
 
 
 def default_config(num_tokens: int, top_k: int, num_experts: int, dtype: torch.dtype, mxfp4: bool,

@@ -156,9 +156,12 @@ def _wgmma_gemm_kernel(
     a_ptr, w_ptr, ws_ptr, v_ptr, vs_ptr, out_ptr, sorted_ptr, bexp_ptr, brows_ptr, nblk_ptr,
     N_OUT, K, A_ROW_DIV, s_am, s_we, s_wn, s_se, s_sn, s_om, beta, linear_beta,
     GATED: gl.constexpr, ACT: gl.constexpr, LINEAR_TANH: gl.constexpr, BM: gl.constexpr, STAGES: gl.constexpr,
+    ALIGN_M: gl.constexpr, SUBS: gl.constexpr, MIN_ROWS: gl.constexpr, MAX_ROWS: gl.constexpr,
 ):
-    """One (block of BM pairs, 128 output columns): out[pair, cols] = act(A W^T, A V^T) (GATED, stored at the
-    columns' MMA-k positions of 128-wide steps) or A W^T, rounded to bf16. A is read in MMA-k order."""
+    """One (BM rows of an align block of ALIGN_M pairs, 128 output columns): out[pair, cols] = act(A W^T, A V^T)
+    (GATED, stored at the columns' MMA-k positions of 128-wide steps) or A W^T, rounded to bf16. A is read in MMA-k
+    order. Program block bs // n_tiles covers rows sub BM .. sub BM + BM of align block b (b, sub = divmod by SUBS)
+    and runs only where that block has MIN_ROWS .. MAX_ROWS real rows (the launches of `wgmma_gemm`'s row range)."""
     BN: gl.constexpr = BLOCK_N
     BK: gl.constexpr = BLOCK_K
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
@@ -170,17 +173,20 @@ def _wgmma_gemm_kernel(
     LS: gl.constexpr = gl.BlockedLayout([1, 1], [8, 4], [NUM_WARPS, 1], [1, 0])
     pid = gl.program_id(0)
     n_tiles = gl.cdiv(N_OUT, BN)
-    b = pid // n_tiles
+    bs = pid // n_tiles
     nt = pid % n_tiles
+    b = bs // SUBS
+    row0 = b * ALIGN_M + (bs % SUBS) * BM  # the tile's first row of sorted_ptr
     # the block's expert and rows loaded together with the block count (entries past it are undefined, in bounds,
     # and unused; a used block has e >= 0 and nrows >= 1, and testing them keeps the loads above the exit): two
     # global round trips before the first copies instead of three
     LX: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [NUM_WARPS, 1], [1, 0])  # a [BM, 32] token chunk
     rx = gl.arange(0, BM, layout=gl.SliceLayout(1, LX))
-    pairs = gl.load(sorted_ptr + b * BM + rx)
+    pairs = gl.load(sorted_ptr + row0 + rx)
     e = gl.load(bexp_ptr + b).to(gl.int64)
-    nrows = gl.load(brows_ptr + b)
-    if (b >= gl.load(nblk_ptr)) | (e < 0) | (nrows < 1):
+    block_rows = gl.load(brows_ptr + b)
+    nrows = gl.minimum(block_rows - (bs % SUBS) * BM, BM)
+    if (b >= gl.load(nblk_ptr)) | (e < 0) | (nrows < 1) | (block_rows < MIN_ROWS) | (block_rows > MAX_ROWS):
         return
     # a step's 4 scale bytes of a row (t = 0..3) copied as one int32 (s_sn in int32 units), read back as bytes
     LS1: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
@@ -272,22 +278,43 @@ def _wgmma_gemm_kernel(
     LO: gl.constexpr = gl.BlockedLayout([8, 1], [16, 2], [1, NUM_WARPS], [0, 1])  # 8 columns of a pair a thread
     y = gl.convert_layout(y.to(gl.bfloat16), LO)
     co = gl.arange(0, BM, layout=gl.SliceLayout(0, LO))
-    pc = gl.load(sorted_ptr + b * BM + co, mask=co < nrows, other=0).to(gl.int64)
+    pc = gl.load(sorted_ptr + row0 + co, mask=co < nrows, other=0).to(gl.int64)
     cols = nt * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, LO))
     ptrs = out_ptr + gl.expand_dims(pc * s_om, 0) + gl.expand_dims(cols, 1)
     gl.store(ptrs, y, mask=gl.expand_dims(co < nrows, 0))
 
 
 def wgmma_gemm(a, w, w_scale, v, v_scale, out, align, a_row_div: int, block_m: int, act: str, beta: float,
-               linear_beta: float | None, stages: int = 4):
+               linear_beta: float | None, stages: int = 4, align_m: int | None = None,
+               rows: tuple[int, int] | None = None):
     """One grouped GEMM (see the module doc): a [rows, K] bf16 in the MMA-k order of 128-wide steps; w, v uint8
     [E, N, K/2] in the shift layout with ue8m0 scales [E, N, K/32] (v None: the down GEMM); out [N k, N] bf16 (the
-    gate/up GEMM: its columns in the MMA-k order of 128-wide steps)."""
+    gate/up GEMM: its columns in the MMA-k order of 128-wide steps).
+
+    align: `ops.moe.triton.align_blocks` at align_m rows a block (None: block_m), a multiple of the block_m rows of
+    a tile; rows (lo, hi): this launch takes only the align blocks of lo..hi real rows (None: all), so that blocks
+    of up to half a tile can run in a second launch of smaller tiles (`wgmma_gate_up_tails`)."""
+    align_m = align_m or block_m
+    lo, hi = rows or (1, align_m)
+    if align_m % block_m or not 1 <= lo <= hi <= align_m:
+        raise ValueError(f"the align blocks' {align_m} rows must be a multiple of the tile's {block_m}, and the row "
+                         f"range 1 <= {lo} <= {hi} <= {align_m}")
     args, gated = grouped_gemm_args(a, w, w_scale, v, v_scale, out, align, a_row_div, beta, linear_beta, True)
-    grid = (align[1].numel() * triton.cdiv(w.shape[1], BLOCK_N.value),)
+    subs = triton.cdiv(hi, block_m)  # tiles an align block of at most hi rows needs
+    grid = (align[1].numel() * subs * triton.cdiv(w.shape[1], BLOCK_N.value),)
     _wgmma_gemm_kernel[grid](
         *args, GATED=gated, ACT=_ACT[act], LINEAR_TANH=linear_beta is not None, BM=block_m, STAGES=stages,
-        num_warps=NUM_WARPS.value)
+        ALIGN_M=align_m, SUBS=subs, MIN_ROWS=lo, MAX_ROWS=hi, num_warps=NUM_WARPS.value)
 
 
-__all__ = ["BLOCK_K", "BLOCK_N", "wgmma_gemm"]
+def wgmma_gate_up_tails(a, w, w_scale, v, v_scale, out, align, a_row_div: int, act: str, beta: float,
+                        linear_beta: float | None, stages: int = 3, tail_stages: int = 4):
+    """The gate/up GEMM on 128-row align blocks: blocks of more than 64 rows as 128-token tiles, the rest (each
+    expert's last block where it holds at most 64 rows) as 64-token tiles in a second launch. A 128-token tile costs
+    ~1.5x a 64-token one for twice the tokens, and a tail of at most 64 rows would pad the 128-token tile by half."""
+    common = (a, w, w_scale, v, v_scale, out, align, a_row_div)
+    wgmma_gemm(*common, 128, act, beta, linear_beta, stages, align_m=128, rows=(65, 128))
+    wgmma_gemm(*common, 64, act, beta, linear_beta, tail_stages, align_m=128, rows=(1, 64))
+
+
+__all__ = ["BLOCK_K", "BLOCK_N", "wgmma_gate_up_tails", "wgmma_gemm"]

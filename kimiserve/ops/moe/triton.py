@@ -629,12 +629,15 @@ def _check(x, w1, w2, w3, w1_scale, w2_scale, w3_scale, ids, weights, config: Mo
             raise ValueError(f"split_k must be 1..16, got {tiles.split_k}")
         if tiles.max_registers is not None and not 24 <= tiles.max_registers <= 255:
             raise ValueError(f"max_registers must be None or 24..255, got {tiles.max_registers}")
+    if config.down_block_m is not None and not (config.fragments and config.block_m > 16):
+        raise ValueError("MoEConfig.down_block_m is for the wgmma fragment GEMMs (fragments with block_m 64 or 128); "
+                         f"leave it None with block_m {config.block_m}, fragments {config.fragments}")
     if config.fragments:
         if not (mxfp4 and config.dequant == "shift" and x.dtype == torch.bfloat16 and x.is_cuda):
             raise ValueError("MoEConfig.fragments runs bf16 activations on CUDA against MXFP4 experts in the shift "
                              f"layout (dequant 'shift'); got {x.dtype} on {x.device.type}, dequant {config.dequant!r}")
         from kimiserve.ops.moe.fragment_order import check_fragment_shapes
-        why = check_fragment_shapes(h, inter, config.block_m, config.up, config.down)
+        why = check_fragment_shapes(h, inter, config.block_m, config.up, config.down, config.down_block_m)
         if why:
             raise ValueError(f"MoEConfig.fragments: {why}")
 
@@ -689,8 +692,11 @@ def gate_up(x, w1, w1_scale, w3, w3_scale, act, align, config: MoEConfig, activa
     if config.fragments and config.block_m > 16:
         from kimiserve.ops.moe import gluon_prefill
         from kimiserve.ops.moe.fragment_order import fragment_order
-        gluon_prefill.wgmma_gemm(fragment_order(x, 128), w1, w1_scale, w3, w3_scale, act, align, k, config.block_m,
-                                 activation, beta, linear_beta, config.up.num_stages)
+        args = (fragment_order(x, 128), w1, w1_scale, w3, w3_scale, act, align, k)
+        if config.block_m == 128:
+            gluon_prefill.wgmma_gate_up_tails(*args, activation, beta, linear_beta, config.up.num_stages)
+        else:
+            gluon_prefill.wgmma_gemm(*args, config.block_m, activation, beta, linear_beta, config.up.num_stages)
         return
     if config.fragments:
         from kimiserve.ops.moe import gluon_decode
@@ -715,8 +721,8 @@ def down_gemm(act, w2, w2_scale, y, align, config: MoEConfig):
     """fused_moe's down GEMM alone: y [N k, h] (split-K: fp32 partials [S, N k, h]), unweighted."""
     if config.fragments and config.block_m > 16:
         from kimiserve.ops.moe import gluon_prefill
-        gluon_prefill.wgmma_gemm(act, w2, w2_scale, None, None, y, align, 1, config.block_m, "silu", 1.0, None,
-                                 config.down.num_stages)
+        gluon_prefill.wgmma_gemm(act, w2, w2_scale, None, None, y, align, 1, config.down_tile_m, "silu", 1.0, None,
+                                 config.down.num_stages, align_m=config.block_m)
     elif config.fragments:
         from kimiserve.ops.moe import gluon_decode
         gluon_decode.fragment_gemm(act, w2, w2_scale, None, None, y, align, 1, config.down, "silu", 1.0, None)
