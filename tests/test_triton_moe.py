@@ -333,12 +333,13 @@ def test_default_config_takes_fragments(tt):
 
 def test_default_config_takes_wgmma_fragments(tt):
     """Above 24 rows per expert the default is the prefill fragment GEMMs where they fit (shift layout, bf16, dims
-    multiples of 256, the measured shapes): 64-row blocks, 128-row blocks from 256 rows per expert."""
+    multiples of 256, the measured shapes): 128-row blocks whose gate/up runs tails of <= 64 rows as 64-token
+    tiles, the down GEMM on 64-row tiles below 256 rows per expert and on 128-row tiles from there."""
     bf16 = torch.bfloat16
     cfg = tt.default_config(8192, 16, 896, bf16, True, "shift", dims=(3584, 3072))
-    assert cfg.fragments and (cfg.block_m, cfg.up.num_stages, cfg.down.num_stages) == (64, 4, 3)
+    assert cfg.fragments and (cfg.block_m, cfg.down_tile_m, cfg.up.num_stages, cfg.down.num_stages) == (128, 64, 3, 3)
     cfg = tt.default_config(8192, 4, 16, bf16, True, "shift", dims=(3584, 3072))
-    assert cfg.fragments and (cfg.block_m, cfg.up.num_stages, cfg.down.num_stages) == (128, 3, 4)
+    assert cfg.fragments and (cfg.block_m, cfg.down_tile_m, cfg.up.num_stages, cfg.down.num_stages) == (128, 128, 3, 4)
     assert tt.default_config(2048, 16, 896, bf16, True, "shift", dims=(512, 768)).fragments
     assert not tt.default_config(2048, 16, 896, bf16, True, "shift", dims=(384, 640)).fragments
     assert not tt.default_config(512, 2, 16, bf16, True, "shift", dims=(128, 128)).fragments  # kimi-demo
@@ -534,13 +535,15 @@ def test_k31_shape_fragments(tt, k31_experts, k31_shift, N, block_n, block_k):
     assert torch.isfinite(runs[0]).all() and err < 1e-2 and torch.equal(runs[0], runs[1])
 
 
-@pytest.mark.parametrize("N,block_m", [(1024, 64), (4096, 64), (4096, 128)])
-def test_k31_shape_wgmma_fragments(tt, k31_experts, k31_shift, N, block_m):
-    """The prefill fragment GEMMs at the K3.1 shape, random routing; two runs bitwise equal."""
+@pytest.mark.parametrize("N,block_m,down_block_m", [(1024, 64, None), (4096, 64, None), (4096, 128, None),
+                                                    (4096, 128, 64)])
+def test_k31_shape_wgmma_fragments(tt, k31_experts, k31_shift, N, block_m, down_block_m):
+    """The prefill fragment GEMMs at the K3.1 shape, random routing (at 4096 tokens ~73 rows an expert: 128-row
+    blocks of 65-127 rows and tails of at most 64 in the second gate/up launch); two runs bitwise equal."""
     w = k31_shift
     x, ids, weights = _k31_inputs(N, "random", 5 + N)
     want = reference(x, k31_experts, ids, weights, "situ")
-    cfg = wgmma_config(tt, block_m, 4 if block_m == 64 else 3, 4)
+    cfg = wgmma_config(tt, block_m, 4 if block_m == 64 else 3, 4 if down_block_m is None else 3, down_block_m)
     runs = [tt.fused_moe(x, w["w1"], w["w2"], w["w3"], ids, weights, w1_scale=w["w1_scale"], w2_scale=w["w2_scale"],
                          w3_scale=w["w3_scale"], config=cfg, mxfp4_layout="shift") for _ in range(2)]
     err = rel_rms(runs[0], want)

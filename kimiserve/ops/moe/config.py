@@ -80,9 +80,11 @@ def default_config(num_tokens: int, top_k: int, num_experts: int, dtype: torch.d
     preset's 16) 64 x 256 (the 128-row tile was 0.6% slower in its engine's decode steps at batch 1 and 8,
     session 13: half as many programs on a few experts); up to 24 (1024 tokens) 32-row blocks, 64 (gate/up) and
     128 (down) columns x 128 K, unswapped (7% under the swapped 32-row tile); above, in the shift layout with dims
-    that are multiples of 256, the Gluon wgmma fragment GEMMs (`ops.moe.gluon_prefill`): 64-row blocks (1.2-1.35x
-    the Triton tile at 2048-8192 tokens, session 15), 128-row blocks from 256 rows per expert (the `small`
-    preset's prefill chunks: 1.5-1.6x); else 64-row blocks on 4 warps (9% under 128-row blocks on 8 at 8192 tokens:
+    that are multiples of 256, the Gluon wgmma fragment GEMMs (`ops.moe.gluon_prefill`) on 128-row blocks, whose
+    gate/up runs each expert's tail of at most 64 rows as 64-token tiles: below 256 rows per expert the down GEMM on
+    64-row tiles (K3.1 at 8192 tokens: gate/up 9% under 64-row blocks, the layer 5%, session 16; 64-row blocks were
+    1.2-1.35x the Triton tile at 2048-8192 tokens, session 15), from 256 on 128-row tiles (the `small` preset's
+    prefill chunks: 1.5-1.6x the Triton tile); else 64-row blocks on 4 warps (9% under 128-row blocks on 8 at 8192 tokens:
     ~146 rows per expert pad less). bf16 weights keep the swapped form for decode (not re-measured). The shift
     layout takes dequant "shift"."""
     if dtype != torch.bfloat16:  # fp32 (the CPU-sized models) and fp16: exact dequant, IEEE or fp16 dots
@@ -100,13 +102,11 @@ def default_config(num_tokens: int, top_k: int, num_experts: int, dtype: torch.d
         tiles = GemmTiles(block_n=64, block_k=256 if mxfp4 else 128, num_warps=4, num_stages=3, swap=not mxfp4)
         return MoEConfig(block_m=16, up=tiles, down=tiles, dequant=dequant)
     if mean_rows > 24 and dequant == "shift" and dims is not None and _wgmma_fragments_fit(*dims):
+        up = GemmTiles(block_n=128, block_k=128, num_warps=8, num_stages=3)
         if mean_rows >= 256:  # few experts (the `small` preset): 128-token blocks pad <= 1/3
-            up = GemmTiles(block_n=128, block_k=128, num_warps=8, num_stages=3)
             return MoEConfig(block_m=128, up=up, down=dataclasses.replace(up, num_stages=4), dequant=dequant,
                              fragments=True)
-        up = GemmTiles(block_n=128, block_k=128, num_warps=8, num_stages=4)
-        return MoEConfig(block_m=64, up=up, down=dataclasses.replace(up, num_stages=3), dequant=dequant,
-                         fragments=True)
+        return MoEConfig(block_m=128, up=up, down=up, dequant=dequant, fragments=True, down_block_m=64)
     if mean_rows <= 24 and not mxfp4:  # still one weight tile per block: the swapped form, wgmma N = 32
         tiles = GemmTiles(block_n=64, block_k=128, num_warps=4, num_stages=3, swap=True)
         return MoEConfig(block_m=32, up=tiles, down=tiles, dequant=dequant)
