@@ -392,7 +392,8 @@ def sass_report(specs: list[str], h: int, inter: int) -> int:
                 from kimiserve.ops.moe import gluon_prefill
                 fn, options = gluon_prefill._wgmma_gemm_kernel, dict(num_warps=8)
                 bm = cfg.block_m if gated else cfg.down_tile_m  # gate/up at 128: the 128-row launch (tails: 64)
-                consts = dict(GATED=gated, ACT=1, LINEAR_TANH=True, BM=bm, STAGES=tiles.num_stages,
+                consts = dict(GATED=gated, PAIRED=not gated and gluon_prefill.paired_down(h), ACT=1,
+                              LINEAR_TANH=True, BM=bm, STAGES=tiles.num_stages,
                               ALIGN_M=cfg.block_m, SUBS=cfg.block_m // bm, MIN_ROWS=1, MAX_ROWS=cfg.block_m)
                 types.update(s_we="i64", s_se="i64", w_ptr="*i32", ws_ptr="*i32", v_ptr="*i32", vs_ptr="*i32")
             elif cfg.fragments:
@@ -415,7 +416,8 @@ def sass_report(specs: list[str], h: int, inter: int) -> int:
             sass = sass_of(kernel)
             ops = _largest_loop(sass)
             mix = loop_mix(ops)
-            weights = (2 if gated else 1) * tiles.block_n * tiles.block_k / (32 * tiles.num_warps)
+            paired = cfg.fragments and cfg.block_m > 16 and not gated and h % 256 == 0  # gluon_prefill.paired_down
+            weights = (2 if gated or paired else 1) * tiles.block_n * tiles.block_k / (32 * tiles.num_warps)
             weights *= 2 if cfg.fragments and cfg.block_m == 16 else 1  # the decode fragment kernel's loop: 2 steps
             mma = ",".join(sorted(op for op in instruction_mix(sass) if "MMA" in op))
             print(f"{spec:<40} {name:<5} {m.group(1):>4} {m.group(2):>5} {kernel.metadata.shared / 1024:8.1f} "

@@ -134,7 +134,10 @@ def test_wgmma_stages_fit_the_shared_memory():
         return GemmTiles(block_n=128, block_k=128, num_warps=8, num_stages=stages)
 
     assert check_fragment_shapes(3584, 3072, 64, tiles(6), tiles(6)) is None
-    assert check_fragment_shapes(3584, 3072, 128, tiles(4), tiles(5)) is None
+    assert check_fragment_shapes(3584, 3072, 128, tiles(4), tiles(4)) is None
+    # the down GEMM runs two weight tiles a program where h is a multiple of 256, one where it is not
+    assert "fewer stages" in check_fragment_shapes(3584, 3072, 128, tiles(3), tiles(5))
+    assert check_fragment_shapes(3456, 3072, 128, tiles(3), tiles(5)) is None
     assert "fewer stages" in check_fragment_shapes(3584, 3072, 64, tiles(7), tiles(3))
     assert "fewer stages" in check_fragment_shapes(3584, 3072, 128, tiles(5), tiles(4))
     assert ">= 3 stages" in check_fragment_shapes(3584, 3072, 64, tiles(2), tiles(3))
@@ -159,18 +162,21 @@ def test_sm90_build_has_no_fragment_moves(gated):
     assert len(ops) / weights < 3.2
 
 
-@pytest.mark.parametrize("gated,block_m,stages", [(True, 64, 4), (False, 64, 4), (True, 128, 3)])
-def test_sm90_build_of_the_wgmma_kernel(gated, block_m, stages):
+@pytest.mark.parametrize("gated,paired,block_m,stages", [(True, False, 64, 4), (False, False, 64, 4),
+                                                         (False, True, 64, 4), (True, False, 128, 3),
+                                                         (False, True, 128, 3)])
+def test_sm90_build_of_the_wgmma_kernel(gated, paired, block_m, stages):
     """The prefill kernel's sm_90 build (offline): its A operands' layout conversions are trivial (asserted in the
-    kernel), no spills, eight wgmmas (k16) per weight tile and K step taking A from registers, and ptxas keeps
-    them asynchronous: the loop's waits leave the last chunk's wgmmas in flight (a serialised build waits for 0)."""
+    kernel), no spills, eight wgmmas (k16) per weight tile and K step taking A from registers (two tiles: gate/up,
+    or the down GEMM's two 128-row tiles where paired), and ptxas keeps them asynchronous: the loop's waits leave
+    the last chunk's wgmmas in flight (a serialised build waits for 0)."""
     import re
 
-    consts = dict(GATED=gated, ACT=1, LINEAR_TANH=True, BM=block_m, STAGES=stages, ALIGN_M=128,
+    consts = dict(GATED=gated, PAIRED=paired, ACT=1, LINEAR_TANH=True, BM=block_m, STAGES=stages, ALIGN_M=128,
                   SUBS=128 // block_m, MIN_ROWS=1, MAX_ROWS=128)
     sass, ops, loop_mix = _sm90_build("gluon_prefill", "_wgmma_gemm_kernel", "*i32", consts, 8,
                                       ["N_OUT", "K", "s_am", "s_we", "s_wn", "s_se", "s_sn", "s_om"])
-    tiles = 2 if gated else 1
+    tiles = 2 if gated or paired else 1
     assert sum(op == f"HGMMA.64x{block_m}x16.F32.BF16" for op in ops) == 8 * tiles
     waits = re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, (0x[0-9a-f]+)", sass)
     assert waits.count(hex(tiles)) == 4 and waits.count("0x0") == 1, waits  # in the loop, then the epilogue's

@@ -380,9 +380,10 @@ def test_wgmma_fragment_gemms(tt, block_m, stages, down_stages, down_block_m):
     the clamped copies past the end), several column tiles; experts with no token, one token on its k experts,
     experts of 100 rows (at block_m 128: one block in the 128-token launch, none in the tail launch; two 64-row
     down tiles of 64 and 36 rows) and of 190 rows (128 + a tail of 62 in the 64-token launch), zipf; SiTU and SiLU;
-    NaN-poisoned output and workspace (a row neither launch wrote stays NaN)."""
+    NaN-poisoned output and workspace (a row neither launch wrote stays NaN). h = 512: the down GEMM's programs
+    take two 128-row weight tiles (gluon_prefill.paired_down); 384 and 128: one."""
     cfg = wgmma_config(tt, block_m, stages, down_stages, down_block_m)
-    for h, inter in ((384, 256), (128, 640)):
+    for h, inter in ((384, 256), (512, 384), (128, 640)):
         for N, routing, act in ((45, "subset", "situ"), (1, "random", "situ"), (190, "same", "silu"),
                                 (100, "same", "situ"), (300, "zipf", "situ")):
             check_case(tt, N, h, inter, 9, 3, torch.bfloat16, True, act, routing, "cuda", cfg, seed=N)

@@ -75,7 +75,8 @@ def check_fragment_shapes(h: int, inter: int, block_m: int, up, down, down_block
     if block_m in WGMMA_BLOCK_MS:
         if h % 128 or inter % 128:
             return f"the wgmma fragment GEMMs need expert dims that are multiples of 128, got {h} and {inter}"
-        for t, weight_tiles, tile_m in ((up, 2, block_m), (down, 1, down_m)):
+        # the down GEMM: two weight tiles a program where its N (h) is a multiple of 256 (gluon_prefill.paired_down)
+        for t, weight_tiles, tile_m in ((up, 2, block_m), (down, 2 if h % 256 == 0 else 1, down_m)):
             if (t.block_n, t.block_k, t.num_warps, t.split_k, t.swap) != (128, 128, 8, 1, False) or t.num_stages < 3:
                 return (f"block_m {block_m} (the wgmma fragment GEMMs) takes tiles of block_n 128, block_k 128, "
                         f"8 warps, >= 3 stages, no split-K, no swap; got {t}")

@@ -86,10 +86,10 @@ def _chunks(words):
 
 
 @gluon.jit
-def _decode(wg, sg, wv, sv, BN: gl.constexpr, LA: gl.constexpr, GATED: gl.constexpr):
-    """A chunk's A operands: gate's (and up's where GATED; else gate's again, unused)."""
+def _decode(wg, sg, wv, sv, BN: gl.constexpr, LA: gl.constexpr, TWO: gl.constexpr):
+    """A chunk's A operands: the first weight tile's (and the second's where TWO; else the first's again, unused)."""
     a = _a_chunk(wg, sg, BN, LA)
-    if GATED:
+    if TWO:
         b = _a_chunk(wv, sv, BN, LA)
     else:
         b = a
@@ -97,19 +97,19 @@ def _decode(wg, sg, wv, sv, BN: gl.constexpr, LA: gl.constexpr, GATED: gl.conste
 
 
 @gluon.jit
-def _issue(a, b, x_buf, acc, acc2, GATED: gl.constexpr):
-    """A chunk's wgmmas (asynchronous): acc += a x^T (and acc2 += b x^T)."""
+def _issue(a, b, x_buf, acc, acc2, TWO: gl.constexpr):
+    """A chunk's wgmmas (asynchronous): acc += a x^T (and acc2 += b x^T where TWO)."""
     xt = x_buf.permute((1, 0))
     acc = warpgroup_mma(a, xt, acc, is_async=True)
-    if GATED:
+    if TWO:
         acc2 = warpgroup_mma(b, xt, acc2, is_async=True)
     return acc, acc2
 
 
 @gluon.jit
-def _wait_previous(acc, acc2, a, b, GATED: gl.constexpr):
+def _wait_previous(acc, acc2, a, b, TWO: gl.constexpr):
     """Wait until only the last chunk's wgmmas (on a, b) are in flight."""
-    if GATED:
+    if TWO:
         acc, acc2, a, b = warpgroup_mma_wait(2, deps=[acc, acc2, a, b])
     else:
         acc, a = warpgroup_mma_wait(1, deps=[acc, a])
@@ -118,11 +118,11 @@ def _wait_previous(acc, acc2, a, b, GATED: gl.constexpr):
 
 @gluon.jit
 def _load_words(w_smem, s_smem, v_smem, t_smem, slot, BN: gl.constexpr, LW: gl.constexpr, LS: gl.constexpr,
-                GATED: gl.constexpr):
-    """A stage's weight words [BN, 4, 4] and the shift decode's scale pairs [BN, 4] of W (and V where GATED)."""
+                TWO: gl.constexpr):
+    """A stage's weight words [BN, 4, 4] and the shift decode's scale pairs [BN, 4] of W (and V where TWO)."""
     w = w_smem.index(slot).load(LW)
     s = _scale_bytes(s_smem.index(slot), BN, LS)
-    if GATED:
+    if TWO:
         v = v_smem.index(slot).load(LW)
         t = _scale_bytes(t_smem.index(slot), BN, LS)
     else:
@@ -133,9 +133,9 @@ def _load_words(w_smem, s_smem, v_smem, t_smem, slot, BN: gl.constexpr, LW: gl.c
 
 @gluon.jit
 def _copy_step(x_bufs, w_bufs, s_bufs, x_ptrs, w_e, ws_e, v_e, vs_e, w_off, s_off, step, slot,
-               BK: gl.constexpr, GATED: gl.constexpr):
+               BK: gl.constexpr, TWO: gl.constexpr):
     """Start one K step's copies into stage `slot`: the token chunks (4 x [BM, 32]), the weight words and scales of
-    W (and V where GATED); one commit group."""
+    W (and V where TWO); one commit group."""
     x0, x1, x2, x3 = x_bufs
     async_copy.async_copy_global_to_shared(x0.index(slot), x_ptrs + step * BK)
     async_copy.async_copy_global_to_shared(x1.index(slot), x_ptrs + step * BK + 32)
@@ -145,7 +145,7 @@ def _copy_step(x_bufs, w_bufs, s_bufs, x_ptrs, w_e, ws_e, v_e, vs_e, w_off, s_of
     s_smem, t_smem = s_bufs
     async_copy.async_copy_global_to_shared(w_smem.index(slot), w_e + w_off + step * (BK // 8))
     async_copy.async_copy_global_to_shared(s_smem.index(slot), ws_e + s_off + step)
-    if GATED:
+    if TWO:
         async_copy.async_copy_global_to_shared(v_smem.index(slot), v_e + w_off + step * (BK // 8))
         async_copy.async_copy_global_to_shared(t_smem.index(slot), vs_e + s_off + step)
     async_copy.commit_group()
@@ -155,15 +155,18 @@ def _copy_step(x_bufs, w_bufs, s_bufs, x_ptrs, w_e, ws_e, v_e, vs_e, w_off, s_of
 def _wgmma_gemm_kernel(
     a_ptr, w_ptr, ws_ptr, v_ptr, vs_ptr, out_ptr, sorted_ptr, bexp_ptr, brows_ptr, nblk_ptr,
     N_OUT, K, A_ROW_DIV, s_am, s_we, s_wn, s_se, s_sn, s_om, beta, linear_beta,
-    GATED: gl.constexpr, ACT: gl.constexpr, LINEAR_TANH: gl.constexpr, BM: gl.constexpr, STAGES: gl.constexpr,
-    ALIGN_M: gl.constexpr, SUBS: gl.constexpr, MIN_ROWS: gl.constexpr, MAX_ROWS: gl.constexpr,
+    GATED: gl.constexpr, PAIRED: gl.constexpr, ACT: gl.constexpr, LINEAR_TANH: gl.constexpr, BM: gl.constexpr,
+    STAGES: gl.constexpr, ALIGN_M: gl.constexpr, SUBS: gl.constexpr, MIN_ROWS: gl.constexpr, MAX_ROWS: gl.constexpr,
 ):
-    """One (BM rows of an align block of ALIGN_M pairs, 128 output columns): out[pair, cols] = act(A W^T, A V^T)
-    (GATED, stored at the columns' MMA-k positions of 128-wide steps) or A W^T, rounded to bf16. A is read in MMA-k
-    order. Program block bs // n_tiles covers rows sub BM .. sub BM + BM of align block b (b, sub = divmod by SUBS)
+    """One (BM rows of an align block of ALIGN_M pairs, 128 output columns or 256 where PAIRED): out[pair, cols] =
+    act(A W^T, A V^T) (GATED, stored at the columns' MMA-k positions of 128-wide steps), or A W^T rounded to bf16:
+    where PAIRED, V is W 128 rows on (the host's view) and the program's two weight tiles are W's next 256 rows, so
+    that the down GEMM runs the gate/up GEMM's two tiles on each token tile it loads. A is read in MMA-k order. Program block bs // n_tiles covers rows sub BM .. sub BM + BM of align block b (b, sub = divmod by SUBS)
     and runs only where that block has MIN_ROWS .. MAX_ROWS real rows (the launches of `wgmma_gemm`'s row range)."""
     BN: gl.constexpr = BLOCK_N
     BK: gl.constexpr = BLOCK_K
+    TWO: gl.constexpr = GATED or PAIRED  # two weight tiles a program
+    ROWS: gl.constexpr = BN * (1 + PAIRED)  # output columns a program
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
                                                   instr_shape=[16, BM, 16])
     LA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
@@ -172,7 +175,7 @@ def _wgmma_gemm_kernel(
     LW: gl.constexpr = gl.BlockedLayout([1, 1, 4], [8, 4, 1], [NUM_WARPS, 1, 1], [2, 1, 0])
     LS: gl.constexpr = gl.BlockedLayout([1, 1], [8, 4], [NUM_WARPS, 1], [1, 0])
     pid = gl.program_id(0)
-    n_tiles = gl.cdiv(N_OUT, BN)
+    n_tiles = gl.cdiv(N_OUT, ROWS)
     bs = pid // n_tiles
     nt = pid % n_tiles
     b = bs // SUBS
@@ -190,8 +193,8 @@ def _wgmma_gemm_kernel(
         return
     # a step's 4 scale bytes of a row (t = 0..3) copied as one int32 (s_sn in int32 units), read back as bytes
     LS1: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
-    s_off = (nt * BN + gl.arange(0, BN, layout=LS1)) * s_sn
-    rows_w = nt * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, gl.SliceLayout(2, LW)))
+    s_off = (nt * ROWS + gl.arange(0, BN, layout=LS1)) * s_sn
+    rows_w = nt * ROWS + gl.arange(0, BN, layout=gl.SliceLayout(1, gl.SliceLayout(2, LW)))
     quads_w = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, LW)))
     words = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, LW)))
     w_off = gl.expand_dims(gl.expand_dims(rows_w * s_wn, 1) + gl.expand_dims(quads_w, 0) * 4, 2) + \
@@ -212,7 +215,7 @@ def _wgmma_gemm_kernel(
     LSS: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
     w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BN, 4, 4], LWS)
     s_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BN], LSS)
-    if GATED:
+    if TWO:
         v_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BN, 4, 4], LWS)
         t_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BN], LSS)
     else:
@@ -225,16 +228,16 @@ def _wgmma_gemm_kernel(
     steps = K // BK
     for p in gl.static_range(STAGES - 1):  # past the end: the last step again, never used
         _copy_step(x_bufs, w_bufs, s_bufs, x_ptrs, w_e, ws_e, v_e, vs_e, w_off, s_off, gl.minimum(p, steps - 1), p,
-                   BK, GATED)
+                   BK, TWO)
     async_copy.wait_group(STAGES - 2)
     fence_async_shared()
     gl.thread_barrier()
-    w_c, s_c, v_c, t_c = _load_words(w_smem, s_smem, v_smem, t_smem, 0, BN, LW, LS, GATED)
+    w_c, s_c, v_c, t_c = _load_words(w_smem, s_smem, v_smem, t_smem, 0, BN, LW, LS, TWO)
     wg0, wg1, wg2, wg3 = _chunks(w_c)
     wv0, wv1, wv2, wv3 = _chunks(v_c)
     sg = _scale_pairs(s_c, wg0)
     sv = _scale_pairs(t_c, wv0)
-    a0, b0 = _decode(wg0, sg, wv0, sv, BN, LA, GATED)
+    a0, b0 = _decode(wg0, sg, wv0, sv, BN, LA, TWO)
     x0, x1, x2, x3 = x_bufs
     # Chunk c's A operands are decoded while chunks c - 2 and c - 1 run; then the wait for c - 2. Mid-step (chunks
     # 0 and 1 waited for, so step i - 1 finished in every warp after the barrier) the next step's words are read
@@ -242,28 +245,28 @@ def _wgmma_gemm_kernel(
     # at the end of step i.
     for i in range(steps):
         slot = i % STAGES
-        acc, acc2 = _issue(a0, b0, x0.index(slot), acc, acc2, GATED)
-        a1, b1 = _decode(wg1, sg, wv1, sv, BN, LA, GATED)
-        acc, acc2 = _wait_previous(acc, acc2, a0, b0, GATED)
-        acc, acc2 = _issue(a1, b1, x1.index(slot), acc, acc2, GATED)
-        a2, b2 = _decode(wg2, sg, wv2, sv, BN, LA, GATED)
-        acc, acc2 = _wait_previous(acc, acc2, a1, b1, GATED)
-        acc, acc2 = _issue(a2, b2, x2.index(slot), acc, acc2, GATED)
+        acc, acc2 = _issue(a0, b0, x0.index(slot), acc, acc2, TWO)
+        a1, b1 = _decode(wg1, sg, wv1, sv, BN, LA, TWO)
+        acc, acc2 = _wait_previous(acc, acc2, a0, b0, TWO)
+        acc, acc2 = _issue(a1, b1, x1.index(slot), acc, acc2, TWO)
+        a2, b2 = _decode(wg2, sg, wv2, sv, BN, LA, TWO)
+        acc, acc2 = _wait_previous(acc, acc2, a1, b1, TWO)
+        acc, acc2 = _issue(a2, b2, x2.index(slot), acc, acc2, TWO)
         async_copy.wait_group(STAGES - 3)  # step i + 1's copies (this thread's) are in
         fence_async_shared()
         gl.thread_barrier()
-        w_c, s_c, v_c, t_c = _load_words(w_smem, s_smem, v_smem, t_smem, (i + 1) % STAGES, BN, LW, LS, GATED)
+        w_c, s_c, v_c, t_c = _load_words(w_smem, s_smem, v_smem, t_smem, (i + 1) % STAGES, BN, LW, LS, TWO)
         _copy_step(x_bufs, w_bufs, s_bufs, x_ptrs, w_e, ws_e, v_e, vs_e, w_off, s_off,
-                   gl.minimum(i + STAGES - 1, steps - 1), (i + STAGES - 1) % STAGES, BK, GATED)
-        a3, b3 = _decode(wg3, sg, wv3, sv, BN, LA, GATED)
-        acc, acc2 = _wait_previous(acc, acc2, a2, b2, GATED)
-        acc, acc2 = _issue(a3, b3, x3.index(slot), acc, acc2, GATED)
+                   gl.minimum(i + STAGES - 1, steps - 1), (i + STAGES - 1) % STAGES, BK, TWO)
+        a3, b3 = _decode(wg3, sg, wv3, sv, BN, LA, TWO)
+        acc, acc2 = _wait_previous(acc, acc2, a2, b2, TWO)
+        acc, acc2 = _issue(a3, b3, x3.index(slot), acc, acc2, TWO)
         wg0, wg1, wg2, wg3 = _chunks(w_c)
         wv0, wv1, wv2, wv3 = _chunks(v_c)
         sg = _scale_pairs(s_c, wg0)
         sv = _scale_pairs(t_c, wv0)
-        a0, b0 = _decode(wg0, sg, wv0, sv, BN, LA, GATED)  # past the last step: unused
-        acc, acc2 = _wait_previous(acc, acc2, a3, b3, GATED)
+        a0, b0 = _decode(wg0, sg, wv0, sv, BN, LA, TWO)  # past the last step: unused
+        acc, acc2 = _wait_previous(acc, acc2, a3, b3, TWO)
     async_copy.wait_group(0)
     if GATED:
         acc, acc2 = warpgroup_mma_wait(0, deps=[acc, acc2])
@@ -272,14 +275,30 @@ def _wgmma_gemm_kernel(
         # 2 b1 + b0 of a 128-wide step (t' = 2 rep + w >> 2, s = 2 (w & 3) + g >> 2, b1 b0 = g & 3), which the down
         # kernel reads at MMA position 16 s + 8 b1 + 2 t' + b0
         y = gl.reshape(gl.permute(gl.reshape(y, (2, 4, 2, 2, 2, 2, BM)), (1, 3, 4, 2, 0, 5, 6)), (BN, BM))
+        _store_tile(y, out_ptr, sorted_ptr, row0, nrows, nt * ROWS, s_om, BM, BN)
+    elif PAIRED:
+        acc, acc2 = warpgroup_mma_wait(0, deps=[acc, acc2])
+        _store_tile(_m_to_n(acc, BM, BN), out_ptr, sorted_ptr, row0, nrows, nt * ROWS, s_om, BM, BN)
+        _store_tile(_m_to_n(acc2, BM, BN), out_ptr, sorted_ptr, row0, nrows, nt * ROWS + BN, s_om, BM, BN)
     else:
         acc = warpgroup_mma_wait(0, deps=[acc])
-        y = gl.reshape(gl.permute(gl.reshape(acc, (2, 4, 2, 8, BM)), (2, 0, 1, 3, 4)), (BN, BM))  # m -> n
+        _store_tile(_m_to_n(acc, BM, BN), out_ptr, sorted_ptr, row0, nrows, nt * ROWS, s_om, BM, BN)
+
+
+@gluon.jit
+def _m_to_n(acc, BM: gl.constexpr, BN: gl.constexpr):
+    """An accumulator's rows m = 16 w + 8 rep + g -> weight rows n = 64 rep + 8 w + g."""
+    return gl.reshape(gl.permute(gl.reshape(acc, (2, 4, 2, 8, BM)), (2, 0, 1, 3, 4)), (BN, BM))
+
+
+@gluon.jit
+def _store_tile(y, out_ptr, sorted_ptr, row0, nrows, col0, s_om, BM: gl.constexpr, BN: gl.constexpr):
+    """out[pair of row row0 + r, col0 + n] = y[n, r] (bf16) for r < nrows; 16 contiguous bytes a thread."""
     LO: gl.constexpr = gl.BlockedLayout([8, 1], [16, 2], [1, NUM_WARPS], [0, 1])  # 8 columns of a pair a thread
     y = gl.convert_layout(y.to(gl.bfloat16), LO)
     co = gl.arange(0, BM, layout=gl.SliceLayout(0, LO))
     pc = gl.load(sorted_ptr + row0 + co, mask=co < nrows, other=0).to(gl.int64)
-    cols = nt * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, LO))
+    cols = col0 + gl.arange(0, BN, layout=gl.SliceLayout(1, LO))
     ptrs = out_ptr + gl.expand_dims(pc * s_om, 0) + gl.expand_dims(cols, 1)
     gl.store(ptrs, y, mask=gl.expand_dims(co < nrows, 0))
 
@@ -288,28 +307,38 @@ def wgmma_gemm(a, w, w_scale, v, v_scale, out, align, a_row_div: int, block_m: i
                linear_beta: float | None, stages: int = 4, align_m: int | None = None,
                rows: tuple[int, int] | None = None):
     """One grouped GEMM (see the module doc): a [rows, K] bf16 in the MMA-k order of 128-wide steps; w, v uint8
-    [E, N, K/2] in the shift layout with ue8m0 scales [E, N, K/32] (v None: the down GEMM); out [N k, N] bf16 (the
-    gate/up GEMM: its columns in the MMA-k order of 128-wide steps).
+    [E, N, K/2] in the shift layout with ue8m0 scales [E, N, K/32] (v None: the down GEMM, two 128-row weight tiles
+    a program where N is a multiple of 256); out [N k, N] bf16 (the gate/up GEMM: its columns in the MMA-k order of
+    128-wide steps).
 
     align: `ops.moe.triton.align_blocks` at align_m rows a block (None: block_m), a multiple of the block_m rows of
     a tile; rows (lo, hi): this launch takes only the align blocks of lo..hi real rows (None: all), so that blocks
-    of up to half a tile can run in a second launch of smaller tiles (`wgmma_gate_up_tails`)."""
+    of up to half a tile can run in a second launch of smaller tiles (`wgmma_gemm_tails`)."""
     align_m = align_m or block_m
     lo, hi = rows or (1, align_m)
     if align_m % block_m or not 1 <= lo <= hi <= align_m:
         raise ValueError(f"the align blocks' {align_m} rows must be a multiple of the tile's {block_m}, and the row "
                          f"range 1 <= {lo} <= {hi} <= {align_m}")
-    args, gated = grouped_gemm_args(a, w, w_scale, v, v_scale, out, align, a_row_div, beta, linear_beta, True)
+    paired = v is None and paired_down(w.shape[1])
+    if paired:  # the second tile of a program: W 128 rows on
+        v, v_scale = w[:, BLOCK_N.value:], w_scale[:, BLOCK_N.value:]
+    gated = v is not None and not paired
+    args, _ = grouped_gemm_args(a, w, w_scale, v, v_scale, out, align, a_row_div, beta, linear_beta, True)
     subs = triton.cdiv(hi, block_m)  # tiles an align block of at most hi rows needs
-    grid = (align[1].numel() * subs * triton.cdiv(w.shape[1], BLOCK_N.value),)
+    grid = (align[1].numel() * subs * triton.cdiv(w.shape[1], BLOCK_N.value * (1 + paired)),)
     _wgmma_gemm_kernel[grid](
-        *args, GATED=gated, ACT=_ACT[act], LINEAR_TANH=linear_beta is not None, BM=block_m, STAGES=stages,
-        ALIGN_M=align_m, SUBS=subs, MIN_ROWS=lo, MAX_ROWS=hi, num_warps=NUM_WARPS.value)
+        *args, GATED=gated, PAIRED=paired, ACT=_ACT[act], LINEAR_TANH=linear_beta is not None, BM=block_m,
+        STAGES=stages, ALIGN_M=align_m, SUBS=subs, MIN_ROWS=lo, MAX_ROWS=hi, num_warps=NUM_WARPS.value)
 
 
-def wgmma_gate_up_tails(a, w, w_scale, v, v_scale, out, align, a_row_div: int, act: str, beta: float,
-                        linear_beta: float | None, stages: int = 3, tail_stages: int = 4):
-    """The gate/up GEMM on 128-row align blocks: blocks of more than 64 rows as 128-token tiles, the rest (each
+def paired_down(n_out: int) -> bool:
+    """Whether the down GEMM of N = n_out output columns runs two weight tiles a program."""
+    return n_out % (2 * BLOCK_N.value) == 0
+
+
+def wgmma_gemm_tails(a, w, w_scale, v, v_scale, out, align, a_row_div: int, act: str, beta: float,
+                     linear_beta: float | None, stages: int = 3, tail_stages: int = 4):
+    """A grouped GEMM on 128-row align blocks: blocks of more than 64 rows as 128-token tiles, the rest (each
     expert's last block where it holds at most 64 rows) as 64-token tiles in a second launch. A 128-token tile costs
     ~1.5x a 64-token one for twice the tokens, and a tail of at most 64 rows would pad the 128-token tile by half."""
     common = (a, w, w_scale, v, v_scale, out, align, a_row_div)
@@ -317,4 +346,4 @@ def wgmma_gate_up_tails(a, w, w_scale, v, v_scale, out, align, a_row_div: int, a
     wgmma_gemm(*common, 64, act, beta, linear_beta, tail_stages, align_m=128, rows=(1, 64))
 
 
-__all__ = ["BLOCK_K", "BLOCK_N", "wgmma_gate_up_tails", "wgmma_gemm"]
+__all__ = ["BLOCK_K", "BLOCK_N", "paired_down", "wgmma_gemm", "wgmma_gemm_tails"]
