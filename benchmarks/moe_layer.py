@@ -28,9 +28,9 @@ at the same shape for --check-tokens (relative RMS error, bound 1e-2), and the p
     python benchmarks/moe_layer.py --sass [--variants ...]   # no GPU: each variant's sm_90 build (registers,
                                                             # spills, shared memory, SASS per K step)
 
-A variant SPEC is DEQUANT-mBM-nBN-kBK-wWARPS-sSTAGES[-dnBN][-dkBK][-dwWARPS][-dsSTAGES][-dmBM][-rREGS][-drREGS]
+A variant SPEC is DEQUANT-mBM-nBN-kBK-wWARPS-sSTAGES[-dnBN][-dkBK][-dwWARPS][-dsSTAGES][-rREGS][-drREGS]
 [-skS][-dskS][-swap][-frag] (dn/dk/dw/ds: the down GEMM's column tile, K step, warps and stages when they differ from
-the gate/up GEMM's; dm: its tile rows (MoEConfig.down_block_m); frag: MoEConfig.fragments; r/dr: a register cap (maxnreg) per GEMM; sk/dsk: split-K of the gate/up and down GEMMs, fp32
+the gate/up GEMM's; frag: MoEConfig.fragments; r/dr: a register cap (maxnreg) per GEMM; sk/dsk: split-K of the gate/up and down GEMMs, fp32
 partials reduced in a fixed order), e.g. lut-m16-n64-k256-w4-s3-swap, shift-m16-n64-k128-w4-s4-sk4-dsk4.
 --stages-each times every variant's stages apart (gate/up, down): the best gate/up and the best down tiling of
 a sweep can then be paired.
@@ -105,7 +105,7 @@ DRY_VARIANTS = ["lut-m16-n32-k64-w4-s2-swap", "shift-m16-n32-k64-w4-s2", "exact-
 
 
 def parse_variant(spec: str) -> tt.MoEConfig:
-    """DEQUANT-mBM-nBN-kBK-wW-sS[-dnBN][-dkBK][-dwW][-dsS][-dmBM][-rR][-drR][-skS][-dskS][-swap][-frag] -> MoEConfig
+    """DEQUANT-mBM-nBN-kBK-wW-sS[-dnBN][-dkBK][-dwW][-dsS][-rR][-drR][-skS][-dskS][-swap][-frag] -> MoEConfig
     (frag: MoEConfig.fragments, the Gluon fragment GEMMs)."""
     dequant, *parts = spec.split("-")
     if dequant not in tt._DEQUANT:
@@ -115,8 +115,8 @@ def parse_variant(spec: str) -> tt.MoEConfig:
         if p in ("swap", "frag"):
             flags.add(p)
             continue
-        key = next((pre for pre in ("dsk", "dn", "dk", "dw", "ds", "dr", "dm", "sk") if p.startswith(pre)), p[:1])
-        if key not in ("m", "n", "k", "w", "s", "r", "dn", "dk", "dw", "ds", "dr", "dm", "sk", "dsk") \
+        key = next((pre for pre in ("dsk", "dn", "dk", "dw", "ds", "dr", "sk") if p.startswith(pre)), p[:1])
+        if key not in ("m", "n", "k", "w", "s", "r", "dn", "dk", "dw", "ds", "dr", "sk", "dsk") \
                 or not p[len(key):].isdigit():
             raise ValueError(f"variant {spec!r}: cannot read {p!r}")
         vals[key] = int(p[len(key):])
@@ -129,8 +129,7 @@ def parse_variant(spec: str) -> tt.MoEConfig:
     down = tt.GemmTiles(block_n=vals.get("dn", vals["n"]), block_k=vals.get("dk", vals["k"]),
                         num_warps=vals.get("dw", vals["w"]), num_stages=vals.get("ds", vals["s"]), swap=swap,
                         split_k=vals.get("dsk", 1), max_registers=vals.get("dr"))
-    return tt.MoEConfig(block_m=vals["m"], up=up, down=down, dequant=dequant, fragments="frag" in flags,
-                        down_block_m=vals.get("dm"))
+    return tt.MoEConfig(block_m=vals["m"], up=up, down=down, dequant=dequant, fragments="frag" in flags)
 
 
 def config_spec(cfg: tt.MoEConfig) -> str:
@@ -140,7 +139,6 @@ def config_spec(cfg: tt.MoEConfig) -> str:
     spec += f"-dk{d.block_k}" if d.block_k != u.block_k else ""
     spec += f"-dw{d.num_warps}" if d.num_warps != u.num_warps else ""
     spec += f"-ds{d.num_stages}" if d.num_stages != u.num_stages else ""
-    spec += f"-dm{cfg.down_block_m}" if cfg.down_block_m else ""
     spec += f"-r{u.max_registers}" if u.max_registers else ""
     spec += f"-dr{d.max_registers}" if d.max_registers else ""
     spec += f"-sk{u.split_k}" if u.split_k > 1 else ""
@@ -391,10 +389,9 @@ def sass_report(specs: list[str], h: int, inter: int) -> int:
             if cfg.fragments and cfg.block_m > 16:
                 from kimiserve.ops.moe import gluon_prefill
                 fn, options = gluon_prefill._wgmma_gemm_kernel, dict(num_warps=8)
-                bm = cfg.block_m if gated else cfg.down_tile_m  # gate/up at 128: the 128-row launch (tails: 64)
                 consts = dict(GATED=gated, PAIRED=not gated and gluon_prefill.paired_down(h), ACT=1,
-                              LINEAR_TANH=True, BM=bm, STAGES=tiles.num_stages,
-                              ALIGN_M=cfg.block_m, SUBS=cfg.block_m // bm, MIN_ROWS=1, MAX_ROWS=cfg.block_m)
+                              LINEAR_TANH=True, BM=cfg.block_m, STAGES=tiles.num_stages, ALIGN_M=cfg.block_m,
+                              MIN_ROWS=1)  # at block_m 128: the 128-row launch (the tails': 64)
                 types.update(s_we="i64", s_se="i64", w_ptr="*i32", ws_ptr="*i32", v_ptr="*i32", vs_ptr="*i32")
             elif cfg.fragments:
                 from kimiserve.ops.moe import gluon_decode

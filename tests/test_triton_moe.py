@@ -333,13 +333,13 @@ def test_default_config_takes_fragments(tt):
 
 def test_default_config_takes_wgmma_fragments(tt):
     """Above 24 rows per expert the default is the prefill fragment GEMMs where they fit (shift layout, bf16, dims
-    multiples of 256, the measured shapes): 128-row blocks whose gate/up runs tails of <= 64 rows as 64-token
-    tiles, the down GEMM on 64-row tiles below 256 rows per expert and on 128-row tiles from there."""
+    multiples of 256, the measured shapes): 128-row blocks (tails of <= 64 rows as 64-token tiles), 3 stages, 4 for
+    the down GEMM from 256 rows per expert."""
     bf16 = torch.bfloat16
     cfg = tt.default_config(8192, 16, 896, bf16, True, "shift", dims=(3584, 3072))
-    assert cfg.fragments and (cfg.block_m, cfg.down_tile_m, cfg.up.num_stages, cfg.down.num_stages) == (128, 64, 3, 3)
+    assert cfg.fragments and (cfg.block_m, cfg.up.num_stages, cfg.down.num_stages) == (128, 3, 3)
     cfg = tt.default_config(8192, 4, 16, bf16, True, "shift", dims=(3584, 3072))
-    assert cfg.fragments and (cfg.block_m, cfg.down_tile_m, cfg.up.num_stages, cfg.down.num_stages) == (128, 128, 3, 4)
+    assert cfg.fragments and (cfg.block_m, cfg.up.num_stages, cfg.down.num_stages) == (128, 3, 4)
     assert tt.default_config(2048, 16, 896, bf16, True, "shift", dims=(512, 768)).fragments
     assert not tt.default_config(2048, 16, 896, bf16, True, "shift", dims=(384, 640)).fragments
     assert not tt.default_config(512, 2, 16, bf16, True, "shift", dims=(128, 128)).fragments  # kimi-demo
@@ -365,24 +365,22 @@ def test_fragment_config_errors(tt):
                      config=fragment_config(tt), mxfp4_layout="shift")
 
 
-def wgmma_config(tt, block_m: int = 64, stages: int = 4, down_stages: int | None = None,
-                 down_block_m: int | None = None):
+def wgmma_config(tt, block_m: int = 64, stages: int = 4, down_stages: int | None = None):
     up = tt.GemmTiles(block_n=128, block_k=128, num_warps=8, num_stages=stages)
     down = tt.GemmTiles(block_n=128, block_k=128, num_warps=8, num_stages=down_stages or stages)
-    return tt.MoEConfig(block_m=block_m, up=up, down=down, dequant="shift", fragments=True, down_block_m=down_block_m)
+    return tt.MoEConfig(block_m=block_m, up=up, down=down, dequant="shift", fragments=True)
 
 
-@pytest.mark.parametrize("block_m,stages,down_stages,down_block_m",
-                         [(64, 4, 4, None), (64, 3, 5, None), (128, 3, 4, None), (128, 3, 3, 64)])
-def test_wgmma_fragment_gemms(tt, block_m, stages, down_stages, down_block_m):
+@pytest.mark.parametrize("block_m,stages,down_stages", [(64, 4, 4), (64, 3, 5), (128, 3, 4), (128, 3, 3)])
+def test_wgmma_fragment_gemms(tt, block_m, stages, down_stages):
     """The prefill fragment GEMMs (block_m 64 / 128, ops.moe.gluon_prefill: wgmma with the dequantised weights as
     the register A operand) against the reference. K of 1, 2, 3 and 5 steps (fewer steps than stages in flight:
     the clamped copies past the end), several column tiles; experts with no token, one token on its k experts,
-    experts of 100 rows (at block_m 128: one block in the 128-token launch, none in the tail launch; two 64-row
-    down tiles of 64 and 36 rows) and of 190 rows (128 + a tail of 62 in the 64-token launch), zipf; SiTU and SiLU;
+    experts of 100 rows (at block_m 128: one block in the 128-token launch, none in the tail launch) and of 190 rows
+    (128 + a tail of 62 in the 64-token launch), zipf; SiTU and SiLU;
     NaN-poisoned output and workspace (a row neither launch wrote stays NaN). h = 512: the down GEMM's programs
     take two 128-row weight tiles (gluon_prefill.paired_down); 384 and 128: one."""
-    cfg = wgmma_config(tt, block_m, stages, down_stages, down_block_m)
+    cfg = wgmma_config(tt, block_m, stages, down_stages)
     for h, inter in ((384, 256), (512, 384), (128, 640)):
         for N, routing, act in ((45, "subset", "situ"), (1, "random", "situ"), (190, "same", "silu"),
                                 (100, "same", "situ"), (300, "zipf", "situ")):
@@ -406,12 +404,6 @@ def test_wgmma_fragment_config_errors(tt):
         tt.fused_moe(torch.randn(1, 256).bfloat16().cuda(), w["w1"], w["w2"], w["w3"], ids, weights,
                      w1_scale=w["w1_scale"], w2_scale=w["w2_scale"], w3_scale=w["w3_scale"], config=bad,
                      mxfp4_layout="shift")
-    for bad, match in ((wgmma_config(tt, 64, down_block_m=128), "dividing block_m"),
-                       (tt.MoEConfig(block_m=64, dequant="shift", down_block_m=64), "wgmma fragment GEMMs")):
-        with pytest.raises(ValueError, match=match):
-            tt.fused_moe(torch.randn(1, 256).bfloat16().cuda(), w["w1"], w["w2"], w["w3"], ids, weights,
-                         w1_scale=w["w1_scale"], w2_scale=w["w2_scale"], w3_scale=w["w3_scale"], config=bad,
-                         mxfp4_layout="shift")
 
 
 def dequant_bytes(first_scale: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -536,15 +528,14 @@ def test_k31_shape_fragments(tt, k31_experts, k31_shift, N, block_n, block_k):
     assert torch.isfinite(runs[0]).all() and err < 1e-2 and torch.equal(runs[0], runs[1])
 
 
-@pytest.mark.parametrize("N,block_m,down_block_m", [(1024, 64, None), (4096, 64, None), (4096, 128, None),
-                                                    (4096, 128, 64)])
-def test_k31_shape_wgmma_fragments(tt, k31_experts, k31_shift, N, block_m, down_block_m):
+@pytest.mark.parametrize("N,block_m", [(1024, 64), (4096, 64), (4096, 128)])
+def test_k31_shape_wgmma_fragments(tt, k31_experts, k31_shift, N, block_m):
     """The prefill fragment GEMMs at the K3.1 shape, random routing (at 4096 tokens ~73 rows an expert: 128-row
     blocks of 65-127 rows and tails of at most 64 in the second gate/up launch); two runs bitwise equal."""
     w = k31_shift
     x, ids, weights = _k31_inputs(N, "random", 5 + N)
     want = reference(x, k31_experts, ids, weights, "situ")
-    cfg = wgmma_config(tt, block_m, 4 if block_m == 64 else 3, 4 if down_block_m is None else 3, down_block_m)
+    cfg = wgmma_config(tt, block_m, 4 if block_m == 64 else 3, 4 if block_m == 64 else 3)
     runs = [tt.fused_moe(x, w["w1"], w["w2"], w["w3"], ids, weights, w1_scale=w["w1_scale"], w2_scale=w["w2_scale"],
                          w3_scale=w["w3_scale"], config=cfg, mxfp4_layout="shift") for _ in range(2)]
     err = rel_rms(runs[0], want)

@@ -47,9 +47,8 @@ class MoEConfig:
     dequantised weights are register fragments of the MMA (CUDA, bf16, the shift layout; the activation between
     them kept in `ops.moe.fragment_order`'s MMA-k order): with block_m 16 `ops.moe.gluon_decode`'s (mma.sync,
     block_k 128 or 256, num_stages not used), with block_m 64 or 128 `ops.moe.gluon_prefill`'s (wgmma, tiles of
-    128 x 128 on 8 warps, num_stages shared-memory stages; at block_m 128 the gate/up GEMM runs blocks of at most
-    64 rows, each expert's tail, as 64-token tiles in a second launch); down_block_m: the down GEMM's tile rows
-    where smaller than block_m (the wgmma kernels: 64 under 128-row blocks; None: block_m)."""
+    128 x 128 on 8 warps, num_stages shared-memory stages; at block_m 128 both GEMMs run blocks of at most 64
+    rows, each expert's tail, as 64-token tiles in a second launch)."""
 
     block_m: int = 16
     up: GemmTiles = field(default_factory=GemmTiles)
@@ -57,12 +56,6 @@ class MoEConfig:
     dequant: str = "exact"
     combine_block: int = 512
     fragments: bool = False
-    down_block_m: int | None = None
-
-    @property
-    def down_tile_m(self) -> int:
-        """The down GEMM's tile rows."""
-        return self.down_block_m or self.block_m
 
 
 def default_config(num_tokens: int, top_k: int, num_experts: int, dtype: torch.dtype, mxfp4: bool,
@@ -80,11 +73,11 @@ def default_config(num_tokens: int, top_k: int, num_experts: int, dtype: torch.d
     preset's 16) 64 x 256 (the 128-row tile was 0.6% slower in its engine's decode steps at batch 1 and 8,
     session 13: half as many programs on a few experts); up to 24 (1024 tokens) 32-row blocks, 64 (gate/up) and
     128 (down) columns x 128 K, unswapped (7% under the swapped 32-row tile); above, in the shift layout with dims
-    that are multiples of 256, the Gluon wgmma fragment GEMMs (`ops.moe.gluon_prefill`) on 128-row blocks, whose
-    gate/up runs each expert's tail of at most 64 rows as 64-token tiles: below 256 rows per expert the down GEMM on
-    64-row tiles (K3.1 at 8192 tokens: gate/up 9% under 64-row blocks, the layer 5%, session 16; 64-row blocks were
-    1.2-1.35x the Triton tile at 2048-8192 tokens, session 15), from 256 on 128-row tiles (the `small` preset's
-    prefill chunks: 1.5-1.6x the Triton tile); else 64-row blocks on 4 warps (9% under 128-row blocks on 8 at 8192 tokens:
+    that are multiples of 256, the Gluon wgmma fragment GEMMs (`ops.moe.gluon_prefill`) on 128-row blocks, each
+    expert's tail of at most 64 rows as 64-token tiles, the down GEMM on two weight tiles a program (K3.1 at 8192
+    tokens: 1.06-1.09x session 15's 64-row blocks, which were 1.2-1.35x the Triton tile at 2048-8192 tokens; the
+    `small` preset's prefill chunks 1.5-1.6x the Triton tile), 4 stages for the down GEMM from 256 rows per
+    expert; else 64-row blocks on 4 warps (9% under 128-row blocks on 8 at 8192 tokens:
     ~146 rows per expert pad less). bf16 weights keep the swapped form for decode (not re-measured). The shift
     layout takes dequant "shift"."""
     if dtype != torch.bfloat16:  # fp32 (the CPU-sized models) and fp16: exact dequant, IEEE or fp16 dots
@@ -103,10 +96,8 @@ def default_config(num_tokens: int, top_k: int, num_experts: int, dtype: torch.d
         return MoEConfig(block_m=16, up=tiles, down=tiles, dequant=dequant)
     if mean_rows > 24 and dequant == "shift" and dims is not None and _wgmma_fragments_fit(*dims):
         up = GemmTiles(block_n=128, block_k=128, num_warps=8, num_stages=3)
-        if mean_rows >= 256:  # few experts (the `small` preset): 128-token blocks pad <= 1/3
-            return MoEConfig(block_m=128, up=up, down=dataclasses.replace(up, num_stages=4), dequant=dequant,
-                             fragments=True)
-        return MoEConfig(block_m=128, up=up, down=up, dequant=dequant, fragments=True, down_block_m=64)
+        down = dataclasses.replace(up, num_stages=4) if mean_rows >= 256 else up
+        return MoEConfig(block_m=128, up=up, down=down, dequant=dequant, fragments=True)
     if mean_rows <= 24 and not mxfp4:  # still one weight tile per block: the swapped form, wgmma N = 32
         tiles = GemmTiles(block_n=64, block_k=128, num_warps=4, num_stages=3, swap=True)
         return MoEConfig(block_m=32, up=tiles, down=tiles, dequant=dequant)

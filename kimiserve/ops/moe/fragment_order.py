@@ -63,28 +63,23 @@ def grouped_gemm_args(a, w, w_scale, v, v_scale, out, align, a_row_div: int, bet
     return args, gated
 
 
-def check_fragment_shapes(h: int, inter: int, block_m: int, up, down, down_block_m: int | None = None) -> str | None:
+def check_fragment_shapes(h: int, inter: int, block_m: int, up, down) -> str | None:
     """Why the fragment GEMMs cannot run these expert dims and tiles (GemmTiles; None: they can). block_m 16: the
     decode kernels; 64 or 128: the prefill (wgmma) kernels, 128 weight rows x 128-wide K steps on 8 warps, 3 or more
-    stages that fit the shared memory (gate/up: up to 6 at block_m 64, 4 at 128); down_block_m: the down GEMM's tile
-    rows, 64 or 128 dividing block_m (None: block_m)."""
-    down_m = down_block_m or block_m
-    if down_block_m is not None and (block_m not in WGMMA_BLOCK_MS or down_m not in WGMMA_BLOCK_MS or block_m % down_m):
-        return (f"down_block_m takes one of {WGMMA_BLOCK_MS} dividing block_m, with block_m one of {WGMMA_BLOCK_MS} "
-                f"(the wgmma fragment GEMMs); got down_block_m {down_block_m} with block_m {block_m}")
+    stages that fit the shared memory (gate/up: up to 6 at block_m 64, 4 at 128)."""
     if block_m in WGMMA_BLOCK_MS:
         if h % 128 or inter % 128:
             return f"the wgmma fragment GEMMs need expert dims that are multiples of 128, got {h} and {inter}"
         # the down GEMM: two weight tiles a program where its N (h) is a multiple of 256 (gluon_prefill.paired_down)
-        for t, weight_tiles, tile_m in ((up, 2, block_m), (down, 2 if h % 256 == 0 else 1, down_m)):
+        for t, weight_tiles in ((up, 2), (down, 2 if h % 256 == 0 else 1)):
             if (t.block_n, t.block_k, t.num_warps, t.split_k, t.swap) != (128, 128, 8, 1, False) or t.num_stages < 3:
                 return (f"block_m {block_m} (the wgmma fragment GEMMs) takes tiles of block_n 128, block_k 128, "
                         f"8 warps, >= 3 stages, no split-K, no swap; got {t}")
             # a stage: the token tile, each weight tile's codes and scales (the epilogue's [128, block_m] tile reuses
             # the stages' memory)
-            smem = t.num_stages * (tile_m * 256 + weight_tiles * (128 * 64 + 512))
+            smem = t.num_stages * (block_m * 256 + weight_tiles * (128 * 64 + 512))
             if smem > WGMMA_SHARED_BYTES:
-                return (f"{t.num_stages} stages of block_m {tile_m} need {smem // 1024} KB of shared memory "
+                return (f"{t.num_stages} stages of block_m {block_m} need {smem // 1024} KB of shared memory "
                         f"({WGMMA_SHARED_BYTES // 1024} KB a program on sm_90): take fewer stages")
         return None
     if block_m != FRAGMENT_BLOCK_M:

@@ -3,7 +3,7 @@
 Why. The Triton prefill tiles dequantise each weight tile into shared memory and read it back for their MMAs; at
 8192 tokens that round trip and the decode bound them near a quarter of the bf16 matmul rate (benchmarks/moe_layer.py,
 BENCHMARKS.md session 14). wgmma takes its A operand from registers: here the weights are A (128 weight rows a
-program, two warpgroups of 64) and the block's tokens are N (BM = 64 or 128), so each thread's shift-decoded words
+tile, two warpgroups of 64) and the block's tokens are N (BM = 64 or 128), so each thread's shift-decoded words
 are its A fragments, in the MMA-k order of `ops.moe.fragment_order` (the same order as `ops.moe.gluon_decode`'s B
 fragments: wgmma's register A and mma.sync's B hold the same K positions per thread), and the tokens' tile is the
 only operand in shared memory.
@@ -21,11 +21,19 @@ stores the activation's columns in the MMA-k order of 128-wide steps, as the dow
 kernel stores the expert outputs (unweighted; `ops.moe.epilogue`'s combine weights and sums them). Both go
 through a layout conversion so that each thread stores 16 contiguous bytes.
 
+Two tiles a program. The gate/up program decodes two weight tiles (gate and up rows) for each token tile it loads;
+the down program does the same with two 128-row tiles of W where N is a multiple of 256 (PAIRED), so both GEMMs
+spend one token copy, one barrier and one set of address arithmetic on 256 weight rows a step.
+
+Tails. On 128-row blocks a 128-token tile costs ~1.5x a 64-token one (the decode, per weight, is paid once for
+either), but an expert's last block is often short (K3.1 at 8192 tokens: ~146 rows an expert). `wgmma_gemm_tails`
+runs the blocks of more than 64 rows as 128-token tiles and the rest as 64-token tiles in a second launch.
+
 Scope: bf16 activations, MXFP4 weights in the shift layout, K and N multiples of 128, 8 warps. `ops.moe.triton`
 runs these when `MoEConfig.fragments` is set with block_m 64 or 128 (`ops.moe.config.default_config` sets it for
-prefill batches where they fit). On the H200 (BENCHMARKS.md, session 15): 1.2-1.6x the Triton prefill tiles at
-2048-32768 tokens; the K3.1 layer at 8192 tokens 37.7% of the measured bf16 matmul rate (the loop is latency-bound:
-two warps a scheduler, the tensor pipe ~40% busy).
+prefill batches where they fit: 128). On the H200 (BENCHMARKS.md, sessions 15-16): 1.2-1.6x the Triton prefill
+tiles at 2048-32768 tokens; the K3.1 layer at 8192 tokens ~39% of the measured bf16 matmul rate (the loop is
+latency-bound: two warps a scheduler, the tensor pipe ~40% busy).
 """
 
 from __future__ import annotations
@@ -156,13 +164,13 @@ def _wgmma_gemm_kernel(
     a_ptr, w_ptr, ws_ptr, v_ptr, vs_ptr, out_ptr, sorted_ptr, bexp_ptr, brows_ptr, nblk_ptr,
     N_OUT, K, A_ROW_DIV, s_am, s_we, s_wn, s_se, s_sn, s_om, beta, linear_beta,
     GATED: gl.constexpr, PAIRED: gl.constexpr, ACT: gl.constexpr, LINEAR_TANH: gl.constexpr, BM: gl.constexpr,
-    STAGES: gl.constexpr, ALIGN_M: gl.constexpr, SUBS: gl.constexpr, MIN_ROWS: gl.constexpr, MAX_ROWS: gl.constexpr,
+    STAGES: gl.constexpr, ALIGN_M: gl.constexpr, MIN_ROWS: gl.constexpr,
 ):
-    """One (BM rows of an align block of ALIGN_M pairs, 128 output columns or 256 where PAIRED): out[pair, cols] =
-    act(A W^T, A V^T) (GATED, stored at the columns' MMA-k positions of 128-wide steps), or A W^T rounded to bf16:
-    where PAIRED, V is W 128 rows on (the host's view) and the program's two weight tiles are W's next 256 rows, so
-    that the down GEMM runs the gate/up GEMM's two tiles on each token tile it loads. A is read in MMA-k order. Program block bs // n_tiles covers rows sub BM .. sub BM + BM of align block b (b, sub = divmod by SUBS)
-    and runs only where that block has MIN_ROWS .. MAX_ROWS real rows (the launches of `wgmma_gemm`'s row range)."""
+    """One (align block b of ALIGN_M pairs, 128 output columns, or 256 where PAIRED): out[pair, cols] =
+    act(A W^T, A V^T) (GATED, stored at the columns' MMA-k positions of 128-wide steps), or A W^T rounded to bf16;
+    where PAIRED, V is W 128 rows on (the host's view), so the program's two weight tiles are W's next 256 rows and
+    the down GEMM runs the gate/up GEMM's two tiles on each token tile it loads. A is read in MMA-k order. The
+    program runs only where block b holds MIN_ROWS .. BM real rows (`wgmma_gemm`'s row range)."""
     BN: gl.constexpr = BLOCK_N
     BK: gl.constexpr = BLOCK_K
     TWO: gl.constexpr = GATED or PAIRED  # two weight tiles a program
@@ -176,10 +184,9 @@ def _wgmma_gemm_kernel(
     LS: gl.constexpr = gl.BlockedLayout([1, 1], [8, 4], [NUM_WARPS, 1], [1, 0])
     pid = gl.program_id(0)
     n_tiles = gl.cdiv(N_OUT, ROWS)
-    bs = pid // n_tiles
+    b = pid // n_tiles
     nt = pid % n_tiles
-    b = bs // SUBS
-    row0 = b * ALIGN_M + (bs % SUBS) * BM  # the tile's first row of sorted_ptr
+    row0 = b * ALIGN_M  # the block's first row of sorted_ptr
     # the block's expert and rows loaded together with the block count (entries past it are undefined, in bounds,
     # and unused; a used block has e >= 0 and nrows >= 1, and testing them keeps the loads above the exit): two
     # global round trips before the first copies instead of three
@@ -187,9 +194,8 @@ def _wgmma_gemm_kernel(
     rx = gl.arange(0, BM, layout=gl.SliceLayout(1, LX))
     pairs = gl.load(sorted_ptr + row0 + rx)
     e = gl.load(bexp_ptr + b).to(gl.int64)
-    block_rows = gl.load(brows_ptr + b)
-    nrows = gl.minimum(block_rows - (bs % SUBS) * BM, BM)
-    if (b >= gl.load(nblk_ptr)) | (e < 0) | (nrows < 1) | (block_rows < MIN_ROWS) | (block_rows > MAX_ROWS):
+    nrows = gl.load(brows_ptr + b)
+    if (b >= gl.load(nblk_ptr)) | (e < 0) | (nrows < MIN_ROWS) | (nrows > BM):
         return
     # a step's 4 scale bytes of a row (t = 0..3) copied as one int32 (s_sn in int32 units), read back as bytes
     LS1: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
@@ -304,31 +310,28 @@ def _store_tile(y, out_ptr, sorted_ptr, row0, nrows, col0, s_om, BM: gl.constexp
 
 
 def wgmma_gemm(a, w, w_scale, v, v_scale, out, align, a_row_div: int, block_m: int, act: str, beta: float,
-               linear_beta: float | None, stages: int = 4, align_m: int | None = None,
-               rows: tuple[int, int] | None = None):
+               linear_beta: float | None, stages: int = 4, align_m: int | None = None, min_rows: int = 1):
     """One grouped GEMM (see the module doc): a [rows, K] bf16 in the MMA-k order of 128-wide steps; w, v uint8
     [E, N, K/2] in the shift layout with ue8m0 scales [E, N, K/32] (v None: the down GEMM, two 128-row weight tiles
     a program where N is a multiple of 256); out [N k, N] bf16 (the gate/up GEMM: its columns in the MMA-k order of
     128-wide steps).
 
-    align: `ops.moe.triton.align_blocks` at align_m rows a block (None: block_m), a multiple of the block_m rows of
-    a tile; rows (lo, hi): this launch takes only the align blocks of lo..hi real rows (None: all), so that blocks
-    of up to half a tile can run in a second launch of smaller tiles (`wgmma_gemm_tails`)."""
+    align: `ops.moe.triton.align_blocks` at align_m rows a block (None: block_m); this launch takes only the blocks
+    of min_rows..block_m real rows, so that a launch of 128-row tiles can leave the blocks of at most 64 rows to a
+    launch of 64-row tiles (`wgmma_gemm_tails`)."""
     align_m = align_m or block_m
-    lo, hi = rows or (1, align_m)
-    if align_m % block_m or not 1 <= lo <= hi <= align_m:
-        raise ValueError(f"the align blocks' {align_m} rows must be a multiple of the tile's {block_m}, and the row "
-                         f"range 1 <= {lo} <= {hi} <= {align_m}")
+    if align_m < block_m or not 1 <= min_rows <= block_m:
+        raise ValueError(f"a launch of {block_m}-row tiles takes align blocks of at least {block_m} rows (got "
+                         f"{align_m}) holding at least min_rows, 1 <= min_rows <= {block_m} (got {min_rows})")
     paired = v is None and paired_down(w.shape[1])
     if paired:  # the second tile of a program: W 128 rows on
         v, v_scale = w[:, BLOCK_N.value:], w_scale[:, BLOCK_N.value:]
     gated = v is not None and not paired
     args, _ = grouped_gemm_args(a, w, w_scale, v, v_scale, out, align, a_row_div, beta, linear_beta, True)
-    subs = triton.cdiv(hi, block_m)  # tiles an align block of at most hi rows needs
-    grid = (align[1].numel() * subs * triton.cdiv(w.shape[1], BLOCK_N.value * (1 + paired)),)
+    grid = (align[1].numel() * triton.cdiv(w.shape[1], BLOCK_N.value * (1 + paired)),)
     _wgmma_gemm_kernel[grid](
         *args, GATED=gated, PAIRED=paired, ACT=_ACT[act], LINEAR_TANH=linear_beta is not None, BM=block_m,
-        STAGES=stages, ALIGN_M=align_m, SUBS=subs, MIN_ROWS=lo, MAX_ROWS=hi, num_warps=NUM_WARPS.value)
+        STAGES=stages, ALIGN_M=align_m, MIN_ROWS=min_rows, num_warps=NUM_WARPS.value)
 
 
 def paired_down(n_out: int) -> bool:
@@ -342,8 +345,8 @@ def wgmma_gemm_tails(a, w, w_scale, v, v_scale, out, align, a_row_div: int, act:
     expert's last block where it holds at most 64 rows) as 64-token tiles in a second launch. A 128-token tile costs
     ~1.5x a 64-token one for twice the tokens, and a tail of at most 64 rows would pad the 128-token tile by half."""
     common = (a, w, w_scale, v, v_scale, out, align, a_row_div)
-    wgmma_gemm(*common, 128, act, beta, linear_beta, stages, align_m=128, rows=(65, 128))
-    wgmma_gemm(*common, 64, act, beta, linear_beta, tail_stages, align_m=128, rows=(1, 64))
+    wgmma_gemm(*common, 128, act, beta, linear_beta, stages, align_m=128, min_rows=65)
+    wgmma_gemm(*common, 64, act, beta, linear_beta, tail_stages, align_m=128)
 
 
 __all__ = ["BLOCK_K", "BLOCK_N", "paired_down", "wgmma_gemm", "wgmma_gemm_tails"]

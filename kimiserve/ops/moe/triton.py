@@ -629,15 +629,12 @@ def _check(x, w1, w2, w3, w1_scale, w2_scale, w3_scale, ids, weights, config: Mo
             raise ValueError(f"split_k must be 1..16, got {tiles.split_k}")
         if tiles.max_registers is not None and not 24 <= tiles.max_registers <= 255:
             raise ValueError(f"max_registers must be None or 24..255, got {tiles.max_registers}")
-    if config.down_block_m is not None and not (config.fragments and config.block_m > 16):
-        raise ValueError("MoEConfig.down_block_m is for the wgmma fragment GEMMs (fragments with block_m 64 or 128); "
-                         f"leave it None with block_m {config.block_m}, fragments {config.fragments}")
     if config.fragments:
         if not (mxfp4 and config.dequant == "shift" and x.dtype == torch.bfloat16 and x.is_cuda):
             raise ValueError("MoEConfig.fragments runs bf16 activations on CUDA against MXFP4 experts in the shift "
                              f"layout (dequant 'shift'); got {x.dtype} on {x.device.type}, dequant {config.dequant!r}")
         from kimiserve.ops.moe.fragment_order import check_fragment_shapes
-        why = check_fragment_shapes(h, inter, config.block_m, config.up, config.down, config.down_block_m)
+        why = check_fragment_shapes(h, inter, config.block_m, config.up, config.down)
         if why:
             raise ValueError(f"MoEConfig.fragments: {why}")
 
@@ -722,11 +719,10 @@ def down_gemm(act, w2, w2_scale, y, align, config: MoEConfig):
     if config.fragments and config.block_m > 16:
         from kimiserve.ops.moe import gluon_prefill
         args = (act, w2, w2_scale, None, None, y, align, 1)
-        if config.down_tile_m == 128:
+        if config.block_m == 128:
             gluon_prefill.wgmma_gemm_tails(*args, "silu", 1.0, None, config.down.num_stages)
         else:
-            gluon_prefill.wgmma_gemm(*args, config.down_tile_m, "silu", 1.0, None, config.down.num_stages,
-                                     align_m=config.block_m)
+            gluon_prefill.wgmma_gemm(*args, config.block_m, "silu", 1.0, None, config.down.num_stages)
     elif config.fragments:
         from kimiserve.ops.moe import gluon_decode
         gluon_decode.fragment_gemm(act, w2, w2_scale, None, None, y, align, 1, config.down, "silu", 1.0, None)
