@@ -12,8 +12,11 @@ Design.
    BLOCK_M: at most floor((N k + min(E, N k) (BLOCK_M - 1)) / BLOCK_M) blocks, so the grids are
    fixed and CUDA graphs capture them; nothing is read back by the host. Up to ALIGN_SMALL_PAIRS
    pairs, one Triton program does it all (a histogram over experts, a scan, a sort of the
-   (expert, pair) keys, the scatter); above that, a few torch ops do the same (a stable sort,
-   cumsums, a scatter, a searchsorted). Both put an expert's pairs in ascending pair order.
+   (expert, pair) keys, the scatter); above that, three launches do the same by chunks of that many
+   pairs (the chunks' histograms; one program's scan of them into each chunk's offsets per expert;
+   each chunk's sort and scatter). A few torch ops (a stable sort, cumsums, a scatter, a
+   searchsorted) are the reference, and the fallback for 8192 or more experts. All put an expert's
+   pairs in ascending pair order.
 2. Gate/up GEMM, grid (blocks x column tiles of the intermediate dim; column tiles fastest, so
    the programs of one block run together and share its activation rows from L2): a program
    gathers its block's token rows of x, streams BLOCK_N rows of W1_e and of W3_e in BLOCK_K steps,
@@ -75,6 +78,7 @@ from kimiserve.ops.moe.mxfp4_layout import MAG_MASK, SHIFT_PAIRS, SIGN_MASK
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # no inline PTX: the "lut" dequant runs emulated
 ALIGN_SMALL_PAIRS = 4096  # up to this many (token, slot) pairs (K3.1: 256 tokens) the alignment is one program
+MAX_ALIGN_EXPERTS = 8192  # more experts: the alignment in torch ops (the chunked kernels hold [*, E] rows)
 _DOT_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 _DEQUANT = {"exact": 0, "lut": 1, "dot_scaled": 2, "shift": 3}  # "shift": weights in mxfp4_layout's shift layout
 _ACT = {"silu": 0, "situ": 1}
@@ -118,6 +122,77 @@ def _align_kernel(ids_ptr, sorted_ptr, bexp_ptr, brows_ptr, nblk_ptr, scratch_pt
     tl.store(brows_ptr + dest // BM, rows, mask=head)
 
 
+@triton.jit
+def _align_count_kernel(ids_ptr, counts_ptr, P, E, PB: tl.constexpr, EB: tl.constexpr):
+    """Chunk c = program_id of PB pairs: its pairs per expert -> counts[c, :EB] (bins >= E: 0)."""
+    c = tl.program_id(0)
+    offs = c * PB + tl.arange(0, PB)
+    e = tl.load(ids_ptr + offs, mask=offs < P, other=E).to(tl.int32)
+    bins = tl.arange(0, EB)
+    tl.store(counts_ptr + c * EB + bins, tl.where(bins < E, tl.histogram(e, EB), 0))
+
+
+@triton.jit
+def _align_offsets_kernel(counts_ptr, offsets_ptr, end_ptr, nblk_ptr, C,
+                          BM: tl.constexpr, EB: tl.constexpr, CT: tl.constexpr):
+    """One program over the chunks' counts [C, EB]: offsets[c, e] = the row of expert e's first pair of chunk c
+    minus that pair's position in chunk c's sorted order (so a pair's row is offsets[c, e] + its position), end[e]
+    = the row after expert e's last pair, the block count. Two passes over the chunks, CT at a time."""
+    bins = tl.arange(0, EB)
+    rows = tl.arange(0, CT)
+    total = tl.zeros([EB], dtype=tl.int32)
+    for c0 in range(0, C, CT):
+        ok = (c0 + rows < C)[:, None]
+        total += tl.sum(tl.load(counts_ptr + (c0 + rows)[:, None] * EB + bins[None, :], mask=ok, other=0), axis=0)
+    nb = (total + BM - 1) // BM
+    start = (tl.cumsum(nb, 0) - nb) * BM
+    tl.store(end_ptr + bins, start + total)
+    tl.store(nblk_ptr, tl.sum(nb, 0))
+    before = start  # expert e's rows taken by earlier chunks, from its first row
+    for c0 in range(0, C, CT):
+        ok = (c0 + rows < C)[:, None]
+        cnt = tl.load(counts_ptr + (c0 + rows)[:, None] * EB + bins[None, :], mask=ok, other=0)
+        in_chunks = tl.cumsum(cnt, 0) - cnt  # earlier chunks of this tile
+        in_experts = tl.cumsum(cnt, 1) - cnt  # a chunk's pairs of lower experts: its sorted order's offset
+        tl.store(offsets_ptr + (c0 + rows)[:, None] * EB + bins[None, :],
+                 before[None, :] + in_chunks - in_experts, mask=ok)
+        before += tl.sum(cnt, axis=0)
+
+
+@triton.jit
+def _align_scatter_kernel(ids_ptr, offsets_ptr, end_ptr, sorted_ptr, bexp_ptr, brows_ptr, P, E,
+                          BM: tl.constexpr, PB: tl.constexpr, EB: tl.constexpr):
+    """Chunk c = program_id: each pair to its row (stable: by expert, then pair), each block's expert and rows
+    from its first pair."""
+    c = tl.program_id(0)
+    offs = tl.arange(0, PB)
+    e = tl.load(ids_ptr + c * PB + offs, mask=c * PB + offs < P, other=E).to(tl.int32)
+    keys = tl.sort(e * PB + offs)
+    se = keys // PB
+    sok = se < E
+    dest = offs + tl.load(offsets_ptr + c * EB + se, mask=sok, other=0)
+    tl.store(sorted_ptr + dest, c * PB + keys % PB, mask=sok)
+    head = sok & (dest % BM == 0)
+    tl.store(bexp_ptr + dest // BM, se, mask=head)
+    tl.store(brows_ptr + dest // BM, tl.minimum(tl.load(end_ptr + se, mask=sok, other=0) - dest, BM), mask=head)
+
+
+def _align_chunks(flat: torch.Tensor, num_experts: int, block_m: int, sorted_pairs, bexp, brows, nblk):
+    """The alignment of many pairs in three launches: chunks of ALIGN_SMALL_PAIRS counted, their offsets, then
+    each chunk sorted and scattered (the one-program kernel's work, per chunk)."""
+    P, dev = flat.numel(), flat.device
+    PB, EB = ALIGN_SMALL_PAIRS, triton.next_power_of_2(num_experts + 1)
+    C = triton.cdiv(P, PB)
+    counts = torch.empty(C, EB, dtype=torch.int32, device=dev)
+    offsets = torch.empty(C, EB, dtype=torch.int32, device=dev)
+    end = torch.empty(EB, dtype=torch.int32, device=dev)
+    _align_count_kernel[(C,)](flat, counts, P, num_experts, PB=PB, EB=EB, num_warps=16)
+    _align_offsets_kernel[(1,)](counts, offsets, end, nblk, C, BM=block_m, EB=EB, CT=max(1, 8192 // EB),
+                                num_warps=16)
+    _align_scatter_kernel[(C,)](flat, offsets, end, sorted_pairs, bexp, brows, P, num_experts, BM=block_m, PB=PB,
+                                EB=EB, num_warps=16)
+
+
 def _align_torch(flat: torch.Tensor, num_experts: int, block_m: int, nblocks: int, sorted_pairs, bexp, brows, nblk):
     """The same alignment in torch ops (large batches): no host sync, shapes fixed by the inputs."""
     P, dev = flat.numel(), flat.device
@@ -157,6 +232,8 @@ def align_blocks(ids: torch.Tensor, num_experts: int, block_m: int, use_triton: 
         PB = max(16, triton.next_power_of_2(P))
         _align_kernel[(1,)](flat, sorted_pairs, bexp, brows, nblk, scratch, P, num_experts, BM=block_m, PB=PB, EB=EB,
                             num_warps=4 if PB <= 512 else 8 if PB <= 2048 else 16)
+    elif use_triton and num_experts < MAX_ALIGN_EXPERTS:
+        _align_chunks(flat, num_experts, block_m, sorted_pairs, bexp, brows, nblk)
     else:
         _align_torch(flat.long(), num_experts, block_m, nblocks, sorted_pairs, bexp, brows, nblk)
     return sorted_pairs, bexp, brows, nblk
