@@ -448,7 +448,7 @@ def test_shift_dequant_bit_exact(tt):
     assert_bitwise(tt.dequantize_weights(shifted, scales, torch.bfloat16, "shift"), want)
 
 
-@pytest.mark.parametrize("num_tokens", [1, 7, 200, 900, 4000])  # 900, 4000 x 16 pairs: the chunked kernels
+@pytest.mark.parametrize("num_tokens", [1, 7, 200, 900])  # 900 x 16 pairs: the chunked kernels (4 chunks)
 def test_align_on_gpu(tt, num_tokens):
     gen = torch.Generator().manual_seed(num_tokens)
     for E, k, routing in [(896, 16, "random"), (13, 3, "zipf"), (13, 3, "same")]:
