@@ -75,9 +75,9 @@ def default_config(num_tokens: int, top_k: int, num_experts: int, dtype: torch.d
     128 (down) columns x 128 K, unswapped (7% under the swapped 32-row tile); above, in the shift layout with dims
     that are multiples of 256, the Gluon wgmma fragment GEMMs (`ops.moe.gluon_prefill`) on 128-row blocks, each
     expert's tail of at most 64 rows as 64-token tiles, the down GEMM on two weight tiles a program (K3.1 at 8192
-    tokens: 1.06-1.09x session 15's 64-row blocks, which were 1.2-1.35x the Triton tile at 2048-8192 tokens; the
-    `small` preset's prefill chunks 1.5-1.6x the Triton tile), 4 stages for the down GEMM from 256 rows per
-    expert; else 64-row blocks on 4 warps (9% under 128-row blocks on 8 at 8192 tokens:
+    tokens 27.5 ms, 40.2% of the matmul rate, session 16, from 30.8-31.0 ms on session 15's 64-row blocks, which
+    were 1.2-1.35x the Triton tile at 2048-8192 tokens; the `small` preset's prefill chunks 1.4-1.8x the Triton
+    tile), 4 stages for the down GEMM from 256 rows per expert; else 64-row blocks on 4 warps (9% under 128-row blocks on 8 at 8192 tokens:
     ~146 rows per expert pad less). bf16 weights keep the swapped form for decode (not re-measured). The shift
     layout takes dequant "shift"."""
     if dtype != torch.bfloat16:  # fp32 (the CPU-sized models) and fp16: exact dequant, IEEE or fp16 dots
