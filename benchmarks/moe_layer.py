@@ -479,8 +479,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="tiny shapes on the CPU under Triton's interpreter (a plumbing check, no figures)")
     parser.add_argument("--sass", action="store_true",
                         help="no GPU: compile the default and every variant for sm_90 and print their resources")
+    parser.add_argument("--align-pairs", type=int, default=tt.ALIGN_SMALL_PAIRS,
+                        help="pairs up to which the align is one program, and the chunk of its chunked kernels above "
+                             "(a power of two; patches ops.moe.triton.ALIGN_SMALL_PAIRS in this process: an A/B)")
     parser.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "moe_layer.json"))
     args = parser.parse_args(argv)
+    if args.align_pairs < 16 or args.align_pairs & (args.align_pairs - 1):
+        parser.error(f"--align-pairs must be a power of two >= 16, got {args.align_pairs}")
+    tt.ALIGN_SMALL_PAIRS = args.align_pairs
     if args.sass:
         _, _, h, inter = (int(v) for v in args.shape.split(","))
         defaults = [config_spec(tt.default_config(n, 16, 896, torch.bfloat16, True, layout, dims=(h, inter)))

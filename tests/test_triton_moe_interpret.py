@@ -49,6 +49,21 @@ def test_align_blocks(N, E, k, routing, block_m):
         assert torch.equal(a[0][rows], b[0][rows])
 
 
+@pytest.mark.parametrize("N,E,k,routing,block_m", [(300, 9, 3, "zipf", 16), (100, 5, 2, "same", 32),
+                                                   (250, 40, 4, "random", 64)])
+def test_align_chunks_of_64_pairs(monkeypatch, N, E, k, routing, block_m):
+    """The chunked kernels with 64-pair chunks (ALIGN_SMALL_PAIRS patched, as moe_layer.py --align-pairs does):
+    4-16 chunks, most experts split across chunks, the same blocks as the torch ops."""
+    monkeypatch.setattr(tt, "ALIGN_SMALL_PAIRS", 64)
+    ids = route_ids(N, E, k, routing, torch.Generator().manual_seed(N))
+    a = check_align(tt, ids, E, block_m, use_triton=True)
+    b = check_align(tt, ids, E, block_m, use_triton=False)
+    nb = int(a[3][0])
+    assert torch.equal(a[1][:nb], b[1][:nb]) and torch.equal(a[2][:nb], b[2][:nb])
+    assert torch.equal(torch.cat([a[0][i * block_m: i * block_m + int(a[2][i])] for i in range(nb)]),
+                       torch.cat([b[0][i * block_m: i * block_m + int(b[2][i])] for i in range(nb)]))
+
+
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # 6 * 2^127 is inf, as in the reference
 @pytest.mark.parametrize("dequant,dtype", [("exact", torch.float32), ("exact", torch.bfloat16),
                                            ("lut", torch.bfloat16)])
