@@ -32,7 +32,7 @@ runs the blocks of more than 64 rows as 128-token tiles and the rest as 64-token
 Scope: bf16 activations, MXFP4 weights in the shift layout, K and N multiples of 128, 8 warps. `ops.moe.triton`
 runs these when `MoEConfig.fragments` is set with block_m 64 or 128 (`ops.moe.config.default_config` sets it for
 prefill batches where they fit: 128). On the H200 (BENCHMARKS.md, sessions 15-16): 1.2-1.6x the Triton prefill
-tiles at 2048-32768 tokens; the K3.1 layer at 8192 tokens ~39% of the measured bf16 matmul rate (the loop is
+tiles at 2048-32768 tokens; the K3.1 layer at 8192 tokens 40.2% of the measured bf16 matmul rate (the loop is
 latency-bound: two warps a scheduler, the tensor pipe ~40% busy).
 """
 

@@ -186,11 +186,16 @@ def _align_chunks(flat: torch.Tensor, num_experts: int, block_m: int, sorted_pai
     counts = torch.empty(C, EB, dtype=torch.int32, device=dev)
     offsets = torch.empty(C, EB, dtype=torch.int32, device=dev)
     end = torch.empty(EB, dtype=torch.int32, device=dev)
-    _align_count_kernel[(C,)](flat, counts, P, num_experts, PB=PB, EB=EB, num_warps=16)
+    _align_count_kernel[(C,)](flat, counts, P, num_experts, PB=PB, EB=EB, num_warps=_align_warps(PB))
     _align_offsets_kernel[(1,)](counts, offsets, end, nblk, C, BM=block_m, EB=EB, CT=max(1, 8192 // EB),
                                 num_warps=16)
     _align_scatter_kernel[(C,)](flat, offsets, end, sorted_pairs, bexp, brows, P, num_experts, BM=block_m, PB=PB,
-                                EB=EB, num_warps=16)
+                                EB=EB, num_warps=_align_warps(PB))
+
+
+def _align_warps(pairs: int) -> int:
+    """Warps of a program that sorts `pairs` keys."""
+    return 4 if pairs <= 512 else 8 if pairs <= 2048 else 16
 
 
 def _align_torch(flat: torch.Tensor, num_experts: int, block_m: int, nblocks: int, sorted_pairs, bexp, brows, nblk):
@@ -231,7 +236,7 @@ def align_blocks(ids: torch.Tensor, num_experts: int, block_m: int, use_triton: 
         scratch = torch.empty(2 * EB, dtype=torch.int32, device=dev)
         PB = max(16, triton.next_power_of_2(P))
         _align_kernel[(1,)](flat, sorted_pairs, bexp, brows, nblk, scratch, P, num_experts, BM=block_m, PB=PB, EB=EB,
-                            num_warps=4 if PB <= 512 else 8 if PB <= 2048 else 16)
+                            num_warps=_align_warps(PB))
     elif use_triton and num_experts < MAX_ALIGN_EXPERTS:
         _align_chunks(flat, num_experts, block_m, sorted_pairs, bexp, brows, nblk)
     else:
