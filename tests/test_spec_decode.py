@@ -162,8 +162,13 @@ def test_kda_state_matches_run_without_speculation_and_abort_mid_round():
     drafts are pending (and another in the middle of a verify) leaves no page held."""
     prompt = random_prompts([37], seed=9)[0]
     p = SamplingParams(max_tokens=60, allowed_token_ids=FEW, **GREEDY)
-    on = make_engine(speculative_config=ngram(4))
-    off = make_engine()
+    # the indexer selects every position (index_topk >= the 97-token context): with the tiny preset's top-8 a
+    # near-tie in the index scores can select another position in one run than in the other from the rounding below
+    # (seen on an Intel Xeon: the states' error jumped from 2e-7 to 2.4e-5 at one token), which is the sparse
+    # attention's discontinuity, not the KDA state this test is about
+    wide = {"index_topk": 128}
+    on = make_engine(speculative_config=ngram(4), model_overrides=wide)
+    off = make_engine(model_overrides=wide)
     on.add_request("a", prompt, p)
     off.add_request("a", prompt, p)
     checked = rounds_with_rejection = 0
