@@ -148,13 +148,39 @@ def test_sm90_build_has_no_fragment_moves(gated):
     """The Gluon kernel's sm_90 build (Triton's ptxas, offline): the B operand's layout conversion is trivial
     (the kernel asserts it), no spills, and the K loop has almost no register moves (Triton's own decode GEMM:
     0.89 a weight for gate/up) and two K steps of mma.sync per iteration."""
-    consts = dict(GATED=gated, ACT=1, LINEAR_TANH=True, BN=128, BK=128, OUT_BK=128, NUM_WARPS=4)
+    consts = dict(GATED=gated, ACT=1, LINEAR_TANH=True, BN=128, BK=128, OUT_BK=128, NUM_WARPS=4, STAGES=2)
     sass, ops, loop_mix = _sm90_build("gluon_decode", "_fragment_gemm_kernel", "*u8", consts, 4,
                                       ["K", "s_am", "s_we", "s_wn", "s_se", "s_sn", "s_om"])
     weights = 2 * (2 if gated else 1) * 128 * 128 / 128  # per thread: two K steps of one or two weight tiles
     assert sum(op.startswith("HMMA.16816") for op in ops) == 2 * (2 if gated else 1) * 8 * 4
     assert loop_mix(ops)["moves"] / weights < 0.2
     assert len(ops) / weights < 3.2
+
+
+@pytest.mark.parametrize("gated,block_n,block_k,stages", [(True, 64, 256, 3), (False, 64, 256, 4), (True, 128, 128, 4)])
+def test_sm90_build_of_the_decode_weight_ring(gated, block_n, block_k, stages):
+    """The decode kernel with its weight words through a cp.async ring (num_stages >= 3), built offline: no
+    spills, one K step of mma.sync per loop iteration, the cp.async copies in the loop, few moves."""
+    consts = dict(GATED=gated, ACT=1, LINEAR_TANH=True, BN=block_n, BK=block_k, OUT_BK=block_k, NUM_WARPS=4,
+                  STAGES=stages)
+    sass, ops, loop_mix = _sm90_build("gluon_decode", "_fragment_gemm_kernel", "*u8", consts, 4,
+                                      ["K", "s_am", "s_we", "s_wn", "s_se", "s_sn", "s_om"])
+    tiles = 2 if gated else 1
+    weights = tiles * block_n * block_k / 128  # per thread: one K step of one or two weight tiles
+    assert sum(op.startswith("HMMA.16816") for op in ops) == tiles * (block_n // 32) * (block_k // 16)
+    assert sum(op.startswith("LDGSTS") for op in ops) >= tiles * block_n * block_k // 2 // 16 // 128
+    assert loop_mix(ops)["moves"] / weights < 0.2
+
+
+def test_decode_weight_ring_stage_checks():
+    """The decode kernels take 2 stages (registers) or a ring of 3 or more that fits the shared memory."""
+    def tiles(stages, block_n=64, block_k=256):
+        return GemmTiles(block_n=block_n, block_k=block_k, num_warps=4, num_stages=stages)
+
+    assert check_fragment_shapes(3584, 3072, 16, tiles(2), tiles(2)) is None
+    assert check_fragment_shapes(3584, 3072, 16, tiles(6), tiles(6)) is None  # 6 x 2 x 8 KB
+    assert "2 stages" in check_fragment_shapes(3584, 3072, 16, tiles(1), tiles(2))
+    assert "fits" in check_fragment_shapes(3584, 3072, 16, tiles(8, 256), tiles(2, 256))  # 8 x 2 x 32 KB
 
 
 @pytest.mark.parametrize("gated,paired,block_m,stages", [(True, False, 64, 4), (False, False, 64, 4),

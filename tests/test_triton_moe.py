@@ -262,9 +262,10 @@ FRAGMENT_TILES = [  # block_n, num_warps, block_k of gate/up, of down
     (128, 4, 128, 128), (256, 8, 128, 128), (64, 2, 256, 256), (64, 4, 256, 128), (32, 2, 128, 256)]
 
 
-def fragment_config(tt, block_n: int = 128, warps: int = 4, block_k: int = 128, down_block_k: int = 128):
-    up = tt.GemmTiles(block_n=block_n, block_k=block_k, num_warps=warps)
-    down = tt.GemmTiles(block_n=block_n, block_k=down_block_k, num_warps=warps)
+def fragment_config(tt, block_n: int = 128, warps: int = 4, block_k: int = 128, down_block_k: int = 128,
+                    stages: int = 2):
+    up = tt.GemmTiles(block_n=block_n, block_k=block_k, num_warps=warps, num_stages=stages)
+    down = tt.GemmTiles(block_n=block_n, block_k=down_block_k, num_warps=warps, num_stages=stages)
     return tt.MoEConfig(block_m=16, up=up, down=down, dequant="shift", fragments=True)
 
 
@@ -278,6 +279,20 @@ def test_fragment_gemms(tt, block_n, warps, block_k, down_block_k):
     cfg = fragment_config(tt, block_n, warps, block_k, down_block_k)
     big = max(block_k, down_block_k)
     for h, inter in ((3 * block_k, 2 * big), (block_k, 5 * big)):
+        for N, routing, act in ((45, "subset", "situ"), (1, "random", "situ"), (7, "same", "silu"),
+                                (33, "zipf", "situ")):
+            check_case(tt, N, h, inter, 9, 3, torch.bfloat16, True, act, routing, "cuda", cfg, seed=N)
+
+
+@pytest.mark.parametrize("block_n,warps,block_k,down_block_k,stages", [(64, 4, 256, 256, 3), (128, 4, 128, 128, 4),
+                                                                        (64, 2, 256, 128, 5)])
+def test_fragment_gemms_weight_ring(tt, block_n, warps, block_k, down_block_k, stages):
+    """The decode fragment GEMMs with the weight words through a cp.async ring (num_stages >= 3) against the
+    reference: 1, 2, 3 and 5 K steps (fewer steps than slots in flight: the clamped copies past the end), the
+    cases of test_fragment_gemms."""
+    cfg = fragment_config(tt, block_n, warps, block_k, down_block_k, stages)
+    big = max(block_k, down_block_k)
+    for h, inter in ((3 * block_k, 2 * big), (block_k, 5 * big), (2 * block_k, big)):
         for N, routing, act in ((45, "subset", "situ"), (1, "random", "situ"), (7, "same", "silu"),
                                 (33, "zipf", "situ")):
             check_case(tt, N, h, inter, 9, 3, torch.bfloat16, True, act, routing, "cuda", cfg, seed=N)

@@ -84,12 +84,18 @@ def check_fragment_shapes(h: int, inter: int, block_m: int, up, down) -> str | N
         return None
     if block_m != FRAGMENT_BLOCK_M:
         return f"block_m must be {FRAGMENT_BLOCK_M} (decode) or one of {WGMMA_BLOCK_MS} (prefill), got {block_m}"
-    for t, K in ((up, h), (down, inter)):
+    for t, K, weight_tiles in ((up, h, 2), (down, inter, 1)):
         if t.block_k not in FRAGMENT_BLOCK_KS or K % t.block_k or t.split_k != 1 or t.swap:
             return (f"tiles need block_k in {FRAGMENT_BLOCK_KS} dividing their K, no split-K and no swap; got {t} "
                     f"for K = {K}")
         if t.num_warps not in (1, 2, 4, 8) or t.block_n & (t.block_n - 1) or t.block_n < 8 * t.num_warps:
             return f"block_n must be a power of two >= 8 x num_warps (1, 2, 4 or 8), got {t.block_n} and {t.num_warps}"
+        # num_stages 2: the weights a step ahead in registers; >= 3: a ring of that many slots of weight words in
+        # shared memory (`ops.moe.gluon_decode`), beside the activation tile's two buffers
+        ring = t.num_stages * weight_tiles * t.block_n * t.block_k // 2 if t.num_stages > 2 else 0
+        if t.num_stages < 2 or ring + 2 * FRAGMENT_BLOCK_M * t.block_k * 2 > WGMMA_SHARED_BYTES:
+            return (f"the decode fragment GEMMs take 2 stages (registers) or 3 or more whose weight ring fits the "
+                    f"{WGMMA_SHARED_BYTES // 1024} KB of shared memory; got {t.num_stages} for {t}")
     return None
 
 

@@ -23,7 +23,9 @@ half, b0 the element of a pair).
 
 Scope: bf16 activations, MXFP4 weights in the shift layout, 16-row blocks (the decode regime), K steps of 128 or
 256 columns dividing K, block_n a power of two >= 8 x num_warps. Each step's loads are issued a step ahead (the
-loop unrolled by two, so no prefetched register is copied). The tail tile's extra weight rows read the last row
+loop unrolled by two, so no prefetched register is copied); with num_stages >= 3 the weight words instead arrive
+through a cp.async ring, num_stages - 1 steps ahead (opt-in: more bytes in flight a CTA at 1 token, where each
+GEMM reads at ~55% of the copy rate; not yet timed). The tail tile's extra weight rows read the last row
 (clamped) and are not stored; padding rows of a block read pair 0's row. `ops.moe.triton` runs these when
 `MoEConfig.fragments` is set (`ops.moe.config.default_config` sets it for decode batches where they fit); its
 module doc has the rest of the contract.
@@ -34,7 +36,7 @@ from __future__ import annotations
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 from kimiserve.ops.moe.epilogue import _activate
 from kimiserve.ops.moe.fragment_order import fragment_order, grouped_gemm_args
@@ -75,6 +77,27 @@ def _load_weights(w_e, ws_e, v_e, vs_e, w_off, s_off, step, BK: gl.constexpr, GA
 
 
 @gluon.jit
+def _load_scales(ws_e, vs_e, s_off, step, BK: gl.constexpr, GATED: gl.constexpr):
+    """One K step's scales of W (and V where GATED; else W's again, unused)."""
+    s = gl.load(ws_e + s_off + step * (BK // 32))
+    if GATED:
+        t = gl.load(vs_e + s_off + step * (BK // 32))
+    else:
+        t = s
+    return s, t
+
+
+@gluon.jit
+def _copy_words(w_smem, v_smem, w_e, v_e, w_off, step, slot, BK: gl.constexpr, GATED: gl.constexpr):
+    """Start one K step's weight words of W (and V where GATED) into ring slot `slot`: each thread copies exactly
+    the words it reads back; one commit group."""
+    async_copy.async_copy_global_to_shared(w_smem.index(slot), w_e + w_off + step * (BK // 8))
+    if GATED:
+        async_copy.async_copy_global_to_shared(v_smem.index(slot), v_e + w_off + step * (BK // 8))
+    async_copy.commit_group()
+
+
+@gluon.jit
 def _mma_step(a_buf, w, s, v, t, acc, acc2, BN: gl.constexpr, BK: gl.constexpr, LA: gl.constexpr,
               LB: gl.constexpr, GATED: gl.constexpr):
     """acc (+ acc2) += the activation tile in shared memory times one K step of W (and V)."""
@@ -86,14 +109,79 @@ def _mma_step(a_buf, w, s, v, t, acc, acc2, BN: gl.constexpr, BK: gl.constexpr, 
 
 
 @gluon.jit
+def _register_loop(a_smem, g_ptrs, w_e, ws_e, v_e, vs_e, w_off, s_off, steps, acc, acc2, BN: gl.constexpr,
+                   BK: gl.constexpr, LA: gl.constexpr, LB: gl.constexpr, GATED: gl.constexpr):
+    """The K loop with each step's weights loaded a step ahead into registers, unrolled by two so that each loaded
+    value is used where it was loaded into."""
+    w_c, s_c, v_c, t_c = _load_weights(w_e, ws_e, v_e, vs_e, w_off, s_off, 0, BK, GATED)
+    a_smem.index(0).store(gl.load(g_ptrs))
+    gl.thread_barrier()
+    for i in range(steps // 2):
+        j = gl.minimum(2 * i + 1, steps - 1)
+        a_next = gl.load(g_ptrs + j * BK)
+        w_n, s_n, v_n, t_n = _load_weights(w_e, ws_e, v_e, vs_e, w_off, s_off, j, BK, GATED)
+        acc, acc2 = _mma_step(a_smem.index(0), w_c, s_c, v_c, t_c, acc, acc2, BN, BK, LA, LB, GATED)
+        a_smem.index(1).store(a_next)  # buffer 1 was last read before the previous barrier
+        gl.thread_barrier()
+        j = gl.minimum(2 * i + 2, steps - 1)  # past the end: the last step again, never used
+        a_next = gl.load(g_ptrs + j * BK)
+        w_c, s_c, v_c, t_c = _load_weights(w_e, ws_e, v_e, vs_e, w_off, s_off, j, BK, GATED)
+        acc, acc2 = _mma_step(a_smem.index(1), w_n, s_n, v_n, t_n, acc, acc2, BN, BK, LA, LB, GATED)
+        a_smem.index(0).store(a_next)
+        gl.thread_barrier()
+    if steps % 2:
+        acc, acc2 = _mma_step(a_smem.index(0), w_c, s_c, v_c, t_c, acc, acc2, BN, BK, LA, LB, GATED)
+    return acc, acc2
+
+
+@gluon.jit
+def _ring_loop(a_smem, g_ptrs, w_e, ws_e, v_e, vs_e, w_off, s_off, steps, acc, acc2, BN: gl.constexpr,
+               BK: gl.constexpr, LA: gl.constexpr, LB: gl.constexpr, LW: gl.constexpr, GATED: gl.constexpr,
+               STAGES: gl.constexpr):
+    """The K loop with the weight words through a cp.async ring of STAGES slots, STAGES - 1 steps ahead. One
+    barrier a step serves both the ring (a slot is rewritten only after every thread read it, and read only after
+    every thread's copies into it completed) and the activation tile's two buffers."""
+    LWS: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[2, 1, 0])
+    w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BN, 4, BK // 32], LWS)
+    if GATED:
+        v_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BN, 4, BK // 32], LWS)
+    else:
+        v_smem = w_smem
+    for p in gl.static_range(STAGES - 1):  # past the end: the last step again, never used
+        _copy_words(w_smem, v_smem, w_e, v_e, w_off, gl.minimum(p, steps - 1), p, BK, GATED)
+    s_c, t_c = _load_scales(ws_e, vs_e, s_off, 0, BK, GATED)
+    a_smem.index(0).store(gl.load(g_ptrs))
+    for i in range(steps):
+        j = gl.minimum(i + 1, steps - 1)
+        a_next = gl.load(g_ptrs + j * BK)
+        s_n, t_n = _load_scales(ws_e, vs_e, s_off, j, BK, GATED)
+        async_copy.wait_group(STAGES - 2)  # this thread's copies of step i are in
+        gl.thread_barrier()
+        w_c = w_smem.index(i % STAGES).load(LW)
+        if GATED:
+            v_c = v_smem.index(i % STAGES).load(LW)
+        else:
+            v_c = w_c
+        _copy_words(w_smem, v_smem, w_e, v_e, w_off, gl.minimum(i + STAGES - 1, steps - 1), (i + STAGES - 1) % STAGES,
+                    BK, GATED)
+        acc, acc2 = _mma_step(a_smem.index(i % 2), w_c, s_c, v_c, t_c, acc, acc2, BN, BK, LA, LB, GATED)
+        a_smem.index((i + 1) % 2).store(a_next)  # read in step i - 1, before this step's barrier
+        s_c, t_c = s_n, t_n
+    async_copy.wait_group(0)
+    return acc, acc2
+
+
+@gluon.jit
 def _fragment_gemm_kernel(
     a_ptr, w_ptr, ws_ptr, v_ptr, vs_ptr, out_ptr, sorted_ptr, bexp_ptr, brows_ptr, nblk_ptr,
     N_OUT, K, A_ROW_DIV, s_am, s_we, s_wn, s_se, s_sn, s_om, beta, linear_beta,
     GATED: gl.constexpr, ACT: gl.constexpr, LINEAR_TANH: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
-    OUT_BK: gl.constexpr, NUM_WARPS: gl.constexpr,
+    OUT_BK: gl.constexpr, NUM_WARPS: gl.constexpr, STAGES: gl.constexpr,
 ):
     """One (block of 16 pairs, BN output columns): out[pair, cols] = act(A W^T, A V^T) (GATED, stored at the
     columns' MMA-k positions for a down GEMM of OUT_BK-wide steps) or A W^T (stored in place), rounded to bf16.
+    STAGES 2: each step's weights loaded a step ahead into registers; 3 or more: the weight words through a
+    cp.async ring of STAGES shared-memory slots, STAGES - 1 steps ahead (the scales a step ahead in registers).
     """
     BM: gl.constexpr = 16
     G: gl.constexpr = BK // 128
@@ -129,7 +217,6 @@ def _fragment_gemm_kernel(
     acc = gl.zeros((BM, BN), gl.float32, MMA)
     acc2 = gl.zeros((BM, BN), gl.float32, MMA)
     steps = K // BK
-    w_c, s_c, v_c, t_c = _load_weights(w_e, ws_e, v_e, vs_e, w_off, s_off, 0, BK, GATED)
     # the activation tile a step ahead through shared memory (16-byte loads, ldmatrix into the A fragments), two
     # buffers, one barrier a step; the weights a step ahead in registers, the loop unrolled by two so that each
     # loaded value is used where it was loaded into
@@ -141,23 +228,12 @@ def _fragment_gemm_kernel(
     g_ptrs = gl.expand_dims(a_ptr + (pg // A_ROW_DIV) * s_am, 1) + gl.expand_dims(kg, 0)
     a_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BM, BK],
                                        gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0]))
-    a_smem.index(0).store(gl.load(g_ptrs))
-    gl.thread_barrier()
-    for i in range(steps // 2):
-        j = gl.minimum(2 * i + 1, steps - 1)
-        a_next = gl.load(g_ptrs + j * BK)
-        w_n, s_n, v_n, t_n = _load_weights(w_e, ws_e, v_e, vs_e, w_off, s_off, j, BK, GATED)
-        acc, acc2 = _mma_step(a_smem.index(0), w_c, s_c, v_c, t_c, acc, acc2, BN, BK, LA, LB, GATED)
-        a_smem.index(1).store(a_next)  # buffer 1 was last read before the previous barrier
-        gl.thread_barrier()
-        j = gl.minimum(2 * i + 2, steps - 1)  # past the end: the last step again, never used
-        a_next = gl.load(g_ptrs + j * BK)
-        w_c, s_c, v_c, t_c = _load_weights(w_e, ws_e, v_e, vs_e, w_off, s_off, j, BK, GATED)
-        acc, acc2 = _mma_step(a_smem.index(1), w_n, s_n, v_n, t_n, acc, acc2, BN, BK, LA, LB, GATED)
-        a_smem.index(0).store(a_next)
-        gl.thread_barrier()
-    if steps % 2:
-        acc, acc2 = _mma_step(a_smem.index(0), w_c, s_c, v_c, t_c, acc, acc2, BN, BK, LA, LB, GATED)
+    if STAGES > 2:
+        acc, acc2 = _ring_loop(a_smem, g_ptrs, w_e, ws_e, v_e, vs_e, w_off, s_off, steps, acc, acc2, BN, BK, LA,
+                               LB, LW, GATED, STAGES)
+    else:
+        acc, acc2 = _register_loop(a_smem, g_ptrs, w_e, ws_e, v_e, vs_e, w_off, s_off, steps, acc, acc2, BN, BK,
+                                   LA, LB, GATED)
     ro = gl.arange(0, BM, layout=gl.SliceLayout(1, MMA))
     row_ok = ro < nrows
     po = gl.load(sorted_ptr + b * BM + ro, mask=row_ok, other=0).to(gl.int64)
@@ -182,7 +258,7 @@ def fragment_gemm(a, w, w_scale, v, v_scale, out, align, a_row_div: int, tiles, 
     grid = (align[1].numel() * triton.cdiv(w.shape[1], tiles.block_n),)
     _fragment_gemm_kernel[grid](
         *args, GATED=gated, ACT=_ACT[act], LINEAR_TANH=linear_beta is not None, BN=tiles.block_n, BK=tiles.block_k,
-        OUT_BK=out_block_k, NUM_WARPS=tiles.num_warps, **compile_options(tiles))
+        OUT_BK=out_block_k, NUM_WARPS=tiles.num_warps, STAGES=tiles.num_stages, **compile_options(tiles))
 
 
 def compile_options(tiles) -> dict:
