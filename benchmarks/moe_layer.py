@@ -30,8 +30,8 @@ at the same shape for --check-tokens (relative RMS error, bound 1e-2), and the p
 
 A variant SPEC is DEQUANT-mBM-nBN-kBK-wWARPS-sSTAGES[-dnBN][-dkBK][-dwWARPS][-dsSTAGES][-rREGS][-drREGS]
 [-skS][-dskS][-swap][-frag] (dn/dk/dw/ds: the down GEMM's column tile, K step, warps and stages when they differ from
-the gate/up GEMM's; frag: MoEConfig.fragments; r/dr: a register cap (maxnreg) per GEMM; sk/dsk: split-K of the gate/up and down GEMMs, fp32
-partials reduced in a fixed order), e.g. lut-m16-n64-k256-w4-s3-swap, shift-m16-n64-k128-w4-s4-sk4-dsk4.
+the gate/up GEMM's; frag: MoEConfig.fragments; r/dr: a register cap (maxnreg) per GEMM; sk/dsk: split-K of the
+gate/up and down GEMMs, fp32 partials reduced in a fixed order), e.g. lut-m16-n64-k256-w4-s3-swap, shift-m16-n64-k128-w4-s4-sk4-dsk4.
 --stages-each times every variant's stages apart (gate/up, down): the best gate/up and the best down tiling of
 a sweep can then be paired.
 Writes the JSON after every row (device, date, commit, copy_gbps, matmul_tflops, rows) and prints a

@@ -46,10 +46,10 @@ class MoEConfig:
     combine_block: hidden columns per program of the combine; fragments: both GEMMs as Gluon kernels whose
     dequantised weights are register fragments of the MMA (CUDA, bf16, the shift layout; the activation between
     them kept in `ops.moe.fragment_order`'s MMA-k order): with block_m 16 `ops.moe.gluon_decode`'s (mma.sync,
-    block_k 128 or 256, num_stages 2: the weights a step ahead in
-    registers, 3 or more: through a cp.async ring, opt-in and untimed), with block_m 64 or 128 `ops.moe.gluon_prefill`'s (wgmma, tiles of
-    128 x 128 on 8 warps, num_stages shared-memory stages; at block_m 128 both GEMMs run blocks of at most 64
-    rows, each expert's tail, as 64-token tiles in a second launch)."""
+    block_k 128 or 256, num_stages 2: the weights a step ahead in registers, 3 or more: through a cp.async ring,
+    opt-in and untimed), with block_m 64 or 128 `ops.moe.gluon_prefill`'s (wgmma, tiles of 128 x 128 on 8 warps,
+    num_stages shared-memory stages; at block_m 128 both GEMMs run blocks of at most 64 rows, each expert's tail,
+    as 64-token tiles in a second launch)."""
 
     block_m: int = 16
     up: GemmTiles = field(default_factory=GemmTiles)
@@ -78,8 +78,8 @@ def default_config(num_tokens: int, top_k: int, num_experts: int, dtype: torch.d
     expert's tail of at most 64 rows as 64-token tiles, the down GEMM on two weight tiles a program (K3.1 at 8192
     tokens 27.5 ms, 40.2% of the matmul rate, session 16, from 30.8-31.0 ms on session 15's 64-row blocks, which
     were 1.2-1.35x the Triton tile at 2048-8192 tokens; the `small` preset's prefill chunks 1.4-1.8x the Triton
-    tile), 4 stages for the down GEMM from 256 rows per expert; else 64-row blocks on 4 warps (9% under 128-row blocks on 8 at 8192 tokens:
-    ~146 rows per expert pad less). bf16 weights keep the swapped form for decode (not re-measured). The shift
+    tile), 4 stages for the down GEMM from 256 rows per expert; else 64-row blocks on 4 warps (9% under 128-row
+    blocks on 8 at 8192 tokens: ~146 rows per expert pad less). bf16 weights keep the swapped form for decode (not re-measured). The shift
     layout takes dequant "shift"."""
     if dtype != torch.bfloat16:  # fp32 (the CPU-sized models) and fp16: exact dequant, IEEE or fp16 dots
         small = GemmTiles(block_n=32, block_k=32, num_warps=4, num_stages=2)

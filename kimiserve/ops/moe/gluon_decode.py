@@ -63,20 +63,6 @@ def _b_fragments(words, sc, BN: gl.constexpr, BK: gl.constexpr, LB: gl.constexpr
 
 
 @gluon.jit
-def _load_weights(w_e, ws_e, v_e, vs_e, w_off, s_off, step, BK: gl.constexpr, GATED: gl.constexpr):
-    """One K step's weight words and scales of W (and V where GATED; else W's again, unused)."""
-    w = gl.load(w_e + w_off + step * (BK // 8))
-    s = gl.load(ws_e + s_off + step * (BK // 32))
-    if GATED:
-        v = gl.load(v_e + w_off + step * (BK // 8))
-        t = gl.load(vs_e + s_off + step * (BK // 32))
-    else:
-        v = w
-        t = s
-    return w, s, v, t
-
-
-@gluon.jit
 def _load_scales(ws_e, vs_e, s_off, step, BK: gl.constexpr, GATED: gl.constexpr):
     """One K step's scales of W (and V where GATED; else W's again, unused)."""
     s = gl.load(ws_e + s_off + step * (BK // 32))
@@ -85,6 +71,18 @@ def _load_scales(ws_e, vs_e, s_off, step, BK: gl.constexpr, GATED: gl.constexpr)
     else:
         t = s
     return s, t
+
+
+@gluon.jit
+def _load_weights(w_e, ws_e, v_e, vs_e, w_off, s_off, step, BK: gl.constexpr, GATED: gl.constexpr):
+    """One K step's weight words and scales of W (and V where GATED; else W's again, unused)."""
+    w = gl.load(w_e + w_off + step * (BK // 8))
+    if GATED:
+        v = gl.load(v_e + w_off + step * (BK // 8))
+    else:
+        v = w
+    s, t = _load_scales(ws_e, vs_e, s_off, step, BK, GATED)
+    return w, s, v, t
 
 
 @gluon.jit
@@ -162,8 +160,8 @@ def _ring_loop(a_smem, g_ptrs, w_e, ws_e, v_e, vs_e, w_off, s_off, steps, acc, a
             v_c = v_smem.index(i % STAGES).load(LW)
         else:
             v_c = w_c
-        _copy_words(w_smem, v_smem, w_e, v_e, w_off, gl.minimum(i + STAGES - 1, steps - 1), (i + STAGES - 1) % STAGES,
-                    BK, GATED)
+        _copy_words(w_smem, v_smem, w_e, v_e, w_off, gl.minimum(i + STAGES - 1, steps - 1),
+                    (i + STAGES - 1) % STAGES, BK, GATED)
         acc, acc2 = _mma_step(a_smem.index(i % 2), w_c, s_c, v_c, t_c, acc, acc2, BN, BK, LA, LB, GATED)
         a_smem.index((i + 1) % 2).store(a_next)  # read in step i - 1, before this step's barrier
         s_c, t_c = s_n, t_n
@@ -218,8 +216,7 @@ def _fragment_gemm_kernel(
     acc2 = gl.zeros((BM, BN), gl.float32, MMA)
     steps = K // BK
     # the activation tile a step ahead through shared memory (16-byte loads, ldmatrix into the A fragments), two
-    # buffers, one barrier a step; the weights a step ahead in registers, the loop unrolled by two so that each
-    # loaded value is used where it was loaded into
+    # buffers, one barrier a step; the weights as `_register_loop` or `_ring_loop` say
     TK: gl.constexpr = BK // 8 if BK // 8 < 32 else 32
     LG: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TK, TK], [NUM_WARPS, 1], [1, 0])
     rg = gl.arange(0, BM, layout=gl.SliceLayout(1, LG))

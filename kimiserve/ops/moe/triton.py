@@ -105,21 +105,29 @@ def _align_kernel(ids_ptr, sorted_ptr, bexp_ptr, brows_ptr, nblk_ptr, scratch_pt
     nb = (counts + BM - 1) // BM
     block_end = tl.cumsum(nb, 0)
     pair_end = tl.cumsum(counts, 0)
-    # expert e: its first row minus its first position in the sorted order; its pairs' end there
+    # expert e: its first row minus its first position in the sorted order; the row after its last pair
     tl.store(scratch_ptr + bins, (block_end - nb) * BM - (pair_end - counts))
-    tl.store(scratch_ptr + EB + bins, pair_end)
+    tl.store(scratch_ptr + EB + bins, (block_end - nb) * BM + counts)
     tl.store(nblk_ptr, tl.sum(nb, 0))
     keys = tl.sort(e * PB + offs)  # by expert, then pair: the stable order
+    tl.debug_barrier()  # the scratch stores above are seen by every thread below
+    _scatter_sorted(keys, 0, scratch_ptr, scratch_ptr + EB, sorted_ptr, bexp_ptr, brows_ptr, E, BM, PB)
+
+
+@triton.jit
+def _scatter_sorted(keys, first_pair, offsets_ptr, end_ptr, sorted_ptr, bexp_ptr, brows_ptr, E,
+                    BM: tl.constexpr, PB: tl.constexpr):
+    """Sorted keys (expert * PB + position among PB pairs from first_pair) -> each pair at its row: offsets[e] +
+    its position in the sorted order; a block's first row carries the block's expert and its real rows (up to
+    end[e], the row after expert e's last pair)."""
+    offs = tl.arange(0, PB)
     se = keys // PB
     sok = se < E
-    tl.debug_barrier()  # the scratch stores above are seen by every thread below
-    dest = offs + tl.load(scratch_ptr + se, mask=sok, other=0)  # offs: the position in the sorted order
-    tl.store(sorted_ptr + dest, keys % PB, mask=sok)
-    # a block's first row carries the block's expert and its real row count
+    dest = offs + tl.load(offsets_ptr + se, mask=sok, other=0)
+    tl.store(sorted_ptr + dest, first_pair + keys % PB, mask=sok)
     head = sok & (dest % BM == 0)
-    rows = tl.minimum(tl.load(scratch_ptr + EB + se, mask=sok, other=0) - offs, BM)
     tl.store(bexp_ptr + dest // BM, se, mask=head)
-    tl.store(brows_ptr + dest // BM, rows, mask=head)
+    tl.store(brows_ptr + dest // BM, tl.minimum(tl.load(end_ptr + se, mask=sok, other=0) - dest, BM), mask=head)
 
 
 @triton.jit
@@ -168,13 +176,7 @@ def _align_scatter_kernel(ids_ptr, offsets_ptr, end_ptr, sorted_ptr, bexp_ptr, b
     offs = tl.arange(0, PB)
     e = tl.load(ids_ptr + c * PB + offs, mask=c * PB + offs < P, other=E).to(tl.int32)
     keys = tl.sort(e * PB + offs)
-    se = keys // PB
-    sok = se < E
-    dest = offs + tl.load(offsets_ptr + c * EB + se, mask=sok, other=0)
-    tl.store(sorted_ptr + dest, c * PB + keys % PB, mask=sok)
-    head = sok & (dest % BM == 0)
-    tl.store(bexp_ptr + dest // BM, se, mask=head)
-    tl.store(brows_ptr + dest // BM, tl.minimum(tl.load(end_ptr + se, mask=sok, other=0) - dest, BM), mask=head)
+    _scatter_sorted(keys, c * PB, offsets_ptr + c * EB, end_ptr, sorted_ptr, bexp_ptr, brows_ptr, E, BM, PB)
 
 
 def _align_chunks(flat: torch.Tensor, num_experts: int, block_m: int, sorted_pairs, bexp, brows, nblk):
