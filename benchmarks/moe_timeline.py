@@ -1,0 +1,166 @@
+"""Where a decode MoE layer's time goes at the K3.1 shape: the layer's launches as the engine runs them, back to back
+in one CUDA graph, and each kernel's start, duration and the gap before it (torch.profiler's CUDA activity of one
+replay).
+
+A graph holds --layers calls of `ops.moe.triton.fused_moe`, each with its own routing draw (as a model's layers read
+different experts; at 1 token a layer reads 281 MB, more than the 50 MB L2). The per-layer time of that graph is the
+layer's cost inside an engine step; `moe_layer.py` times one call a replay, which also counts the replay's own start
+(a few microseconds at 1 token). Per variant and token count:
+- `layer_ms`: one call a graph (moe_layer.py's figure), median of 20 replays;
+- `graph_layer_ms`: the --layers-call graph's replay / layers, and its bytes roofline share (the copy bandwidth of the
+  same run; bytes as moe_layer.py counts them, summed over the layers' routings);
+- `kernels`: one replay of the --layers-call graph under the profiler, per kernel of the middle layer: name, start
+  (us from that layer's first kernel), duration and the idle gap before it; with each layer's span.
+
+    python benchmarks/moe_timeline.py [--tokens 1,16,64] [--layers 8] [--variants default,SPEC,...]
+        [--out benchmarks/results/moe_timeline.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from moe_layer import copy_gbps, packed_experts, parse_variant, route, shift_layout  # noqa: E402
+
+from kimiserve.utils.cuda_timing import capture_graph, cuda_time, graph_time  # noqa: E402
+from kimiserve.utils.run_info import git_commit  # noqa: E402
+
+
+def layer_calls(x, w, draws, cfg):
+    """fn() running one fused_moe call per routing draw, each on its own output buffer."""
+    from kimiserve.ops.moe import triton as tt
+
+    outs = [torch.empty_like(x) for _ in draws]
+
+    def fn():
+        for (ids, weights), out in zip(draws, outs):
+            tt.fused_moe(x, w["w1"], w["w2"], w["w3"], ids, weights, w1_scale=w["w1_scale"], w2_scale=w["w2_scale"],
+                         w3_scale=w["w3_scale"], activation="situ", out=out, config=cfg, mxfp4_layout="shift")
+    return fn
+
+
+def kernel_timeline(graph: torch.cuda.CUDAGraph, launches_per_layer: int, layers: int) -> dict:
+    """One profiled replay: the middle layer's kernels (start, duration, gap before) and every layer's span (us)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        graph.replay()
+        torch.cuda.synchronize()
+    events = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+                     and e.name not in ("cudaGraphLaunch",) and e.time_range.elapsed_us() >= 0),
+                    key=lambda e: e.time_range.start)
+    kernels = [(e.name, e.time_range.start, e.time_range.end) for e in events]
+    if len(kernels) != launches_per_layer * layers:
+        return dict(error=f"{len(kernels)} kernels in a replay, expected {launches_per_layer} x {layers}",
+                    names=[k[0][:60] for k in kernels[:2 * launches_per_layer]])
+    spans = []
+    for i in range(layers):
+        chunk = kernels[i * launches_per_layer:(i + 1) * launches_per_layer]
+        spans.append(chunk[-1][2] - chunk[0][1])
+    mid = layers // 2
+    chunk = kernels[mid * launches_per_layer:(mid + 1) * launches_per_layer]
+    prev_end = kernels[mid * launches_per_layer - 1][2] if mid else chunk[0][1]
+    t0 = chunk[0][1]
+    rows = []
+    for name, start, end in chunk:
+        rows.append(dict(name=name[:80], start_us=start - t0, us=end - start, gap_us=start - prev_end))
+        prev_end = end
+    return dict(layer_spans_us=spans, middle_layer=rows,
+                replay_span_us=kernels[-1][2] - kernels[0][1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", default="1,16,64")
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--routing", default="random", choices=("random", "zipf"))
+    parser.add_argument("--variants", default="default",
+                        help="'default' (the shift layout's default config) and moe_layer.py variant specs")
+    parser.add_argument("--shape", default="896,16,3584,3072", help="experts,top_k,hidden,intermediate")
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                                      "moe_timeline.json"))
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("moe_timeline.py times CUDA graphs and needs a GPU", file=sys.stderr)
+        return 2
+    if args.layers < 1:
+        raise SystemExit("--layers must be >= 1")
+    from kimiserve.ops.moe import triton as tt
+
+    E, k, h, inter = (int(v) for v in args.shape.split(","))
+    variants = args.variants.split(",")
+    for spec in variants:
+        if spec != "default":
+            parse_variant(spec)
+    copy = copy_gbps("cuda", 2**32, lambda fn: cuda_time(fn, repeats=10, warmup=3))
+    w = packed_experts(E, h, inter, "cuda")
+    shifted = shift_layout(w, True)
+    per_expert = sum(w[n][0].numel() for n in w)
+    del w
+    result = dict(benchmark="moe_timeline", device=torch.cuda.get_device_name(), torch=torch.__version__,
+                  date=datetime.datetime.now(datetime.timezone.utc).isoformat(), commit=git_commit(),
+                  command=" ".join(sys.argv), shape=dict(experts=E, top_k=k, hidden=h, intermediate=inter),
+                  layers=args.layers, routing=args.routing, copy_gbps=copy, rows=[])
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    print(f"{result['device']}: copy {copy:.0f} GB/s; {E} experts, top-{k}, {h} -> {inter}; {args.layers} layers a "
+          "graph", flush=True)
+    table = []
+    for n in (int(t) for t in args.tokens.split(",")):
+        x = torch.randn(n, h, device="cuda").bfloat16()
+        draws = [route(n, E, k, args.routing, "cuda", 1000 * n + i) for i in range(args.layers)]
+        nbytes = [int(torch.unique(ids).numel()) * per_expert + 2 * n * h * 2 + ids.numel() * 12 for ids, _ in draws]
+        for spec in variants:
+            cfg = (tt.default_config(n, k, E, torch.bfloat16, True, "shift", dims=(h, inter)) if spec == "default"
+                   else parse_variant(spec))
+            one = graph_time(layer_calls(x, shifted, draws[:1], cfg), repeats=20)
+            fn = layer_calls(x, shifted, draws, cfg)
+            graph = capture_graph(fn)
+            per_layer = cuda_time(graph.replay, repeats=20) / args.layers
+            roofline = sum(nbytes) / args.layers / (copy * 1e9) * 1e3
+            one_roofline = nbytes[0] / (copy * 1e9) * 1e3
+            launches = len(capture_kernel_names(graph))
+            timeline = kernel_timeline(graph, launches // args.layers, args.layers)
+            row = dict(tokens=n, variant=spec, config=str(cfg), layer_ms=one, layer_roofline_fraction=one_roofline / one,
+                       graph_layer_ms=per_layer, roofline_ms=roofline, graph_roofline_fraction=roofline / per_layer,
+                       timeline=timeline)
+            result["rows"].append(row)
+            with open(args.out, "w") as f:
+                json.dump(result, f, indent=1)
+            table.append(row)
+            print(f"{n:>4} tokens {spec:<36} one call {one:.4f} ms ({100 * one_roofline / one:.1f}%), in a graph of "
+                  f"{args.layers}: {per_layer:.4f} ms/layer ({100 * roofline / per_layer:.1f}%)", flush=True)
+            for k_row in timeline.get("middle_layer", []):
+                print(f"      {k_row['start_us']:8.1f} us  {k_row['us']:8.1f} us  gap {k_row['gap_us']:6.1f}  "
+                      f"{k_row['name'][:60]}", flush=True)
+            del graph
+    print(f"\n{'tokens':>6} {'variant':<36} {'one call':>10} {'share':>6} {'graph/layer':>12} {'share':>6}")
+    for r in table:
+        print(f"{r['tokens']:>6} {r['variant']:<36} {r['layer_ms']:>10.4f} {100 * r['layer_roofline_fraction']:>5.1f}%"
+              f" {r['graph_layer_ms']:>12.4f} {100 * r['graph_roofline_fraction']:>5.1f}%")
+    return 0
+
+
+def capture_kernel_names(graph: torch.cuda.CUDAGraph) -> list[str]:
+    """The kernels of one replay (profiled), in launch order."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        graph.replay()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+            and e.name != "cudaGraphLaunch" and e.time_range.elapsed_us() >= 0]
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
