@@ -31,7 +31,7 @@ def main() -> int:
     parser.add_argument("--calls", type=int, default=3)
     parser.add_argument("--routing", default="random", choices=("random", "zipf"))
     parser.add_argument("--variant", default="", help="a benchmarks/moe_layer.py variant spec (shift dequant) "
-                        "instead of the default config, e.g. shift-m16-n128-k128-w4-s2-frag")
+                        "instead of the default config, e.g. shift-m16-n128-k128-w4-s3-frag")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("moe_ncu_target.py profiles the CUDA kernels: it needs a GPU")

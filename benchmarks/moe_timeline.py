@@ -131,9 +131,9 @@ def main(argv: list[str] | None = None) -> int:
             one_roofline = nbytes[0] / (copy * 1e9) * 1e3
             launches = len(capture_kernel_names(graph))
             timeline = kernel_timeline(graph, launches // args.layers, args.layers)
-            row = dict(tokens=n, variant=spec, config=str(cfg), layer_ms=one, layer_roofline_fraction=one_roofline / one,
-                       graph_layer_ms=per_layer, roofline_ms=roofline, graph_roofline_fraction=roofline / per_layer,
-                       timeline=timeline)
+            row = dict(tokens=n, variant=spec, config=str(cfg), layer_ms=one,
+                       layer_roofline_fraction=one_roofline / one, graph_layer_ms=per_layer, roofline_ms=roofline,
+                       graph_roofline_fraction=roofline / per_layer, timeline=timeline)
             result["rows"].append(row)
             with open(args.out, "w") as f:
                 json.dump(result, f, indent=1)

@@ -10,9 +10,10 @@ Design.
    pair at row r, `block_expert[b]` the expert of block b, `block_rows[b]` its real rows (the rest
    is padding, masked), `num_blocks[0]` the blocks used. Every shape depends only on N, k, E and
    BLOCK_M: at most floor((N k + min(E, N k) (BLOCK_M - 1)) / BLOCK_M) blocks, so the grids are
-   fixed and CUDA graphs capture them; nothing is read back by the host. Up to ALIGN_SMALL_PAIRS
-   pairs, one Triton program does it all (a histogram over experts, a scan, a sort of the
-   (expert, pair) keys, the scatter); above that, three launches do the same by chunks of that many
+   fixed and CUDA graphs capture them; nothing is read back by the host. Up to ALIGN_FEW_PAIRS
+   pairs one Triton program compares the pairs' experts pairwise (a pair's rank in its expert, the
+   blocks of the experts below it); up to ALIGN_SMALL_PAIRS one program does it all (a histogram over
+   experts, a scan, a sort of the (expert, pair) keys, the scatter); above that, three launches do the same by chunks of that many
    pairs (the chunks' histograms; one program's scan of them into each chunk's offsets per expert;
    each chunk's sort and scatter). A few torch ops (a stable sort, cumsums, a scatter, a
    searchsorted) are the reference, and the fallback for 8192 or more experts. All put an expert's
@@ -77,6 +78,7 @@ from kimiserve.ops.moe.epilogue import _activate, _combine_kernel, _reduce_act_k
 from kimiserve.ops.moe.mxfp4_layout import MAG_MASK, SHIFT_PAIRS, SIGN_MASK
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # no inline PTX: the "lut" dequant runs emulated
+ALIGN_FEW_PAIRS = 128  # up to this many pairs (K3.1: 8 tokens) the alignment compares the pairs' experts pairwise
 ALIGN_SMALL_PAIRS = 4096  # up to this many (token, slot) pairs (K3.1: 256 tokens) the alignment is one program
 MAX_ALIGN_EXPERTS = 8192  # more experts: the alignment in torch ops (the chunked kernels hold [*, E] rows)
 _DOT_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
@@ -112,6 +114,28 @@ def _align_kernel(ids_ptr, sorted_ptr, bexp_ptr, brows_ptr, nblk_ptr, scratch_pt
     keys = tl.sort(e * PB + offs)  # by expert, then pair: the stable order
     tl.debug_barrier()  # the scratch stores above are seen by every thread below
     _scatter_sorted(keys, 0, scratch_ptr, scratch_ptr + EB, sorted_ptr, bexp_ptr, brows_ptr, E, BM, PB)
+
+
+@triton.jit
+def _align_few_kernel(ids_ptr, sorted_ptr, bexp_ptr, brows_ptr, nblk_ptr, P, E, BM: tl.constexpr, PB: tl.constexpr):
+    """One program for a few pairs (decode batches): every pair's row from [PB, PB] comparisons of the pairs'
+    experts, no expert-wide histogram, scan or sort. Pair i of expert e sits at row start(e) BM + rank(i), rank
+    = the pairs of e before it, start(e) = the blocks of the experts below e (each counted at its first pair)."""
+    i = tl.arange(0, PB)
+    e = tl.load(ids_ptr + i, mask=i < P, other=E).to(tl.int32)  # padding and ids >= E: expert E, dropped
+    same = e[:, None] == e[None, :]
+    before = i[:, None] < i[None, :]
+    count = tl.sum(same.to(tl.int32), 0)  # of pair j's expert
+    rank = tl.sum((same & before).to(tl.int32), 0)  # pairs of j's expert before j
+    first_blocks = tl.where((rank == 0) & (e < E), (count + BM - 1) // BM, 0)  # each expert's blocks, once
+    start = tl.sum(tl.where(e[None, :] < e[:, None], first_blocks[None, :], 0), 1)
+    row = start * BM + rank
+    real = e < E
+    tl.store(sorted_ptr + row, i, mask=real)
+    head = real & (rank % BM == 0)
+    tl.store(bexp_ptr + row // BM, e, mask=head)
+    tl.store(brows_ptr + row // BM, tl.minimum(count - rank, BM), mask=head)
+    tl.store(nblk_ptr, tl.sum(first_blocks, 0))
 
 
 @triton.jit
@@ -233,6 +257,9 @@ def align_blocks(ids: torch.Tensor, num_experts: int, block_m: int, use_triton: 
     nblk = torch.empty(1, dtype=torch.int32, device=dev)
     if P == 0:
         nblk.zero_()
+    elif use_triton and P <= ALIGN_FEW_PAIRS:
+        _align_few_kernel[(1,)](flat, sorted_pairs, bexp, brows, nblk, P, num_experts, BM=block_m,
+                                PB=max(16, triton.next_power_of_2(P)), num_warps=4)
     elif use_triton and P <= ALIGN_SMALL_PAIRS:
         EB = triton.next_power_of_2(num_experts + 1)
         scratch = torch.empty(2 * EB, dtype=torch.int32, device=dev)
@@ -713,12 +740,14 @@ def _check(x, w1, w2, w3, w1_scale, w2_scale, w3_scale, ids, weights, config: Mo
             raise ValueError(f"split_k must be 1..16, got {tiles.split_k}")
         if tiles.max_registers is not None and not 24 <= tiles.max_registers <= 255:
             raise ValueError(f"max_registers must be None or 24..255, got {tiles.max_registers}")
+    if config.one_launch and not config.fragments:
+        raise ValueError("MoEConfig.one_launch runs the decode fragment GEMMs: set fragments=True (block_m 16)")
     if config.fragments:
         if not (mxfp4 and config.dequant == "shift" and x.dtype == torch.bfloat16 and x.is_cuda):
             raise ValueError("MoEConfig.fragments runs bf16 activations on CUDA against MXFP4 experts in the shift "
                              f"layout (dequant 'shift'); got {x.dtype} on {x.device.type}, dequant {config.dequant!r}")
         from kimiserve.ops.moe.fragment_order import check_fragment_shapes
-        why = check_fragment_shapes(h, inter, config.block_m, config.up, config.down)
+        why = check_fragment_shapes(h, inter, config.block_m, config.up, config.down, config.one_launch)
         if why:
             raise ValueError(f"MoEConfig.fragments: {why}")
 
@@ -759,6 +788,12 @@ def fused_moe(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Ten
     else:
         act, y = workspace
     align = align_blocks(ids, E, config.block_m)
+    if config.one_launch:
+        from kimiserve.ops.moe import gluon_decode
+        gluon_decode.decode_moe(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, act, y, align, k, config, activation,
+                                situ_beta, situ_linear_beta)
+        combine(y, weights, out, config)
+        return out
     gate_up(x, w1, w1_scale, w3, w3_scale, act, align, config, activation, situ_beta, situ_linear_beta)
     down_combine(act, w2, w2_scale, y, weights, out, align, config)
     return out
@@ -823,11 +858,19 @@ def down_combine(act, w2, w2_scale, y, weights, out, align, config: MoEConfig):
     if split > 1:
         y = torch.empty(split, N * k, h, dtype=torch.float32, device=out.device)
     down_gemm(act, w2, w2_scale, y, align, config)
+    combine(y, weights, out, config)
+
+
+def combine(y, weights, out, config: MoEConfig):
+    """out [N, h] = sum_j weights[:, j] * y's row of pair (t, j) (y [N k, h], or fp32 split-K partials [S, N k, h]
+    summed first)."""
+    N, k, h = out.shape[0], weights.shape[1], out.shape[1]
+    split = y.shape[0] if y.dim() == 3 else 1
     BH = min(config.combine_block, triton.next_power_of_2(h))
     _combine_kernel[(N, triton.cdiv(h, BH))](y, weights, out, h, y.stride(-2), *weights.stride(), out.stride(0),
                                               y.stride(0) if split > 1 else 0, TOP_K=k, BH=BH, SPLIT=split,
                                               DTYPE=_DOT_DTYPES[out.dtype], num_warps=4)
 
 
-__all__ = ["ALIGN_SMALL_PAIRS", "DECODE_MAX_ROWS", "GemmTiles", "MoEConfig", "align_blocks", "default_config",
-           "dequantize_weights", "down_combine", "down_gemm", "fused_moe", "gate_up", "max_blocks"]
+__all__ = ["ALIGN_SMALL_PAIRS", "DECODE_MAX_ROWS", "GemmTiles", "MoEConfig", "align_blocks", "combine",
+           "default_config", "dequantize_weights", "down_combine", "down_gemm", "fused_moe", "gate_up", "max_blocks"]
