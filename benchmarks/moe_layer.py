@@ -29,11 +29,10 @@ at the same shape for --check-tokens (relative RMS error, bound 1e-2), and the p
                                                             # spills, shared memory, SASS per K step)
 
 A variant SPEC is DEQUANT-mBM-nBN-kBK-wWARPS-sSTAGES[-dnBN][-dkBK][-dwWARPS][-dsSTAGES][-rREGS][-drREGS]
-[-skS][-dskS][-swap][-frag][-one] (dn/dk/dw/ds: the down GEMM's column tile, K step, warps and stages when they
-differ from the gate/up GEMM's; frag: MoEConfig.fragments; one: MoEConfig.one_launch, both decode GEMMs in one
-launch; r/dr: a register cap (maxnreg) per GEMM; sk/dsk: split-K of the gate/up and down GEMMs, fp32 partials
-reduced in a fixed order), e.g. lut-m16-n64-k256-w4-s3-swap, shift-m16-n64-k128-w4-s4-sk4-dsk4,
-shift-m16-n64-k256-w4-s2-dn128-frag-one.
+[-skS][-dskS][-swap][-frag] (dn/dk/dw/ds: the down GEMM's column tile, K step, warps and stages when they differ
+from the gate/up GEMM's; frag: MoEConfig.fragments; r/dr: a register cap (maxnreg) per GEMM; sk/dsk: split-K of the
+gate/up and down GEMMs, fp32 partials reduced in a fixed order), e.g. lut-m16-n64-k256-w4-s3-swap,
+shift-m16-n64-k128-w4-s4-sk4-dsk4.
 --stages-each times every variant's stages apart (gate/up, down): the best gate/up and the best down tiling of
 a sweep can then be paired.
 Writes the JSON after every row (device, date, commit, copy_gbps, matmul_tflops, rows) and prints a
@@ -107,14 +106,14 @@ DRY_VARIANTS = ["lut-m16-n32-k64-w4-s2-swap", "shift-m16-n32-k64-w4-s2", "exact-
 
 
 def parse_variant(spec: str) -> tt.MoEConfig:
-    """DEQUANT-mBM-nBN-kBK-wW-sS[-dnBN][-dkBK][-dwW][-dsS][-rR][-drR][-skS][-dskS][-swap][-frag][-one] -> MoEConfig
-    (frag: MoEConfig.fragments, the Gluon fragment GEMMs; one: MoEConfig.one_launch)."""
+    """DEQUANT-mBM-nBN-kBK-wW-sS[-dnBN][-dkBK][-dwW][-dsS][-rR][-drR][-skS][-dskS][-swap][-frag] -> MoEConfig
+    (frag: MoEConfig.fragments, the Gluon fragment GEMMs)."""
     dequant, *parts = spec.split("-")
     if dequant not in tt._DEQUANT:
         raise ValueError(f"variant {spec!r}: dequant must be one of {list(tt._DEQUANT)}")
     vals, flags = {}, set()
     for p in parts:
-        if p in ("swap", "frag", "one"):
+        if p in ("swap", "frag"):
             flags.add(p)
             continue
         key = next((pre for pre in ("dsk", "dn", "dk", "dw", "ds", "dr", "sk") if p.startswith(pre)), p[:1])
@@ -131,8 +130,7 @@ def parse_variant(spec: str) -> tt.MoEConfig:
     down = tt.GemmTiles(block_n=vals.get("dn", vals["n"]), block_k=vals.get("dk", vals["k"]),
                         num_warps=vals.get("dw", vals["w"]), num_stages=vals.get("ds", vals["s"]), swap=swap,
                         split_k=vals.get("dsk", 1), max_registers=vals.get("dr"))
-    return tt.MoEConfig(block_m=vals["m"], up=up, down=down, dequant=dequant, fragments="frag" in flags,
-                        one_launch="one" in flags)
+    return tt.MoEConfig(block_m=vals["m"], up=up, down=down, dequant=dequant, fragments="frag" in flags)
 
 
 def config_spec(cfg: tt.MoEConfig) -> str:
@@ -146,7 +144,7 @@ def config_spec(cfg: tt.MoEConfig) -> str:
     spec += f"-dr{d.max_registers}" if d.max_registers else ""
     spec += f"-sk{u.split_k}" if u.split_k > 1 else ""
     spec += f"-dsk{d.split_k}" if d.split_k > 1 else ""
-    return spec + ("-swap" if u.swap else "") + ("-frag" if cfg.fragments else "") + ("-one" if cfg.one_launch else "")
+    return spec + ("-swap" if u.swap else "") + ("-frag" if cfg.fragments else "")
 
 
 def variants_for(arg: str, dry: bool) -> list[str]:
@@ -245,14 +243,6 @@ def stage_fns(x, w, ids, weights, cfg: tt.MoEConfig) -> dict:
     def down_combine():
         tt.down_combine(act, w["w2"], w["w2_scale"], y, weights, out, align, cfg)
 
-    def gemms():  # one_launch: both GEMMs in one kernel
-        from kimiserve.ops.moe import gluon_decode
-        gluon_decode.decode_moe(x, w["w1"], w["w1_scale"], w["w3"], w["w3_scale"], w["w2"], w["w2_scale"], act, y,
-                                align, k, cfg, "situ", 4.0, 25.0)
-
-    if cfg.one_launch:
-        gemms()
-        return dict(align=lambda: tt.align_blocks(ids, E, cfg.block_m), gemms=gemms, combine=combine)
     up()
     fns = dict(align=lambda: tt.align_blocks(ids, E, cfg.block_m), up=up)
     if cfg.down.split_k > 1:  # the combine is the partials' reduce: timed together
@@ -408,7 +398,7 @@ def sass_report(specs: list[str], h: int, inter: int) -> int:
                 from kimiserve.ops.moe import gluon_decode
                 fn, options = gluon_decode._fragment_gemm_kernel, gluon_decode.compile_options(tiles)
                 consts = dict(GATED=gated, ACT=1, LINEAR_TANH=True, BN=tiles.block_n, BK=tiles.block_k,
-                              OUT_BK=cfg.down.block_k, NUM_WARPS=tiles.num_warps)
+                              OUT_BK=cfg.down.block_k, NUM_WARPS=tiles.num_warps, STAGES=tiles.num_stages)
                 types.update(s_we="i64", s_se="i64")
             try:
                 div16 = [n for n in _GEMM_INTS if n != "A_ROW_DIV"] + ["s_ps"]
@@ -426,7 +416,8 @@ def sass_report(specs: list[str], h: int, inter: int) -> int:
             mix = loop_mix(ops)
             paired = cfg.fragments and cfg.block_m > 16 and not gated and h % 256 == 0  # gluon_prefill.paired_down
             weights = (2 if gated or paired else 1) * tiles.block_n * tiles.block_k / (32 * tiles.num_warps)
-            weights *= 2 if cfg.fragments and cfg.block_m == 16 else 1  # the decode fragment kernel's loop: 2 steps
+            if cfg.fragments and cfg.block_m == 16:  # the decode fragment kernel's loop: 2 (or 3) steps
+                weights *= 3 if tiles.num_stages == 3 else 2
             mma = ",".join(sorted(op for op in instruction_mix(sass) if "MMA" in op))
             print(f"{spec:<40} {name:<5} {m.group(1):>4} {m.group(2):>5} {kernel.metadata.shared / 1024:8.1f} "
                   f"{len(ops):11d} {len(ops) / weights:11.2f} {mix['moves'] / weights:6.2f} {mix['alu'] / weights:5.2f} "
@@ -625,8 +616,7 @@ def main(argv: list[str] | None = None) -> int:
                 if args.stages_each:
                     cfg = config_for(spec, n)
                     fns = stage_fns(x, shifted if cfg.dequant == "shift" else w, ids, weights, cfg)
-                    timed[-1]["stages_ms"] = {name: fast_time(fns[name], n)[0] for name in ("up", "down", "gemms")
-                                              if name in fns}
+                    timed[-1]["stages_ms"] = {name: fast_time(fns[name], n)[0] for name in ("up", "down") if name in fns}
             for t in timed:
                 t.update(bytes_roofline_fraction=row["roofline_ms"] / t["ms"],
                          matmul_fraction=row["flop_roofline_ms"] / t["ms"], tflops=flops / (t["ms"] * 1e-3) / 1e12)
@@ -635,13 +625,10 @@ def main(argv: list[str] | None = None) -> int:
             stage_w = shifted if stage_cfg.dequant == "shift" else w
             stages = {name: fast_time(fn, n)[0] for name, fn in stage_fns(x, stage_w, ids, weights, stage_cfg).items()}
             up_bytes = hit * sum(w[n_][0].numel() for n_ in ("w1", "w3", "w1_scale", "w3_scale"))
-            if "gemms" in stages:  # one_launch: both GEMMs' weights in one kernel
-                rates = dict(gemms_gbps=hit * per_expert / (stages["gemms"] * 1e-3) / 1e9)
-            else:
-                rates = dict(up_gbps=up_bytes / (stages["up"] * 1e-3) / 1e9,
-                             down_gbps=(hit * per_expert - up_bytes) / (stages.get("down") or stages["down_combine"])
-                             / 1e6)
-            row.update(stages=dict(config=config_spec(stage_cfg), ms=stages, **rates))
+            row.update(stages=dict(config=config_spec(stage_cfg), ms=stages,
+                                   up_gbps=up_bytes / (stages["up"] * 1e-3) / 1e9,
+                                   down_gbps=(hit * per_expert - up_bytes)
+                                   / (stages.get("down") or stages["down_combine"]) / 1e6))
             row.update(bytes_roofline_fraction=row["roofline_ms"] / ms, matmul_fraction=row["flop_roofline_ms"] / ms,
                        tflops=flops / (ms * 1e-3) / 1e12, best_variant=best["config"], best_ms=best["ms"],
                        best_bytes_roofline_fraction=best["bytes_roofline_fraction"],
@@ -655,8 +642,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"best {best['config']} {best['ms']:.4f} ms", flush=True)
             st = row["stages"]
             print(f"       stages of {st['config']}: " + ", ".join(f"{k_} {v:.4f} ms" for k_, v in st["ms"].items())
-                  + "; " + ", ".join(f"{k_[:-5]} {v:.0f} GB/s" for k_, v in st.items() if k_.endswith("_gbps"))
-                  + " of weights", flush=True)
+                  + f"; up {st['up_gbps']:.0f} GB/s, down {st['down_gbps']:.0f} GB/s of weights", flush=True)
 
     # 3. today's path (packed weights dequantised on every call), where it fits
     if today_tokens:
@@ -739,14 +725,13 @@ def print_variant_table(rows: list[dict]):
             line += f"{v['ms']:>9.3f}{mark}({pct:4.1f}%)"
         print(line)
     if any("stages_ms" in v for v in cell.values()):
-        print("\ngate/up ms / down ms per variant (--stages-each; one_launch variants: both GEMMs' ms)")
+        print("\ngate/up ms / down ms per variant (--stages-each)")
         print(f"{'variant':<36}" + "".join(f"{r[:4] + ' ' + str(n):>17}" for r, n in cols))
         for spec in specs:
             line = f"{spec:<36}"
             for r, n in cols:
                 st = (cell.get((r, n, spec)) or {}).get("stages_ms") or {}
-                line += (f"{st['up']:>8.3f} /{st['down']:>7.3f}" if "up" in st and "down" in st
-                         else f"{st['gemms']:>16.3f} " if "gemms" in st else f"{'-':>17}")
+                line += f"{st['up']:>8.3f} /{st['down']:>7.3f}" if "up" in st and "down" in st else f"{'-':>17}"
             print(line)
 
 

@@ -143,61 +143,27 @@ def test_wgmma_stages_fit_the_shared_memory():
     assert ">= 3 stages" in check_fragment_shapes(3584, 3072, 64, tiles(2), tiles(3))
 
 
-def test_one_launch_shape_checks():
-    """MoEConfig.one_launch: the decode block, down tiles of two gate/up tiles on the same warps, dividing h."""
-    def tiles(block_n, warps=4):
-        return GemmTiles(block_n=block_n, block_k=256, num_warps=warps)
+def test_decode_stage_checks():
+    """The decode kernels hold 2 or 3 K steps of weights in registers (num_stages); else a ValueError's message."""
+    def tiles(stages):
+        return GemmTiles(block_n=64, block_k=256, num_warps=4, num_stages=stages)
 
-    assert check_fragment_shapes(3584, 3072, 16, tiles(64), tiles(128), one_launch=True) is None
-    assert check_fragment_shapes(3584, 3072, 16, tiles(64), tiles(64)) is None  # two launches: any down tile
-    assert "two gate/up tiles" in check_fragment_shapes(3584, 3072, 16, tiles(64), tiles(64), one_launch=True)
-    assert "two gate/up tiles" in check_fragment_shapes(3584, 3072, 16, tiles(64), tiles(128, 8), one_launch=True)
-    assert "two gate/up tiles" in check_fragment_shapes(3840, 3072, 16, tiles(256), tiles(512), one_launch=True)
-    assert "block_m must be 16" in check_fragment_shapes(3584, 3072, 64, tiles(64), tiles(128), one_launch=True)
+    assert check_fragment_shapes(3584, 3072, 16, tiles(2), tiles(3)) is None
+    assert "2 or 3 K steps" in check_fragment_shapes(3584, 3072, 16, tiles(4), tiles(2))
+    assert "2 or 3 K steps" in check_fragment_shapes(3584, 3072, 16, tiles(2), tiles(1))
 
 
-def test_sm90_build_of_one_launch():
-    """The one-launch decode kernel built offline: no spills, the gate/up and down loops (two weight tiles each,
-    both unrolled by two, with an odd step's tail), one thread counting a finished gate/up
-    program (a release at GPU scope) and one polling the count (an acquire), the act rows then read past L1."""
-    pytest.importorskip("triton")
-    import os
-    import sys
-
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
-    from sass_report import compile_sm90, resource_usage, sass_of
-
-    from kimiserve.ops.moe import gluon_decode
-
-    ints = ["H", "INTER", "TOP_K", "UP_PROGRAMS", "s_xm", "s_w1e", "s_w1n", "s_s1e", "s_s1n", "s_actm", "s_w2e",
-            "s_w2n", "s_s2e", "s_s2n", "s_ym"]
-    types = dict(x_ptr="*bf16", w1_ptr="*i32", w1s_ptr="*u8", w3_ptr="*i32", w3s_ptr="*u8", act_ptr="*bf16",
-                 w2_ptr="*i32", w2s_ptr="*u8", y_ptr="*bf16", sorted_ptr="*i32", bexp_ptr="*i32", brows_ptr="*i32",
-                 nblk_ptr="*i32", ready_ptr="*i32", beta="fp32", linear_beta="fp32", **{n: "i32" for n in ints})
-    types.update(s_w1e="i64", s_s1e="i64", s_w2e="i64", s_s2e="i64")
-    consts = dict(ACT=1, LINEAR_TANH=True, BN=64, BK_UP=256, BK_DOWN=256, NUM_WARPS=4)
-    built = compile_sm90(gluon_decode._decode_moe_kernel, types, consts, dict(num_warps=4), ints[4:])
-    assert resource_usage(built)["stack"] == 0
-    ptx, sass = built.asm["ptx"], sass_of(built)
-    per_step = 2 * (64 // 32) * (256 // 16)  # two weight tiles x a warp's n8 tiles x the step's k16 MMAs
-    assert sum("HMMA.16816" in line for line in sass.splitlines()) == 2 * 3 * per_step  # each loop: 2 + the tail
-    release = [line for line in ptx.splitlines() if "atom.global.gpu.release.add" in line]
-    acquire = [line for line in ptx.splitlines() if "ld.global.gpu.acquire" in line]
-    assert len(release) == 1 and release[0].strip().startswith("@%p")  # predicated: one thread
-    assert len(acquire) == 1 and acquire[0].strip().startswith("@%p")
-    assert "ld.global.cg.v4" in ptx
-
-
-@pytest.mark.parametrize("gated", [True, False])
-def test_sm90_build_has_no_fragment_moves(gated):
+@pytest.mark.parametrize("gated,stages", [(True, 2), (False, 2), (True, 3), (False, 3)])
+def test_sm90_build_has_no_fragment_moves(gated, stages):
     """The Gluon kernel's sm_90 build (Triton's ptxas, offline): the B operand's layout conversion is trivial
     (the kernel asserts it), no spills, and the K loop has almost no register moves (Triton's own decode GEMM:
-    0.89 a weight for gate/up) and two K steps of mma.sync per iteration."""
-    consts = dict(GATED=gated, ACT=1, LINEAR_TANH=True, BN=128, BK=128, OUT_BK=128, NUM_WARPS=4)
+    0.89 a weight for gate/up) and `stages` K steps of mma.sync per iteration (the loop unrolled by 2 or 3: no
+    prefetched weight register is copied)."""
+    consts = dict(GATED=gated, ACT=1, LINEAR_TANH=True, BN=128, BK=128, OUT_BK=128, NUM_WARPS=4, STAGES=stages)
     sass, ops, loop_mix = _sm90_build("gluon_decode", "_fragment_gemm_kernel", "*u8", consts, 4,
                                       ["K", "s_am", "s_we", "s_wn", "s_se", "s_sn", "s_om"])
-    weights = 2 * (2 if gated else 1) * 128 * 128 / 128  # per thread: two K steps of one or two weight tiles
-    assert sum(op.startswith("HMMA.16816") for op in ops) == 2 * (2 if gated else 1) * 8 * 4
+    weights = stages * (2 if gated else 1) * 128 * 128 / 128  # per thread: the loop's K steps of 1 or 2 weight tiles
+    assert sum(op.startswith("HMMA.16816") for op in ops) == stages * (2 if gated else 1) * 8 * 4
     assert loop_mix(ops)["moves"] / weights < 0.2
     assert len(ops) / weights < 3.2
 

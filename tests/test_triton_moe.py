@@ -263,11 +263,11 @@ FRAGMENT_TILES = [  # block_n, num_warps, block_k of gate/up, of down
 
 
 def fragment_config(tt, block_n: int = 128, warps: int = 4, block_k: int = 128, down_block_k: int = 128,
-                    one_launch: bool = False):
-    """The decode fragment GEMMs' config; one_launch: both in one launch, the down tiles 2 block_n wide."""
-    up = tt.GemmTiles(block_n=block_n, block_k=block_k, num_warps=warps)
-    down = tt.GemmTiles(block_n=block_n * (2 if one_launch else 1), block_k=down_block_k, num_warps=warps)
-    return tt.MoEConfig(block_m=16, up=up, down=down, dequant="shift", fragments=True, one_launch=one_launch)
+                    stages: int = 2):
+    """The decode fragment GEMMs' config; stages: the K steps of weights in registers (2 or 3)."""
+    up = tt.GemmTiles(block_n=block_n, block_k=block_k, num_warps=warps, num_stages=stages)
+    down = tt.GemmTiles(block_n=block_n, block_k=down_block_k, num_warps=warps, num_stages=stages)
+    return tt.MoEConfig(block_m=16, up=up, down=down, dequant="shift", fragments=True)
 
 
 @pytest.mark.parametrize("block_n,warps,block_k,down_block_k", FRAGMENT_TILES)
@@ -285,66 +285,18 @@ def test_fragment_gemms(tt, block_n, warps, block_k, down_block_k):
             check_case(tt, N, h, inter, 9, 3, torch.bfloat16, True, act, routing, "cuda", cfg, seed=N)
 
 
-ONE_LAUNCH_TILES = [(64, 4, 256, 256), (32, 2, 128, 256), (64, 4, 128, 128)]  # as FRAGMENT_TILES
-
-
-def one_launch_shapes(block_n: int, block_k: int, down_block_k: int) -> list[tuple[int, int]]:
-    """(h, inter) of 3 and 1 gate/up K steps, 2 and 5 down steps; h a multiple of the down tile (2 block_n)."""
-    step = max(block_k, 2 * block_n)
-    return [(3 * step, 2 * down_block_k), (step, 5 * down_block_k)]
-
-
-@pytest.mark.parametrize("block_n,warps,block_k,down_block_k", ONE_LAUNCH_TILES)
-def test_fragment_gemms_one_launch(tt, block_n, warps, block_k, down_block_k):
-    """Both decode GEMMs in one launch (MoEConfig.one_launch: each down program waits for its block's gate/up
-    programs and takes two weight tiles) against the reference: the cases of test_fragment_gemms, NaN-poisoned."""
-    cfg = fragment_config(tt, block_n, warps, block_k, down_block_k, one_launch=True)
-    for h, inter in one_launch_shapes(block_n, block_k, down_block_k):
+@pytest.mark.parametrize("block_n,warps,block_k,down_block_k", [(64, 4, 256, 256), (32, 2, 128, 256),
+                                                               (64, 8, 256, 128)])
+def test_fragment_gemms_three_stages(tt, block_n, warps, block_k, down_block_k):
+    """The decode fragment GEMMs with the weights two K steps ahead in registers (num_stages 3: the loop unrolled
+    by three) against the reference: 1 to 7 K steps (every tail of the unrolled loop: none, one or two steps), the
+    routings of test_fragment_gemms, NaN-poisoned."""
+    cfg = fragment_config(tt, block_n, warps, block_k, down_block_k, stages=3)
+    big = max(block_k, down_block_k)
+    for h, inter in ((3 * block_k, 2 * big), (block_k, 5 * big), (7 * block_k, 4 * big), (6 * block_k, big)):
         for N, routing, act in ((45, "subset", "situ"), (1, "random", "situ"), (7, "same", "silu"),
                                 (33, "zipf", "situ")):
             check_case(tt, N, h, inter, 9, 3, torch.bfloat16, True, act, routing, "cuda", cfg, seed=N)
-
-
-@pytest.mark.parametrize("block_n,warps,block_k,down_block_k", ONE_LAUNCH_TILES)
-def test_one_launch_equals_two_launches(tt, block_n, warps, block_k, down_block_k):
-    """One launch is bitwise the two launches with the same tiles (down columns 2 block_n wide: each output column
-    sums the same MMAs in the same order), on 200 tokens over 64 experts (more programs than the H200 holds at
-    once, so down programs wait behind gate/up programs that have not started yet when they do)."""
-    import dataclasses
-
-    cfg = fragment_config(tt, block_n, warps, block_k, down_block_k, one_launch=True)
-    gen = torch.Generator().manual_seed(7)
-    h, inter = one_launch_shapes(block_n, block_k, down_block_k)[0]
-    w = shift_layout({n: t.cuda() for n, t in expert_weights(64, h, inter, True, torch.bfloat16, gen).items()})
-    x = torch.randn(200, h, generator=gen).bfloat16().cuda()
-    ids = route_ids(200, 64, 6, "random", gen).cuda()
-    weights = torch.rand(200, 6, generator=gen).cuda()
-
-    def call(config):
-        out = torch.full_like(x, float("nan"))
-        return tt.fused_moe(x, w["w1"], w["w2"], w["w3"], ids, weights, w1_scale=w["w1_scale"], w2_scale=w["w2_scale"],
-                            w3_scale=w["w3_scale"], out=out, config=config, mxfp4_layout="shift")
-
-    one = call(cfg)
-    assert torch.isfinite(one).all()
-    assert torch.equal(one, call(dataclasses.replace(cfg, one_launch=False)))
-    assert torch.equal(one, call(cfg))
-
-
-def test_one_launch_config_errors(tt):
-    """one_launch needs the decode fragment GEMMs and down tiles of two gate/up tiles: a ValueError that says so."""
-    gen = torch.Generator().manual_seed(1)
-    w = shift_layout({n: t.cuda() for n, t in expert_weights(4, 256, 256, True, torch.bfloat16, gen).items()})
-    x, ids, weights = torch.randn(2, 256).bfloat16().cuda(), torch.zeros(2, 2, dtype=torch.long).cuda(), \
-        torch.ones(2, 2).cuda()
-    good = fragment_config(tt, 64, 4, 256, 256, one_launch=True)
-    for bad, words in ((tt.MoEConfig(block_m=16, up=good.up, down=good.up, dequant="shift", fragments=True,
-                                     one_launch=True), "two gate/up tiles"),
-                       (tt.MoEConfig(block_m=16, up=good.up, down=good.down, dequant="shift", one_launch=True),
-                        "fragments=True")):
-        with pytest.raises(ValueError, match=words):
-            tt.fused_moe(x, w["w1"], w["w2"], w["w3"], ids, weights, w1_scale=w["w1_scale"], w2_scale=w["w2_scale"],
-                         w3_scale=w["w3_scale"], config=bad, mxfp4_layout="shift")
 
 
 def test_fragment_gemms_graph_capture(tt):
@@ -578,16 +530,14 @@ def k31_shift(k31_experts):
     return {n: t if n.endswith("_scale") else to_shift_layout(t) for n, t in k31_experts.items()}
 
 
-@pytest.mark.parametrize("N,block_n,block_k,one_launch", [(1, 128, 128, False), (16, 64, 256, False),
-                                                          (64, 128, 128, False), (64, 64, 256, False),
-                                                          (1, 64, 256, True), (64, 64, 256, True),
-                                                          (256, 64, 256, True)])
-def test_k31_shape_fragments(tt, k31_experts, k31_shift, N, block_n, block_k, one_launch):
-    """The fragment GEMMs at the K3.1 shape, random routing (one_launch: in one launch); two runs bitwise equal."""
+@pytest.mark.parametrize("N,block_n,block_k,stages", [(1, 128, 128, 2), (16, 64, 256, 2), (64, 128, 128, 2),
+                                                      (64, 64, 256, 2), (1, 64, 256, 3), (64, 64, 256, 3)])
+def test_k31_shape_fragments(tt, k31_experts, k31_shift, N, block_n, block_k, stages):
+    """The fragment GEMMs at the K3.1 shape, random routing; two runs bitwise equal."""
     w = k31_shift
     x, ids, weights = _k31_inputs(N, "random", 11 + N)
     want = reference(x, k31_experts, ids, weights, "situ")
-    cfg = fragment_config(tt, block_n, 4, block_k, block_k, one_launch)
+    cfg = fragment_config(tt, block_n, 4, block_k, block_k, stages)
     runs = [tt.fused_moe(x, w["w1"], w["w2"], w["w3"], ids, weights, w1_scale=w["w1_scale"], w2_scale=w["w2_scale"],
                          w3_scale=w["w3_scale"], config=cfg, mxfp4_layout="shift") for _ in range(2)]
     err = rel_rms(runs[0], want)

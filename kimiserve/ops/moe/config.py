@@ -46,11 +46,9 @@ class MoEConfig:
     combine_block: hidden columns per program of the combine; fragments: both GEMMs as Gluon kernels whose
     dequantised weights are register fragments of the MMA (CUDA, bf16, the shift layout; the activation between
     them kept in `ops.moe.fragment_order`'s MMA-k order): with block_m 16 `ops.moe.gluon_decode`'s (mma.sync,
-    block_k 128 or 256, num_stages not used), with block_m 64 or 128 `ops.moe.gluon_prefill`'s (wgmma, tiles of
+    block_k 128 or 256, num_stages 2 or 3: the K steps of weights held in registers), with block_m 64 or 128 `ops.moe.gluon_prefill`'s (wgmma, tiles of
     128 x 128 on 8 warps, num_stages shared-memory stages; at block_m 128 both GEMMs run blocks of at most 64
-    rows, each expert's tail, as 64-token tiles in a second launch); one_launch (decode fragments only): both
-    GEMMs in one launch, each down program waiting for its block's gate/up programs, the down programs on two
-    weight tiles of up.block_n rows (down.block_n = 2 up.block_n, same warps)."""
+    rows, each expert's tail, as 64-token tiles in a second launch)."""
 
     block_m: int = 16
     up: GemmTiles = field(default_factory=GemmTiles)
@@ -58,7 +56,6 @@ class MoEConfig:
     dequant: str = "exact"
     combine_block: int = 512
     fragments: bool = False
-    one_launch: bool = False
 
 
 def default_config(num_tokens: int, top_k: int, num_experts: int, dtype: torch.dtype, mxfp4: bool,

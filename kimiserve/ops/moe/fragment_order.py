@@ -63,13 +63,11 @@ def grouped_gemm_args(a, w, w_scale, v, v_scale, out, align, a_row_div: int, bet
     return args, gated
 
 
-def check_fragment_shapes(h: int, inter: int, block_m: int, up, down, one_launch: bool = False) -> str | None:
+def check_fragment_shapes(h: int, inter: int, block_m: int, up, down) -> str | None:
     """Why the fragment GEMMs cannot run these expert dims and tiles (GemmTiles; None: they can). block_m 16: the
-    decode kernels (one_launch: both in one launch, the down programs on two weight tiles of up.block_n rows);
-    64 or 128: the prefill (wgmma) kernels, 128 weight rows x 128-wide K steps on 8 warps, 3 or more stages that fit
-    the shared memory (gate/up: up to 6 at block_m 64, 4 at 128)."""
-    if one_launch and block_m != FRAGMENT_BLOCK_M:
-        return f"one_launch runs the decode fragment GEMMs: block_m must be {FRAGMENT_BLOCK_M}, got {block_m}"
+    decode kernels, 2 or 3 K steps of weights in registers; 64 or 128: the prefill (wgmma) kernels, 128 weight rows x
+    128-wide K steps on 8 warps, 3 or more stages that fit the shared memory (gate/up: up to 6 at block_m 64, 4 at
+    128)."""
     if block_m in WGMMA_BLOCK_MS:
         if h % 128 or inter % 128:
             return f"the wgmma fragment GEMMs need expert dims that are multiples of 128, got {h} and {inter}"
@@ -93,9 +91,9 @@ def check_fragment_shapes(h: int, inter: int, block_m: int, up, down, one_launch
                     f"for K = {K}")
         if t.num_warps not in (1, 2, 4, 8) or t.block_n & (t.block_n - 1) or t.block_n < 8 * t.num_warps:
             return f"block_n must be a power of two >= 8 x num_warps (1, 2, 4 or 8), got {t.block_n} and {t.num_warps}"
-    if one_launch and (down.block_n != 2 * up.block_n or down.num_warps != up.num_warps or h % down.block_n):
-        return (f"one_launch takes down tiles of two gate/up tiles (down.block_n = 2 x up.block_n, the same warps) "
-                f"that divide the hidden size; got up {up}, down {down}, hidden {h}")
+        if t.num_stages not in (2, 3):
+            return (f"the decode fragment GEMMs hold 2 or 3 K steps of weights in registers (num_stages); got "
+                    f"{t.num_stages} for {t}")
     return None
 
 

@@ -22,18 +22,17 @@ half, b0 the element of a pair).
   buffers, one barrier a step) and read with ldmatrix into the A fragments.
 
 Scope: bf16 activations, MXFP4 weights in the shift layout, 16-row blocks (the decode regime), K steps of 128 or
-256 columns dividing K, block_n a power of two >= 8 x num_warps. Each step's loads are issued a step ahead into
-registers (the loop unrolled by two, so no prefetched register is copied; a cp.async ring of weight words, 3-4
-slots, was 15-30% slower at 1-256 tokens on the H200 in session 17 and was removed). The tail tile's extra weight
+256 columns dividing K, block_n a power of two >= 8 x num_warps. Each step's weights are loaded into registers
+num_stages - 1 steps ahead (2, the default: a step ahead, the loop unrolled by two so that no prefetched register
+is copied; 3: two steps ahead, unrolled by three), the activation tile a step ahead. The tail tile's extra weight
 rows read the last row (clamped) and are not stored; padding rows of a block read pair 0's row.
 
-One launch for both GEMMs (`decode_moe`, `MoEConfig.one_launch`): the gate/up programs first, then the down
-programs, each down program waiting on a per-block count of finished gate/up programs. At 1 token each GEMM alone
-is 1.4-1.9 waves of programs, and each launch's last partial wave and the gap between them are where the step
-loses bandwidth; in one launch the down programs fill the SMs as the gate/up ones drain. The down programs take
-two weight tiles of block_n rows (2 block_n columns), so that both halves run the same two-tile loop and
-registers. `ops.moe.triton` runs these when `MoEConfig.fragments` is set (`ops.moe.config.default_config` sets it
-for decode batches where they fit); its module doc has the rest of the contract.
+Measured and removed (session 17, H200, K3.1 shape, benchmarks/moe_timeline.py): the weight words through a
+cp.async ring of 3-4 slots (15-30% slower at 1-256 tokens), and both GEMMs in one launch with the down programs
+waiting on per-block counts of finished gate/up programs (at 1 token the same 106 us as the two launches back to
+back, 5-10% slower at 16-64 tokens): neither the bytes in flight nor the launches' partial last waves are what
+holds a decode GEMM near 60% of the copy rate. `ops.moe.triton` runs these when `MoEConfig.fragments` is set
+(`ops.moe.config.default_config` sets it for decode batches where they fit); its module doc has the rest of the contract.
 """
 
 from __future__ import annotations
@@ -104,21 +103,21 @@ def _mma_step(a_buf, w, s, v, t, acc, acc2, BN: gl.constexpr, BK: gl.constexpr, 
 
 @gluon.jit
 def _register_loop(a_smem, g_ptrs, w_e, ws_e, v_e, vs_e, w_off, s_off, steps, acc, acc2, BN: gl.constexpr,
-                   BK: gl.constexpr, LA: gl.constexpr, LB: gl.constexpr, TWO: gl.constexpr, A_CACHE: gl.constexpr):
+                   BK: gl.constexpr, LA: gl.constexpr, LB: gl.constexpr, TWO: gl.constexpr):
     """The K loop with each step's weights loaded a step ahead into registers, unrolled by two so that each loaded
     value is used where it was loaded into. TWO: two weight tiles (W and V) on the same activation tile."""
     w_c, s_c, v_c, t_c = _load_weights(w_e, ws_e, v_e, vs_e, w_off, s_off, 0, BK, TWO)
-    a_smem.index(0).store(gl.load(g_ptrs, cache_modifier=A_CACHE))
+    a_smem.index(0).store(gl.load(g_ptrs))
     gl.thread_barrier()
     for i in range(steps // 2):
         j = gl.minimum(2 * i + 1, steps - 1)
-        a_next = gl.load(g_ptrs + j * BK, cache_modifier=A_CACHE)
+        a_next = gl.load(g_ptrs + j * BK)
         w_n, s_n, v_n, t_n = _load_weights(w_e, ws_e, v_e, vs_e, w_off, s_off, j, BK, TWO)
         acc, acc2 = _mma_step(a_smem.index(0), w_c, s_c, v_c, t_c, acc, acc2, BN, BK, LA, LB, TWO)
         a_smem.index(1).store(a_next)  # buffer 1 was last read before the previous barrier
         gl.thread_barrier()
         j = gl.minimum(2 * i + 2, steps - 1)  # past the end: the last step again, never used
-        a_next = gl.load(g_ptrs + j * BK, cache_modifier=A_CACHE)
+        a_next = gl.load(g_ptrs + j * BK)
         w_c, s_c, v_c, t_c = _load_weights(w_e, ws_e, v_e, vs_e, w_off, s_off, j, BK, TWO)
         acc, acc2 = _mma_step(a_smem.index(1), w_n, s_n, v_n, t_n, acc, acc2, BN, BK, LA, LB, TWO)
         a_smem.index(0).store(a_next)
@@ -129,14 +128,52 @@ def _register_loop(a_smem, g_ptrs, w_e, ws_e, v_e, vs_e, w_off, s_off, steps, ac
 
 
 @gluon.jit
-def _gemm_tile(a_ptr, w_ptr, ws_ptr, v_ptr, vs_ptr, out_ptr, sorted_ptr, b, nt, N_OUT, K, A_ROW_DIV, s_am, s_we,
-               s_wn, s_se, s_sn, s_om, e, nrows, beta, linear_beta, GATED: gl.constexpr, PAIRED: gl.constexpr,
-               ACT: gl.constexpr, LINEAR_TANH: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
-               OUT_BK: gl.constexpr, NUM_WARPS: gl.constexpr, A_CACHE: gl.constexpr):
-    """Block b (16 pairs of expert e, nrows real), column tile nt: out[pair, cols] = act(A W^T, A V^T) (GATED,
-    stored at the columns' MMA-k positions for a down GEMM of OUT_BK-wide steps), or A W^T (stored in place) on
-    BN columns, or (PAIRED) on 2 BN: W's rows 2 BN nt .. + BN and the next BN as the second weight tile (N_OUT a
-    multiple of 2 BN); rounded to bf16."""
+def _register_loop3(a_smem, g_ptrs, w_e, ws_e, v_e, vs_e, w_off, s_off, steps, acc, acc2, BN: gl.constexpr,
+                    BK: gl.constexpr, LA: gl.constexpr, LB: gl.constexpr, TWO: gl.constexpr):
+    """`_register_loop` with each step's weights loaded two steps ahead (three register sets, the loop unrolled by
+    three); the activation tile still a step ahead."""
+    w0, s0, v0, t0 = _load_weights(w_e, ws_e, v_e, vs_e, w_off, s_off, 0, BK, TWO)
+    w1, s1, v1, t1 = _load_weights(w_e, ws_e, v_e, vs_e, w_off, s_off, gl.minimum(1, steps - 1), BK, TWO)
+    a_smem.index(0).store(gl.load(g_ptrs))
+    gl.thread_barrier()
+    for i in range(steps // 3):  # step 3i (its tile in buffer 3i % 2) on set 0, 3i + 1 on set 1, 3i + 2 on set 2
+        b = 3 * i
+        a_next = gl.load(g_ptrs + gl.minimum(b + 1, steps - 1) * BK)
+        w2, s2, v2, t2 = _load_weights(w_e, ws_e, v_e, vs_e, w_off, s_off, gl.minimum(b + 2, steps - 1), BK, TWO)
+        acc, acc2 = _mma_step(a_smem.index(b % 2), w0, s0, v0, t0, acc, acc2, BN, BK, LA, LB, TWO)
+        a_smem.index((b + 1) % 2).store(a_next)
+        gl.thread_barrier()
+        a_next = gl.load(g_ptrs + gl.minimum(b + 2, steps - 1) * BK)
+        w0, s0, v0, t0 = _load_weights(w_e, ws_e, v_e, vs_e, w_off, s_off, gl.minimum(b + 3, steps - 1), BK, TWO)
+        acc, acc2 = _mma_step(a_smem.index((b + 1) % 2), w1, s1, v1, t1, acc, acc2, BN, BK, LA, LB, TWO)
+        a_smem.index(b % 2).store(a_next)
+        gl.thread_barrier()
+        a_next = gl.load(g_ptrs + gl.minimum(b + 3, steps - 1) * BK)
+        w1, s1, v1, t1 = _load_weights(w_e, ws_e, v_e, vs_e, w_off, s_off, gl.minimum(b + 4, steps - 1), BK, TWO)
+        acc, acc2 = _mma_step(a_smem.index(b % 2), w2, s2, v2, t2, acc, acc2, BN, BK, LA, LB, TWO)
+        a_smem.index((b + 1) % 2).store(a_next)
+        gl.thread_barrier()
+    b = steps - steps % 3  # the tail: step b on set 0 (its tile in buffer b % 2), step b + 1 on set 1
+    if steps % 3 >= 1:
+        a_next = gl.load(g_ptrs + gl.minimum(b + 1, steps - 1) * BK)
+        acc, acc2 = _mma_step(a_smem.index(b % 2), w0, s0, v0, t0, acc, acc2, BN, BK, LA, LB, TWO)
+        a_smem.index((b + 1) % 2).store(a_next)
+        gl.thread_barrier()
+    if steps % 3 == 2:
+        acc, acc2 = _mma_step(a_smem.index((b + 1) % 2), w1, s1, v1, t1, acc, acc2, BN, BK, LA, LB, TWO)
+    return acc, acc2
+
+
+@gluon.jit
+def _fragment_gemm_kernel(
+    a_ptr, w_ptr, ws_ptr, v_ptr, vs_ptr, out_ptr, sorted_ptr, bexp_ptr, brows_ptr, nblk_ptr,
+    N_OUT, K, A_ROW_DIV, s_am, s_we, s_wn, s_se, s_sn, s_om, beta, linear_beta,
+    GATED: gl.constexpr, ACT: gl.constexpr, LINEAR_TANH: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
+    OUT_BK: gl.constexpr, NUM_WARPS: gl.constexpr, STAGES: gl.constexpr,
+):
+    """One (block of 16 pairs, BN output columns): out[pair, cols] = act(A W^T, A V^T) (GATED, stored at the
+    columns' MMA-k positions for a down GEMM of OUT_BK-wide steps) or A W^T (stored in place), rounded to bf16.
+    STAGES: the K steps of weights in registers (2: loaded a step ahead, 3: two steps ahead)."""
     BM: gl.constexpr = 16
     G: gl.constexpr = BK // 128
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, NUM_WARPS], instr_shape=[16, 8])
@@ -146,29 +183,32 @@ def _gemm_tile(a_ptr, w_ptr, ws_ptr, v_ptr, vs_ptr, out_ptr, sorted_ptr, b, nt, 
     # [BN, 4 (t), G]
     LW: gl.constexpr = gl.BlockedLayout([1, 1, 4 * G], [8, 4, 1], [NUM_WARPS, 1, 1], [2, 1, 0])
     LS: gl.constexpr = gl.BlockedLayout([1, 1, G], [8, 4, 1], [NUM_WARPS, 1, 1], [2, 1, 0])
-    row0 = nt * (2 * BN if PAIRED else BN)
-    rows_s = gl.minimum(row0 + gl.arange(0, BN, layout=gl.SliceLayout(1, gl.SliceLayout(2, LS))), N_OUT - 1)
+    pid = gl.program_id(0)
+    n_tiles = gl.cdiv(N_OUT, BN)
+    b = pid // n_tiles
+    if b >= gl.load(nblk_ptr):
+        return
+    nt = pid % n_tiles
+    e = gl.load(bexp_ptr + b).to(gl.int64)
+    nrows = gl.load(brows_ptr + b)
+    rows_s = gl.minimum(nt * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, gl.SliceLayout(2, LS))), N_OUT - 1)
     quads_s = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, LS)))
     groups = gl.arange(0, G, layout=gl.SliceLayout(0, gl.SliceLayout(1, LS)))
     s_off = gl.expand_dims(gl.expand_dims(rows_s, 1) * s_sn + gl.expand_dims(quads_s, 0) * G, 2) + \
         gl.expand_dims(gl.expand_dims(groups, 0), 1)
-    rows_w = gl.minimum(row0 + gl.arange(0, BN, layout=gl.SliceLayout(1, gl.SliceLayout(2, LW))), N_OUT - 1)
+    rows_w = gl.minimum(nt * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, gl.SliceLayout(2, LW))), N_OUT - 1)
     quads_w = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, LW)))
     words = gl.arange(0, 4 * G, layout=gl.SliceLayout(0, gl.SliceLayout(1, LW)))
     w_off = gl.expand_dims(gl.expand_dims(rows_w, 1) * s_wn + gl.expand_dims(quads_w, 0) * (4 * G), 2) + \
         gl.expand_dims(gl.expand_dims(words, 0), 1)
     w_e = w_ptr + e * s_we
     ws_e = ws_ptr + e * s_se
-    if PAIRED:
-        v_e = w_e + BN * s_wn
-        vs_e = ws_e + BN * s_sn
-    else:
-        v_e = v_ptr + e * s_we
-        vs_e = vs_ptr + e * s_se
+    v_e = v_ptr + e * s_we
+    vs_e = vs_ptr + e * s_se
     acc = gl.zeros((BM, BN), gl.float32, MMA)
     acc2 = gl.zeros((BM, BN), gl.float32, MMA)
     # the activation tile a step ahead through shared memory (16-byte loads, ldmatrix into the A fragments), two
-    # buffers, one barrier a step; the weights a step ahead in registers (`_register_loop`)
+    # buffers, one barrier a step; the weights STAGES - 1 steps ahead in registers
     TK: gl.constexpr = BK // 8 if BK // 8 < 32 else 32
     LG: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TK, TK], [NUM_WARPS, 1], [1, 0])
     rg = gl.arange(0, BM, layout=gl.SliceLayout(1, LG))
@@ -177,78 +217,25 @@ def _gemm_tile(a_ptr, w_ptr, ws_ptr, v_ptr, vs_ptr, out_ptr, sorted_ptr, b, nt, 
     g_ptrs = gl.expand_dims(a_ptr + (pg // A_ROW_DIV) * s_am, 1) + gl.expand_dims(kg, 0)
     a_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BM, BK],
                                        gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0]))
-    acc, acc2 = _register_loop(a_smem, g_ptrs, w_e, ws_e, v_e, vs_e, w_off, s_off, K // BK, acc, acc2, BN, BK, LA, LB,
-                               GATED or PAIRED, A_CACHE)
+    if STAGES == 3:
+        acc, acc2 = _register_loop3(a_smem, g_ptrs, w_e, ws_e, v_e, vs_e, w_off, s_off, K // BK, acc, acc2, BN, BK,
+                                    LA, LB, GATED)
+    else:
+        acc, acc2 = _register_loop(a_smem, g_ptrs, w_e, ws_e, v_e, vs_e, w_off, s_off, K // BK, acc, acc2, BN, BK,
+                                   LA, LB, GATED)
     ro = gl.arange(0, BM, layout=gl.SliceLayout(1, MMA))
-    row_ok = gl.expand_dims(ro < nrows, 1)
-    po = gl.load(sorted_ptr + b * BM + ro, mask=ro < nrows, other=0).to(gl.int64)
-    out_rows = gl.expand_dims(out_ptr + po * s_om, 1)
-    cols = row0 + gl.arange(0, BN, layout=gl.SliceLayout(0, MMA))
+    row_ok = ro < nrows
+    po = gl.load(sorted_ptr + b * BM + ro, mask=row_ok, other=0).to(gl.int64)
+    cols = nt * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, MMA))
     if GATED:  # gate and up rounded to bf16, the activation in fp32 (the Triton kernels' epilogue)
         y = _activate(acc, acc2, beta, linear_beta, ACT, LINEAR_TANH, gl.bfloat16)
         q = cols % OUT_BK  # physical (OUT_BK / 4) t + 4s + 2b1 + b0 -> MMA position 16s + 8b1 + 2t + b0
         dst = cols - q + (q % (OUT_BK // 4) // 4) * 16 + (q % 4 // 2) * 8 + (q // (OUT_BK // 4)) * 2 + q % 2
-        gl.store(out_rows + gl.expand_dims(dst, 0), y.to(gl.bfloat16), mask=row_ok & gl.expand_dims(cols < N_OUT, 0))
     else:
-        gl.store(out_rows + gl.expand_dims(cols, 0), acc.to(gl.bfloat16),
-                 mask=row_ok & gl.expand_dims(cols < N_OUT, 0))
-        if PAIRED:
-            gl.store(out_rows + gl.expand_dims(cols + BN, 0), acc2.to(gl.bfloat16), mask=row_ok)
-
-
-@gluon.jit
-def _fragment_gemm_kernel(
-    a_ptr, w_ptr, ws_ptr, v_ptr, vs_ptr, out_ptr, sorted_ptr, bexp_ptr, brows_ptr, nblk_ptr,
-    N_OUT, K, A_ROW_DIV, s_am, s_we, s_wn, s_se, s_sn, s_om, beta, linear_beta,
-    GATED: gl.constexpr, ACT: gl.constexpr, LINEAR_TANH: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
-    OUT_BK: gl.constexpr, NUM_WARPS: gl.constexpr,
-):
-    """One grouped GEMM, a program a (block of 16 pairs, BN output columns): `_gemm_tile`."""
-    pid = gl.program_id(0)
-    n_tiles = gl.cdiv(N_OUT, BN)
-    b = pid // n_tiles
-    if b < gl.load(nblk_ptr):
-        _gemm_tile(a_ptr, w_ptr, ws_ptr, v_ptr, vs_ptr, out_ptr, sorted_ptr, b, pid % n_tiles, N_OUT, K, A_ROW_DIV,
-                   s_am, s_we, s_wn, s_se, s_sn, s_om, gl.load(bexp_ptr + b).to(gl.int64), gl.load(brows_ptr + b),
-                   beta, linear_beta, GATED, False, ACT, LINEAR_TANH, BN, BK, OUT_BK, NUM_WARPS, "")
-
-
-@gluon.jit
-def _decode_moe_kernel(
-    x_ptr, w1_ptr, w1s_ptr, w3_ptr, w3s_ptr, act_ptr, w2_ptr, w2s_ptr, y_ptr, sorted_ptr, bexp_ptr, brows_ptr,
-    nblk_ptr, ready_ptr, H, INTER, TOP_K, UP_PROGRAMS, s_xm, s_w1e, s_w1n, s_s1e, s_s1n, s_actm, s_w2e, s_w2n,
-    s_s2e, s_s2n, s_ym, beta, linear_beta,
-    ACT: gl.constexpr, LINEAR_TANH: gl.constexpr, BN: gl.constexpr, BK_UP: gl.constexpr, BK_DOWN: gl.constexpr,
-    NUM_WARPS: gl.constexpr,
-):
-    """Both GEMMs in one launch. Programs below UP_PROGRAMS (blocks x gate/up column tiles of BN) run the gate/up
-    tiles and then count themselves in ready[block] (release); the rest run the down GEMM's tiles of 2 BN columns
-    (two weight tiles a program), each first waiting (acquire) until its block's gate/up tiles are all counted,
-    then reading act through L2. Every gate/up program has a lower index than every down program, so the programs
-    a waiting one needs have all been started before it: the wait always ends."""
-    pid = gl.program_id(0)
-    nblk = gl.load(nblk_ptr)
-    up_tiles = gl.cdiv(INTER, BN)
-    if pid < UP_PROGRAMS:
-        b = pid // up_tiles
-        if b < nblk:
-            _gemm_tile(x_ptr, w1_ptr, w1s_ptr, w3_ptr, w3s_ptr, act_ptr, sorted_ptr, b, pid % up_tiles, INTER, H,
-                       TOP_K, s_xm, s_w1e, s_w1n, s_s1e, s_s1n, s_actm, gl.load(bexp_ptr + b).to(gl.int64),
-                       gl.load(brows_ptr + b), beta, linear_beta, True, False, ACT, LINEAR_TANH, BN, BK_UP, BK_DOWN,
-                       NUM_WARPS, "")
-            gl.thread_barrier()  # every thread's act stores precede the count
-            gl.atomic_add(ready_ptr + b, 1, sem="release", scope="gpu")
-    else:
-        down_tiles = gl.cdiv(H, 2 * BN)
-        b = (pid - UP_PROGRAMS) // down_tiles
-        if b < nblk:
-            while gl.atomic_add(ready_ptr + b, 0, sem="acquire", scope="gpu") < up_tiles:
-                pass
-            gl.thread_barrier()
-            nt = (pid - UP_PROGRAMS) % down_tiles
-            _gemm_tile(act_ptr, w2_ptr, w2s_ptr, w2_ptr, w2s_ptr, y_ptr, sorted_ptr, b, nt, H, INTER, 1, s_actm,
-                       s_w2e, s_w2n, s_s2e, s_s2n, s_ym, gl.load(bexp_ptr + b).to(gl.int64), gl.load(brows_ptr + b),
-                       beta, linear_beta, False, True, ACT, LINEAR_TANH, BN, BK_DOWN, BK_DOWN, NUM_WARPS, ".cg")
+        y = acc
+        dst = cols
+    ptrs = out_ptr + gl.expand_dims(po * s_om, 1) + gl.expand_dims(dst, 0)
+    gl.store(ptrs, y.to(gl.bfloat16), mask=gl.expand_dims(row_ok, 1) & gl.expand_dims(cols < N_OUT, 0))
 
 
 def fragment_gemm(a, w, w_scale, v, v_scale, out, align, a_row_div: int, tiles, act: str, beta: float,
@@ -260,27 +247,7 @@ def fragment_gemm(a, w, w_scale, v, v_scale, out, align, a_row_div: int, tiles, 
     grid = (align[1].numel() * triton.cdiv(w.shape[1], tiles.block_n),)
     _fragment_gemm_kernel[grid](
         *args, GATED=gated, ACT=_ACT[act], LINEAR_TANH=linear_beta is not None, BN=tiles.block_n, BK=tiles.block_k,
-        OUT_BK=out_block_k, NUM_WARPS=tiles.num_warps, **compile_options(tiles))
-
-
-def decode_moe(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, act, y, align, top_k: int, config, activation: str,
-               beta: float, linear_beta: float | None):
-    """Both GEMMs of the decode path in one launch (`MoEConfig.one_launch`): x [N, h] bf16 (physical order) ->
-    act [N k, I] (MMA-k order of the down GEMM's step), y [N k, h] (unweighted expert outputs)."""
-    up, down = config.up, config.down
-    sorted_pairs, bexp, brows, nblk = align
-    xf = fragment_order(x, up.block_k)
-    w1i, w3i, w2i = (t.view(torch.int32) for t in (w1, w3, w2))
-    blocks, inter, h = bexp.numel(), w1.shape[1], w2.shape[1]
-    up_programs = blocks * triton.cdiv(inter, up.block_n)
-    ready = torch.zeros(blocks, dtype=torch.int32, device=x.device)
-    grid = (up_programs + blocks * triton.cdiv(h, down.block_n),)
-    _decode_moe_kernel[grid](
-        xf, w1i, w1_scale, w3i, w3_scale, act, w2i, w2_scale, y, sorted_pairs, bexp, brows, nblk, ready, h, inter,
-        top_k, up_programs, xf.stride(0), w1i.stride(0), w1i.stride(1), w1_scale.stride(0), w1_scale.stride(1),
-        act.stride(0), w2i.stride(0), w2i.stride(1), w2_scale.stride(0), w2_scale.stride(1), y.stride(0),
-        float(beta), float(linear_beta or 1.0), ACT=_ACT[activation], LINEAR_TANH=linear_beta is not None,
-        BN=up.block_n, BK_UP=up.block_k, BK_DOWN=down.block_k, NUM_WARPS=up.num_warps, **compile_options(up))
+        OUT_BK=out_block_k, NUM_WARPS=tiles.num_warps, STAGES=tiles.num_stages, **compile_options(tiles))
 
 
 def compile_options(tiles) -> dict:
@@ -291,4 +258,4 @@ def compile_options(tiles) -> dict:
     return options
 
 
-__all__ = ["compile_options", "decode_moe", "fragment_gemm", "fragment_order"]
+__all__ = ["compile_options", "fragment_gemm", "fragment_order"]

@@ -740,14 +740,12 @@ def _check(x, w1, w2, w3, w1_scale, w2_scale, w3_scale, ids, weights, config: Mo
             raise ValueError(f"split_k must be 1..16, got {tiles.split_k}")
         if tiles.max_registers is not None and not 24 <= tiles.max_registers <= 255:
             raise ValueError(f"max_registers must be None or 24..255, got {tiles.max_registers}")
-    if config.one_launch and not config.fragments:
-        raise ValueError("MoEConfig.one_launch runs the decode fragment GEMMs: set fragments=True (block_m 16)")
     if config.fragments:
         if not (mxfp4 and config.dequant == "shift" and x.dtype == torch.bfloat16 and x.is_cuda):
             raise ValueError("MoEConfig.fragments runs bf16 activations on CUDA against MXFP4 experts in the shift "
                              f"layout (dequant 'shift'); got {x.dtype} on {x.device.type}, dequant {config.dequant!r}")
         from kimiserve.ops.moe.fragment_order import check_fragment_shapes
-        why = check_fragment_shapes(h, inter, config.block_m, config.up, config.down, config.one_launch)
+        why = check_fragment_shapes(h, inter, config.block_m, config.up, config.down)
         if why:
             raise ValueError(f"MoEConfig.fragments: {why}")
 
@@ -788,12 +786,6 @@ def fused_moe(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Ten
     else:
         act, y = workspace
     align = align_blocks(ids, E, config.block_m)
-    if config.one_launch:
-        from kimiserve.ops.moe import gluon_decode
-        gluon_decode.decode_moe(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, act, y, align, k, config, activation,
-                                situ_beta, situ_linear_beta)
-        combine(y, weights, out, config)
-        return out
     gate_up(x, w1, w1_scale, w3, w3_scale, act, align, config, activation, situ_beta, situ_linear_beta)
     down_combine(act, w2, w2_scale, y, weights, out, align, config)
     return out
