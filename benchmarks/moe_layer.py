@@ -398,7 +398,7 @@ def sass_report(specs: list[str], h: int, inter: int) -> int:
                 from kimiserve.ops.moe import gluon_decode
                 fn, options = gluon_decode._fragment_gemm_kernel, gluon_decode.compile_options(tiles)
                 consts = dict(GATED=gated, ACT=1, LINEAR_TANH=True, BN=tiles.block_n, BK=tiles.block_k,
-                              OUT_BK=cfg.down.block_k, NUM_WARPS=tiles.num_warps, STAGES=tiles.num_stages)
+                              OUT_BK=cfg.down.block_k, NUM_WARPS=tiles.num_warps)
                 types.update(s_we="i64", s_se="i64")
             try:
                 div16 = [n for n in _GEMM_INTS if n != "A_ROW_DIV"] + ["s_ps"]
@@ -416,8 +416,7 @@ def sass_report(specs: list[str], h: int, inter: int) -> int:
             mix = loop_mix(ops)
             paired = cfg.fragments and cfg.block_m > 16 and not gated and h % 256 == 0  # gluon_prefill.paired_down
             weights = (2 if gated or paired else 1) * tiles.block_n * tiles.block_k / (32 * tiles.num_warps)
-            if cfg.fragments and cfg.block_m == 16:  # the decode fragment kernel's loop: 2 (or 3) steps
-                weights *= 3 if tiles.num_stages == 3 else 2
+            weights *= 2 if cfg.fragments and cfg.block_m == 16 else 1  # the decode fragment kernel's loop: 2 steps
             mma = ",".join(sorted(op for op in instruction_mix(sass) if "MMA" in op))
             print(f"{spec:<40} {name:<5} {m.group(1):>4} {m.group(2):>5} {kernel.metadata.shared / 1024:8.1f} "
                   f"{len(ops):11d} {len(ops) / weights:11.2f} {mix['moves'] / weights:6.2f} {mix['alu'] / weights:5.2f} "

@@ -143,27 +143,16 @@ def test_wgmma_stages_fit_the_shared_memory():
     assert ">= 3 stages" in check_fragment_shapes(3584, 3072, 64, tiles(2), tiles(3))
 
 
-def test_decode_stage_checks():
-    """The decode kernels hold 2 or 3 K steps of weights in registers (num_stages); else a ValueError's message."""
-    def tiles(stages):
-        return GemmTiles(block_n=64, block_k=256, num_warps=4, num_stages=stages)
-
-    assert check_fragment_shapes(3584, 3072, 16, tiles(2), tiles(3)) is None
-    assert "2 or 3 K steps" in check_fragment_shapes(3584, 3072, 16, tiles(4), tiles(2))
-    assert "2 or 3 K steps" in check_fragment_shapes(3584, 3072, 16, tiles(2), tiles(1))
-
-
-@pytest.mark.parametrize("gated,stages", [(True, 2), (False, 2), (True, 3), (False, 3)])
-def test_sm90_build_has_no_fragment_moves(gated, stages):
+@pytest.mark.parametrize("gated", [True, False])
+def test_sm90_build_has_no_fragment_moves(gated):
     """The Gluon kernel's sm_90 build (Triton's ptxas, offline): the B operand's layout conversion is trivial
     (the kernel asserts it), no spills, and the K loop has almost no register moves (Triton's own decode GEMM:
-    0.89 a weight for gate/up) and `stages` K steps of mma.sync per iteration (the loop unrolled by 2 or 3: no
-    prefetched weight register is copied)."""
-    consts = dict(GATED=gated, ACT=1, LINEAR_TANH=True, BN=128, BK=128, OUT_BK=128, NUM_WARPS=4, STAGES=stages)
+    0.89 a weight for gate/up) and two K steps of mma.sync per iteration."""
+    consts = dict(GATED=gated, ACT=1, LINEAR_TANH=True, BN=128, BK=128, OUT_BK=128, NUM_WARPS=4)
     sass, ops, loop_mix = _sm90_build("gluon_decode", "_fragment_gemm_kernel", "*u8", consts, 4,
                                       ["K", "s_am", "s_we", "s_wn", "s_se", "s_sn", "s_om"])
-    weights = stages * (2 if gated else 1) * 128 * 128 / 128  # per thread: the loop's K steps of 1 or 2 weight tiles
-    assert sum(op.startswith("HMMA.16816") for op in ops) == stages * (2 if gated else 1) * 8 * 4
+    weights = 2 * (2 if gated else 1) * 128 * 128 / 128  # per thread: two K steps of one or two weight tiles
+    assert sum(op.startswith("HMMA.16816") for op in ops) == 2 * (2 if gated else 1) * 8 * 4
     assert loop_mix(ops)["moves"] / weights < 0.2
     assert len(ops) / weights < 3.2
 

@@ -46,7 +46,7 @@ class MoEConfig:
     combine_block: hidden columns per program of the combine; fragments: both GEMMs as Gluon kernels whose
     dequantised weights are register fragments of the MMA (CUDA, bf16, the shift layout; the activation between
     them kept in `ops.moe.fragment_order`'s MMA-k order): with block_m 16 `ops.moe.gluon_decode`'s (mma.sync,
-    block_k 128 or 256, num_stages 2 or 3: the K steps of weights held in registers), with block_m 64 or 128 `ops.moe.gluon_prefill`'s (wgmma, tiles of
+    block_k 128 or 256, num_stages not used), with block_m 64 or 128 `ops.moe.gluon_prefill`'s (wgmma, tiles of
     128 x 128 on 8 warps, num_stages shared-memory stages; at block_m 128 both GEMMs run blocks of at most 64
     rows, each expert's tail, as 64-token tiles in a second launch)."""
 

@@ -65,9 +65,8 @@ def grouped_gemm_args(a, w, w_scale, v, v_scale, out, align, a_row_div: int, bet
 
 def check_fragment_shapes(h: int, inter: int, block_m: int, up, down) -> str | None:
     """Why the fragment GEMMs cannot run these expert dims and tiles (GemmTiles; None: they can). block_m 16: the
-    decode kernels, 2 or 3 K steps of weights in registers; 64 or 128: the prefill (wgmma) kernels, 128 weight rows x
-    128-wide K steps on 8 warps, 3 or more stages that fit the shared memory (gate/up: up to 6 at block_m 64, 4 at
-    128)."""
+    decode kernels; 64 or 128: the prefill (wgmma) kernels, 128 weight rows x 128-wide K steps on 8 warps, 3 or more
+    stages that fit the shared memory (gate/up: up to 6 at block_m 64, 4 at 128)."""
     if block_m in WGMMA_BLOCK_MS:
         if h % 128 or inter % 128:
             return f"the wgmma fragment GEMMs need expert dims that are multiples of 128, got {h} and {inter}"
@@ -91,9 +90,6 @@ def check_fragment_shapes(h: int, inter: int, block_m: int, up, down) -> str | N
                     f"for K = {K}")
         if t.num_warps not in (1, 2, 4, 8) or t.block_n & (t.block_n - 1) or t.block_n < 8 * t.num_warps:
             return f"block_n must be a power of two >= 8 x num_warps (1, 2, 4 or 8), got {t.block_n} and {t.num_warps}"
-        if t.num_stages not in (2, 3):
-            return (f"the decode fragment GEMMs hold 2 or 3 K steps of weights in registers (num_stages); got "
-                    f"{t.num_stages} for {t}")
     return None
 
 

@@ -22,22 +22,24 @@ half, b0 the element of a pair).
   buffers, one barrier a step) and read with ldmatrix into the A fragments.
 
 Scope: bf16 activations, MXFP4 weights in the shift layout, 16-row blocks (the decode regime), K steps of 128 or
-256 columns dividing K, block_n a power of two >= 8 x num_warps. Each step's weights are loaded into registers
-num_stages - 1 steps ahead (2, the default: a step ahead, the loop unrolled by two so that no prefetched register
-is copied; 3: two steps ahead, unrolled by three), the activation tile a step ahead. The tail tile's extra weight
-rows read the last row (clamped) and are not stored; padding rows of a block read pair 0's row.
+256 columns dividing K, block_n a power of two >= 8 x num_warps (num_stages is not used). Each step's weights and
+activation tile are loaded a step ahead (the loop unrolled by two, so that no prefetched register is copied). The
+tail tile's extra weight rows read the last row (clamped) and are not stored; padding rows of a block read pair
+0's row.
 
-Measured and removed (session 17, H200, K3.1 shape, benchmarks/moe_timeline.py): the weight words through a
-cp.async ring of 3-4 slots (15-30% slower at 1-256 tokens), and both GEMMs in one launch with the down programs
-waiting on per-block counts of finished gate/up programs (at 1 token the same 106 us as the two launches back to
-back, 5-10% slower at 16-64 tokens): neither the bytes in flight nor the launches' partial last waves are what
-holds a decode GEMM near 60% of the copy rate. `ops.moe.triton` runs these when `MoEConfig.fragments` is set
-(`ops.moe.config.default_config` sets it for decode batches where they fit); its module doc has the rest of the contract.
+Measured and removed (session 17, H200, K3.1 shape; BENCHMARKS.md "Session 17"): the weight words through a
+cp.async ring of 3-4 slots (15-30% slower at 1-256 tokens), the weights two steps ahead in registers (8-20%
+slower), and both GEMMs in one launch with the down programs waiting on per-block counts of finished gate/up
+programs (at 1 token the same 106 us as the two launches back to back, 5-10% slower at 16-64 tokens): neither the
+bytes in flight nor the launches' partial last waves hold a decode GEMM near 60% of the copy rate; ncu puts the
+ALU pipe (the e2m1 decode's rotates and masks) highest, at 56% of its peak.
+
+`ops.moe.triton` runs these when `MoEConfig.fragments` is set (`ops.moe.config.default_config` sets it for decode
+batches where they fit); its module doc has the rest of the contract.
 """
 
 from __future__ import annotations
 
-import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -103,64 +105,27 @@ def _mma_step(a_buf, w, s, v, t, acc, acc2, BN: gl.constexpr, BK: gl.constexpr, 
 
 @gluon.jit
 def _register_loop(a_smem, g_ptrs, w_e, ws_e, v_e, vs_e, w_off, s_off, steps, acc, acc2, BN: gl.constexpr,
-                   BK: gl.constexpr, LA: gl.constexpr, LB: gl.constexpr, TWO: gl.constexpr):
+                   BK: gl.constexpr, LA: gl.constexpr, LB: gl.constexpr, GATED: gl.constexpr):
     """The K loop with each step's weights loaded a step ahead into registers, unrolled by two so that each loaded
-    value is used where it was loaded into. TWO: two weight tiles (W and V) on the same activation tile."""
-    w_c, s_c, v_c, t_c = _load_weights(w_e, ws_e, v_e, vs_e, w_off, s_off, 0, BK, TWO)
+    value is used where it was loaded into."""
+    w_c, s_c, v_c, t_c = _load_weights(w_e, ws_e, v_e, vs_e, w_off, s_off, 0, BK, GATED)
     a_smem.index(0).store(gl.load(g_ptrs))
     gl.thread_barrier()
     for i in range(steps // 2):
         j = gl.minimum(2 * i + 1, steps - 1)
         a_next = gl.load(g_ptrs + j * BK)
-        w_n, s_n, v_n, t_n = _load_weights(w_e, ws_e, v_e, vs_e, w_off, s_off, j, BK, TWO)
-        acc, acc2 = _mma_step(a_smem.index(0), w_c, s_c, v_c, t_c, acc, acc2, BN, BK, LA, LB, TWO)
+        w_n, s_n, v_n, t_n = _load_weights(w_e, ws_e, v_e, vs_e, w_off, s_off, j, BK, GATED)
+        acc, acc2 = _mma_step(a_smem.index(0), w_c, s_c, v_c, t_c, acc, acc2, BN, BK, LA, LB, GATED)
         a_smem.index(1).store(a_next)  # buffer 1 was last read before the previous barrier
         gl.thread_barrier()
         j = gl.minimum(2 * i + 2, steps - 1)  # past the end: the last step again, never used
         a_next = gl.load(g_ptrs + j * BK)
-        w_c, s_c, v_c, t_c = _load_weights(w_e, ws_e, v_e, vs_e, w_off, s_off, j, BK, TWO)
-        acc, acc2 = _mma_step(a_smem.index(1), w_n, s_n, v_n, t_n, acc, acc2, BN, BK, LA, LB, TWO)
+        w_c, s_c, v_c, t_c = _load_weights(w_e, ws_e, v_e, vs_e, w_off, s_off, j, BK, GATED)
+        acc, acc2 = _mma_step(a_smem.index(1), w_n, s_n, v_n, t_n, acc, acc2, BN, BK, LA, LB, GATED)
         a_smem.index(0).store(a_next)
         gl.thread_barrier()
     if steps % 2:
-        acc, acc2 = _mma_step(a_smem.index(0), w_c, s_c, v_c, t_c, acc, acc2, BN, BK, LA, LB, TWO)
-    return acc, acc2
-
-
-@gluon.jit
-def _register_loop3(a_smem, g_ptrs, w_e, ws_e, v_e, vs_e, w_off, s_off, steps, acc, acc2, BN: gl.constexpr,
-                    BK: gl.constexpr, LA: gl.constexpr, LB: gl.constexpr, TWO: gl.constexpr):
-    """`_register_loop` with each step's weights loaded two steps ahead (three register sets, the loop unrolled by
-    three); the activation tile still a step ahead."""
-    w0, s0, v0, t0 = _load_weights(w_e, ws_e, v_e, vs_e, w_off, s_off, 0, BK, TWO)
-    w1, s1, v1, t1 = _load_weights(w_e, ws_e, v_e, vs_e, w_off, s_off, gl.minimum(1, steps - 1), BK, TWO)
-    a_smem.index(0).store(gl.load(g_ptrs))
-    gl.thread_barrier()
-    for i in range(steps // 3):  # step 3i (its tile in buffer 3i % 2) on set 0, 3i + 1 on set 1, 3i + 2 on set 2
-        b = 3 * i
-        a_next = gl.load(g_ptrs + gl.minimum(b + 1, steps - 1) * BK)
-        w2, s2, v2, t2 = _load_weights(w_e, ws_e, v_e, vs_e, w_off, s_off, gl.minimum(b + 2, steps - 1), BK, TWO)
-        acc, acc2 = _mma_step(a_smem.index(b % 2), w0, s0, v0, t0, acc, acc2, BN, BK, LA, LB, TWO)
-        a_smem.index((b + 1) % 2).store(a_next)
-        gl.thread_barrier()
-        a_next = gl.load(g_ptrs + gl.minimum(b + 2, steps - 1) * BK)
-        w0, s0, v0, t0 = _load_weights(w_e, ws_e, v_e, vs_e, w_off, s_off, gl.minimum(b + 3, steps - 1), BK, TWO)
-        acc, acc2 = _mma_step(a_smem.index((b + 1) % 2), w1, s1, v1, t1, acc, acc2, BN, BK, LA, LB, TWO)
-        a_smem.index(b % 2).store(a_next)
-        gl.thread_barrier()
-        a_next = gl.load(g_ptrs + gl.minimum(b + 3, steps - 1) * BK)
-        w1, s1, v1, t1 = _load_weights(w_e, ws_e, v_e, vs_e, w_off, s_off, gl.minimum(b + 4, steps - 1), BK, TWO)
-        acc, acc2 = _mma_step(a_smem.index(b % 2), w2, s2, v2, t2, acc, acc2, BN, BK, LA, LB, TWO)
-        a_smem.index((b + 1) % 2).store(a_next)
-        gl.thread_barrier()
-    b = steps - steps % 3  # the tail: step b on set 0 (its tile in buffer b % 2), step b + 1 on set 1
-    if steps % 3 >= 1:
-        a_next = gl.load(g_ptrs + gl.minimum(b + 1, steps - 1) * BK)
-        acc, acc2 = _mma_step(a_smem.index(b % 2), w0, s0, v0, t0, acc, acc2, BN, BK, LA, LB, TWO)
-        a_smem.index((b + 1) % 2).store(a_next)
-        gl.thread_barrier()
-    if steps % 3 == 2:
-        acc, acc2 = _mma_step(a_smem.index((b + 1) % 2), w1, s1, v1, t1, acc, acc2, BN, BK, LA, LB, TWO)
+        acc, acc2 = _mma_step(a_smem.index(0), w_c, s_c, v_c, t_c, acc, acc2, BN, BK, LA, LB, GATED)
     return acc, acc2
 
 
@@ -169,11 +134,10 @@ def _fragment_gemm_kernel(
     a_ptr, w_ptr, ws_ptr, v_ptr, vs_ptr, out_ptr, sorted_ptr, bexp_ptr, brows_ptr, nblk_ptr,
     N_OUT, K, A_ROW_DIV, s_am, s_we, s_wn, s_se, s_sn, s_om, beta, linear_beta,
     GATED: gl.constexpr, ACT: gl.constexpr, LINEAR_TANH: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
-    OUT_BK: gl.constexpr, NUM_WARPS: gl.constexpr, STAGES: gl.constexpr,
+    OUT_BK: gl.constexpr, NUM_WARPS: gl.constexpr,
 ):
     """One (block of 16 pairs, BN output columns): out[pair, cols] = act(A W^T, A V^T) (GATED, stored at the
-    columns' MMA-k positions for a down GEMM of OUT_BK-wide steps) or A W^T (stored in place), rounded to bf16.
-    STAGES: the K steps of weights in registers (2: loaded a step ahead, 3: two steps ahead)."""
+    columns' MMA-k positions for a down GEMM of OUT_BK-wide steps) or A W^T (stored in place), rounded to bf16."""
     BM: gl.constexpr = 16
     G: gl.constexpr = BK // 128
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, NUM_WARPS], instr_shape=[16, 8])
@@ -207,8 +171,9 @@ def _fragment_gemm_kernel(
     vs_e = vs_ptr + e * s_se
     acc = gl.zeros((BM, BN), gl.float32, MMA)
     acc2 = gl.zeros((BM, BN), gl.float32, MMA)
+    steps = K // BK
     # the activation tile a step ahead through shared memory (16-byte loads, ldmatrix into the A fragments), two
-    # buffers, one barrier a step; the weights STAGES - 1 steps ahead in registers
+    # buffers, one barrier a step; the weights a step ahead in registers (`_register_loop`)
     TK: gl.constexpr = BK // 8 if BK // 8 < 32 else 32
     LG: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TK, TK], [NUM_WARPS, 1], [1, 0])
     rg = gl.arange(0, BM, layout=gl.SliceLayout(1, LG))
@@ -217,12 +182,8 @@ def _fragment_gemm_kernel(
     g_ptrs = gl.expand_dims(a_ptr + (pg // A_ROW_DIV) * s_am, 1) + gl.expand_dims(kg, 0)
     a_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BM, BK],
                                        gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0]))
-    if STAGES == 3:
-        acc, acc2 = _register_loop3(a_smem, g_ptrs, w_e, ws_e, v_e, vs_e, w_off, s_off, K // BK, acc, acc2, BN, BK,
-                                    LA, LB, GATED)
-    else:
-        acc, acc2 = _register_loop(a_smem, g_ptrs, w_e, ws_e, v_e, vs_e, w_off, s_off, K // BK, acc, acc2, BN, BK,
-                                   LA, LB, GATED)
+    acc, acc2 = _register_loop(a_smem, g_ptrs, w_e, ws_e, v_e, vs_e, w_off, s_off, steps, acc, acc2, BN, BK, LA, LB,
+                               GATED)
     ro = gl.arange(0, BM, layout=gl.SliceLayout(1, MMA))
     row_ok = ro < nrows
     po = gl.load(sorted_ptr + b * BM + ro, mask=row_ok, other=0).to(gl.int64)
@@ -247,7 +208,7 @@ def fragment_gemm(a, w, w_scale, v, v_scale, out, align, a_row_div: int, tiles, 
     grid = (align[1].numel() * triton.cdiv(w.shape[1], tiles.block_n),)
     _fragment_gemm_kernel[grid](
         *args, GATED=gated, ACT=_ACT[act], LINEAR_TANH=linear_beta is not None, BN=tiles.block_n, BK=tiles.block_k,
-        OUT_BK=out_block_k, NUM_WARPS=tiles.num_warps, STAGES=tiles.num_stages, **compile_options(tiles))
+        OUT_BK=out_block_k, NUM_WARPS=tiles.num_warps, **compile_options(tiles))
 
 
 def compile_options(tiles) -> dict:
