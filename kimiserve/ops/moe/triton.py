@@ -12,12 +12,12 @@ Design.
    BLOCK_M: at most floor((N k + min(E, N k) (BLOCK_M - 1)) / BLOCK_M) blocks, so the grids are
    fixed and CUDA graphs capture them; nothing is read back by the host. Up to ALIGN_FEW_PAIRS
    pairs one Triton program compares the pairs' experts pairwise (a pair's rank in its expert, the
-   blocks of the experts below it); up to ALIGN_SMALL_PAIRS one program does it all (a histogram over
-   experts, a scan, a sort of the (expert, pair) keys, the scatter); above that, three launches do the same by chunks of that many
-   pairs (the chunks' histograms; one program's scan of them into each chunk's offsets per expert;
-   each chunk's sort and scatter). A few torch ops (a stable sort, cumsums, a scatter, a
-   searchsorted) are the reference, and the fallback for 8192 or more experts. All put an expert's
-   pairs in ascending pair order.
+   blocks of the experts below it); up to ALIGN_SMALL_PAIRS one program does it all (a histogram
+   over experts, a scan, a sort of the (expert, pair) keys, the scatter); above that, three launches
+   do the same by chunks of that many pairs (the chunks' histograms; one program's scan of them into
+   each chunk's offsets per expert; each chunk's sort and scatter). A few torch ops (a stable sort,
+   cumsums, a scatter, a searchsorted) are the reference, and the fallback for 8192 or more experts.
+   All put an expert's pairs in ascending pair order.
 2. Gate/up GEMM, grid (blocks x column tiles of the intermediate dim; column tiles fastest, so
    the programs of one block run together and share its activation rows from L2): a program
    gathers its block's token rows of x, streams BLOCK_N rows of W1_e and of W3_e in BLOCK_K steps,
@@ -852,19 +852,11 @@ def down_combine(act, w2, w2_scale, y, weights, out, align, config: MoEConfig):
     if split > 1:
         y = torch.empty(split, N * k, h, dtype=torch.float32, device=out.device)
     down_gemm(act, w2, w2_scale, y, align, config)
-    combine(y, weights, out, config)
-
-
-def combine(y, weights, out, config: MoEConfig):
-    """out [N, h] = sum_j weights[:, j] * y's row of pair (t, j) (y [N k, h], or fp32 split-K partials [S, N k, h]
-    summed first)."""
-    N, k, h = out.shape[0], weights.shape[1], out.shape[1]
-    split = y.shape[0] if y.dim() == 3 else 1
     BH = min(config.combine_block, triton.next_power_of_2(h))
     _combine_kernel[(N, triton.cdiv(h, BH))](y, weights, out, h, y.stride(-2), *weights.stride(), out.stride(0),
                                               y.stride(0) if split > 1 else 0, TOP_K=k, BH=BH, SPLIT=split,
                                               DTYPE=_DOT_DTYPES[out.dtype], num_warps=4)
 
 
-__all__ = ["ALIGN_SMALL_PAIRS", "DECODE_MAX_ROWS", "GemmTiles", "MoEConfig", "align_blocks", "combine",
+__all__ = ["ALIGN_FEW_PAIRS", "ALIGN_SMALL_PAIRS", "DECODE_MAX_ROWS", "GemmTiles", "MoEConfig", "align_blocks",
            "default_config", "dequantize_weights", "down_combine", "down_gemm", "fused_moe", "gate_up", "max_blocks"]
