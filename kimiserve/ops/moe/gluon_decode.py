@@ -28,9 +28,9 @@ tail tile's extra weight rows read the last row (clamped) and are not stored; pa
 0's row.
 
 Measured and removed (session 17, H200, K3.1 shape; BENCHMARKS.md "Session 17"): the weight words through a
-cp.async ring of 3-4 slots (15-30% slower at 1-256 tokens), the weights two steps ahead in registers (8-20%
+cp.async ring of 3-4 slots (12-35% slower at 1-256 tokens), the weights two steps ahead in registers (11-34%
 slower), and both GEMMs in one launch with the down programs waiting on per-block counts of finished gate/up
-programs (at 1 token the same 106 us as the two launches back to back, 5-10% slower at 16-64 tokens): neither the
+programs (at 1 token the same 106 us as the two launches back to back, 5-15% slower at 16-64 tokens): neither the
 bytes in flight nor the launches' partial last waves hold a decode GEMM near 60% of the copy rate; ncu puts the
 ALU pipe (the e2m1 decode's rotates and masks) highest, at 56% of its peak.
 
