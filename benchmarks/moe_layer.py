@@ -196,6 +196,12 @@ def route(N: int, E: int, k: int, routing: str, device, seed: int) -> tuple[torc
     return ids, weights / weights.sum(-1, keepdim=True)
 
 
+def layer_bytes(experts_hit: int, per_expert: int, tokens: int, hidden: int, act_bytes: int, pairs: int) -> int:
+    """The bytes a layer must move: the experts it hits (codes and scales), x and out, ids (int64) and weights
+    (fp32)."""
+    return experts_hit * per_expert + 2 * tokens * hidden * act_bytes + pairs * (8 + 4)
+
+
 def situ(g, u):
     return situ_and_mul(g, u, 4.0, 25.0)
 
@@ -414,8 +420,7 @@ def sass_report(specs: list[str], h: int, inter: int) -> int:
             sass = sass_of(kernel)
             ops = _largest_loop(sass)
             mix = loop_mix(ops)
-            paired = cfg.fragments and cfg.block_m > 16 and not gated and h % 256 == 0  # gluon_prefill.paired_down
-            weights = (2 if gated or paired else 1) * tiles.block_n * tiles.block_k / (32 * tiles.num_warps)
+            weights = (2 if gated or consts.get("PAIRED") else 1) * tiles.block_n * tiles.block_k / (32 * tiles.num_warps)
             weights *= 2 if cfg.fragments and cfg.block_m == 16 else 1  # the decode fragment kernel's loop: 2 steps
             mma = ",".join(sorted(op for op in instruction_mix(sass) if "MMA" in op))
             print(f"{spec:<40} {name:<5} {m.group(1):>4} {m.group(2):>5} {kernel.metadata.shared / 1024:8.1f} "
@@ -591,7 +596,7 @@ def main(argv: list[str] | None = None) -> int:
         for n in tokens:
             x, ids, weights = inputs(n, routing, n)
             hit = int(torch.unique(ids).numel())
-            nbytes = hit * per_expert + 2 * n * h * act_bytes + ids.numel() * (8 + 4)
+            nbytes = layer_bytes(hit, per_expert, n, h, act_bytes, ids.numel())
             workspace = 2 * n * k * (inter + h) * act_bytes
             flops = 6 * n * k * h * inter
             out = torch.empty_like(x)

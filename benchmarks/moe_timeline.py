@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from moe_layer import copy_gbps, packed_experts, parse_variant, route, shift_layout  # noqa: E402
+from moe_layer import copy_gbps, layer_bytes, packed_experts, parse_variant, route, shift_layout  # noqa: E402
 
 from kimiserve.utils.cuda_timing import capture_graph, cuda_time, graph_time  # noqa: E402
 from kimiserve.utils.run_info import git_commit  # noqa: E402
@@ -48,7 +48,7 @@ def layer_calls(x, w, draws, cfg):
     return fn
 
 
-def kernel_timeline(graph: torch.cuda.CUDAGraph, launches_per_layer: int, layers: int) -> dict:
+def kernel_timeline(graph: torch.cuda.CUDAGraph, layers: int) -> dict:
     """One profiled replay: the middle layer's kernels (start, duration, gap before) and every layer's span (us)."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -58,26 +58,23 @@ def kernel_timeline(graph: torch.cuda.CUDAGraph, launches_per_layer: int, layers
         graph.replay()
         torch.cuda.synchronize()
     events = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
-                     and e.name not in ("cudaGraphLaunch",) and e.time_range.elapsed_us() >= 0),
+                     and e.name != "cudaGraphLaunch" and e.time_range.elapsed_us() >= 0),
                     key=lambda e: e.time_range.start)
     kernels = [(e.name, e.time_range.start, e.time_range.end) for e in events]
-    if len(kernels) != launches_per_layer * layers:
-        return dict(error=f"{len(kernels)} kernels in a replay, expected {launches_per_layer} x {layers}",
-                    names=[k[0][:60] for k in kernels[:2 * launches_per_layer]])
-    spans = []
-    for i in range(layers):
-        chunk = kernels[i * launches_per_layer:(i + 1) * launches_per_layer]
-        spans.append(chunk[-1][2] - chunk[0][1])
+    per_layer = len(kernels) // layers
+    if not kernels or len(kernels) % layers:
+        return dict(error=f"{len(kernels)} kernels in a replay of {layers} layers",
+                    names=[k[0][:60] for k in kernels[:20]])
+    spans = [kernels[(i + 1) * per_layer - 1][2] - kernels[i * per_layer][1] for i in range(layers)]
     mid = layers // 2
-    chunk = kernels[mid * launches_per_layer:(mid + 1) * launches_per_layer]
-    prev_end = kernels[mid * launches_per_layer - 1][2] if mid else chunk[0][1]
+    chunk = kernels[mid * per_layer:(mid + 1) * per_layer]
+    prev_end = kernels[mid * per_layer - 1][2] if mid else chunk[0][1]
     t0 = chunk[0][1]
     rows = []
     for name, start, end in chunk:
         rows.append(dict(name=name[:80], start_us=start - t0, us=end - start, gap_us=start - prev_end))
         prev_end = end
-    return dict(layer_spans_us=spans, middle_layer=rows,
-                replay_span_us=kernels[-1][2] - kernels[0][1])
+    return dict(layer_spans_us=spans, middle_layer=rows, replay_span_us=kernels[-1][2] - kernels[0][1])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -119,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     for n in (int(t) for t in args.tokens.split(",")):
         x = torch.randn(n, h, device="cuda").bfloat16()
         draws = [route(n, E, k, args.routing, "cuda", 1000 * n + i) for i in range(args.layers)]
-        nbytes = [int(torch.unique(ids).numel()) * per_expert + 2 * n * h * 2 + ids.numel() * 12 for ids, _ in draws]
+        nbytes = [layer_bytes(int(torch.unique(ids).numel()), per_expert, n, h, 2, ids.numel()) for ids, _ in draws]
         for spec in variants:
             cfg = (tt.default_config(n, k, E, torch.bfloat16, True, "shift", dims=(h, inter)) if spec == "default"
                    else parse_variant(spec))
@@ -129,8 +126,7 @@ def main(argv: list[str] | None = None) -> int:
             per_layer = cuda_time(graph.replay, repeats=20) / args.layers
             roofline = sum(nbytes) / args.layers / (copy * 1e9) * 1e3
             one_roofline = nbytes[0] / (copy * 1e9) * 1e3
-            launches = len(capture_kernel_names(graph))
-            timeline = kernel_timeline(graph, launches // args.layers, args.layers)
+            timeline = kernel_timeline(graph, args.layers)
             row = dict(tokens=n, variant=spec, config=str(cfg), layer_ms=one,
                        layer_roofline_fraction=one_roofline / one, graph_layer_ms=per_layer, roofline_ms=roofline,
                        graph_roofline_fraction=roofline / per_layer, timeline=timeline)
@@ -149,17 +145,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['tokens']:>6} {r['variant']:<36} {r['layer_ms']:>10.4f} {100 * r['layer_roofline_fraction']:>5.1f}%"
               f" {r['graph_layer_ms']:>12.4f} {100 * r['graph_roofline_fraction']:>5.1f}%")
     return 0
-
-
-def capture_kernel_names(graph: torch.cuda.CUDAGraph) -> list[str]:
-    """The kernels of one replay (profiled), in launch order."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        graph.replay()
-        torch.cuda.synchronize()
-    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
-            and e.name != "cudaGraphLaunch" and e.time_range.elapsed_us() >= 0]
 
 
 if __name__ == "__main__":

@@ -122,6 +122,18 @@ def check_case(tt, N, h, inter, E, k, dtype, mxfp4, act, routing, device, config
     return err
 
 
+def check_align_matches_torch(tt, ids: torch.Tensor, E: int, block_m: int):
+    """The Triton align and the torch ops both keep check_align's contract and give the same blocks: each block's
+    expert, real rows and the pairs on them."""
+    a = check_align(tt, ids, E, block_m, use_triton=True)
+    b = check_align(tt, ids, E, block_m, use_triton=False)
+    nb = int(a[3][0])
+    assert torch.equal(a[1][:nb], b[1][:nb]) and torch.equal(a[2][:nb], b[2][:nb])
+    for blk in range(nb):
+        rows = slice(blk * block_m, blk * block_m + int(a[2][blk]))
+        assert torch.equal(a[0][rows], b[0][rows])
+
+
 def check_align(tt, ids: torch.Tensor, E: int, block_m: int, use_triton: bool):
     """align_blocks' contract: each pair on exactly one row, blocks of one expert in ascending expert
     order, pairs ascending inside an expert, block_rows real rows per block, the fewest blocks."""
@@ -454,11 +466,7 @@ def test_align_on_gpu(tt, num_tokens):
     gen = torch.Generator().manual_seed(num_tokens)
     for E, k, routing in [(896, 16, "random"), (13, 3, "zipf"), (13, 3, "same")]:
         k = min(k, E)
-        ids = route_ids(num_tokens, E, k, routing, gen).cuda()
-        a = check_align(tt, ids, E, 16, use_triton=True)
-        b = check_align(tt, ids, E, 16, use_triton=False)
-        nb = int(a[3][0])
-        assert torch.equal(a[1][:nb], b[1][:nb]) and torch.equal(a[2][:nb], b[2][:nb])
+        check_align_matches_torch(tt, route_ids(num_tokens, E, k, routing, gen).cuda(), E, 16)
 
 
 # ------------------------------------------------------------------------------------------------

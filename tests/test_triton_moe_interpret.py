@@ -24,8 +24,8 @@ from kimiserve.model.model import build_model  # noqa: E402
 from kimiserve.ops.moe import triton as tt  # noqa: E402
 from kimiserve.ops.quant.reference import dequantize_mxfp4  # noqa: E402
 from test_triton_moe import (CLAMPED_CASES, ROUTINGS, SMALL_CASES, SPLIT_BATCHES, SPLIT_CASES, VARIANTS,  # noqa: E402
-                             assert_bitwise, check_align, check_case, dequant_bytes, route_ids, shift_dequant_bytes,
-                             split_config, variant_config)
+                             assert_bitwise, check_align_matches_torch, check_case, dequant_bytes, route_ids,
+                             shift_dequant_bytes, split_config, variant_config)
 
 
 ALIGN_CASES = [(N, E, k, r, m) for N, E, k in [(1, 3, 3), (5, 5, 2), (37, 9, 3), (19, 7, 1), (8, 896, 16)]
@@ -33,20 +33,14 @@ ALIGN_CASES = [(N, E, k, r, m) for N, E, k in [(1, 3, 3), (5, 5, 2), (37, 9, 3),
 
 
 @pytest.mark.parametrize("N,E,k,routing,block_m", ALIGN_CASES + [
-    (300, 9, 3, "random", 16), (700, 9, 3, "zipf", 16), (1400, 9, 3, "random", 32), (3000, 9, 3, "zipf", 16), (1500, 7, 3, "same", 64),
-    (2100, 300, 4, "random", 128)])
+    (300, 9, 3, "random", 16), (700, 9, 3, "zipf", 16), (1400, 9, 3, "random", 32), (3000, 9, 3, "zipf", 16),
+    (1500, 7, 3, "same", 64), (2100, 300, 4, "random", 128)])
 def test_align_blocks(N, E, k, routing, block_m):
     """The pairwise kernel (up to ALIGN_FEW_PAIRS = 128 pairs; 8 tokens x 16 of 896 experts), the one-program
-    kernel (up to ALIGN_SMALL_PAIRS = 1024 pairs: 300 x 3), the chunked kernels above (700 x 3: 3 chunks, the last partial;
-    3000 x 3: 9; every pair on 3 experts; 300 experts, 128-row blocks) and the torch ops give the same blocks."""
-    ids = route_ids(N, E, k, routing, torch.Generator().manual_seed(N))
-    a = check_align(tt, ids, E, block_m, use_triton=True)
-    b = check_align(tt, ids, E, block_m, use_triton=False)
-    nb = int(a[3][0])
-    assert torch.equal(a[1][:nb], b[1][:nb]) and torch.equal(a[2][:nb], b[2][:nb])
-    for blk in range(nb):
-        rows = slice(blk * block_m, blk * block_m + int(a[2][blk]))
-        assert torch.equal(a[0][rows], b[0][rows])
+    kernel (up to ALIGN_SMALL_PAIRS = 1024 pairs: 300 x 3), the chunked kernels above (700 x 3: 3 chunks, the last
+    partial; 3000 x 3: 9; every pair on 3 experts; 300 experts, 128-row blocks) and the torch ops give the same
+    blocks."""
+    check_align_matches_torch(tt, route_ids(N, E, k, routing, torch.Generator().manual_seed(N)), E, block_m)
 
 
 @pytest.mark.parametrize("N,E,k,routing,block_m", [(300, 9, 3, "zipf", 16), (100, 5, 2, "same", 32),
@@ -55,13 +49,7 @@ def test_align_chunks_of_64_pairs(monkeypatch, N, E, k, routing, block_m):
     """The chunked kernels with 64-pair chunks (ALIGN_SMALL_PAIRS patched, as moe_layer.py --align-pairs does):
     4-16 chunks, most experts split across chunks, the same blocks as the torch ops."""
     monkeypatch.setattr(tt, "ALIGN_SMALL_PAIRS", 64)
-    ids = route_ids(N, E, k, routing, torch.Generator().manual_seed(N))
-    a = check_align(tt, ids, E, block_m, use_triton=True)
-    b = check_align(tt, ids, E, block_m, use_triton=False)
-    nb = int(a[3][0])
-    assert torch.equal(a[1][:nb], b[1][:nb]) and torch.equal(a[2][:nb], b[2][:nb])
-    assert torch.equal(torch.cat([a[0][i * block_m: i * block_m + int(a[2][i])] for i in range(nb)]),
-                       torch.cat([b[0][i * block_m: i * block_m + int(b[2][i])] for i in range(nb)]))
+    check_align_matches_torch(tt, route_ids(N, E, k, routing, torch.Generator().manual_seed(N)), E, block_m)
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # 6 * 2^127 is inf, as in the reference

@@ -78,8 +78,8 @@ def default_config(num_tokens: int, top_k: int, num_experts: int, dtype: torch.d
     tokens 27.5 ms, 40.2% of the matmul rate, session 16, from 30.8-31.0 ms on session 15's 64-row blocks, which
     were 1.2-1.35x the Triton tile at 2048-8192 tokens; the `small` preset's prefill chunks 1.4-1.8x the Triton
     tile), 4 stages for the down GEMM from 256 rows per expert; else 64-row blocks on 4 warps (9% under 128-row
-    blocks on 8 at 8192 tokens: ~146 rows per expert pad less). bf16 weights keep the swapped form for decode (not re-measured). The shift
-    layout takes dequant "shift"."""
+    blocks on 8 at 8192 tokens: ~146 rows per expert pad less). bf16 weights keep the swapped form for decode (not
+    re-measured). The shift layout takes dequant "shift"."""
     if dtype != torch.bfloat16:  # fp32 (the CPU-sized models) and fp16: exact dequant, IEEE or fp16 dots
         small = GemmTiles(block_n=32, block_k=32, num_warps=4, num_stages=2)
         return MoEConfig(block_m=16, up=small, down=small, dequant="exact")

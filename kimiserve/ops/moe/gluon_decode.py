@@ -70,25 +70,16 @@ def _b_fragments(words, sc, BN: gl.constexpr, BK: gl.constexpr, LB: gl.constexpr
 
 
 @gluon.jit
-def _load_scales(ws_e, vs_e, s_off, step, BK: gl.constexpr, GATED: gl.constexpr):
-    """One K step's scales of W (and V where GATED; else W's again, unused)."""
-    s = gl.load(ws_e + s_off + step * (BK // 32))
-    if GATED:
-        t = gl.load(vs_e + s_off + step * (BK // 32))
-    else:
-        t = s
-    return s, t
-
-
-@gluon.jit
 def _load_weights(w_e, ws_e, v_e, vs_e, w_off, s_off, step, BK: gl.constexpr, GATED: gl.constexpr):
     """One K step's weight words and scales of W (and V where GATED; else W's again, unused)."""
     w = gl.load(w_e + w_off + step * (BK // 8))
+    s = gl.load(ws_e + s_off + step * (BK // 32))
     if GATED:
         v = gl.load(v_e + w_off + step * (BK // 8))
+        t = gl.load(vs_e + s_off + step * (BK // 32))
     else:
         v = w
-    s, t = _load_scales(ws_e, vs_e, s_off, step, BK, GATED)
+        t = s
     return w, s, v, t
 
 

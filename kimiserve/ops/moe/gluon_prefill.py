@@ -349,4 +349,15 @@ def wgmma_gemm_tails(a, w, w_scale, v, v_scale, out, align, a_row_div: int, act:
     wgmma_gemm(*common, 64, act, beta, linear_beta, tail_stages, align_m=128)
 
 
-__all__ = ["BLOCK_K", "BLOCK_N", "paired_down", "wgmma_gemm", "wgmma_gemm_tails"]
+def wgmma_gemm_blocks(a, w, w_scale, v, v_scale, out, align, a_row_div: int, block_m: int, act: str, beta: float,
+                      linear_beta: float | None, stages: int):
+    """The grouped GEMM on align blocks of block_m rows: at 128 with each expert's tail as 64-token tiles
+    (`wgmma_gemm_tails`), at 64 in one launch."""
+    common = (a, w, w_scale, v, v_scale, out, align, a_row_div)
+    if block_m == 128:
+        wgmma_gemm_tails(*common, act, beta, linear_beta, stages)
+    else:
+        wgmma_gemm(*common, block_m, act, beta, linear_beta, stages)
+
+
+__all__ = ["BLOCK_K", "BLOCK_N", "paired_down", "wgmma_gemm", "wgmma_gemm_blocks", "wgmma_gemm_tails"]

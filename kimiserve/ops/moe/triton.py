@@ -802,11 +802,8 @@ def gate_up(x, w1, w1_scale, w3, w3_scale, act, align, config: MoEConfig, activa
     if config.fragments and config.block_m > 16:
         from kimiserve.ops.moe import gluon_prefill
         from kimiserve.ops.moe.fragment_order import fragment_order
-        args = (fragment_order(x, 128), w1, w1_scale, w3, w3_scale, act, align, k)
-        if config.block_m == 128:
-            gluon_prefill.wgmma_gemm_tails(*args, activation, beta, linear_beta, config.up.num_stages)
-        else:
-            gluon_prefill.wgmma_gemm(*args, config.block_m, activation, beta, linear_beta, config.up.num_stages)
+        gluon_prefill.wgmma_gemm_blocks(fragment_order(x, 128), w1, w1_scale, w3, w3_scale, act, align, k,
+                                        config.block_m, activation, beta, linear_beta, config.up.num_stages)
         return
     if config.fragments:
         from kimiserve.ops.moe import gluon_decode
@@ -831,11 +828,8 @@ def down_gemm(act, w2, w2_scale, y, align, config: MoEConfig):
     """fused_moe's down GEMM alone: y [N k, h] (split-K: fp32 partials [S, N k, h]), unweighted."""
     if config.fragments and config.block_m > 16:
         from kimiserve.ops.moe import gluon_prefill
-        args = (act, w2, w2_scale, None, None, y, align, 1)
-        if config.block_m == 128:
-            gluon_prefill.wgmma_gemm_tails(*args, "silu", 1.0, None, config.down.num_stages)
-        else:
-            gluon_prefill.wgmma_gemm(*args, config.block_m, "silu", 1.0, None, config.down.num_stages)
+        gluon_prefill.wgmma_gemm_blocks(act, w2, w2_scale, None, None, y, align, 1, config.block_m, "silu", 1.0, None,
+                                        config.down.num_stages)
     elif config.fragments:
         from kimiserve.ops.moe import gluon_decode
         gluon_decode.fragment_gemm(act, w2, w2_scale, None, None, y, align, 1, config.down, "silu", 1.0, None)
