@@ -418,13 +418,18 @@ def _mxfp4_lut(w, sc, BN: tl.constexpr, BK: tl.constexpr, ASM: tl.constexpr):
 
 def _shift_asm() -> str:
     """PTX for one word of the shift layout: per pair, rotates and masks (see `mxfp4_layout`), then an fma
-    (bf16x2, + -0) by the group's 2^(s - 1): 8 bf16 outputs ($0..$7), the word ($8), the scale pair ($9)."""
+    (bf16x2, + -0) by the group's 2^(s - 1): 8 bf16 outputs ($0..$7), the word ($8), the scale pair ($9).
+    A rotate whose masked bits all come from unwrapped ones is a left shift (4 of the 5: ptxas issues part of
+    the shifts on the FMA pipe, and the ALU pipe is the decode loop's busiest)."""
     lines = [".reg .b32 t, z, o0, o1, o2, o3;", "mov.b32 z, 0x80008000;"]
     for i, (dm, ds) in enumerate(SHIFT_PAIRS):
         parts = [(dm, MAG_MASK | SIGN_MASK)] if dm == ds else [(dm, MAG_MASK), (ds, SIGN_MASK)]
         for j, (d, mask) in enumerate(parts):
             src = "$8"
-            if d:
+            if d and mask >> d << d == mask:  # no masked bit comes from a wrapped one: a plain shift
+                lines.append(f"shl.b32 t, $8, {d};")
+                src = "t"
+            elif d:
                 lines.append(f"shf.l.wrap.b32 t, $8, $8, {d};")
                 src = "t"
             if j == 0:
