@@ -24,8 +24,8 @@ half, b0 the element of a pair).
 Scope: bf16 activations, MXFP4 weights in the shift layout, 16-row blocks (the decode regime), K steps of 128 or
 256 columns dividing K, block_n a power of two >= 8 x num_warps (num_stages is not used). Each step's weights and
 activation tile are loaded a step ahead (the loop unrolled by two, so that no prefetched register is copied). The
-tail tile's extra weight rows read the last row (clamped) and are not stored; padding rows of a block read pair
-0's row.
+tail tile's extra weight rows read the last row (clamped) and are not stored; a block's padding rows are zeros
+(their loads masked off) and not stored.
 
 Measured and removed (session 17, H200, K3.1 shape; BENCHMARKS.md "Session 17"): the weight words through a
 cp.async ring of 3-4 slots (12-35% slower at 1-256 tokens), the weights two steps ahead in registers (11-34%
@@ -95,22 +95,22 @@ def _mma_step(a_buf, w, s, v, t, acc, acc2, BN: gl.constexpr, BK: gl.constexpr, 
 
 
 @gluon.jit
-def _register_loop(a_smem, g_ptrs, w_e, ws_e, v_e, vs_e, w_off, s_off, steps, acc, acc2, BN: gl.constexpr,
+def _register_loop(a_smem, g_ptrs, g_mask, w_e, ws_e, v_e, vs_e, w_off, s_off, steps, acc, acc2, BN: gl.constexpr,
                    BK: gl.constexpr, LA: gl.constexpr, LB: gl.constexpr, GATED: gl.constexpr):
     """The K loop with each step's weights loaded a step ahead into registers, unrolled by two so that each loaded
     value is used where it was loaded into."""
     w_c, s_c, v_c, t_c = _load_weights(w_e, ws_e, v_e, vs_e, w_off, s_off, 0, BK, GATED)
-    a_smem.index(0).store(gl.load(g_ptrs))
+    a_smem.index(0).store(gl.load(g_ptrs, mask=g_mask, other=0.0))
     gl.thread_barrier()
     for i in range(steps // 2):
         j = gl.minimum(2 * i + 1, steps - 1)
-        a_next = gl.load(g_ptrs + j * BK)
+        a_next = gl.load(g_ptrs + j * BK, mask=g_mask, other=0.0)
         w_n, s_n, v_n, t_n = _load_weights(w_e, ws_e, v_e, vs_e, w_off, s_off, j, BK, GATED)
         acc, acc2 = _mma_step(a_smem.index(0), w_c, s_c, v_c, t_c, acc, acc2, BN, BK, LA, LB, GATED)
         a_smem.index(1).store(a_next)  # buffer 1 was last read before the previous barrier
         gl.thread_barrier()
         j = gl.minimum(2 * i + 2, steps - 1)  # past the end: the last step again, never used
-        a_next = gl.load(g_ptrs + j * BK)
+        a_next = gl.load(g_ptrs + j * BK, mask=g_mask, other=0.0)
         w_c, s_c, v_c, t_c = _load_weights(w_e, ws_e, v_e, vs_e, w_off, s_off, j, BK, GATED)
         acc, acc2 = _mma_step(a_smem.index(1), w_n, s_n, v_n, t_n, acc, acc2, BN, BK, LA, LB, GATED)
         a_smem.index(0).store(a_next)
@@ -171,9 +171,11 @@ def _fragment_gemm_kernel(
     pg = gl.load(sorted_ptr + b * BM + rg, mask=rg < nrows, other=0).to(gl.int64)
     kg = gl.arange(0, BK, layout=gl.SliceLayout(0, LG))
     g_ptrs = gl.expand_dims(a_ptr + (pg // A_ROW_DIV) * s_am, 1) + gl.expand_dims(kg, 0)
+    # a block's padding rows are not read (zeros): at 1-2 routed rows a block most of its activation loads
+    g_mask = gl.broadcast(gl.expand_dims(rg < nrows, 1), g_ptrs)[0]
     a_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BM, BK],
                                        gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0]))
-    acc, acc2 = _register_loop(a_smem, g_ptrs, w_e, ws_e, v_e, vs_e, w_off, s_off, steps, acc, acc2, BN, BK, LA, LB,
+    acc, acc2 = _register_loop(a_smem, g_ptrs, g_mask, w_e, ws_e, v_e, vs_e, w_off, s_off, steps, acc, acc2, BN, BK, LA, LB,
                                GATED)
     ro = gl.arange(0, BM, layout=gl.SliceLayout(1, MMA))
     row_ok = ro < nrows
