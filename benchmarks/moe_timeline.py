@@ -3,16 +3,19 @@ in one CUDA graph, and each kernel's start, duration and the gap before it (torc
 replay).
 
 A graph holds --layers calls of `ops.moe.triton.fused_moe`, each with its own routing draw (as a model's layers read
-different experts; at 1 token a layer reads 281 MB, more than the 50 MB L2). The per-layer time of that graph is the
+different experts; at 1 token a layer reads 281 MB, more than the 50 MB L2), or with --same-routing all with the
+first draw (which tells a routing effect from a back-to-back one). The per-layer time of that graph is the
 layer's cost inside an engine step; `moe_layer.py` times one call a replay, which also counts the replay's own start
 (a few microseconds at 1 token). Per variant and token count:
 - `layer_ms`: one call a graph (moe_layer.py's figure), median of 20 replays;
 - `graph_layer_ms`: the --layers-call graph's replay / layers, and its bytes roofline share (the copy bandwidth of the
   same run; bytes as moe_layer.py counts them, summed over the layers' routings);
 - `kernels`: one replay of the --layers-call graph under the profiler, per kernel of the middle layer: name, start
-  (us from that layer's first kernel), duration and the idle gap before it; with each layer's span.
+  (us from that layer's first kernel), duration and the idle gap before it; with each layer's span;
+- `wall_start` / `wall_end`: the row's UTC wall-clock span (to line up with a clock and power log such as
+  `nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw --format=csv -lms 100`).
 
-    python benchmarks/moe_timeline.py [--tokens 1,16,64] [--layers 8] [--variants default,SPEC,...]
+    python benchmarks/moe_timeline.py [--tokens 1,16,64] [--layers 8] [--same-routing] [--variants default,SPEC,...]
         [--out benchmarks/results/moe_timeline.json]
 """
 
@@ -82,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", default="1,16,64")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--routing", default="random", choices=("random", "zipf"))
+    parser.add_argument("--same-routing", action="store_true", help="every layer of a graph with the first draw")
     parser.add_argument("--variants", default="default",
                         help="'default' (the shift layout's default config) and moe_layer.py variant specs")
     parser.add_argument("--shape", default="896,16,3584,3072", help="experts,top_k,hidden,intermediate")
@@ -108,18 +112,20 @@ def main(argv: list[str] | None = None) -> int:
     result = dict(benchmark="moe_timeline", device=torch.cuda.get_device_name(), torch=torch.__version__,
                   date=datetime.datetime.now(datetime.timezone.utc).isoformat(), commit=git_commit(),
                   command=" ".join(sys.argv), shape=dict(experts=E, top_k=k, hidden=h, intermediate=inter),
-                  layers=args.layers, routing=args.routing, copy_gbps=copy, rows=[])
+                  layers=args.layers, routing=args.routing, same_routing=args.same_routing, copy_gbps=copy, rows=[])
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     print(f"{result['device']}: copy {copy:.0f} GB/s; {E} experts, top-{k}, {h} -> {inter}; {args.layers} layers a "
           "graph", flush=True)
     table = []
     for n in (int(t) for t in args.tokens.split(",")):
         x = torch.randn(n, h, device="cuda").bfloat16()
-        draws = [route(n, E, k, args.routing, "cuda", 1000 * n + i) for i in range(args.layers)]
+        draws = [route(n, E, k, args.routing, "cuda", 1000 * n + (0 if args.same_routing else i))
+                 for i in range(args.layers)]
         nbytes = [layer_bytes(int(torch.unique(ids).numel()), per_expert, n, h, 2, ids.numel()) for ids, _ in draws]
         for spec in variants:
             cfg = (tt.default_config(n, k, E, torch.bfloat16, True, "shift", dims=(h, inter)) if spec == "default"
                    else parse_variant(spec))
+            wall_start = datetime.datetime.now(datetime.timezone.utc).isoformat()
             one = graph_time(layer_calls(x, shifted, draws[:1], cfg), repeats=20)
             fn = layer_calls(x, shifted, draws, cfg)
             graph = capture_graph(fn)
@@ -129,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
             timeline = kernel_timeline(graph, args.layers)
             row = dict(tokens=n, variant=spec, config=str(cfg), layer_ms=one,
                        layer_roofline_fraction=one_roofline / one, graph_layer_ms=per_layer, roofline_ms=roofline,
-                       graph_roofline_fraction=roofline / per_layer, timeline=timeline)
+                       graph_roofline_fraction=roofline / per_layer, timeline=timeline, wall_start=wall_start,
+                       wall_end=datetime.datetime.now(datetime.timezone.utc).isoformat())
             result["rows"].append(row)
             with open(args.out, "w") as f:
                 json.dump(result, f, indent=1)
