@@ -141,11 +141,15 @@ def _fragment_gemm_kernel(
     pid = gl.program_id(0)
     n_tiles = gl.cdiv(N_OUT, BN)
     b = pid // n_tiles
-    if b >= gl.load(nblk_ptr):
+    # the block's expert and rows are loaded beside the block count (in bounds: the grid has every possible block),
+    # not after it: one global load less on each program's path to its first weights (volatile: not sunk past the
+    # early return)
+    num_blocks = gl.load(nblk_ptr)
+    e = gl.load(bexp_ptr + b, volatile=True).to(gl.int64)
+    nrows = gl.load(brows_ptr + b, volatile=True)
+    if b >= num_blocks:
         return
     nt = pid % n_tiles
-    e = gl.load(bexp_ptr + b).to(gl.int64)
-    nrows = gl.load(brows_ptr + b)
     rows_s = gl.minimum(nt * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, gl.SliceLayout(2, LS))), N_OUT - 1)
     quads_s = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, LS)))
     groups = gl.arange(0, G, layout=gl.SliceLayout(0, gl.SliceLayout(1, LS)))
