@@ -89,8 +89,8 @@ def use_moe_config(spec: str | None, regime: str = "decode") -> None:
         moe_triton.default_config = original
         return
 
-    def patched(num_tokens, top_k, num_experts, dtype, mxfp4, mxfp4_layout="checkpoint", dims=None):
-        config = original(num_tokens, top_k, num_experts, dtype, mxfp4, mxfp4_layout, dims)
+    def patched(num_tokens, top_k, num_experts, dtype, mxfp4, mxfp4_layout="checkpoint", dims=None, num_sms=None):
+        config = original(num_tokens, top_k, num_experts, dtype, mxfp4, mxfp4_layout, dims, num_sms)
         rows = num_tokens * top_k / max(1, num_experts)
         tile = tiles.get("decode" if rows <= moe_triton.DECODE_MAX_ROWS else "prefill")
         ok = tile is not None and dtype == torch.bfloat16 and mxfp4 and tile.dequant == config.dequant

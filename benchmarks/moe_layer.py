@@ -558,7 +558,7 @@ def main(argv: list[str] | None = None) -> int:
         if spec == "default":
             return None
         if spec == "default-shift":
-            return tt.default_config(n, k, E, dtype, True, "shift", dims=(h, inter))
+            return tt.default_config(n, k, E, dtype, True, "shift", dims=(h, inter), num_sms=tt.sm_count(device))
         return parse_variant(spec)
     per_expert = sum(w[n][0].numel() for n in w)  # bytes: uint8 codes and scales
     act_bytes = torch.tensor([], dtype=dtype).element_size()
@@ -600,7 +600,7 @@ def main(argv: list[str] | None = None) -> int:
             workspace = 2 * n * k * (inter + h) * act_bytes
             flops = 6 * n * k * h * inter
             out = torch.empty_like(x)
-            default_cfg = tt.default_config(n, k, E, dtype, True, dims=(h, inter))
+            default_cfg = tt.default_config(n, k, E, dtype, True, dims=(h, inter), num_sms=tt.sm_count(device))
             row = dict(kind="moe_layer", routing=routing, tokens=n, experts_hit=hit, bytes=nbytes,
                        bytes_with_workspace=nbytes + workspace, roofline_ms=nbytes / (copy * 1e9) * 1e3,
                        flops=flops, flop_roofline_ms=flops / (mm * 1e12) * 1e3, default_config=config_spec(default_cfg))

@@ -123,8 +123,8 @@ def main(argv: list[str] | None = None) -> int:
                  for i in range(args.layers)]
         nbytes = [layer_bytes(int(torch.unique(ids).numel()), per_expert, n, h, 2, ids.numel()) for ids, _ in draws]
         for spec in variants:
-            cfg = (tt.default_config(n, k, E, torch.bfloat16, True, "shift", dims=(h, inter)) if spec == "default"
-                   else parse_variant(spec))
+            cfg = (tt.default_config(n, k, E, torch.bfloat16, True, "shift", dims=(h, inter),
+                                     num_sms=tt.sm_count("cuda")) if spec == "default" else parse_variant(spec))
             wall_start = datetime.datetime.now(datetime.timezone.utc).isoformat()
             one = graph_time(layer_calls(x, shifted, draws[:1], cfg), repeats=20)
             fn = layer_calls(x, shifted, draws, cfg)

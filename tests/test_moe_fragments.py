@@ -178,3 +178,23 @@ def test_sm90_build_of_the_wgmma_kernel(gated, paired, block_m, stages):
     weights = tiles * 128 * 128 / 256
     assert loop_mix(ops)["moves"] / weights < 0.2  # Triton's decode GEMMs: 0.9 (mma.sync) / 0.04 (wgmma)
     assert len(ops) / weights < 3.6
+
+
+def test_decode_down_register_cap_only_where_it_makes_one_wave(monkeypatch):
+    """The decode down GEMM is capped at DOWN_CAPPED_REGISTERS only where that turns two waves into one: K3.1 at 1
+    token is 16 blocks x 56 column tiles = 896 programs, 5 an SM uncapped, 7 capped."""
+    from kimiserve.ops.moe import config
+
+    monkeypatch.setattr(config, "_fragments_fit", lambda h, inter: True)  # the Gluon kernels' check (CUDA builds)
+
+    def tiles(tokens, num_sms):
+        cfg = config.default_config(tokens, 16, 896, torch.bfloat16, True, "shift", dims=(3584, 3072), num_sms=num_sms)
+        assert cfg.fragments and cfg.up.max_registers is None
+        return cfg.down.max_registers
+
+    assert tiles(1, 132) == config.DOWN_CAPPED_REGISTERS  # 660 < 896 <= 924
+    assert tiles(1, 180) is None  # one wave of 5 an SM already
+    assert tiles(1, 114) is None  # two waves either way
+    assert tiles(16, 132) is None  # many waves: the spills cost more than the wave saves
+    assert tiles(1, None) is None  # SM count unknown
+    assert config.max_blocks(16, 896, 16) == 16 and config.max_blocks(1024, 896, 16) == 904

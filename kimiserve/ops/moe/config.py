@@ -12,6 +12,12 @@ from dataclasses import dataclass, field
 import torch
 
 DECODE_MAX_ROWS = 8  # mean routed rows per expert up to which `default_config` takes its decode tiles
+# The decode down GEMM (`ops.moe.gluon_decode`, 64 x 256 tiles, 4 warps) builds to 94 registers, 5 programs an SM;
+# capped at 72 (a few spill) 7 fit. Where its grid fits one wave of 7 but not of 5 the cap pays: K3.1 at 1 token, 896
+# programs on the H200's 132 SMs, 0.041 -> 0.038 ms; over several waves the spills cost more (16 and 64 tokens 5-6%
+# slower; session 18).
+DOWN_PROGRAMS_AN_SM = 5
+DOWN_CAPPED_PROGRAMS_AN_SM, DOWN_CAPPED_REGISTERS = 7, 72
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's CPU interpreter: no Gluon, no inline PTX
 
 
@@ -58,10 +64,17 @@ class MoEConfig:
     fragments: bool = False
 
 
+def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """The most blocks N k pairs over E experts can need: each used expert pads < BLOCK_M rows."""
+    return (num_pairs + min(num_experts, num_pairs) * (block_m - 1)) // block_m
+
+
 def default_config(num_tokens: int, top_k: int, num_experts: int, dtype: torch.dtype, mxfp4: bool,
-                   mxfp4_layout: str = "checkpoint", dims: tuple[int, int] | None = None) -> MoEConfig:
+                   mxfp4_layout: str = "checkpoint", dims: tuple[int, int] | None = None,
+                   num_sms: int | None = None) -> MoEConfig:
     """The launch config for a batch: BLOCK_M from the mean rows per expert, tiles by regime. dims: the experts'
     (hidden, intermediate) sizes, which decide whether the fragment GEMMs fit (None: they are not considered).
+    num_sms: the GPU's SM count, for the decode down GEMM's one-wave register cap (None: no cap).
 
     The MXFP4 choices are the fastest of benchmarks/moe_layer.py's H200 sweeps at the K3.1 shape: up to
     DECODE_MAX_ROWS rows per expert (256 tokens) the Gluon fragment GEMMs (`ops.moe.gluon_decode`; shift layout,
@@ -87,7 +100,11 @@ def default_config(num_tokens: int, top_k: int, num_experts: int, dtype: torch.d
     mean_rows = num_tokens * top_k / max(1, num_experts)
     if mean_rows <= DECODE_MAX_ROWS and dequant == "shift" and dims is not None and _fragments_fit(*dims):
         tiles = GemmTiles(block_n=64, block_k=256, num_warps=4, num_stages=2)
-        return MoEConfig(block_m=16, up=tiles, down=tiles, dequant=dequant, fragments=True)
+        down_programs = max_blocks(num_tokens * top_k, num_experts, 16) * -(-dims[0] // tiles.block_n)
+        waves = (DOWN_PROGRAMS_AN_SM * num_sms, DOWN_CAPPED_PROGRAMS_AN_SM * num_sms) if num_sms else (0, 0)
+        one_capped_wave = waves[0] < down_programs <= waves[1]
+        down = dataclasses.replace(tiles, max_registers=DOWN_CAPPED_REGISTERS) if one_capped_wave else tiles
+        return MoEConfig(block_m=16, up=tiles, down=down, dequant=dequant, fragments=True)
     if mean_rows <= DECODE_MAX_ROWS and mxfp4 and num_experts >= 64:
         tiles = GemmTiles(block_n=128, block_k=128, num_warps=4, num_stages=3)
         return MoEConfig(block_m=16, up=tiles, down=tiles, dequant=dequant)
@@ -137,4 +154,4 @@ def _gluon_kernels(module: str) -> bool:
     return True
 
 
-__all__ = ["DECODE_MAX_ROWS", "GemmTiles", "MoEConfig", "default_config"]
+__all__ = ["DECODE_MAX_ROWS", "GemmTiles", "MoEConfig", "default_config", "max_blocks"]

@@ -67,13 +67,14 @@ splits each (block, column tile) along K over that many programs into fp32 parti
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
 import triton
 import triton.language as tl
 
-from kimiserve.ops.moe.config import DECODE_MAX_ROWS, GemmTiles, MoEConfig, default_config
+from kimiserve.ops.moe.config import DECODE_MAX_ROWS, GemmTiles, MoEConfig, default_config, max_blocks
 from kimiserve.ops.moe.epilogue import _activate, _combine_kernel, _reduce_act_kernel
 from kimiserve.ops.moe.mxfp4_layout import MAG_MASK, SHIFT_PAIRS, SIGN_MASK
 
@@ -88,9 +89,17 @@ _DEQUANT = {"exact": 0, "lut": 1, "dot_scaled": 2, "shift": 3}  # "shift": weigh
 _ACT = {"silu": 0, "situ": 1}
 
 
-def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
-    """The most blocks N k pairs over E experts can need: each used expert pads < BLOCK_M rows."""
-    return (num_pairs + min(num_experts, num_pairs) * (block_m - 1)) // block_m
+def sm_count(device) -> int | None:
+    """The SM count of a CUDA device (`default_config`'s num_sms), None elsewhere."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 # ------------------------------------------------------------------------------------------------
@@ -779,7 +788,8 @@ def fused_moe(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Ten
     mxfp4 = w1.dtype == torch.uint8
     if mxfp4_layout not in ("checkpoint", "shift"):
         raise ValueError(f"mxfp4_layout must be 'checkpoint' or 'shift', got {mxfp4_layout!r}")
-    config = config or default_config(N, k, E, x.dtype, mxfp4, mxfp4_layout, dims=(h, inter))
+    config = config or default_config(N, k, E, x.dtype, mxfp4, mxfp4_layout, dims=(h, inter),
+                                      num_sms=sm_count(x.device))
     _check(x, w1, w2, w3, w1_scale, w2_scale, w3_scale, ids, weights, config, mxfp4_layout)
     x = x if x.stride(-1) == 1 else x.contiguous()
     out = torch.empty_like(x) if out is None else out
@@ -858,4 +868,5 @@ def down_combine(act, w2, w2_scale, y, weights, out, align, config: MoEConfig):
 
 
 __all__ = ["ALIGN_FEW_PAIRS", "ALIGN_SMALL_PAIRS", "DECODE_MAX_ROWS", "GemmTiles", "MoEConfig", "align_blocks",
-           "default_config", "dequantize_weights", "down_combine", "down_gemm", "fused_moe", "gate_up", "max_blocks"]
+           "default_config", "dequantize_weights", "down_combine", "down_gemm", "fused_moe", "gate_up", "max_blocks",
+           "sm_count"]
