@@ -12,8 +12,9 @@ layer's cost inside an engine step; `moe_layer.py` times one call a replay, whic
   same run; bytes as moe_layer.py counts them, summed over the layers' routings);
 - `kernels`: one replay of the --layers-call graph under the profiler, per kernel of the middle layer: name, start
   (us from that layer's first kernel), duration and the idle gap before it; with each layer's span;
-- `wall_start` / `wall_end`: the row's UTC wall-clock span (to line up with a clock and power log such as
-  `nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw --format=csv -lms 100`).
+- `clocks_one_call`, `clocks_graph`: the SM clock and power draw while each was timed (`gpu_clocks.ClockLog`,
+  nvidia-smi every 100 ms; None without it): at 16-64 tokens back-to-back layers hold the H200 at its 700 W cap
+  and its SM clock drops (session 18); `wall_start` / `wall_end`: the row's UTC span.
 
     python benchmarks/moe_timeline.py [--tokens 1,16,64] [--layers 8] [--same-routing] [--variants default,SPEC,...]
         [--out benchmarks/results/moe_timeline.json]
@@ -26,12 +27,14 @@ import datetime
 import json
 import os
 import sys
+import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from gpu_clocks import ClockLog, summarize  # noqa: E402
 from moe_layer import copy_gbps, layer_bytes, packed_experts, parse_variant, route, shift_layout  # noqa: E402
 
 from kimiserve.utils.cuda_timing import capture_graph, cuda_time, graph_time  # noqa: E402
@@ -80,6 +83,26 @@ def kernel_timeline(graph: torch.cuda.CUDAGraph, layers: int) -> dict:
     return dict(layer_spans_us=spans, middle_layer=rows, replay_span_us=kernels[-1][2] - kernels[0][1])
 
 
+def time_row(x, shifted, draws, cfg, layers: int, copy: float, nbytes: list[int]) -> dict:
+    """One call a replay (the first draw), the --layers-call graph per layer, one replay's kernels; the wall spans of
+    the two timings (`_one_call_span`, `_graph_span`: seconds since the epoch, for the clock log)."""
+    wall_start = datetime.datetime.now(datetime.timezone.utc).isoformat()
+    t0 = time.time()
+    one = graph_time(layer_calls(x, shifted, draws[:1], cfg), repeats=20)
+    t1 = time.time()
+    graph = capture_graph(layer_calls(x, shifted, draws, cfg))
+    t2 = time.time()
+    per_layer = cuda_time(graph.replay, repeats=20) / layers
+    t3 = time.time()
+    roofline = sum(nbytes) / layers / (copy * 1e9) * 1e3
+    one_roofline = nbytes[0] / (copy * 1e9) * 1e3
+    timeline = kernel_timeline(graph, layers)
+    return dict(config=str(cfg), layer_ms=one, layer_roofline_fraction=one_roofline / one, graph_layer_ms=per_layer,
+                roofline_ms=roofline, graph_roofline_fraction=roofline / per_layer, timeline=timeline,
+                wall_start=wall_start, wall_end=datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                _one_call_span=(t0, t1), _graph_span=(t2, t3))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", default="1,16,64")
@@ -117,40 +140,42 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{result['device']}: copy {copy:.0f} GB/s; {E} experts, top-{k}, {h} -> {inter}; {args.layers} layers a "
           "graph", flush=True)
     table = []
-    for n in (int(t) for t in args.tokens.split(",")):
-        x = torch.randn(n, h, device="cuda").bfloat16()
-        draws = [route(n, E, k, args.routing, "cuda", 1000 * n + (0 if args.same_routing else i))
-                 for i in range(args.layers)]
-        nbytes = [layer_bytes(int(torch.unique(ids).numel()), per_expert, n, h, 2, ids.numel()) for ids, _ in draws]
-        for spec in variants:
-            cfg = (tt.default_config(n, k, E, torch.bfloat16, True, "shift", dims=(h, inter),
-                                     num_sms=tt.sm_count("cuda")) if spec == "default" else parse_variant(spec))
-            wall_start = datetime.datetime.now(datetime.timezone.utc).isoformat()
-            one = graph_time(layer_calls(x, shifted, draws[:1], cfg), repeats=20)
-            fn = layer_calls(x, shifted, draws, cfg)
-            graph = capture_graph(fn)
-            per_layer = cuda_time(graph.replay, repeats=20) / args.layers
-            roofline = sum(nbytes) / args.layers / (copy * 1e9) * 1e3
-            one_roofline = nbytes[0] / (copy * 1e9) * 1e3
-            timeline = kernel_timeline(graph, args.layers)
-            row = dict(tokens=n, variant=spec, config=str(cfg), layer_ms=one,
-                       layer_roofline_fraction=one_roofline / one, graph_layer_ms=per_layer, roofline_ms=roofline,
-                       graph_roofline_fraction=roofline / per_layer, timeline=timeline, wall_start=wall_start,
-                       wall_end=datetime.datetime.now(datetime.timezone.utc).isoformat())
-            result["rows"].append(row)
-            with open(args.out, "w") as f:
-                json.dump(result, f, indent=1)
-            table.append(row)
-            print(f"{n:>4} tokens {spec:<36} one call {one:.4f} ms ({100 * one_roofline / one:.1f}%), in a graph of "
-                  f"{args.layers}: {per_layer:.4f} ms/layer ({100 * roofline / per_layer:.1f}%)", flush=True)
-            for k_row in timeline.get("middle_layer", []):
-                print(f"      {k_row['start_us']:8.1f} us  {k_row['us']:8.1f} us  gap {k_row['gap_us']:6.1f}  "
-                      f"{k_row['name'][:60]}", flush=True)
-            del graph
-    print(f"\n{'tokens':>6} {'variant':<36} {'one call':>10} {'share':>6} {'graph/layer':>12} {'share':>6}")
+    with ClockLog() as clocks:
+        for n in (int(t) for t in args.tokens.split(",")):
+            x = torch.randn(n, h, device="cuda").bfloat16()
+            draws = [route(n, E, k, args.routing, "cuda", 1000 * n + (0 if args.same_routing else i))
+                     for i in range(args.layers)]
+            nbytes = [layer_bytes(int(torch.unique(ids).numel()), per_expert, n, h, 2, ids.numel())
+                      for ids, _ in draws]
+            for spec in variants:
+                cfg = (tt.default_config(n, k, E, torch.bfloat16, True, "shift", dims=(h, inter),
+                                         num_sms=tt.sm_count("cuda")) if spec == "default" else parse_variant(spec))
+                row = time_row(x, shifted, draws, cfg, args.layers, copy, nbytes)
+                row.update(tokens=n, variant=spec)
+                result["rows"].append(row)
+                with open(args.out, "w") as f:
+                    json.dump(result, f, indent=1)
+                table.append(row)
+                print(f"{n:>4} tokens {spec:<36} one call {row['layer_ms']:.4f} ms "
+                      f"({100 * row['layer_roofline_fraction']:.1f}%), in a graph of {args.layers}: "
+                      f"{row['graph_layer_ms']:.4f} ms/layer ({100 * row['graph_roofline_fraction']:.1f}%)", flush=True)
+                for k_row in row["timeline"].get("middle_layer", []):
+                    print(f"      {k_row['start_us']:8.1f} us  {k_row['us']:8.1f} us  gap {k_row['gap_us']:6.1f}  "
+                          f"{k_row['name'][:60]}", flush=True)
+        time.sleep(0.5)  # nvidia-smi's last lines
+        samples = clocks.samples()
+    for row in table:
+        for name in ("one_call", "graph"):
+            row[f"clocks_{name}"] = summarize(samples, *row.pop(f"_{name}_span"))
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"\n{'tokens':>6} {'variant':<36} {'one call':>10} {'share':>6} {'graph/layer':>12} {'share':>6}"
+          "  SM MHz mean/min, power-capped share (graph)")
     for r in table:
+        c = r["clocks_graph"]
+        clock = f"{c['sm_mhz_mean']:.0f}/{c['sm_mhz_min']} {100 * c['power_capped']:.0f}%" if c else "(no nvidia-smi)"
         print(f"{r['tokens']:>6} {r['variant']:<36} {r['layer_ms']:>10.4f} {100 * r['layer_roofline_fraction']:>5.1f}%"
-              f" {r['graph_layer_ms']:>12.4f} {100 * r['graph_roofline_fraction']:>5.1f}%")
+              f" {r['graph_layer_ms']:>12.4f} {100 * r['graph_roofline_fraction']:>5.1f}%  {clock}")
     return 0
 
 
