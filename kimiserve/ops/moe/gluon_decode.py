@@ -34,6 +34,13 @@ programs (at 1 token the same 106 us as the two launches back to back, 5-15% slo
 bytes in flight nor the launches' partial last waves hold a decode GEMM near 60% of the copy rate; ncu puts the
 ALU pipe (the e2m1 decode's rotates and masks) highest, at 56% of its peak.
 
+Power (session 18, BENCHMARKS.md "Session 18"). At 16-64 tokens, layers of these GEMMs back to back hold the H200
+at its 700 W cap and its SM clock drops to 1300-1800 MHz, so a weight's energy counts as well as its bytes: the
+shift decode's non-wrapping rotates as shifts (part of them on the FMA pipe) and the unloaded padding rows took 8%
+off a layer there. At 1 token (1980 MHz throughout) the GEMMs' one or two waves are what hold them (2.4-2.9 TB/s
+against 3.2-3.3 at 16 tokens): the down GEMM is capped at 72 registers where that makes its grid one wave
+(`ops.moe.config.default_config`).
+
 `ops.moe.triton` runs these when `MoEConfig.fragments` is set (`ops.moe.config.default_config` sets it for decode
 batches where they fit); its module doc has the rest of the contract.
 """
@@ -179,8 +186,8 @@ def _fragment_gemm_kernel(
     g_mask = gl.broadcast(gl.expand_dims(rg < nrows, 1), g_ptrs)[0]
     a_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BM, BK],
                                        gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0]))
-    acc, acc2 = _register_loop(a_smem, g_ptrs, g_mask, w_e, ws_e, v_e, vs_e, w_off, s_off, steps, acc, acc2, BN, BK, LA, LB,
-                               GATED)
+    acc, acc2 = _register_loop(a_smem, g_ptrs, g_mask, w_e, ws_e, v_e, vs_e, w_off, s_off, steps, acc, acc2, BN, BK,
+                               LA, LB, GATED)
     ro = gl.arange(0, BM, layout=gl.SliceLayout(1, MMA))
     row_ok = ro < nrows
     po = gl.load(sorted_ptr + b * BM + ro, mask=row_ok, other=0).to(gl.int64)
