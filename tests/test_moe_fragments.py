@@ -188,7 +188,8 @@ def test_decode_down_register_cap_only_where_it_makes_one_wave(monkeypatch):
     monkeypatch.setattr(config, "_fragments_fit", lambda h, inter: True)  # the Gluon kernels' check (CUDA builds)
 
     def tiles(tokens, num_sms):
-        cfg = config.default_config(tokens, 16, 896, torch.bfloat16, True, "shift", dims=(3584, 3072), num_sms=num_sms)
+        cfg = config.default_config(tokens, 16, 896, torch.bfloat16, True, "shift", dims=(3584, 3072),
+                                    num_sms=num_sms)
         assert cfg.fragments and cfg.up.max_registers is None
         return cfg.down.max_registers
 

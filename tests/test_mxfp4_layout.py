@@ -1,13 +1,16 @@
 """The shift layout of MXFP4 codes (kimiserve/ops/moe/mxfp4_layout.py) in plain torch: the re-layout is a
 bijection, and decoding it the way the kernel does (per output pair: rotate, mask, read the bf16, times
-2^(s - 1)) gives dequantize_mxfp4 of the checkpoint codes exactly. The Triton decode itself is checked
-in tests/test_triton_moe_interpret.py (interpreter) and tests/test_triton_moe.py (the PTX, on a GPU)."""
+2^(s - 1)) gives dequantize_mxfp4 of the checkpoint codes exactly, and so does the kernels' PTX text run by a
+small emulator of its instructions. The Triton decode itself is checked in tests/test_triton_moe_interpret.py
+(interpreter) and tests/test_triton_moe.py (the PTX, on a GPU)."""
+
+import re
 
 import pytest
 import torch
 
 from kimiserve.ops.moe.mxfp4_layout import (MAG_MASK, MAX_SHIFT_SCALE, SHIFT_PAIRS, SIGN_MASK, from_shift_layout,
-                                            to_shift_layout)
+                                            shift_decode_ptx, to_shift_layout)
 from kimiserve.ops.quant.reference import dequantize_mxfp4
 
 
@@ -55,3 +58,71 @@ def test_bad_inputs():
         to_shift_layout(codes[:, :6])
     with pytest.raises(ValueError, match="uint8"):
         to_shift_layout(codes.float())
+
+
+def run_ptx(ptx: str, word: torch.Tensor, scale_pair: torch.Tensor) -> torch.Tensor:
+    """Emulate `shift_decode_ptx`'s instructions on uint32 words (int64 tensors) -> [..., 8] fp32 ($0..$7)."""
+    regs = {"$8": word & 0xFFFFFFFF, "$9": scale_pair & 0xFFFFFFFF}
+    out = {}
+
+    def val(x):
+        return regs[x] if x in regs else torch.full_like(word, int(x, 0))
+
+    def bf16(bits):  # 16-bit patterns -> their bf16 values as fp64 (exact)
+        b = (bits << 16).to(torch.int64)
+        return (b - ((b >> 31) << 32)).to(torch.int32).view(torch.float32).double()
+
+    def to_bits(x):
+        return x.to(torch.bfloat16).view(torch.int16).to(torch.int64) & 0xFFFF
+
+    body = [ln.strip() for ln in ptx.strip("{}\n").splitlines() if ln.strip() and not ln.startswith(".reg")]
+    for line in body:
+        op, args = line.rstrip(";").split(None, 1)
+        if op == "mov.b32" and args.startswith("{"):
+            lo, hi, src = re.match(r"\{(\$\d), (\$\d)\}, (\w+)", args).groups()
+            out[lo], out[hi] = bf16(regs[src] & 0xFFFF), bf16(regs[src] >> 16)
+            continue
+        dst, *src = [a.strip() for a in args.split(",")]
+        if op == "mov.b32":
+            regs[dst] = val(src[0])
+        elif op == "and.b32":
+            regs[dst] = val(src[0]) & val(src[1])
+        elif op == "or.b32":
+            regs[dst] = val(src[0]) | val(src[1])
+        elif op == "shl.b32":
+            regs[dst] = (val(src[0]) << int(src[1])) & 0xFFFFFFFF
+        elif op == "shf.l.wrap.b32":  # funnel shift of (src[1]:src[0]) = a rotate when both are the same word
+            d = int(src[2]) % 32
+            regs[dst] = ((val(src[0]) << d) | (val(src[1]) >> (32 - d))) & 0xFFFFFFFF
+        elif op == "fma.rn.bf16x2":
+            a, b, c = (val(x) for x in src)
+            halves = [to_bits(bf16((a >> s) & 0xFFFF) * bf16((b >> s) & 0xFFFF) + bf16((c >> s) & 0xFFFF))
+                      for s in (0, 16)]
+            regs[dst] = halves[0] | (halves[1] << 16)
+        else:
+            raise AssertionError(f"the emulator does not know {op!r}")
+    return torch.stack([out[f"${i}"] for i in range(8)], -1).float()
+
+
+def test_kernel_ptx_equals_dequantize_every_code_pair_and_scale():
+    """The PTX text the kernels inline (its shifts where no masked bit wraps, its rotate, masks and fmas) decodes
+    every byte (code pair) at every scale the layout allows exactly as dequantize_mxfp4."""
+    ptx = shift_decode_ptx()
+    assert ptx.count("shl.b32") == 4 and ptx.count("shf.l.wrap.b32") == 1
+    codes = torch.arange(256, dtype=torch.uint8).repeat(MAX_SHIFT_SCALE + 1, 1)
+    scales = torch.arange(MAX_SHIFT_SCALE + 1, dtype=torch.uint8)[:, None].repeat(1, 16)
+    words = to_shift_layout(codes, scales).view(torch.int32).to(torch.int64) & 0xFFFFFFFF  # [129, 64]
+    s16 = (scales.to(torch.int64).repeat_interleave(4, -1) + 126) << 7  # a word's group scale, 2^(s - 1) as bf16
+    got = run_ptx(ptx, words, s16 | (s16 << 16)).reshape(codes.shape[0], -1)
+    assert torch.equal(got, dequantize_mxfp4(codes, scales, torch.float32))
+
+
+def test_a_wrapping_rotate_is_not_a_shift():
+    """The emulator tells a rotate from a shift: the same PTX with every rotate written as shl decodes wrongly."""
+    ptx = shift_decode_ptx().replace("shf.l.wrap.b32 t, $8, $8,", "shl.b32 t, $8,")
+    codes = torch.arange(256, dtype=torch.uint8).repeat(2, 1)
+    scales = torch.full((2, 16), 127, dtype=torch.uint8)
+    words = to_shift_layout(codes, scales).view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    s16 = (scales.to(torch.int64).repeat_interleave(4, -1) + 126) << 7
+    got = run_ptx(ptx, words, s16 | (s16 << 16)).reshape(2, -1)
+    assert not torch.equal(got, dequantize_mxfp4(codes, scales, torch.float32))

@@ -93,4 +93,33 @@ def from_shift_layout(packed: torch.Tensor) -> torch.Tensor:
     return _move_bits(_words(packed), inverse=True).view(torch.uint8).view(packed.shape)
 
 
-__all__ = ["MAG_MASK", "MAX_SHIFT_SCALE", "SHIFT_PAIRS", "SIGN_MASK", "from_shift_layout", "to_shift_layout"]
+def shift_decode_ptx() -> str:
+    """The kernels' PTX for one word of the shift layout (`ops.moe.triton`, `gluon_decode`, `gluon_prefill`): per
+    output pair its rotation(s) and masks, then an fma (bf16x2, + -0) by the group's 2^(s - 1): 8 bf16 outputs
+    ($0..$7, codes 0..7 of the word), the word ($8), the scale pair ($9). A rotation whose masked bits all come from
+    unwrapped ones is a left shift (4 of the 5: ptxas issues part of the shifts on the FMA pipe, where rotates
+    would all go to the ALU pipe, the decode loop's busiest)."""
+    lines = [".reg .b32 t, z, o0, o1, o2, o3;", "mov.b32 z, 0x80008000;"]
+    for i, (dm, ds) in enumerate(SHIFT_PAIRS):
+        parts = [(dm, MAG_MASK | SIGN_MASK)] if dm == ds else [(dm, MAG_MASK), (ds, SIGN_MASK)]
+        for j, (d, mask) in enumerate(parts):
+            src = "$8"
+            if d and mask >> d << d == mask:  # no masked bit comes from a wrapped one: a plain shift
+                lines.append(f"shl.b32 t, $8, {d};")
+                src = "t"
+            elif d:
+                lines.append(f"shf.l.wrap.b32 t, $8, $8, {d};")
+                src = "t"
+            if j == 0:
+                lines.append(f"and.b32 o{i}, {src}, {mask:#010x};")
+            else:
+                lines.append(f"and.b32 t, {src}, {mask:#010x};")
+                lines.append(f"or.b32 o{i}, o{i}, t;")
+    for i in range(4):
+        lines.append(f"fma.rn.bf16x2 o{i}, o{i}, $9, z;")
+    lines += [f"mov.b32 {{${2 * i}, ${2 * i + 1}}}, o{i};" for i in range(4)]
+    return "{\n" + "\n".join(lines) + "\n}"
+
+
+__all__ = ["MAG_MASK", "MAX_SHIFT_SCALE", "SHIFT_PAIRS", "SIGN_MASK", "from_shift_layout", "shift_decode_ptx",
+           "to_shift_layout"]

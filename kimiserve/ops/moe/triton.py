@@ -45,7 +45,7 @@ once per (block, tile). Three in-register dequantisations (`MoEConfig.dequant`):
 - "dot_scaled": `tl.dot_scaled` with an e2m1 operand: Triton's own upcast (fast_math: scale byte
   255 is not turned into NaN). Same values.
 - "shift": the codes re-laid once at load (`mxfp4_layout.to_shift_layout`, fused_moe's
-  mxfp4_layout="shift"): per word 5 rotates, 6 masks and 4 bf16x2 fmas (`_shift_asm`; no table
+  mxfp4_layout="shift"): per word 4 shifts, a rotate, 6 masks and 4 bf16x2 fmas (`mxfp4_layout.shift_decode_ptx`; no table
   constants, which "lut" rematerialises under register pressure). Same values, scale bytes <= 128.
 bf16 or fp32 (unquantised) experts go through the same kernels (MXFP4=False).
 
@@ -76,7 +76,7 @@ import triton.language as tl
 
 from kimiserve.ops.moe.config import DECODE_MAX_ROWS, GemmTiles, MoEConfig, default_config, max_blocks
 from kimiserve.ops.moe.epilogue import _activate, _combine_kernel, _reduce_act_kernel
-from kimiserve.ops.moe.mxfp4_layout import MAG_MASK, SHIFT_PAIRS, SIGN_MASK
+from kimiserve.ops.moe.mxfp4_layout import MAG_MASK, SHIFT_PAIRS, SIGN_MASK, shift_decode_ptx
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # no inline PTX: the "lut" dequant runs emulated
 ALIGN_FEW_PAIRS = 128  # up to this many pairs (K3.1: 8 tokens) the alignment compares the pairs' experts pairwise
@@ -425,34 +425,7 @@ def _mxfp4_lut(w, sc, BN: tl.constexpr, BK: tl.constexpr, ASM: tl.constexpr):
     return tl.reshape(tl.join(lo, hi), (BN, BK))
 
 
-def _shift_asm() -> str:
-    """PTX for one word of the shift layout: per pair, rotates and masks (see `mxfp4_layout`), then an fma
-    (bf16x2, + -0) by the group's 2^(s - 1): 8 bf16 outputs ($0..$7), the word ($8), the scale pair ($9).
-    A rotate whose masked bits all come from unwrapped ones is a left shift (4 of the 5: ptxas issues part of
-    the shifts on the FMA pipe, and the ALU pipe is the decode loop's busiest)."""
-    lines = [".reg .b32 t, z, o0, o1, o2, o3;", "mov.b32 z, 0x80008000;"]
-    for i, (dm, ds) in enumerate(SHIFT_PAIRS):
-        parts = [(dm, MAG_MASK | SIGN_MASK)] if dm == ds else [(dm, MAG_MASK), (ds, SIGN_MASK)]
-        for j, (d, mask) in enumerate(parts):
-            src = "$8"
-            if d and mask >> d << d == mask:  # no masked bit comes from a wrapped one: a plain shift
-                lines.append(f"shl.b32 t, $8, {d};")
-                src = "t"
-            elif d:
-                lines.append(f"shf.l.wrap.b32 t, $8, $8, {d};")
-                src = "t"
-            if j == 0:
-                lines.append(f"and.b32 o{i}, {src}, {mask:#010x};")
-            else:
-                lines.append(f"and.b32 t, {src}, {mask:#010x};")
-                lines.append(f"or.b32 o{i}, o{i}, t;")
-    for i in range(4):
-        lines.append(f"fma.rn.bf16x2 o{i}, o{i}, $9, z;")
-    lines += [f"mov.b32 {{${2 * i}, ${2 * i + 1}}}, o{i};" for i in range(4)]
-    return "{\n" + "\n".join(lines) + "\n}"
-
-
-_SHIFT_ASM_C: tl.constexpr = tl.constexpr(_shift_asm())
+_SHIFT_ASM_C: tl.constexpr = tl.constexpr(shift_decode_ptx())
 _MAG: tl.constexpr = tl.constexpr(MAG_MASK)
 _SIGN: tl.constexpr = tl.constexpr(SIGN_MASK)
 _D0M: tl.constexpr = tl.constexpr(SHIFT_PAIRS[0][0])
@@ -475,7 +448,7 @@ def _rotl(w, d: tl.constexpr):
 
 @triton.jit
 def _shift_pair_emulated(w, dm: tl.constexpr, ds: tl.constexpr, scale):
-    """One output pair of `_shift_asm` in plain ops: [..., 2] bf16 (the low half first), each bf16 read
+    """One output pair of `shift_decode_ptx` in plain ops: [..., 2] bf16 (the low half first), each bf16 read
     as fp32 (bits << 16: 2^-127 is an fp32 subnormal, exact), times scale in fp32 (exact), rounded."""
     o = (_rotl(w, dm) & _MAG) | (_rotl(w, ds) & _SIGN)
     lo = ((o & 0xFFFF) << 16).to(tl.int32).to(tl.float32, bitcast=True)
