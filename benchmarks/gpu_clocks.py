@@ -9,7 +9,7 @@ the clock it ran at.
 
     with ClockLog() as clocks:          # no nvidia-smi: an empty log, every summary None
         spans.append((row, time.time())); ...; spans[-1] += (time.time(),)
-        samples = clocks.samples()      # read once at the end: nvidia-smi's lines arrive late
+        samples = clocks.samples(wait=0.5)  # read once at the end: nvidia-smi's lines arrive late
         for row, start, end in spans: row["clocks"] = summarize(samples, start, end)
 
 nvidia-smi's power.draw is its own running average (about a second), so a short row's highest power lags; the
@@ -22,6 +22,7 @@ import datetime
 import shutil
 import subprocess
 import tempfile
+import time
 
 FIELDS = "timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active"
 SW_POWER_CAP = 0x4  # clocks_throttle_reasons bit: held by the software power cap
@@ -78,9 +79,12 @@ class ClockLog:
                                          stderr=subprocess.DEVNULL)
         return self
 
-    def samples(self) -> list[dict]:
+    def samples(self, wait: float = 0.0) -> list[dict]:
+        """The samples so far; wait: seconds to let nvidia-smi's last lines arrive first (only while it runs)."""
         if self.file is None:
             return []
+        if wait:
+            time.sleep(wait)
         self.file.flush()
         with open(self.file.name) as f:
             return parse_samples(f)

@@ -36,7 +36,9 @@ shift-m16-n64-k128-w4-s4-sk4-dsk4.
 --stages-each times every variant's stages apart (gate/up, down): the best gate/up and the best down tiling of
 a sweep can then be paired.
 Writes the JSON after every row (device, date, commit, copy_gbps, matmul_tflops, rows) and prints a
-table last.
+table last. Each row's `clocks`: the SM clock and power draw while its kernel and variants were timed
+(`gpu_clocks.py`, nvidia-smi; None without it): from 16 tokens on the H200 reaches its 700 W cap and lowers the clock
+(BENCHMARKS.md, session 18), so a figure is read with the clock it ran at.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ import datetime
 import json
 import os
 import sys
+import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
@@ -64,6 +67,8 @@ from kimiserve.ops.moe.reference import fused_moe_reference  # noqa: E402
 from kimiserve.ops.quant.reference import dequantize_mxfp4  # noqa: E402
 from kimiserve.utils.cuda_timing import cuda_time, graph_time, wall_time  # noqa: E402
 from kimiserve.utils.run_info import git_commit  # noqa: E402
+
+from gpu_clocks import ClockLog, summarize  # noqa: E402  (benchmarks/, on sys.path as the script's folder)
 
 # Tilings that compile for sm_90 without spills (Triton 3.6's ptxas, offline: `--sass`). "shift" variants run on
 # the experts re-laid once (mxfp4_layout.to_shift_layout); the default config (the checkpoint layout, "lut") is
@@ -467,6 +472,11 @@ def loop_mix(ops: list[str]) -> dict[str, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    with ClockLog() as clocks:  # nvidia-smi in the background (nothing without it): each row's SM clock and power
+        return _main(argv, clocks)
+
+
+def _main(argv: list[str] | None, clocks: ClockLog) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", default="1,16,64,256,1024,8192")
     parser.add_argument("--routings", default="random,zipf")
@@ -594,6 +604,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = {}
     for routing in routings:
         for n in tokens:
+            row_start = time.time()
             x, ids, weights = inputs(n, routing, n)
             hit = int(torch.unique(ids).numel())
             nbytes = layer_bytes(hit, per_expert, n, h, act_bytes, ids.numel())
@@ -637,6 +648,7 @@ def main(argv: list[str] | None = None) -> int:
                        tflops=flops / (ms * 1e-3) / 1e12, best_variant=best["config"], best_ms=best["ms"],
                        best_bytes_roofline_fraction=best["bytes_roofline_fraction"],
                        best_matmul_fraction=best["matmul_fraction"], variants=timed)
+            row["_span"] = (row_start, time.time())
             rows[(routing, n)] = row
             result["rows"] = list(rows.values())
             save()
@@ -692,16 +704,22 @@ def main(argv: list[str] | None = None) -> int:
             save()
         del wb
 
+    samples = clocks.samples(wait=0.5)
+    for r in result["rows"]:  # the SM clock and power while the row's kernel and variants were timed
+        r["clocks"] = summarize(samples, *r.pop("_span"))
+    save()
     print(f"\n{result['device']}, commit {result['commit']}: copy {copy:.0f} GB/s, bf16 matmul {mm:.1f} TFLOP/s; "
           f"MoE {E} x top-{k}, {h} -> {inter}, MXFP4 ({per_expert * E / 1e9:.2f} GB)")
     print("routing tokens  hit  kernel ms  roofline ms  %bytes  TFLOP/s  %matmul    best ms  %bytes(best)  peer ms"
-          "  today ms  best variant")
+          "  today ms  SM MHz  best variant")
     for r in result["rows"]:
         peer = f"{r['peer_ms']:8.3f}" if r.get("peer_ms") else "       -"
         today = f"{r['today_ms']:9.2f}" if r.get("today_ms") else ("      oom" if r.get("today") else "        -")
+        clock = f"{r['clocks']['sm_mhz_mean']:7.0f}" if r.get("clocks") else "      -"
         print(f"{r['routing']:>7} {r['tokens']:>6} {r['experts_hit']:>4} {r['kernel_ms']:10.4f} {r['roofline_ms']:12.4f} "
               f"{100 * r['bytes_roofline_fraction']:7.1f} {r['tflops']:8.1f} {100 * r['matmul_fraction']:8.1f} "
-              f"{r['best_ms']:10.4f} {100 * r['best_bytes_roofline_fraction']:13.1f} {peer} {today}  {r['best_variant']}")
+              f"{r['best_ms']:10.4f} {100 * r['best_bytes_roofline_fraction']:13.1f} {peer} {today} {clock}  "
+              f"{r['best_variant']}")
     print_variant_table(result["rows"])
     if failed:
         print(f"FAILED checks (not timed): {', '.join(sorted(failed))}")

@@ -162,8 +162,7 @@ def main(argv: list[str] | None = None) -> int:
                 for k_row in row["timeline"].get("middle_layer", []):
                     print(f"      {k_row['start_us']:8.1f} us  {k_row['us']:8.1f} us  gap {k_row['gap_us']:6.1f}  "
                           f"{k_row['name'][:60]}", flush=True)
-        time.sleep(0.5)  # nvidia-smi's last lines
-        samples = clocks.samples()
+        samples = clocks.samples(wait=0.5)  # nvidia-smi's last lines
     for row in table:
         for name in ("one_call", "graph"):
             row[f"clocks_{name}"] = summarize(samples, *row.pop(f"_{name}_span"))

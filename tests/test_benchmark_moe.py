@@ -37,7 +37,12 @@ def last_dry_variant() -> str:
 
 def test_moe_layer_dry_run(tmp_path):
     out = tmp_path / "moe.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    fake = tmp_path / "bin" / "nvidia-smi"  # a stand-in: one power-capped sample every 50 ms, the real CSV format
+    fake.parent.mkdir()
+    fake.write_text("#!/bin/sh\nwhile true; do echo \"$(date '+%Y/%m/%d %H:%M:%S.%3N'), 1500, 3201, 650.00, 60, "
+                    "0x0000000000000004\"; sleep 0.05; done\n")
+    fake.chmod(0o755)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PATH": f"{fake.parent}{os.pathsep}{os.environ['PATH']}"}
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "moe_layer.py"), "--dry-run", "--out", str(out)],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
@@ -60,6 +65,8 @@ def test_moe_layer_dry_run(tmp_path):
         assert r["stages"]["ms"].keys() == {"align", "up", "down", "combine"}
         assert all(positive(v) for v in r["stages"]["ms"].values()) and positive(r["stages"]["up_gbps"])
         assert r["peer"] in ("torch._grouped_mm", "torch.mm loop")
+        assert r["clocks"]["samples"] > 0 and r["clocks"]["sm_mhz_mean"] == 1500 and r["clocks"]["power_capped"] == 1
+        assert "_span" not in r
     random_rows = [r for r in data["rows"] if r["routing"] == "random"]
     assert all(positive(r["today_ms"]) and r["peer_rel_rms"] < 1e-2 for r in random_rows)
 
