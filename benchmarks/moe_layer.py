@@ -37,8 +37,8 @@ shift-m16-n64-k128-w4-s4-sk4-dsk4.
 a sweep can then be paired.
 Writes the JSON after every row (device, date, commit, copy_gbps, matmul_tflops, rows) and prints a
 table last. Each row's `clocks`: the SM clock and power draw while its kernel and variants were timed
-(`gpu_clocks.py`, nvidia-smi; None without it): from 16 tokens on the H200 reaches its 700 W cap and lowers the clock
-(BENCHMARKS.md, session 18), so a figure is read with the clock it ran at.
+(`gpu_clocks.py`, nvidia-smi; None without it). From 16 tokens on, the H200 reaches its 700 W cap and lowers its
+clock (BENCHMARKS.md, session 18), so a figure is read with the clock it ran at.
 """
 
 from __future__ import annotations
