@@ -148,13 +148,12 @@ def _fragment_gemm_kernel(
     pid = gl.program_id(0)
     n_tiles = gl.cdiv(N_OUT, BN)
     b = pid // n_tiles
-    # the block's expert and rows are loaded beside the block count (in bounds: the grid has every possible block),
-    # not after it: one global load less on each program's path to its first weights (volatile: not sunk past the
-    # early return)
-    num_blocks = gl.load(nblk_ptr)
-    e = gl.load(bexp_ptr + b, volatile=True).to(gl.int64)
-    nrows = gl.load(brows_ptr + b, volatile=True)
-    if b >= num_blocks:
+    # the block's expert and rows loaded together with the block count, as gluon_prefill's programs do (entries past
+    # it are undefined, in bounds, and unused; a used block has e >= 0 and nrows >= 1, and testing them keeps the
+    # loads above the exit): one global round trip less before the first weights
+    e = gl.load(bexp_ptr + b).to(gl.int64)
+    nrows = gl.load(brows_ptr + b)
+    if (b >= gl.load(nblk_ptr)) | (e < 0) | (nrows < 1):
         return
     nt = pid % n_tiles
     rows_s = gl.minimum(nt * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, gl.SliceLayout(2, LS))), N_OUT - 1)
