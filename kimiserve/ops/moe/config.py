@@ -100,10 +100,10 @@ def default_config(num_tokens: int, top_k: int, num_experts: int, dtype: torch.d
     mean_rows = num_tokens * top_k / max(1, num_experts)
     if mean_rows <= DECODE_MAX_ROWS and dequant == "shift" and dims is not None and _fragments_fit(*dims):
         tiles = GemmTiles(block_n=64, block_k=256, num_warps=4, num_stages=2)
+        down = tiles
         down_programs = max_blocks(num_tokens * top_k, num_experts, 16) * -(-dims[0] // tiles.block_n)
-        waves = (DOWN_PROGRAMS_AN_SM * num_sms, DOWN_CAPPED_PROGRAMS_AN_SM * num_sms) if num_sms else (0, 0)
-        one_capped_wave = waves[0] < down_programs <= waves[1]
-        down = dataclasses.replace(tiles, max_registers=DOWN_CAPPED_REGISTERS) if one_capped_wave else tiles
+        if num_sms and DOWN_PROGRAMS_AN_SM * num_sms < down_programs <= DOWN_CAPPED_PROGRAMS_AN_SM * num_sms:
+            down = dataclasses.replace(tiles, max_registers=DOWN_CAPPED_REGISTERS)  # one wave instead of two
         return MoEConfig(block_m=16, up=tiles, down=down, dequant=dequant, fragments=True)
     if mean_rows <= DECODE_MAX_ROWS and mxfp4 and num_experts >= 64:
         tiles = GemmTiles(block_n=128, block_k=128, num_warps=4, num_stages=3)

@@ -45,8 +45,9 @@ once per (block, tile). Three in-register dequantisations (`MoEConfig.dequant`):
 - "dot_scaled": `tl.dot_scaled` with an e2m1 operand: Triton's own upcast (fast_math: scale byte
   255 is not turned into NaN). Same values.
 - "shift": the codes re-laid once at load (`mxfp4_layout.to_shift_layout`, fused_moe's
-  mxfp4_layout="shift"): per word 4 shifts, a rotate, 6 masks and 4 bf16x2 fmas (`mxfp4_layout.shift_decode_ptx`; no table
-  constants, which "lut" rematerialises under register pressure). Same values, scale bytes <= 128.
+  mxfp4_layout="shift"): per word 4 shifts, a rotate, 6 masks and 4 bf16x2 fmas
+  (`mxfp4_layout.shift_decode_ptx`; no table constants, which "lut" rematerialises under register
+  pressure). Same values, scale bytes <= 128.
 bf16 or fp32 (unquantised) experts go through the same kernels (MXFP4=False).
 
 Dots. Activations and dequantised weights meet in the model dtype (bf16: tensor cores with fp32
