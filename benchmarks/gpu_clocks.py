@@ -89,9 +89,6 @@ class ClockLog:
         with open(self.file.name) as f:
             return parse_samples(f)
 
-    def summary(self, start: float, end: float) -> dict | None:
-        return summarize(self.samples(), start, end)
-
     def __exit__(self, *exc):
         if self.proc is not None:
             self.proc.terminate()

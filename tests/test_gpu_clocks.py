@@ -64,4 +64,4 @@ def test_log_reads_a_running_nvidia_smi(tmp_path, monkeypatch):
 def test_log_without_nvidia_smi_is_empty(monkeypatch):
     monkeypatch.setattr(gpu_clocks.shutil, "which", lambda name: None)
     with gpu_clocks.ClockLog() as clocks:
-        assert clocks.samples() == [] and clocks.summary(0, time.time()) is None
+        assert clocks.samples() == [] and gpu_clocks.summarize(clocks.samples(), 0, time.time()) is None

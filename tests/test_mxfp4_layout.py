@@ -104,6 +104,14 @@ def run_ptx(ptx: str, word: torch.Tensor, scale_pair: torch.Tensor) -> torch.Ten
     return torch.stack([out[f"${i}"] for i in range(8)], -1).float()
 
 
+def decode_with_ptx(ptx: str, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Checkpoint codes uint8 [rows, in/2] and scales [rows, in/32] -> fp32 [rows, in] through `ptx` run on their
+    shift-layout words, each word with its group's scale pair (2^(s - 1) as two bf16), as the kernels call it."""
+    words = to_shift_layout(codes, scales).view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    s16 = (scales.to(torch.int64).repeat_interleave(4, -1) + 126) << 7  # 4 words (32 codes) a scale group
+    return run_ptx(ptx, words, s16 | (s16 << 16)).reshape(codes.shape[0], -1)
+
+
 def test_kernel_ptx_equals_dequantize_every_code_pair_and_scale():
     """The PTX text the kernels inline (its shifts where no masked bit wraps, its rotate, masks and fmas) decodes
     every byte (code pair) at every scale the layout allows exactly as dequantize_mxfp4."""
@@ -111,10 +119,7 @@ def test_kernel_ptx_equals_dequantize_every_code_pair_and_scale():
     assert ptx.count("shl.b32") == 4 and ptx.count("shf.l.wrap.b32") == 1
     codes = torch.arange(256, dtype=torch.uint8).repeat(MAX_SHIFT_SCALE + 1, 1)
     scales = torch.arange(MAX_SHIFT_SCALE + 1, dtype=torch.uint8)[:, None].repeat(1, 16)
-    words = to_shift_layout(codes, scales).view(torch.int32).to(torch.int64) & 0xFFFFFFFF  # [129, 64]
-    s16 = (scales.to(torch.int64).repeat_interleave(4, -1) + 126) << 7  # a word's group scale, 2^(s - 1) as bf16
-    got = run_ptx(ptx, words, s16 | (s16 << 16)).reshape(codes.shape[0], -1)
-    assert torch.equal(got, dequantize_mxfp4(codes, scales, torch.float32))
+    assert torch.equal(decode_with_ptx(ptx, codes, scales), dequantize_mxfp4(codes, scales, torch.float32))
 
 
 def test_a_wrapping_rotate_is_not_a_shift():
@@ -122,7 +127,4 @@ def test_a_wrapping_rotate_is_not_a_shift():
     ptx = shift_decode_ptx().replace("shf.l.wrap.b32 t, $8, $8,", "shl.b32 t, $8,")
     codes = torch.arange(256, dtype=torch.uint8).repeat(2, 1)
     scales = torch.full((2, 16), 127, dtype=torch.uint8)
-    words = to_shift_layout(codes, scales).view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-    s16 = (scales.to(torch.int64).repeat_interleave(4, -1) + 126) << 7
-    got = run_ptx(ptx, words, s16 | (s16 << 16)).reshape(2, -1)
-    assert not torch.equal(got, dequantize_mxfp4(codes, scales, torch.float32))
+    assert not torch.equal(decode_with_ptx(ptx, codes, scales), dequantize_mxfp4(codes, scales, torch.float32))
