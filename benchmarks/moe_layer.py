@@ -29,10 +29,11 @@ at the same shape for --check-tokens (relative RMS error, bound 1e-2), and the p
                                                             # spills, shared memory, SASS per K step)
 
 A variant SPEC is DEQUANT-mBM-nBN-kBK-wWARPS-sSTAGES[-dnBN][-dkBK][-dwWARPS][-dsSTAGES][-rREGS][-drREGS]
-[-skS][-dskS][-swap][-frag] (dn/dk/dw/ds: the down GEMM's column tile, K step, warps and stages when they differ
-from the gate/up GEMM's; frag: MoEConfig.fragments; r/dr: a register cap (maxnreg) per GEMM; sk/dsk: split-K of the
-gate/up and down GEMMs, fp32 partials reduced in a fixed order), e.g. lut-m16-n64-k256-w4-s3-swap,
-shift-m16-n64-k128-w4-s4-sk4-dsk4.
+[-skS][-dskS][-swap][-frag][-pdl] (dn/dk/dw/ds: the down GEMM's column tile, K step, warps and stages when they
+differ from the gate/up GEMM's; frag: MoEConfig.fragments; r/dr: a register cap (maxnreg) per GEMM; sk/dsk: split-K
+of the gate/up and down GEMMs, fp32 partials reduced in a fixed order; pdl: MoEConfig.dependent_launch, the decode
+chain's programmatic dependent launch), e.g. lut-m16-n64-k256-w4-s3-swap, shift-m16-n64-k128-w4-s4-sk4-dsk4,
+shift-m16-n64-k256-w4-s2-dr72-frag-pdl; the variant default-shift-pdl is the shift layout's default with pdl.
 --stages-each times every variant's stages apart (gate/up, down): the best gate/up and the best down tiling of
 a sweep can then be paired.
 Writes the JSON after every row (device, date, commit, copy_gbps, matmul_tflops, rows) and prints a
@@ -44,6 +45,7 @@ clock (BENCHMARKS.md, session 18), so a figure is read with the clock it ran at.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -111,14 +113,14 @@ DRY_VARIANTS = ["lut-m16-n32-k64-w4-s2-swap", "shift-m16-n32-k64-w4-s2", "exact-
 
 
 def parse_variant(spec: str) -> tt.MoEConfig:
-    """DEQUANT-mBM-nBN-kBK-wW-sS[-dnBN][-dkBK][-dwW][-dsS][-rR][-drR][-skS][-dskS][-swap][-frag] -> MoEConfig
-    (frag: MoEConfig.fragments, the Gluon fragment GEMMs)."""
+    """DEQUANT-mBM-nBN-kBK-wW-sS[-dnBN][-dkBK][-dwW][-dsS][-rR][-drR][-skS][-dskS][-swap][-frag][-pdl] -> MoEConfig
+    (frag: MoEConfig.fragments, the Gluon fragment GEMMs; pdl: MoEConfig.dependent_launch)."""
     dequant, *parts = spec.split("-")
     if dequant not in tt._DEQUANT:
         raise ValueError(f"variant {spec!r}: dequant must be one of {list(tt._DEQUANT)}")
     vals, flags = {}, set()
     for p in parts:
-        if p in ("swap", "frag"):
+        if p in ("swap", "frag", "pdl"):
             flags.add(p)
             continue
         key = next((pre for pre in ("dsk", "dn", "dk", "dw", "ds", "dr", "sk") if p.startswith(pre)), p[:1])
@@ -135,7 +137,8 @@ def parse_variant(spec: str) -> tt.MoEConfig:
     down = tt.GemmTiles(block_n=vals.get("dn", vals["n"]), block_k=vals.get("dk", vals["k"]),
                         num_warps=vals.get("dw", vals["w"]), num_stages=vals.get("ds", vals["s"]), swap=swap,
                         split_k=vals.get("dsk", 1), max_registers=vals.get("dr"))
-    return tt.MoEConfig(block_m=vals["m"], up=up, down=down, dequant=dequant, fragments="frag" in flags)
+    return tt.MoEConfig(block_m=vals["m"], up=up, down=down, dequant=dequant, fragments="frag" in flags,
+                        dependent_launch="pdl" in flags)
 
 
 def config_spec(cfg: tt.MoEConfig) -> str:
@@ -149,7 +152,11 @@ def config_spec(cfg: tt.MoEConfig) -> str:
     spec += f"-dr{d.max_registers}" if d.max_registers else ""
     spec += f"-sk{u.split_k}" if u.split_k > 1 else ""
     spec += f"-dsk{d.split_k}" if d.split_k > 1 else ""
-    return spec + ("-swap" if u.swap else "") + ("-frag" if cfg.fragments else "")
+    return spec + ("-swap" if u.swap else "") + ("-frag" if cfg.fragments else "") + \
+        ("-pdl" if cfg.dependent_launch else "")
+
+
+DEFAULT_PDL = "default-shift-pdl"  # a variant: the shift layout's default config with MoEConfig.dependent_launch
 
 
 def variants_for(arg: str, dry: bool) -> list[str]:
@@ -161,7 +168,8 @@ def variants_for(arg: str, dry: bool) -> list[str]:
     for item in arg.split(","):
         out += named[item] if item in named else [item]
     for spec in out:
-        parse_variant(spec)  # fail before any GPU time is spent
+        if spec != DEFAULT_PDL:
+            parse_variant(spec)  # fail before any GPU time is spent
     return out
 
 
@@ -233,12 +241,14 @@ def stage_fns(x, w, ids, weights, cfg: tt.MoEConfig) -> dict:
     """The four launches of fused_moe on their own (align; gate/up; down; combine), on fixed buffers."""
     import triton
 
+    from kimiserve.ops.moe.dependent_launch import launch_options
+
     N, k = ids.shape
     E, inter, h = w["w1"].shape[0], w["w1"].shape[1], x.shape[1]
     act = torch.empty(N * k, inter, dtype=x.dtype, device=x.device)
     y = torch.empty(N * k, h, dtype=x.dtype, device=x.device)
     out = torch.empty_like(x)
-    align = tt.align_blocks(ids, E, cfg.block_m)
+    align = tt.align_blocks(ids, E, cfg.block_m, dependent_launch=cfg.dependent_launch)
     BH = min(cfg.combine_block, triton.next_power_of_2(h))
 
     def up():  # with split-K: the partials' GEMM and their reduce
@@ -249,13 +259,14 @@ def stage_fns(x, w, ids, weights, cfg: tt.MoEConfig) -> dict:
 
     def combine():
         tt._combine_kernel[(N, triton.cdiv(h, BH))](y, weights, out, h, y.stride(0), *weights.stride(), out.stride(0),
-                                                     0, TOP_K=k, BH=BH, num_warps=4)
+                                                     0, TOP_K=k, BH=BH, PDL=cfg.dependent_launch, num_warps=4,
+                                                     **launch_options(cfg.dependent_launch))
 
     def down_combine():
         tt.down_combine(act, w["w2"], w["w2_scale"], y, weights, out, align, cfg)
 
     up()
-    fns = dict(align=lambda: tt.align_blocks(ids, E, cfg.block_m), up=up)
+    fns = dict(align=lambda: tt.align_blocks(ids, E, cfg.block_m, dependent_launch=cfg.dependent_launch), up=up)
     if cfg.down.split_k > 1:  # the combine is the partials' reduce: timed together
         return dict(fns, down_combine=down_combine)
     down()
@@ -409,7 +420,7 @@ def sass_report(specs: list[str], h: int, inter: int) -> int:
                 from kimiserve.ops.moe import gluon_decode
                 fn, options = gluon_decode._fragment_gemm_kernel, gluon_decode.compile_options(tiles)
                 consts = dict(GATED=gated, ACT=1, LINEAR_TANH=True, BN=tiles.block_n, BK=tiles.block_k,
-                              OUT_BK=cfg.down.block_k, NUM_WARPS=tiles.num_warps)
+                              OUT_BK=cfg.down.block_k, NUM_WARPS=tiles.num_warps, PDL=cfg.dependent_launch)
                 types.update(s_we="i64", s_se="i64")
             try:
                 div16 = [n for n in _GEMM_INTS if n != "A_ROW_DIV"] + ["s_ps"]
@@ -567,8 +578,9 @@ def _main(argv: list[str] | None, clocks: ClockLog) -> int:
     def config_for(spec: str, n: int) -> tt.MoEConfig | None:
         if spec == "default":
             return None
-        if spec == "default-shift":
-            return tt.default_config(n, k, E, dtype, True, "shift", dims=(h, inter), num_sms=tt.sm_count(device))
+        if spec in ("default-shift", DEFAULT_PDL):
+            cfg = tt.default_config(n, k, E, dtype, True, "shift", dims=(h, inter), num_sms=tt.sm_count(device))
+            return dataclasses.replace(cfg, dependent_launch=spec == DEFAULT_PDL)
         return parse_variant(spec)
     per_expert = sum(w[n][0].numel() for n in w)  # bytes: uint8 codes and scales
     act_bytes = torch.tensor([], dtype=dtype).element_size()

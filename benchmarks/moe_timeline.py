@@ -23,6 +23,7 @@ layer's cost inside an engine step; `moe_layer.py` times one call a replay, whic
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -110,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--routing", default="random", choices=("random", "zipf"))
     parser.add_argument("--same-routing", action="store_true", help="every layer of a graph with the first draw")
     parser.add_argument("--variants", default="default",
-                        help="'default' (the shift layout's default config) and moe_layer.py variant specs")
+                        help="'default' (the shift layout's default config), 'default-pdl' (the same with "
+                             "MoEConfig.dependent_launch) and moe_layer.py variant specs")
     parser.add_argument("--shape", default="896,16,3584,3072", help="experts,top_k,hidden,intermediate")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                                       "moe_timeline.json"))
@@ -125,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     E, k, h, inter = (int(v) for v in args.shape.split(","))
     variants = args.variants.split(",")
     for spec in variants:
-        if spec != "default":
+        if spec not in ("default", "default-pdl"):
             parse_variant(spec)
     copy = copy_gbps("cuda", 2**32, lambda fn: cuda_time(fn, repeats=10, warmup=3))
     w = packed_experts(E, h, inter, "cuda")
@@ -148,8 +150,12 @@ def main(argv: list[str] | None = None) -> int:
             nbytes = [layer_bytes(int(torch.unique(ids).numel()), per_expert, n, h, 2, ids.numel())
                       for ids, _ in draws]
             for spec in variants:
-                cfg = (tt.default_config(n, k, E, torch.bfloat16, True, "shift", dims=(h, inter),
-                                         num_sms=tt.sm_count("cuda")) if spec == "default" else parse_variant(spec))
+                if spec in ("default", "default-pdl"):
+                    cfg = tt.default_config(n, k, E, torch.bfloat16, True, "shift", dims=(h, inter),
+                                            num_sms=tt.sm_count("cuda"))
+                    cfg = dataclasses.replace(cfg, dependent_launch=spec == "default-pdl")
+                else:
+                    cfg = parse_variant(spec)
                 row = time_row(x, shifted, draws, cfg, args.layers, copy, nbytes)
                 row.update(tokens=n, variant=spec)
                 result["rows"].append(row)

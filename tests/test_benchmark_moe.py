@@ -73,7 +73,8 @@ def test_moe_layer_dry_run(tmp_path):
 
 def test_variant_specs_carry_the_down_gemm_and_register_caps():
     """moe_layer.py SPECs: dn/dk/dw/ds set the down GEMM's tile, warps and stages apart, r/dr cap the registers
-    (GemmTiles.max_registers); config_spec writes back the same SPEC; unknown parts are refused."""
+    (GemmTiles.max_registers), pdl sets MoEConfig.dependent_launch; config_spec writes back the same SPEC; unknown
+    parts are refused."""
     sys.path.insert(0, str(REPO / "benchmarks"))
     from moe_layer import config_spec, parse_variant
 
@@ -85,6 +86,9 @@ def test_variant_specs_carry_the_down_gemm_and_register_caps():
         (256, 64, 8, 4, 96)
     assert config_spec(cfg) == spec
     assert parse_variant("lut-m16-n64-k256-w4-s3").down.max_registers is None
+    pdl = parse_variant("shift-m16-n64-k256-w4-s2-dr72-frag-pdl")
+    assert pdl.dependent_launch and pdl.fragments and config_spec(pdl) == "shift-m16-n64-k256-w4-s2-dr72-frag-pdl"
+    assert not cfg.dependent_launch
     with pytest.raises(ValueError, match="cannot read"):
         parse_variant("shift-m16-n64-k256-w4-s3-q2")
 

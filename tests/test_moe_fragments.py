@@ -148,7 +148,7 @@ def test_sm90_build_has_no_fragment_moves(gated):
     """The Gluon kernel's sm_90 build (Triton's ptxas, offline): the B operand's layout conversion is trivial
     (the kernel asserts it), no spills, and the K loop has almost no register moves (Triton's own decode GEMM:
     0.89 a weight for gate/up) and two K steps of mma.sync per iteration."""
-    consts = dict(GATED=gated, ACT=1, LINEAR_TANH=True, BN=128, BK=128, OUT_BK=128, NUM_WARPS=4)
+    consts = dict(GATED=gated, ACT=1, LINEAR_TANH=True, BN=128, BK=128, OUT_BK=128, NUM_WARPS=4, PDL=False)
     sass, ops, loop_mix = _sm90_build("gluon_decode", "_fragment_gemm_kernel", "*u8", consts, 4,
                                       ["K", "s_am", "s_we", "s_wn", "s_se", "s_sn", "s_om"])
     weights = 2 * (2 if gated else 1) * 128 * 128 / 128  # per thread: two K steps of one or two weight tiles
@@ -199,3 +199,87 @@ def test_decode_down_register_cap_only_where_it_makes_one_wave(monkeypatch):
     assert tiles(16, 132) is None  # many waves: the spills cost more than the wave saves
     assert tiles(1, None) is None  # SM count unknown
     assert config.max_blocks(16, 896, 16) == 16 and config.max_blocks(1024, 896, 16) == 904
+
+
+def _sass_ops(sass: str) -> list[str]:
+    """The SASS instructions in order, predicates kept (`@!P1 LDG.E.128 ...` -> "@!P1 LDG.E.128")."""
+    import re
+
+    ops = []
+    for line in sass.splitlines():
+        if re.match(r"\s+/\*[0-9a-f]{4}\*/", line):
+            words = line.split("*/", 1)[1].strip().rstrip(" ;").split()
+            ops.append(" ".join(words[:2]) if words[0].startswith("@") else words[0])
+    return ops
+
+
+@pytest.mark.parametrize("gated", [True, False])
+def test_sm90_build_with_dependent_launch(gated):
+    """The decode fragment kernel with PDL (MoEConfig.dependent_launch, offline sm_90 build): one wait
+    (griddepcontrol.wait: ACQBULK) and after it the trigger of the next launch (PREEXIT); before the wait the first
+    K step's weights (64 rows x 128 bytes of each weight tile a step: 4 unpredicated 16-byte loads a thread a tile)
+    and nothing written; every activation load (predicated on the block's real rows) after it; without PDL neither
+    instruction."""
+    consts = dict(GATED=gated, ACT=1, LINEAR_TANH=True, BN=64, BK=256, OUT_BK=256, NUM_WARPS=4, PDL=True)
+    div16 = ["K", "s_am", "s_we", "s_wn", "s_se", "s_sn", "s_om"]
+    sass, _, _ = _sm90_build("gluon_decode", "_fragment_gemm_kernel", "*u8", consts, 4, div16)
+    ops = _sass_ops(sass)
+    assert ops.count("ACQBULK") == 1 and ops.count("PREEXIT") == 1
+    wait = ops.index("ACQBULK")
+    assert ops.index("PREEXIT") > wait
+    before, after = ops[:wait], ops[wait:]
+    assert before.count("LDG.E.128") == 4 * (2 if gated else 1)
+    assert not any(op.split()[-1].startswith(("STG", "STS", "LDSM", "RED", "ATOM")) for op in before)
+    activation = [op for op in after if op.startswith("@") and op.endswith("LDG.E.128")]
+    assert len(activation) >= 4 and not any(op.startswith("@") and op.endswith("LDG.E.128") for op in before)
+    sass, _, _ = _sm90_build("gluon_decode", "_fragment_gemm_kernel", "*u8", dict(consts, PDL=False), 4, div16)
+    assert not {"ACQBULK", "PREEXIT"} & set(_sass_ops(sass))
+
+
+def test_sm90_builds_of_the_chain_wait_before_reading_what_the_last_launch_wrote():
+    """The chain's Triton kernels with PDL (offline sm_90 builds): the align and the combine wait before any load;
+    x's MMA-k copy loads x (the MoE's input) first and waits before its store."""
+    pytest.importorskip("triton")
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    import triton.language as tl
+    from sass_report import compile_sm90, sass_of
+
+    from kimiserve.ops.moe import epilogue, mma_order, triton as tt
+
+    def build(fn, types, consts):
+        types = {n: types.get(n, "i32") for n in fn.arg_names if n not in consts}
+        return _sass_ops(sass_of(compile_sm90(fn, types, consts, dict(num_warps=4, launch_pdl=True), [])))
+
+    ints = {n: "*i32" for n in ("ids_ptr", "sorted_ptr", "bexp_ptr", "brows_ptr", "nblk_ptr")}
+    chain = [
+        (build(tt._align_few_kernel, ints, dict(BM=16, PB=16, PDL=True)), "align"),
+        (build(epilogue._combine_kernel, dict(y_ptr="*bf16", w_ptr="*fp32", out_ptr="*bf16"),
+               dict(TOP_K=4, BH=512, SPLIT=1, DTYPE=tl.bfloat16, PDL=True)), "combine"),
+    ]
+    for ops, name in chain:
+        loads = [i for i, op in enumerate(ops) if "LDG" in op]
+        assert ops.count("ACQBULK") == 1 and loads and ops.index("ACQBULK") < loads[0], name
+    ops = build(mma_order._mma_order_kernel, dict(x_ptr="*bf16", out_ptr="*bf16"), dict(BK=256, CH=2048, PDL=True))
+    wait = ops.index("ACQBULK")
+    assert any("LDG" in op for op in ops[:wait]) and not any("STG" in op for op in ops[:wait])
+    assert any("STG" in op for op in ops[wait:])
+
+
+def test_dependent_launch_needs_cuda():
+    """MoEConfig.dependent_launch on the CPU (or under the interpreter) is a ValueError that says to leave it off."""
+    pytest.importorskip("triton")
+    import dataclasses
+
+    from kimiserve.ops.moe import triton as tt
+
+    gen = torch.Generator().manual_seed(0)
+    E, h, inter = 3, 64, 32
+    w1, w3 = torch.randn(E, inter, h, generator=gen), torch.randn(E, inter, h, generator=gen)
+    w2 = torch.randn(E, h, inter, generator=gen)
+    x, ids, weights = torch.randn(2, h, generator=gen), torch.tensor([[0, 1], [2, 0]]), torch.rand(2, 2)
+    config = dataclasses.replace(tt.default_config(2, 2, E, torch.float32, False), dependent_launch=True)
+    with pytest.raises(ValueError, match="dependent_launch.*leave it off"):
+        tt.fused_moe(x, w1, w2, w3, ids, weights, config=config)

@@ -326,6 +326,69 @@ def test_fragment_gemms_graph_capture(tt):
         assert rel_rms(out, reference(x, w_checkpoint, ids, weights, "situ")) < 1e-2
 
 
+
+@pytest.mark.parametrize("N,K,block_k", [(1, 3584, 256), (5, 384, 128), (300, 768, 256), (3, 2304, 128)])
+def test_mma_order_kernel(N, K, block_k):
+    """x's MMA-k copy as a Triton kernel (`ops.moe.mma_order`, with and without PDL) is `fragment_order` bit for
+    bit: one program a row (K = 384), two (3584, 2304: partial second chunk)."""
+    from kimiserve.ops.moe.fragment_order import fragment_order
+    from kimiserve.ops.moe.mma_order import mma_order
+
+    x = torch.randn(N, K + 64, device="cuda").bfloat16()[:, 32:32 + K]  # rows strided, last dim contiguous
+    for pdl in (False, True):
+        assert torch.equal(mma_order(x, block_k, pdl), fragment_order(x, block_k))
+
+
+def test_dependent_launch_chain(tt):
+    """The decode chain launched with PDL (MoEConfig.dependent_launch): every size regime of the align (pairwise,
+    one program, chunks) and the fragment GEMMs against the reference, and bit for bit the same as without PDL;
+    three MoE calls back to back in one CUDA graph (each call's kernels may start before the last one's finish)
+    replay other routings as eager calls compute them."""
+    import dataclasses
+
+    from kimiserve.utils.cuda_timing import capture_graph
+
+    on = dataclasses.replace(fragment_config(tt, 64, 4, 256, 256), dependent_launch=True)
+    off = dataclasses.replace(on, dependent_launch=False)
+    # 1-135 pairs: the pairwise align; 900: one program; 2100: chunks
+    for N, routing in ((1, "random"), (7, "same"), (45, "subset"), (300, "zipf"), (700, "random")):
+        check_case(tt, N, 512, 768, 9, 3, torch.bfloat16, True, "situ", routing, "cuda", on, seed=N)
+    gen = torch.Generator().manual_seed(5)
+    w = shift_layout({n: t.cuda() for n, t in expert_weights(9, 512, 768, True, torch.bfloat16, gen).items()})
+
+    def call(x, ids, weights, config, out=None):
+        return tt.fused_moe(x, w["w1"], w["w2"], w["w3"], ids, weights, w1_scale=w["w1_scale"], w2_scale=w["w2_scale"],
+                            w3_scale=w["w3_scale"], out=out, config=config, mxfp4_layout="shift")
+
+    def inputs(seed, N=5):
+        g = torch.Generator().manual_seed(seed)
+        return (torch.randn(N, 512, generator=g).bfloat16().cuda(), route_ids(N, 9, 3, "random", g).cuda(),
+                torch.rand(N, 3, generator=g).cuda())
+
+    for N in (1, 45, 700):
+        x, ids, weights = inputs(N, N)
+        assert torch.equal(call(x, ids, weights, on), call(x, ids, weights, off))
+    layers = [inputs(seed) for seed in range(3)]
+
+    def chain():  # each layer's input is the last one's output, as in a model
+        h = layers[0][0]
+        for _, ids, weights in layers:
+            h = call(h, ids, weights, on)
+        return h
+
+    graph_out = torch.empty_like(layers[0][0])
+    graph = capture_graph(lambda: graph_out.copy_(chain()))
+    for seed in (10, 20):
+        for layer, new in zip(layers, [inputs(seed + i) for i in range(3)]):
+            for buf, value in zip(layer, new):
+                buf.copy_(value)
+        graph_out.fill_(float("nan"))
+        graph.replay()
+        want = layers[0][0]
+        for _, ids, weights in layers:
+            want = call(want, ids, weights, off)
+        assert torch.equal(graph_out, want)
+
 def test_default_config_takes_fragments(tt):
     """The decode regime's default (<= DECODE_MAX_ROWS rows per expert) is the fragment GEMMs with 256-wide K steps
     where those fit: the shift layout, bf16, dims given and multiples of 256 (kimi-demo's 128 x 128 experts keep the

@@ -255,3 +255,15 @@ def test_engine_shift_layout_matches_checkpoint_layout(monkeypatch):
     (ref_tokens, ref_logits), (tokens, logits) = results
     assert tokens == ref_tokens and logits.keys() == ref_logits.keys()
     assert all(torch.equal(logits[k], ref_logits[k]) for k in ref_logits)
+
+
+@pytest.mark.parametrize("N,K,block_k", [(1, 384, 128), (3, 2304, 256), (2, 4608, 256)])
+def test_mma_order_kernel(N, K, block_k):
+    """x's MMA-k copy as a Triton kernel (`ops.moe.mma_order`) is `fragment_order` bit for bit: one program a row,
+    two (2304: a partial second chunk), three (4608)."""
+    from kimiserve.ops.moe.fragment_order import fragment_order
+    from kimiserve.ops.moe.mma_order import mma_order
+
+    x = torch.randn(N, K + 64, generator=torch.Generator().manual_seed(K))[:, 32:32 + K]
+    for dtype in (torch.float32, torch.bfloat16):
+        assert torch.equal(mma_order(x.to(dtype), block_k), fragment_order(x.to(dtype), block_k))

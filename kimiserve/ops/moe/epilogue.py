@@ -15,6 +15,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from kimiserve.ops.moe.dependent_launch import wait_prior_grid
+
 
 @triton.jit
 def _tanh(x):
@@ -39,9 +41,11 @@ def _activate(g, u, beta, linear_beta, ACT: tl.constexpr, LINEAR_TANH: tl.conste
 
 @triton.jit
 def _combine_kernel(y_ptr, w_ptr, out_ptr, H, s_y, s_wt, s_wj, s_o, s_ys, TOP_K: tl.constexpr, BH: tl.constexpr,
-                    SPLIT: tl.constexpr = 1, DTYPE: tl.constexpr = tl.bfloat16):
+                    SPLIT: tl.constexpr = 1, DTYPE: tl.constexpr = tl.bfloat16, PDL: tl.constexpr = False):
     """out[t, cols] = sum_j w[t, j] * y[t k + j, cols] in fp32, j in order. SPLIT > 1: y is fp32 partials
-    [SPLIT, N k, H] (split s at y_ptr + s s_ys) and y[p] = round_DTYPE(sum_s partial[s, p]), s in order."""
+    [SPLIT, N k, H] (split s at y_ptr + s s_ys) and y[p] = round_DTYPE(sum_s partial[s, p]), s in order. PDL: launched
+    as the end of the decode chain (`ops.moe.dependent_launch`)."""
+    wait_prior_grid(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BH + tl.arange(0, BH)
     ok = cols < H

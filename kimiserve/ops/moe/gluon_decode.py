@@ -52,6 +52,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
+from kimiserve.ops.moe.dependent_launch import gdc_launch_dependents, gdc_wait, launch_options
 from kimiserve.ops.moe.epilogue import _activate
 from kimiserve.ops.moe.fragment_order import fragment_order, grouped_gemm_args
 from kimiserve.ops.moe.triton import _ACT, _LUT_CONSTRAINTS, _SHIFT_ASM_C
@@ -103,10 +104,14 @@ def _mma_step(a_buf, w, s, v, t, acc, acc2, BN: gl.constexpr, BK: gl.constexpr, 
 
 @gluon.jit
 def _register_loop(a_smem, g_ptrs, g_mask, w_e, ws_e, v_e, vs_e, w_off, s_off, steps, acc, acc2, BN: gl.constexpr,
-                   BK: gl.constexpr, LA: gl.constexpr, LB: gl.constexpr, GATED: gl.constexpr):
+                   BK: gl.constexpr, LA: gl.constexpr, LB: gl.constexpr, GATED: gl.constexpr, PDL: gl.constexpr):
     """The K loop with each step's weights loaded a step ahead into registers, unrolled by two so that each loaded
-    value is used where it was loaded into."""
+    value is used where it was loaded into. PDL: the first step's weights are loaded before the wait for the kernel
+    that wrote the activations (`ops.moe.dependent_launch`)."""
     w_c, s_c, v_c, t_c = _load_weights(w_e, ws_e, v_e, vs_e, w_off, s_off, 0, BK, GATED)
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     a_smem.index(0).store(gl.load(g_ptrs, mask=g_mask, other=0.0))
     gl.thread_barrier()
     for i in range(steps // 2):
@@ -132,7 +137,7 @@ def _fragment_gemm_kernel(
     a_ptr, w_ptr, ws_ptr, v_ptr, vs_ptr, out_ptr, sorted_ptr, bexp_ptr, brows_ptr, nblk_ptr,
     N_OUT, K, A_ROW_DIV, s_am, s_we, s_wn, s_se, s_sn, s_om, beta, linear_beta,
     GATED: gl.constexpr, ACT: gl.constexpr, LINEAR_TANH: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
-    OUT_BK: gl.constexpr, NUM_WARPS: gl.constexpr,
+    OUT_BK: gl.constexpr, NUM_WARPS: gl.constexpr, PDL: gl.constexpr,
 ):
     """One (block of 16 pairs, BN output columns): out[pair, cols] = act(A W^T, A V^T) (GATED, stored at the
     columns' MMA-k positions for a down GEMM of OUT_BK-wide steps) or A W^T (stored in place), rounded to bf16."""
@@ -186,7 +191,7 @@ def _fragment_gemm_kernel(
     a_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BM, BK],
                                        gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0]))
     acc, acc2 = _register_loop(a_smem, g_ptrs, g_mask, w_e, ws_e, v_e, vs_e, w_off, s_off, steps, acc, acc2, BN, BK,
-                               LA, LB, GATED)
+                               LA, LB, GATED, PDL)
     ro = gl.arange(0, BM, layout=gl.SliceLayout(1, MMA))
     row_ok = ro < nrows
     po = gl.load(sorted_ptr + b * BM + ro, mask=row_ok, other=0).to(gl.int64)
@@ -203,15 +208,17 @@ def _fragment_gemm_kernel(
 
 
 def fragment_gemm(a, w, w_scale, v, v_scale, out, align, a_row_div: int, tiles, act: str, beta: float,
-                  linear_beta: float | None, out_block_k: int = 128):
+                  linear_beta: float | None, out_block_k: int = 128, dependent_launch: bool = False):
     """One grouped GEMM (see the module doc): a [rows, K] bf16 in the MMA-k order of tiles.block_k; w, v uint8
     [E, N, K/2] in the shift layout with ue8m0 scales [E, N, K/32] (v None: the down GEMM); out [N k, N] bf16 (the
-    gate/up GEMM: its columns in the MMA-k order of out_block_k, the down GEMM's step)."""
+    gate/up GEMM: its columns in the MMA-k order of out_block_k, the down GEMM's step). dependent_launch: launched
+    with PDL, a is read only after the wait (`ops.moe.dependent_launch`)."""
     args, gated = grouped_gemm_args(a, w, w_scale, v, v_scale, out, align, a_row_div, beta, linear_beta, False)
     grid = (align[1].numel() * triton.cdiv(w.shape[1], tiles.block_n),)
     _fragment_gemm_kernel[grid](
         *args, GATED=gated, ACT=_ACT[act], LINEAR_TANH=linear_beta is not None, BN=tiles.block_n, BK=tiles.block_k,
-        OUT_BK=out_block_k, NUM_WARPS=tiles.num_warps, **compile_options(tiles))
+        OUT_BK=out_block_k, NUM_WARPS=tiles.num_warps, PDL=dependent_launch, **compile_options(tiles),
+        **launch_options(dependent_launch))
 
 
 def compile_options(tiles) -> dict:

@@ -76,6 +76,7 @@ import triton
 import triton.language as tl
 
 from kimiserve.ops.moe.config import DECODE_MAX_ROWS, GemmTiles, MoEConfig, default_config, max_blocks
+from kimiserve.ops.moe.dependent_launch import launch_options, unsupported, wait_prior_grid
 from kimiserve.ops.moe.epilogue import _activate, _combine_kernel, _reduce_act_kernel
 from kimiserve.ops.moe.mxfp4_layout import MAG_MASK, SHIFT_PAIRS, SIGN_MASK, shift_decode_ptx
 
@@ -109,8 +110,9 @@ def _sm_count(index: int) -> int:
 
 @triton.jit
 def _align_kernel(ids_ptr, sorted_ptr, bexp_ptr, brows_ptr, nblk_ptr, scratch_ptr, P, E,
-                  BM: tl.constexpr, PB: tl.constexpr, EB: tl.constexpr):
+                  BM: tl.constexpr, PB: tl.constexpr, EB: tl.constexpr, PDL: tl.constexpr):
     """One program: every pair's row in the expert-sorted, block-padded order (see `align_blocks`)."""
+    wait_prior_grid(PDL)
     offs = tl.arange(0, PB)
     ok = offs < P
     e = tl.load(ids_ptr + offs, mask=ok, other=E).to(tl.int32)  # unused slots: bin E, dropped below
@@ -129,10 +131,12 @@ def _align_kernel(ids_ptr, sorted_ptr, bexp_ptr, brows_ptr, nblk_ptr, scratch_pt
 
 
 @triton.jit
-def _align_few_kernel(ids_ptr, sorted_ptr, bexp_ptr, brows_ptr, nblk_ptr, P, E, BM: tl.constexpr, PB: tl.constexpr):
+def _align_few_kernel(ids_ptr, sorted_ptr, bexp_ptr, brows_ptr, nblk_ptr, P, E, BM: tl.constexpr, PB: tl.constexpr,
+                      PDL: tl.constexpr):
     """One program for a few pairs (decode batches): every pair's row from [PB, PB] comparisons of the pairs'
     experts, no expert-wide histogram, scan or sort. Pair i of expert e sits at row start(e) BM + rank(i), rank
     = the pairs of e before it, start(e) = the blocks of the experts below e (each counted at its first pair)."""
+    wait_prior_grid(PDL)
     i = tl.arange(0, PB)
     e = tl.load(ids_ptr + i, mask=i < P, other=E).to(tl.int32)  # padding and ids >= E: expert E, dropped
     same = e[:, None] == e[None, :]
@@ -167,8 +171,9 @@ def _scatter_sorted(keys, first_pair, offsets_ptr, end_ptr, sorted_ptr, bexp_ptr
 
 
 @triton.jit
-def _align_count_kernel(ids_ptr, counts_ptr, P, E, PB: tl.constexpr, EB: tl.constexpr):
+def _align_count_kernel(ids_ptr, counts_ptr, P, E, PB: tl.constexpr, EB: tl.constexpr, PDL: tl.constexpr):
     """Chunk c = program_id of PB pairs: its pairs per expert -> counts[c, :EB] (bins >= E: 0)."""
+    wait_prior_grid(PDL)
     c = tl.program_id(0)
     offs = c * PB + tl.arange(0, PB)
     e = tl.load(ids_ptr + offs, mask=offs < P, other=E).to(tl.int32)
@@ -178,10 +183,11 @@ def _align_count_kernel(ids_ptr, counts_ptr, P, E, PB: tl.constexpr, EB: tl.cons
 
 @triton.jit
 def _align_offsets_kernel(counts_ptr, offsets_ptr, end_ptr, nblk_ptr, C,
-                          BM: tl.constexpr, EB: tl.constexpr, CT: tl.constexpr):
+                          BM: tl.constexpr, EB: tl.constexpr, CT: tl.constexpr, PDL: tl.constexpr):
     """One program over the chunks' counts [C, EB]: offsets[c, e] = the row of expert e's first pair of chunk c
     minus that pair's position in chunk c's sorted order (so a pair's row is offsets[c, e] + its position), end[e]
     = the row after expert e's last pair, the block count. Two passes over the chunks, CT at a time."""
+    wait_prior_grid(PDL)
     bins = tl.arange(0, EB)
     rows = tl.arange(0, CT)
     total = tl.zeros([EB], dtype=tl.int32)
@@ -205,9 +211,10 @@ def _align_offsets_kernel(counts_ptr, offsets_ptr, end_ptr, nblk_ptr, C,
 
 @triton.jit
 def _align_scatter_kernel(ids_ptr, offsets_ptr, end_ptr, sorted_ptr, bexp_ptr, brows_ptr, P, E,
-                          BM: tl.constexpr, PB: tl.constexpr, EB: tl.constexpr):
+                          BM: tl.constexpr, PB: tl.constexpr, EB: tl.constexpr, PDL: tl.constexpr):
     """Chunk c = program_id: each pair to its row (stable: by expert, then pair), each block's expert and rows
     from its first pair."""
+    wait_prior_grid(PDL)
     c = tl.program_id(0)
     offs = tl.arange(0, PB)
     e = tl.load(ids_ptr + c * PB + offs, mask=c * PB + offs < P, other=E).to(tl.int32)
@@ -215,7 +222,7 @@ def _align_scatter_kernel(ids_ptr, offsets_ptr, end_ptr, sorted_ptr, bexp_ptr, b
     _scatter_sorted(keys, c * PB, offsets_ptr + c * EB, end_ptr, sorted_ptr, bexp_ptr, brows_ptr, E, BM, PB)
 
 
-def _align_chunks(flat: torch.Tensor, num_experts: int, block_m: int, sorted_pairs, bexp, brows, nblk):
+def _align_chunks(flat: torch.Tensor, num_experts: int, block_m: int, sorted_pairs, bexp, brows, nblk, pdl: bool):
     """The alignment of many pairs in three launches: chunks of ALIGN_SMALL_PAIRS counted, their offsets, then
     each chunk sorted and scattered (the one-program kernel's work, per chunk)."""
     P, dev = flat.numel(), flat.device
@@ -224,11 +231,13 @@ def _align_chunks(flat: torch.Tensor, num_experts: int, block_m: int, sorted_pai
     counts = torch.empty(C, EB, dtype=torch.int32, device=dev)
     offsets = torch.empty(C, EB, dtype=torch.int32, device=dev)
     end = torch.empty(EB, dtype=torch.int32, device=dev)
-    _align_count_kernel[(C,)](flat, counts, P, num_experts, PB=PB, EB=EB, num_warps=_align_warps(PB))
-    _align_offsets_kernel[(1,)](counts, offsets, end, nblk, C, BM=block_m, EB=EB, CT=max(1, 8192 // EB),
-                                num_warps=16)
+    launch = launch_options(pdl)
+    _align_count_kernel[(C,)](flat, counts, P, num_experts, PB=PB, EB=EB, PDL=pdl, num_warps=_align_warps(PB),
+                              **launch)
+    _align_offsets_kernel[(1,)](counts, offsets, end, nblk, C, BM=block_m, EB=EB, CT=max(1, 8192 // EB), PDL=pdl,
+                                num_warps=16, **launch)
     _align_scatter_kernel[(C,)](flat, offsets, end, sorted_pairs, bexp, brows, P, num_experts, BM=block_m, PB=PB,
-                                EB=EB, num_warps=_align_warps(PB))
+                                EB=EB, PDL=pdl, num_warps=_align_warps(PB), **launch)
 
 
 def _align_warps(pairs: int) -> int:
@@ -254,12 +263,14 @@ def _align_torch(flat: torch.Tensor, num_experts: int, block_m: int, nblocks: in
     nblk.copy_(block_end[-1:])
 
 
-def align_blocks(ids: torch.Tensor, num_experts: int, block_m: int, use_triton: bool = True):
+def align_blocks(ids: torch.Tensor, num_experts: int, block_m: int, use_triton: bool = True,
+                 dependent_launch: bool = False):
     """ids [N, k] (expert of each routed slot) -> (sorted_pairs int32 [nblocks * block_m], block_expert
     int32 [nblocks], block_rows int32 [nblocks], num_blocks int32 [1]) with nblocks = max_blocks(N k, E,
     block_m). Rows r of block b = r // block_m hold pair sorted_pairs[r] (pair p = t k + j) for r % block_m <
     block_rows[b]; padding rows are undefined. Only blocks < num_blocks[0] are used (the rest undefined).
-    Experts in ascending order, each expert's pairs in ascending pair order."""
+    Experts in ascending order, each expert's pairs in ascending pair order. dependent_launch: the Triton kernels
+    launched with PDL (`ops.moe.dependent_launch`)."""
     flat = ids.reshape(-1)
     P, dev = flat.numel(), ids.device
     nblocks = max(1, max_blocks(P, num_experts, block_m))
@@ -271,15 +282,16 @@ def align_blocks(ids: torch.Tensor, num_experts: int, block_m: int, use_triton: 
         nblk.zero_()
     elif use_triton and P <= ALIGN_FEW_PAIRS:
         _align_few_kernel[(1,)](flat, sorted_pairs, bexp, brows, nblk, P, num_experts, BM=block_m,
-                                PB=max(16, triton.next_power_of_2(P)), num_warps=4)
+                                PB=max(16, triton.next_power_of_2(P)), PDL=dependent_launch, num_warps=4,
+                                **launch_options(dependent_launch))
     elif use_triton and P <= ALIGN_SMALL_PAIRS:
         EB = triton.next_power_of_2(num_experts + 1)
         scratch = torch.empty(2 * EB, dtype=torch.int32, device=dev)
         PB = max(16, triton.next_power_of_2(P))
         _align_kernel[(1,)](flat, sorted_pairs, bexp, brows, nblk, scratch, P, num_experts, BM=block_m, PB=PB, EB=EB,
-                            num_warps=_align_warps(PB))
+                            PDL=dependent_launch, num_warps=_align_warps(PB), **launch_options(dependent_launch))
     elif use_triton and num_experts < MAX_ALIGN_EXPERTS:
-        _align_chunks(flat, num_experts, block_m, sorted_pairs, bexp, brows, nblk)
+        _align_chunks(flat, num_experts, block_m, sorted_pairs, bexp, brows, nblk, dependent_launch)
     else:
         _align_torch(flat.long(), num_experts, block_m, nblocks, sorted_pairs, bexp, brows, nblk)
     return sorted_pairs, bexp, brows, nblk
@@ -738,6 +750,10 @@ def _check(x, w1, w2, w3, w1_scale, w2_scale, w3_scale, ids, weights, config: Mo
         why = check_fragment_shapes(h, inter, config.block_m, config.up, config.down)
         if why:
             raise ValueError(f"MoEConfig.fragments: {why}")
+    if config.dependent_launch:
+        why = "the Triton interpreter runs no PTX" if _INTERPRET else unsupported(x.device)
+        if why:
+            raise ValueError(f"MoEConfig.dependent_launch: {why}; leave it off")
 
 
 def fused_moe(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, ids: torch.Tensor,
@@ -776,7 +792,7 @@ def fused_moe(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Ten
         y = torch.empty(N * k, h, dtype=x.dtype, device=x.device)
     else:
         act, y = workspace
-    align = align_blocks(ids, E, config.block_m)
+    align = align_blocks(ids, E, config.block_m, dependent_launch=config.dependent_launch)
     gate_up(x, w1, w1_scale, w3, w3_scale, act, align, config, activation, situ_beta, situ_linear_beta)
     down_combine(act, w2, w2_scale, y, weights, out, align, config)
     return out
@@ -796,8 +812,10 @@ def gate_up(x, w1, w1_scale, w3, w3_scale, act, align, config: MoEConfig, activa
         return
     if config.fragments:
         from kimiserve.ops.moe import gluon_decode
-        gluon_decode.fragment_gemm(gluon_decode.fragment_order(x, config.up.block_k), w1, w1_scale, w3, w3_scale,
-                                   act, align, k, config.up, activation, beta, linear_beta, config.down.block_k)
+        from kimiserve.ops.moe.mma_order import mma_order
+        gluon_decode.fragment_gemm(mma_order(x, config.up.block_k, config.dependent_launch), w1, w1_scale, w3,
+                                   w3_scale, act, align, k, config.up, activation, beta, linear_beta,
+                                   config.down.block_k, config.dependent_launch)
         return
     if split == 1:
         _gemm(x, w1, w1_scale, w3, w3_scale, act, align, k, config.up, config.block_m, config.dequant, activation,
@@ -821,7 +839,8 @@ def down_gemm(act, w2, w2_scale, y, align, config: MoEConfig):
                                         config.down.num_stages)
     elif config.fragments:
         from kimiserve.ops.moe import gluon_decode
-        gluon_decode.fragment_gemm(act, w2, w2_scale, None, None, y, align, 1, config.down, "silu", 1.0, None)
+        gluon_decode.fragment_gemm(act, w2, w2_scale, None, None, y, align, 1, config.down, "silu", 1.0, None,
+                                   dependent_launch=config.dependent_launch)
     else:
         _gemm(act, w2, w2_scale, None, None, y, align, 1, config.down, config.block_m, config.dequant, "silu", 1.0,
               None)
@@ -838,7 +857,8 @@ def down_combine(act, w2, w2_scale, y, weights, out, align, config: MoEConfig):
     BH = min(config.combine_block, triton.next_power_of_2(h))
     _combine_kernel[(N, triton.cdiv(h, BH))](y, weights, out, h, y.stride(-2), *weights.stride(), out.stride(0),
                                               y.stride(0) if split > 1 else 0, TOP_K=k, BH=BH, SPLIT=split,
-                                              DTYPE=_DOT_DTYPES[out.dtype], num_warps=4)
+                                              DTYPE=_DOT_DTYPES[out.dtype], PDL=config.dependent_launch, num_warps=4,
+                                              **launch_options(config.dependent_launch))
 
 
 __all__ = ["ALIGN_FEW_PAIRS", "ALIGN_SMALL_PAIRS", "DECODE_MAX_ROWS", "GemmTiles", "MoEConfig", "align_blocks",
