@@ -29,10 +29,11 @@ at the same shape for --check-tokens (relative RMS error, bound 1e-2), and the p
                                                             # spills, shared memory, SASS per K step)
 
 A variant SPEC is DEQUANT-mBM-nBN-kBK-wWARPS-sSTAGES[-dnBN][-dkBK][-dwWARPS][-dsSTAGES][-rREGS][-drREGS]
-[-skS][-dskS][-swap][-frag][-pdl] (dn/dk/dw/ds: the down GEMM's column tile, K step, warps and stages when they
-differ from the gate/up GEMM's; frag: MoEConfig.fragments; r/dr: a register cap (maxnreg) per GEMM; sk/dsk: split-K
-of the gate/up and down GEMMs, fp32 partials reduced in a fixed order; pdl: MoEConfig.dependent_launch, the decode
-chain's programmatic dependent launch), e.g. lut-m16-n64-k256-w4-s3-swap, shift-m16-n64-k128-w4-s4-sk4-dsk4,
+[-skS][-dskS][-pfP][-swap][-frag][-pdl] (dn/dk/dw/ds: the down GEMM's column tile, K step, warps and stages when
+they differ from the gate/up GEMM's; frag: MoEConfig.fragments; r/dr: a register cap (maxnreg) per GEMM; sk/dsk:
+split-K of the gate/up and down GEMMs, fp32 partials reduced in a fixed order; pf: MoEConfig.down_prefetch_steps,
+the down weights' first P lines a row prefetched into L2 by the gate/up GEMM; pdl: MoEConfig.dependent_launch, the
+decode chain's programmatic dependent launch), e.g. lut-m16-n64-k256-w4-s3-swap, shift-m16-n64-k128-w4-s4-sk4-dsk4,
 shift-m16-n64-k256-w4-s2-dr72-frag-pdl; the variant default-shift-pdl is the shift layout's default with pdl.
 --stages-each times every variant's stages apart (gate/up, down): the best gate/up and the best down tiling of
 a sweep can then be paired.
@@ -113,8 +114,9 @@ DRY_VARIANTS = ["lut-m16-n32-k64-w4-s2-swap", "shift-m16-n32-k64-w4-s2", "exact-
 
 
 def parse_variant(spec: str) -> tt.MoEConfig:
-    """DEQUANT-mBM-nBN-kBK-wW-sS[-dnBN][-dkBK][-dwW][-dsS][-rR][-drR][-skS][-dskS][-swap][-frag][-pdl] -> MoEConfig
-    (frag: MoEConfig.fragments, the Gluon fragment GEMMs; pdl: MoEConfig.dependent_launch)."""
+    """DEQUANT-mBM-nBN-kBK-wW-sS[-dnBN][-dkBK][-dwW][-dsS][-rR][-drR][-skS][-dskS][-pfP][-swap][-frag][-pdl] ->
+    MoEConfig (frag: MoEConfig.fragments, the Gluon fragment GEMMs; pdl: MoEConfig.dependent_launch; pf:
+    MoEConfig.down_prefetch_steps)."""
     dequant, *parts = spec.split("-")
     if dequant not in tt._DEQUANT:
         raise ValueError(f"variant {spec!r}: dequant must be one of {list(tt._DEQUANT)}")
@@ -123,8 +125,8 @@ def parse_variant(spec: str) -> tt.MoEConfig:
         if p in ("swap", "frag", "pdl"):
             flags.add(p)
             continue
-        key = next((pre for pre in ("dsk", "dn", "dk", "dw", "ds", "dr", "sk") if p.startswith(pre)), p[:1])
-        if key not in ("m", "n", "k", "w", "s", "r", "dn", "dk", "dw", "ds", "dr", "sk", "dsk") \
+        key = next((pre for pre in ("dsk", "dn", "dk", "dw", "ds", "dr", "sk", "pf") if p.startswith(pre)), p[:1])
+        if key not in ("m", "n", "k", "w", "s", "r", "dn", "dk", "dw", "ds", "dr", "sk", "dsk", "pf") \
                 or not p[len(key):].isdigit():
             raise ValueError(f"variant {spec!r}: cannot read {p!r}")
         vals[key] = int(p[len(key):])
@@ -138,7 +140,7 @@ def parse_variant(spec: str) -> tt.MoEConfig:
                         num_warps=vals.get("dw", vals["w"]), num_stages=vals.get("ds", vals["s"]), swap=swap,
                         split_k=vals.get("dsk", 1), max_registers=vals.get("dr"))
     return tt.MoEConfig(block_m=vals["m"], up=up, down=down, dequant=dequant, fragments="frag" in flags,
-                        dependent_launch="pdl" in flags)
+                        dependent_launch="pdl" in flags, down_prefetch_steps=vals.get("pf", 0))
 
 
 def config_spec(cfg: tt.MoEConfig) -> str:
@@ -152,6 +154,7 @@ def config_spec(cfg: tt.MoEConfig) -> str:
     spec += f"-dr{d.max_registers}" if d.max_registers else ""
     spec += f"-sk{u.split_k}" if u.split_k > 1 else ""
     spec += f"-dsk{d.split_k}" if d.split_k > 1 else ""
+    spec += f"-pf{cfg.down_prefetch_steps}" if cfg.down_prefetch_steps else ""
     return spec + ("-swap" if u.swap else "") + ("-frag" if cfg.fragments else "") + \
         ("-pdl" if cfg.dependent_launch else "")
 
@@ -252,7 +255,8 @@ def stage_fns(x, w, ids, weights, cfg: tt.MoEConfig) -> dict:
     BH = min(cfg.combine_block, triton.next_power_of_2(h))
 
     def up():  # with split-K: the partials' GEMM and their reduce
-        tt.gate_up(x, w["w1"], w["w1_scale"], w["w3"], w["w3_scale"], act, align, cfg, "situ", 4.0, 25.0)
+        tt.gate_up(x, w["w1"], w["w1_scale"], w["w3"], w["w3_scale"], act, align, cfg, "situ", 4.0, 25.0,
+                   down=(w["w2"], w["w2_scale"]))
 
     def down():
         tt.down_gemm(act, w["w2"], w["w2_scale"], y, align, cfg)
@@ -420,7 +424,11 @@ def sass_report(specs: list[str], h: int, inter: int) -> int:
                 from kimiserve.ops.moe import gluon_decode
                 fn, options = gluon_decode._fragment_gemm_kernel, gluon_decode.compile_options(tiles)
                 consts = dict(GATED=gated, ACT=1, LINEAR_TANH=True, BN=tiles.block_n, BK=tiles.block_k,
-                              OUT_BK=cfg.down.block_k, NUM_WARPS=tiles.num_warps, PDL=cfg.dependent_launch)
+                              OUT_BK=cfg.down.block_k, NUM_WARPS=tiles.num_warps, PDL=cfg.dependent_launch,
+                              PF_STEPS=cfg.down_prefetch_steps if gated else 0,
+                              PF_RB=128 if gated and cfg.down_prefetch_steps else 1)
+                types.update(pf_ptr="*u8", pfs_ptr="*u8", PF_N="i32", s_pfe="i64", s_pfn="i32", s_pfse="i64",
+                             s_pfsn="i32")
                 types.update(s_we="i64", s_se="i64")
             try:
                 div16 = [n for n in _GEMM_INTS if n != "A_ROW_DIV"] + ["s_ps"]

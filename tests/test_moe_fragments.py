@@ -118,8 +118,10 @@ def _sm90_build(module: str, kernel: str, scale_type: str, consts: dict, num_war
     types = dict(a_ptr="*bf16", w_ptr="*i32", ws_ptr=scale_type, v_ptr="*i32", vs_ptr=scale_type, out_ptr="*bf16",
                  sorted_ptr="*i32", bexp_ptr="*i32", brows_ptr="*i32", nblk_ptr="*i32", N_OUT="i32", K="i32",
                  A_ROW_DIV="i32", s_am="i32", s_we="i64", s_wn="i32", s_se="i64", s_sn="i32", s_om="i32",
-                 beta="fp32", linear_beta="fp32")
+                 beta="fp32", linear_beta="fp32", pf_ptr="*u8", pfs_ptr="*u8", PF_N="i32", s_pfe="i64", s_pfn="i32",
+                 s_pfse="i64", s_pfsn="i32")
     fn = getattr(importlib.import_module(f"kimiserve.ops.moe.{module}"), kernel)
+    types = {n: t for n, t in types.items() if n in fn.arg_names}
     built = compile_sm90(fn, types, consts, dict(num_warps=num_warps), div16)
     assert resource_usage(built)["stack"] == 0
     sass = sass_of(built)
@@ -148,7 +150,8 @@ def test_sm90_build_has_no_fragment_moves(gated):
     """The Gluon kernel's sm_90 build (Triton's ptxas, offline): the B operand's layout conversion is trivial
     (the kernel asserts it), no spills, and the K loop has almost no register moves (Triton's own decode GEMM:
     0.89 a weight for gate/up) and two K steps of mma.sync per iteration."""
-    consts = dict(GATED=gated, ACT=1, LINEAR_TANH=True, BN=128, BK=128, OUT_BK=128, NUM_WARPS=4, PDL=False)
+    consts = dict(GATED=gated, ACT=1, LINEAR_TANH=True, BN=128, BK=128, OUT_BK=128, NUM_WARPS=4, PDL=False,
+                  PF_STEPS=0, PF_RB=1)
     sass, ops, loop_mix = _sm90_build("gluon_decode", "_fragment_gemm_kernel", "*u8", consts, 4,
                                       ["K", "s_am", "s_we", "s_wn", "s_se", "s_sn", "s_om"])
     weights = 2 * (2 if gated else 1) * 128 * 128 / 128  # per thread: two K steps of one or two weight tiles
@@ -213,14 +216,17 @@ def _sass_ops(sass: str) -> list[str]:
     return ops
 
 
-@pytest.mark.parametrize("gated", [True, False])
-def test_sm90_build_with_dependent_launch(gated):
+@pytest.mark.parametrize("gated,prefetch", [(True, 0), (False, 0), (True, 4)])
+def test_sm90_build_with_dependent_launch(gated, prefetch):
     """The decode fragment kernel with PDL (MoEConfig.dependent_launch, offline sm_90 build): one wait
     (griddepcontrol.wait: ACQBULK) and after it the trigger of the next launch (PREEXIT); before the wait the first
     K step's weights (64 rows x 128 bytes of each weight tile a step: 4 unpredicated 16-byte loads a thread a tile)
     and nothing written; every activation load (predicated on the block's real rows) after it; without PDL neither
-    instruction."""
-    consts = dict(GATED=gated, ACT=1, LINEAR_TANH=True, BN=64, BK=256, OUT_BK=256, NUM_WARPS=4, PDL=True)
+    instruction. With the down weights' prefetch (MoEConfig.down_prefetch_steps = 4, 128 rows a program: a row a
+    thread) each thread prefetches 4 lines of codes and 1 of scales with evict_last (CCTL.E.PML2) before the wait,
+    and every weight load of the gate/up GEMM is evict_first (LDG.E.EF), the activation loads not."""
+    consts = dict(GATED=gated, ACT=1, LINEAR_TANH=True, BN=64, BK=256, OUT_BK=256, NUM_WARPS=4, PDL=True,
+                  PF_STEPS=prefetch, PF_RB=128 if prefetch else 1)
     div16 = ["K", "s_am", "s_we", "s_wn", "s_se", "s_sn", "s_om"]
     sass, _, _ = _sm90_build("gluon_decode", "_fragment_gemm_kernel", "*u8", consts, 4, div16)
     ops = _sass_ops(sass)
@@ -228,7 +234,12 @@ def test_sm90_build_with_dependent_launch(gated):
     wait = ops.index("ACQBULK")
     assert ops.index("PREEXIT") > wait
     before, after = ops[:wait], ops[wait:]
-    assert before.count("LDG.E.128") == 4 * (2 if gated else 1)
+    weight_load = "LDG.E.EF.128" if prefetch else "LDG.E.128"
+    assert before.count(weight_load) == 4 * (2 if gated else 1)
+    assert before.count("CCTL.E.PML2") == (prefetch + 1 if prefetch else 0) and "CCTL.E.PML2" not in after
+    if prefetch:
+        assert "LDG.E.128" not in ops and ops.count("LDG.E.EF.128") > 8  # the loop's weight loads too
+        assert any(op.startswith("@") and op.endswith(" LDG.E.128") for op in after)  # activations: normal
     assert not any(op.split()[-1].startswith(("STG", "STS", "LDSM", "RED", "ATOM")) for op in before)
     activation = [op for op in after if op.startswith("@") and op.endswith("LDG.E.128")]
     assert len(activation) >= 4 and not any(op.startswith("@") and op.endswith("LDG.E.128") for op in before)
@@ -268,8 +279,9 @@ def test_sm90_builds_of_the_chain_wait_before_reading_what_the_last_launch_wrote
     assert any("STG" in op for op in ops[wait:])
 
 
-def test_dependent_launch_needs_cuda():
-    """MoEConfig.dependent_launch on the CPU (or under the interpreter) is a ValueError that says to leave it off."""
+def test_decode_chain_options_are_checked():
+    """MoEConfig.dependent_launch on the CPU (or under the interpreter) is a ValueError that says to leave it off;
+    down_prefetch_steps off the decode fragment GEMMs, or not a power of two, a ValueError that says what it takes."""
     pytest.importorskip("triton")
     import dataclasses
 
@@ -283,3 +295,7 @@ def test_dependent_launch_needs_cuda():
     config = dataclasses.replace(tt.default_config(2, 2, E, torch.float32, False), dependent_launch=True)
     with pytest.raises(ValueError, match="dependent_launch.*leave it off"):
         tt.fused_moe(x, w1, w2, w3, ids, weights, config=config)
+    for steps in (4, 3):
+        config = dataclasses.replace(tt.default_config(2, 2, E, torch.float32, False), down_prefetch_steps=steps)
+        with pytest.raises(ValueError, match="down_prefetch_steps takes 0 or a power of two"):
+            tt.fused_moe(x, w1, w2, w3, ids, weights, config=config)

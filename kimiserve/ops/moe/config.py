@@ -57,7 +57,11 @@ class MoEConfig:
     rows, each expert's tail, as 64-token tiles in a second launch); dependent_launch: the decode chain (align, x's
     MMA-k copy, the fragment GEMMs, combine) launched with programmatic dependent launch (CUDA, sm_90+): each kernel
     may start while the one before it finishes, and waits for it (`griddepcontrol.wait`) only before it reads that
-    kernel's output; the fragment GEMMs load their first weights before the wait (see `ops.moe.gluon_decode`)."""
+    kernel's output; the fragment GEMMs load their first weights before the wait (see `ops.moe.gluon_decode`);
+    down_prefetch_steps: with the decode fragment GEMMs, each gate/up program also prefetches into L2 (evict_last) the
+    first that many 128-byte lines (K steps of 256) of its share of its expert's down weight rows, and streams its own
+    weights with evict_first, so that the down GEMM starts on L2 hits (0: off; a power of two; for few tokens, whose
+    experts' prefetched lines fit in L2 beside the gate/up stream)."""
 
     block_m: int = 16
     up: GemmTiles = field(default_factory=GemmTiles)
@@ -66,6 +70,7 @@ class MoEConfig:
     combine_block: int = 512
     fragments: bool = False
     dependent_launch: bool = False
+    down_prefetch_steps: int = 0
 
 
 def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:

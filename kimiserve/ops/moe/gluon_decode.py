@@ -78,17 +78,41 @@ def _b_fragments(words, sc, BN: gl.constexpr, BK: gl.constexpr, LB: gl.constexpr
 
 
 @gluon.jit
-def _load_weights(w_e, ws_e, v_e, vs_e, w_off, s_off, step, BK: gl.constexpr, GATED: gl.constexpr):
-    """One K step's weight words and scales of W (and V where GATED; else W's again, unused)."""
-    w = gl.load(w_e + w_off + step * (BK // 8))
-    s = gl.load(ws_e + s_off + step * (BK // 32))
+def _load_weights(w_e, ws_e, v_e, vs_e, w_off, s_off, step, BK: gl.constexpr, GATED: gl.constexpr,
+                  EVICT: gl.constexpr):
+    """One K step's weight words and scales of W (and V where GATED; else W's again, unused). EVICT: the loads' L2
+    eviction policy ("" or "evict_first")."""
+    w = gl.load(w_e + w_off + step * (BK // 8), eviction_policy=EVICT)
+    s = gl.load(ws_e + s_off + step * (BK // 32), eviction_policy=EVICT)
     if GATED:
-        v = gl.load(v_e + w_off + step * (BK // 8))
-        t = gl.load(vs_e + s_off + step * (BK // 32))
+        v = gl.load(v_e + w_off + step * (BK // 8), eviction_policy=EVICT)
+        t = gl.load(vs_e + s_off + step * (BK // 32), eviction_policy=EVICT)
     else:
         v = w
         t = s
     return w, s, v, t
+
+
+@gluon.jit
+def _prefetch_l2(ptrs):
+    """Each address's 128-byte line into L2 with eviction priority evict_last (no registers, no wait)."""
+    gl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs],
+                              dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _prefetch_down_rows(pf_e, pfs_e, nt, n_tiles, PF_N, s_pfn, s_pfsn, PF_STEPS: gl.constexpr, PF_RB: gl.constexpr,
+                        NUM_WARPS: gl.constexpr):
+    """This gate/up program's share of its expert's down weight rows (rows nt R .. nt R + R - 1 of PF_N, R =
+    cdiv(PF_N, n_tiles) <= PF_RB): the first PF_STEPS 128-byte lines of each row's codes (the down GEMM's first
+    PF_STEPS K steps of 256) and the first line of its scales, into L2."""
+    L: gl.constexpr = gl.BlockedLayout([1, PF_STEPS], [32, 1], [NUM_WARPS, 1], [1, 0])
+    per = gl.cdiv(PF_N, n_tiles)
+    r = gl.arange(0, PF_RB, layout=gl.SliceLayout(1, L))
+    rows = gl.minimum(nt * per + gl.minimum(r, per - 1), PF_N - 1).to(gl.int64)  # past the share: its last row again
+    lines = gl.arange(0, PF_STEPS, layout=gl.SliceLayout(0, L))
+    _prefetch_l2(pf_e + gl.expand_dims(rows * s_pfn, 1) + gl.expand_dims(lines * 128, 0))
+    _prefetch_l2(pfs_e + rows * s_pfsn)
 
 
 @gluon.jit
@@ -103,27 +127,23 @@ def _mma_step(a_buf, w, s, v, t, acc, acc2, BN: gl.constexpr, BK: gl.constexpr, 
 
 
 @gluon.jit
-def _register_loop(a_smem, g_ptrs, g_mask, w_e, ws_e, v_e, vs_e, w_off, s_off, steps, acc, acc2, BN: gl.constexpr,
-                   BK: gl.constexpr, LA: gl.constexpr, LB: gl.constexpr, GATED: gl.constexpr, PDL: gl.constexpr):
-    """The K loop with each step's weights loaded a step ahead into registers, unrolled by two so that each loaded
-    value is used where it was loaded into. PDL: the first step's weights are loaded before the wait for the kernel
-    that wrote the activations (`ops.moe.dependent_launch`)."""
-    w_c, s_c, v_c, t_c = _load_weights(w_e, ws_e, v_e, vs_e, w_off, s_off, 0, BK, GATED)
-    if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
+def _register_loop(a_smem, g_ptrs, g_mask, w_e, ws_e, v_e, vs_e, w_off, s_off, steps, acc, acc2, w_c, s_c, v_c, t_c,
+                   BN: gl.constexpr, BK: gl.constexpr, LA: gl.constexpr, LB: gl.constexpr, GATED: gl.constexpr,
+                   EVICT: gl.constexpr):
+    """The K loop with each step's weights loaded a step ahead into registers (the first step's, w_c .. t_c, by the
+    caller), unrolled by two so that each loaded value is used where it was loaded into."""
     a_smem.index(0).store(gl.load(g_ptrs, mask=g_mask, other=0.0))
     gl.thread_barrier()
     for i in range(steps // 2):
         j = gl.minimum(2 * i + 1, steps - 1)
         a_next = gl.load(g_ptrs + j * BK, mask=g_mask, other=0.0)
-        w_n, s_n, v_n, t_n = _load_weights(w_e, ws_e, v_e, vs_e, w_off, s_off, j, BK, GATED)
+        w_n, s_n, v_n, t_n = _load_weights(w_e, ws_e, v_e, vs_e, w_off, s_off, j, BK, GATED, EVICT)
         acc, acc2 = _mma_step(a_smem.index(0), w_c, s_c, v_c, t_c, acc, acc2, BN, BK, LA, LB, GATED)
         a_smem.index(1).store(a_next)  # buffer 1 was last read before the previous barrier
         gl.thread_barrier()
         j = gl.minimum(2 * i + 2, steps - 1)  # past the end: the last step again, never used
         a_next = gl.load(g_ptrs + j * BK, mask=g_mask, other=0.0)
-        w_c, s_c, v_c, t_c = _load_weights(w_e, ws_e, v_e, vs_e, w_off, s_off, j, BK, GATED)
+        w_c, s_c, v_c, t_c = _load_weights(w_e, ws_e, v_e, vs_e, w_off, s_off, j, BK, GATED, EVICT)
         acc, acc2 = _mma_step(a_smem.index(1), w_n, s_n, v_n, t_n, acc, acc2, BN, BK, LA, LB, GATED)
         a_smem.index(0).store(a_next)
         gl.thread_barrier()
@@ -136,11 +156,16 @@ def _register_loop(a_smem, g_ptrs, g_mask, w_e, ws_e, v_e, vs_e, w_off, s_off, s
 def _fragment_gemm_kernel(
     a_ptr, w_ptr, ws_ptr, v_ptr, vs_ptr, out_ptr, sorted_ptr, bexp_ptr, brows_ptr, nblk_ptr,
     N_OUT, K, A_ROW_DIV, s_am, s_we, s_wn, s_se, s_sn, s_om, beta, linear_beta,
+    pf_ptr, pfs_ptr, PF_N, s_pfe, s_pfn, s_pfse, s_pfsn,
     GATED: gl.constexpr, ACT: gl.constexpr, LINEAR_TANH: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
-    OUT_BK: gl.constexpr, NUM_WARPS: gl.constexpr, PDL: gl.constexpr,
+    OUT_BK: gl.constexpr, NUM_WARPS: gl.constexpr, PDL: gl.constexpr, PF_STEPS: gl.constexpr, PF_RB: gl.constexpr,
 ):
     """One (block of 16 pairs, BN output columns): out[pair, cols] = act(A W^T, A V^T) (GATED, stored at the
-    columns' MMA-k positions for a down GEMM of OUT_BK-wide steps) or A W^T (stored in place), rounded to bf16."""
+    columns' MMA-k positions for a down GEMM of OUT_BK-wide steps) or A W^T (stored in place), rounded to bf16.
+    PF_STEPS > 0 (gate/up): the program also prefetches its share of the expert's down weights (pf_ptr: codes
+    [E, PF_N, .] bytes, pfs_ptr: scales) into L2 and streams its own weights with evict_first, so that they do not
+    push the prefetched lines out (`MoEConfig.down_prefetch_steps`). PDL: launched with programmatic dependent
+    launch, A read only after the wait (`ops.moe.dependent_launch`)."""
     BM: gl.constexpr = 16
     G: gl.constexpr = BK // 128
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, NUM_WARPS], instr_shape=[16, 8])
@@ -190,8 +215,16 @@ def _fragment_gemm_kernel(
     g_mask = gl.broadcast(gl.expand_dims(rg < nrows, 1), g_ptrs)[0]
     a_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BM, BK],
                                        gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0]))
-    acc, acc2 = _register_loop(a_smem, g_ptrs, g_mask, w_e, ws_e, v_e, vs_e, w_off, s_off, steps, acc, acc2, BN, BK,
-                               LA, LB, GATED, PDL)
+    EVICT: gl.constexpr = "evict_first" if PF_STEPS > 0 else ""
+    w_c, s_c, v_c, t_c = _load_weights(w_e, ws_e, v_e, vs_e, w_off, s_off, 0, BK, GATED, EVICT)
+    if PF_STEPS > 0:
+        _prefetch_down_rows(pf_ptr + e * s_pfe, pfs_ptr + e * s_pfse, nt, n_tiles, PF_N, s_pfn, s_pfsn, PF_STEPS, PF_RB,
+                            NUM_WARPS)
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    acc, acc2 = _register_loop(a_smem, g_ptrs, g_mask, w_e, ws_e, v_e, vs_e, w_off, s_off, steps, acc, acc2, w_c, s_c,
+                               v_c, t_c, BN, BK, LA, LB, GATED, EVICT)
     ro = gl.arange(0, BM, layout=gl.SliceLayout(1, MMA))
     row_ok = ro < nrows
     po = gl.load(sorted_ptr + b * BM + ro, mask=row_ok, other=0).to(gl.int64)
@@ -208,17 +241,26 @@ def _fragment_gemm_kernel(
 
 
 def fragment_gemm(a, w, w_scale, v, v_scale, out, align, a_row_div: int, tiles, act: str, beta: float,
-                  linear_beta: float | None, out_block_k: int = 128, dependent_launch: bool = False):
+                  linear_beta: float | None, out_block_k: int = 128, dependent_launch: bool = False,
+                  prefetch: tuple | None = None):
     """One grouped GEMM (see the module doc): a [rows, K] bf16 in the MMA-k order of tiles.block_k; w, v uint8
     [E, N, K/2] in the shift layout with ue8m0 scales [E, N, K/32] (v None: the down GEMM); out [N k, N] bf16 (the
     gate/up GEMM: its columns in the MMA-k order of out_block_k, the down GEMM's step). dependent_launch: launched
-    with PDL, a is read only after the wait (`ops.moe.dependent_launch`)."""
+    with PDL, a is read only after the wait (`ops.moe.dependent_launch`). prefetch: (w2, w2_scale, steps) for the
+    gate/up GEMM: the first `steps` 128-byte lines of each of its experts' down weight rows into L2
+    (`MoEConfig.down_prefetch_steps`)."""
     args, gated = grouped_gemm_args(a, w, w_scale, v, v_scale, out, align, a_row_div, beta, linear_beta, False)
-    grid = (align[1].numel() * triton.cdiv(w.shape[1], tiles.block_n),)
-    _fragment_gemm_kernel[grid](
-        *args, GATED=gated, ACT=_ACT[act], LINEAR_TANH=linear_beta is not None, BN=tiles.block_n, BK=tiles.block_k,
-        OUT_BK=out_block_k, NUM_WARPS=tiles.num_warps, PDL=dependent_launch, **compile_options(tiles),
-        **launch_options(dependent_launch))
+    n_tiles = triton.cdiv(w.shape[1], tiles.block_n)
+    pf, pfs, steps = prefetch or (w, w_scale, 0)
+    if steps and (not gated or steps & (steps - 1) or steps * 128 > pf.shape[2]):
+        raise ValueError(f"the down weights' prefetch takes a power-of-two count of 128-byte lines within a row "
+                         f"({pf.shape[2]} bytes), by the gate/up GEMM; got {steps}")
+    pf_args = (pf, pfs, pf.shape[1], pf.stride(0), pf.stride(1), pfs.stride(0), pfs.stride(1))
+    _fragment_gemm_kernel[(align[1].numel() * n_tiles,)](
+        *args, *pf_args, GATED=gated, ACT=_ACT[act], LINEAR_TANH=linear_beta is not None, BN=tiles.block_n,
+        BK=tiles.block_k, OUT_BK=out_block_k, NUM_WARPS=tiles.num_warps, PDL=dependent_launch, PF_STEPS=steps,
+        PF_RB=max(32 * tiles.num_warps, triton.next_power_of_2(triton.cdiv(pf.shape[1], n_tiles))) if steps else 1,
+        **compile_options(tiles), **launch_options(dependent_launch))
 
 
 def compile_options(tiles) -> dict:

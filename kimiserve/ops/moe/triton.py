@@ -750,6 +750,12 @@ def _check(x, w1, w2, w3, w1_scale, w2_scale, w3_scale, ids, weights, config: Mo
         why = check_fragment_shapes(h, inter, config.block_m, config.up, config.down)
         if why:
             raise ValueError(f"MoEConfig.fragments: {why}")
+    steps = config.down_prefetch_steps
+    if steps and (not (config.fragments and config.block_m == 16) or steps & (steps - 1) or steps < 0
+                  or steps * 128 > w2.shape[2]):
+        raise ValueError(f"MoEConfig.down_prefetch_steps takes 0 or a power of two of 128-byte lines within a down "
+                         f"weight row ({w2.shape[2]} bytes), with the decode fragment GEMMs (fragments, block_m "
+                         f"16); got {steps}")
     if config.dependent_launch:
         why = "the Triton interpreter runs no PTX" if _INTERPRET else unsupported(x.device)
         if why:
@@ -793,15 +799,17 @@ def fused_moe(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Ten
     else:
         act, y = workspace
     align = align_blocks(ids, E, config.block_m, dependent_launch=config.dependent_launch)
-    gate_up(x, w1, w1_scale, w3, w3_scale, act, align, config, activation, situ_beta, situ_linear_beta)
+    gate_up(x, w1, w1_scale, w3, w3_scale, act, align, config, activation, situ_beta, situ_linear_beta,
+            down=(w2, w2_scale))
     down_combine(act, w2, w2_scale, y, weights, out, align, config)
     return out
 
 
 def gate_up(x, w1, w1_scale, w3, w3_scale, act, align, config: MoEConfig, activation: str, beta: float,
-            linear_beta: float | None):
+            linear_beta: float | None, down: tuple | None = None):
     """fused_moe's gate/up stage: act [N k, I] (split-K: fp32 partials, then their reduce with the activation;
-    config.fragments: act's columns in `ops.moe.fragment_order`'s MMA-k order, as the down GEMM reads them)."""
+    config.fragments: act's columns in `ops.moe.fragment_order`'s MMA-k order, as the down GEMM reads them).
+    down: (w2, w2_scale), which config.down_prefetch_steps prefetches into L2."""
     k = act.shape[0] // x.shape[0]
     split, inter = config.up.split_k, act.shape[1]
     if config.fragments and config.block_m > 16:
@@ -813,9 +821,10 @@ def gate_up(x, w1, w1_scale, w3, w3_scale, act, align, config: MoEConfig, activa
     if config.fragments:
         from kimiserve.ops.moe import gluon_decode
         from kimiserve.ops.moe.mma_order import mma_order
+        prefetch = (*down, config.down_prefetch_steps) if config.down_prefetch_steps else None
         gluon_decode.fragment_gemm(mma_order(x, config.up.block_k, config.dependent_launch), w1, w1_scale, w3,
                                    w3_scale, act, align, k, config.up, activation, beta, linear_beta,
-                                   config.down.block_k, config.dependent_launch)
+                                   config.down.block_k, config.dependent_launch, prefetch)
         return
     if split == 1:
         _gemm(x, w1, w1_scale, w3, w3_scale, act, align, k, config.up, config.block_m, config.dequant, activation,
