@@ -29,9 +29,10 @@ at the same shape for --check-tokens (relative RMS error, bound 1e-2), and the p
                                                             # spills, shared memory, SASS per K step)
 
 A variant SPEC is DEQUANT-mBM-nBN-kBK-wWARPS-sSTAGES[-dnBN][-dkBK][-dwWARPS][-dsSTAGES][-rREGS][-drREGS]
-[-skS][-dskS][-pfP][-swap][-frag][-pdl] (dn/dk/dw/ds: the down GEMM's column tile, K step, warps and stages when
-they differ from the gate/up GEMM's; frag: MoEConfig.fragments; r/dr: a register cap (maxnreg) per GEMM; sk/dsk:
-split-K of the gate/up and down GEMMs, fp32 partials reduced in a fixed order; pf: MoEConfig.down_prefetch_steps,
+[-skS][-dskS][-paA][-dpaA][-pfP][-swap][-frag][-pdl] (dn/dk/dw/ds: the down GEMM's column tile, K step, warps and
+stages when they differ from the gate/up GEMM's; frag: MoEConfig.fragments; r/dr: a register cap (maxnreg) per GEMM;
+sk/dsk: split-K of the gate/up and down GEMMs, fp32 partials reduced in a fixed order; pa/dpa: GemmTiles.prefetch_ahead
+of each decode fragment GEMM, its weight lines prefetched into L2 A K steps ahead; pf: MoEConfig.down_prefetch_steps,
 the down weights' first P lines a row prefetched into L2 by the gate/up GEMM; pdl: MoEConfig.dependent_launch, the
 decode chain's programmatic dependent launch), e.g. lut-m16-n64-k256-w4-s3-swap, shift-m16-n64-k128-w4-s4-sk4-dsk4,
 shift-m16-n64-k256-w4-s2-dr72-frag-pdl; the variant default-shift-pdl is the shift layout's default with pdl.
@@ -114,9 +115,9 @@ DRY_VARIANTS = ["lut-m16-n32-k64-w4-s2-swap", "shift-m16-n32-k64-w4-s2", "exact-
 
 
 def parse_variant(spec: str) -> tt.MoEConfig:
-    """DEQUANT-mBM-nBN-kBK-wW-sS[-dnBN][-dkBK][-dwW][-dsS][-rR][-drR][-skS][-dskS][-pfP][-swap][-frag][-pdl] ->
-    MoEConfig (frag: MoEConfig.fragments, the Gluon fragment GEMMs; pdl: MoEConfig.dependent_launch; pf:
-    MoEConfig.down_prefetch_steps)."""
+    """DEQUANT-mBM-nBN-kBK-wW-sS[-dnBN][-dkBK][-dwW][-dsS][-rR][-drR][-skS][-dskS][-paA][-dpaA][-pfP][-swap][-frag]
+    [-pdl] -> MoEConfig (frag: MoEConfig.fragments, the Gluon fragment GEMMs; pdl: MoEConfig.dependent_launch; pa /
+    dpa: GemmTiles.prefetch_ahead of gate/up / down; pf: MoEConfig.down_prefetch_steps)."""
     dequant, *parts = spec.split("-")
     if dequant not in tt._DEQUANT:
         raise ValueError(f"variant {spec!r}: dequant must be one of {list(tt._DEQUANT)}")
@@ -125,8 +126,9 @@ def parse_variant(spec: str) -> tt.MoEConfig:
         if p in ("swap", "frag", "pdl"):
             flags.add(p)
             continue
-        key = next((pre for pre in ("dsk", "dn", "dk", "dw", "ds", "dr", "sk", "pf") if p.startswith(pre)), p[:1])
-        if key not in ("m", "n", "k", "w", "s", "r", "dn", "dk", "dw", "ds", "dr", "sk", "dsk", "pf") \
+        key = next((pre for pre in ("dsk", "dpa", "dn", "dk", "dw", "ds", "dr", "sk", "pf", "pa")
+                    if p.startswith(pre)), p[:1])
+        if key not in ("m", "n", "k", "w", "s", "r", "dn", "dk", "dw", "ds", "dr", "sk", "dsk", "pf", "pa", "dpa") \
                 or not p[len(key):].isdigit():
             raise ValueError(f"variant {spec!r}: cannot read {p!r}")
         vals[key] = int(p[len(key):])
@@ -135,10 +137,11 @@ def parse_variant(spec: str) -> tt.MoEConfig:
         raise ValueError(f"variant {spec!r} lacks {sorted(missing)}")
     swap = "swap" in flags
     up = tt.GemmTiles(block_n=vals["n"], block_k=vals["k"], num_warps=vals["w"], num_stages=vals["s"], swap=swap,
-                      split_k=vals.get("sk", 1), max_registers=vals.get("r"))
+                      split_k=vals.get("sk", 1), max_registers=vals.get("r"), prefetch_ahead=vals.get("pa", 0))
     down = tt.GemmTiles(block_n=vals.get("dn", vals["n"]), block_k=vals.get("dk", vals["k"]),
                         num_warps=vals.get("dw", vals["w"]), num_stages=vals.get("ds", vals["s"]), swap=swap,
-                        split_k=vals.get("dsk", 1), max_registers=vals.get("dr"))
+                        split_k=vals.get("dsk", 1), max_registers=vals.get("dr"),
+                        prefetch_ahead=vals.get("dpa", 0))
     return tt.MoEConfig(block_m=vals["m"], up=up, down=down, dequant=dequant, fragments="frag" in flags,
                         dependent_launch="pdl" in flags, down_prefetch_steps=vals.get("pf", 0))
 
@@ -154,6 +157,8 @@ def config_spec(cfg: tt.MoEConfig) -> str:
     spec += f"-dr{d.max_registers}" if d.max_registers else ""
     spec += f"-sk{u.split_k}" if u.split_k > 1 else ""
     spec += f"-dsk{d.split_k}" if d.split_k > 1 else ""
+    spec += f"-pa{u.prefetch_ahead}" if u.prefetch_ahead else ""
+    spec += f"-dpa{d.prefetch_ahead}" if d.prefetch_ahead else ""
     spec += f"-pf{cfg.down_prefetch_steps}" if cfg.down_prefetch_steps else ""
     return spec + ("-swap" if u.swap else "") + ("-frag" if cfg.fragments else "") + \
         ("-pdl" if cfg.dependent_launch else "")
@@ -426,7 +431,7 @@ def sass_report(specs: list[str], h: int, inter: int) -> int:
                 consts = dict(GATED=gated, ACT=1, LINEAR_TANH=True, BN=tiles.block_n, BK=tiles.block_k,
                               OUT_BK=cfg.down.block_k, NUM_WARPS=tiles.num_warps, PDL=cfg.dependent_launch,
                               PF_STEPS=cfg.down_prefetch_steps if gated else 0,
-                              PF_RB=128 if gated and cfg.down_prefetch_steps else 1)
+                              PF_RB=128 if gated and cfg.down_prefetch_steps else 1, AHEAD=tiles.prefetch_ahead)
                 types.update(pf_ptr="*u8", pfs_ptr="*u8", PF_N="i32", s_pfe="i64", s_pfn="i32", s_pfse="i64",
                              s_pfsn="i32")
                 types.update(s_we="i64", s_se="i64")

@@ -73,8 +73,8 @@ def test_moe_layer_dry_run(tmp_path):
 
 def test_variant_specs_carry_the_down_gemm_and_register_caps():
     """moe_layer.py SPECs: dn/dk/dw/ds set the down GEMM's tile, warps and stages apart, r/dr cap the registers
-    (GemmTiles.max_registers), pdl sets MoEConfig.dependent_launch; config_spec writes back the same SPEC; unknown
-    parts are refused."""
+    (GemmTiles.max_registers), pa/dpa set GemmTiles.prefetch_ahead, pf MoEConfig.down_prefetch_steps, pdl
+    MoEConfig.dependent_launch; config_spec writes back the same SPEC; unknown parts are refused."""
     sys.path.insert(0, str(REPO / "benchmarks"))
     from moe_layer import config_spec, parse_variant
 
@@ -89,6 +89,9 @@ def test_variant_specs_carry_the_down_gemm_and_register_caps():
     pdl = parse_variant("shift-m16-n64-k256-w4-s2-dr72-frag-pdl")
     assert pdl.dependent_launch and pdl.fragments and config_spec(pdl) == "shift-m16-n64-k256-w4-s2-dr72-frag-pdl"
     assert not cfg.dependent_launch
+    ahead = parse_variant("shift-m16-n64-k256-w4-s2-dr72-pa2-dpa4-pf4-frag-pdl")
+    assert (ahead.up.prefetch_ahead, ahead.down.prefetch_ahead, ahead.down_prefetch_steps) == (2, 4, 4)
+    assert config_spec(ahead) == "shift-m16-n64-k256-w4-s2-dr72-pa2-dpa4-pf4-frag-pdl"
     with pytest.raises(ValueError, match="cannot read"):
         parse_variant("shift-m16-n64-k256-w4-s3-q2")
 

@@ -151,7 +151,7 @@ def test_sm90_build_has_no_fragment_moves(gated):
     (the kernel asserts it), no spills, and the K loop has almost no register moves (Triton's own decode GEMM:
     0.89 a weight for gate/up) and two K steps of mma.sync per iteration."""
     consts = dict(GATED=gated, ACT=1, LINEAR_TANH=True, BN=128, BK=128, OUT_BK=128, NUM_WARPS=4, PDL=False,
-                  PF_STEPS=0, PF_RB=1)
+                  PF_STEPS=0, PF_RB=1, AHEAD=0)
     sass, ops, loop_mix = _sm90_build("gluon_decode", "_fragment_gemm_kernel", "*u8", consts, 4,
                                       ["K", "s_am", "s_we", "s_wn", "s_se", "s_sn", "s_om"])
     weights = 2 * (2 if gated else 1) * 128 * 128 / 128  # per thread: two K steps of one or two weight tiles
@@ -226,7 +226,7 @@ def test_sm90_build_with_dependent_launch(gated, prefetch):
     thread) each thread prefetches 4 lines of codes and 1 of scales with evict_last (CCTL.E.PML2) before the wait,
     and every weight load of the gate/up GEMM is evict_first (LDG.E.EF), the activation loads not."""
     consts = dict(GATED=gated, ACT=1, LINEAR_TANH=True, BN=64, BK=256, OUT_BK=256, NUM_WARPS=4, PDL=True,
-                  PF_STEPS=prefetch, PF_RB=128 if prefetch else 1)
+                  PF_STEPS=prefetch, PF_RB=128 if prefetch else 1, AHEAD=0)
     div16 = ["K", "s_am", "s_we", "s_wn", "s_se", "s_sn", "s_om"]
     sass, _, _ = _sm90_build("gluon_decode", "_fragment_gemm_kernel", "*u8", consts, 4, div16)
     ops = _sass_ops(sass)
@@ -245,6 +245,20 @@ def test_sm90_build_with_dependent_launch(gated, prefetch):
     assert len(activation) >= 4 and not any(op.startswith("@") and op.endswith("LDG.E.128") for op in before)
     sass, _, _ = _sm90_build("gluon_decode", "_fragment_gemm_kernel", "*u8", dict(consts, PDL=False), 4, div16)
     assert not {"ACQBULK", "PREEXIT"} & set(_sass_ops(sass))
+
+
+@pytest.mark.parametrize("gated", [True, False])
+def test_sm90_build_prefetching_ahead(gated):
+    """GemmTiles.prefetch_ahead = 2 (offline sm_90 build): 2 lines a thread prefetched into L2 before the loop (K
+    steps 1 and 2) and one in each of the loop's two K steps (CCTL.E.PF2: normal eviction priority), the loop
+    otherwise as long within a few instructions and no registers more."""
+    div16 = ["K", "s_am", "s_we", "s_wn", "s_se", "s_sn", "s_om"]
+    consts = dict(GATED=gated, ACT=1, LINEAR_TANH=True, BN=64, BK=256, OUT_BK=256, NUM_WARPS=4, PDL=False,
+                  PF_STEPS=0, PF_RB=1, AHEAD=0)
+    base, base_loop, _ = _sm90_build("gluon_decode", "_fragment_gemm_kernel", "*u8", consts, 4, div16)
+    sass, loop, _ = _sm90_build("gluon_decode", "_fragment_gemm_kernel", "*u8", dict(consts, AHEAD=2), 4, div16)
+    assert _sass_ops(sass).count("CCTL.E.PF2") == 4 and loop.count("CCTL.E.PF2") == 2
+    assert "CCTL.E.PF2" not in _sass_ops(base) and len(loop) - len(base_loop) <= 16
 
 
 def test_sm90_builds_of_the_chain_wait_before_reading_what_the_last_launch_wrote():

@@ -339,18 +339,21 @@ def test_mma_order_kernel(N, K, block_k):
         assert torch.equal(mma_order(x, block_k, pdl), fragment_order(x, block_k))
 
 
-def test_dependent_launch_chain(tt):
-    """The decode chain launched with PDL (MoEConfig.dependent_launch) and the down weights prefetched into L2 by the
-    gate/up GEMM (down_prefetch_steps 2: 2 of the down rows' 3 K steps): every size regime of the align (pairwise,
-    one program, chunks) and the fragment GEMMs against the reference, and bit for bit the same as without either;
+def test_decode_chain_launch_and_prefetch_options(tt):
+    """The decode chain launched with PDL (MoEConfig.dependent_launch), the down weights prefetched into L2 by the
+    gate/up GEMM (down_prefetch_steps 2: 2 of the down rows' 3 K steps) and both GEMMs prefetching 2 K steps ahead
+    (GemmTiles.prefetch_ahead; 2 steps of gate/up's 2, past the end): every size regime of the align (pairwise,
+    one program, chunks) and the fragment GEMMs against the reference, and bit for bit the same as without them;
     three MoE calls back to back in one CUDA graph (each call's kernels may start before the last one's finish)
     replay other routings as eager calls compute them."""
     import dataclasses
 
     from kimiserve.utils.cuda_timing import capture_graph
 
-    on = dataclasses.replace(fragment_config(tt, 64, 4, 256, 256), dependent_launch=True, down_prefetch_steps=2)
-    off = dataclasses.replace(on, dependent_launch=False, down_prefetch_steps=0)
+    off = fragment_config(tt, 64, 4, 256, 256)
+    on = dataclasses.replace(off, up=dataclasses.replace(off.up, prefetch_ahead=2),
+                             down=dataclasses.replace(off.down, prefetch_ahead=2), dependent_launch=True,
+                             down_prefetch_steps=2)
     # 1-135 pairs: the pairwise align; 900: one program; 2100: chunks
     for N, routing in ((1, "random"), (7, "same"), (45, "subset"), (300, "zipf"), (700, "random")):
         check_case(tt, N, 512, 768, 9, 3, torch.bfloat16, True, "situ", routing, "cuda", on, seed=N)

@@ -26,7 +26,9 @@ class GemmTiles:
     """Tiling of one of the two grouped GEMMs. split_k > 1: each (block, column tile) split over that many
     programs along K, fp32 partials reduced in a fixed order (`ops.moe.epilogue`). max_registers: a cap on the
     compiled kernel's registers per thread (Triton's maxnreg; more programs per SM, spills past it), None for
-    the compiler's choice."""
+    the compiler's choice. prefetch_ahead (the decode fragment GEMMs, `ops.moe.gluon_decode`): each program
+    prefetches its weight rows' lines into L2 that many K steps ahead of its register loads (0: off; a power of
+    two), more bytes in flight without registers or shared memory."""
 
     block_n: int = 64
     block_k: int = 128
@@ -35,6 +37,7 @@ class GemmTiles:
     swap: bool = False
     split_k: int = 1
     max_registers: int | None = None
+    prefetch_ahead: int = 0
 
     def compile_options(self) -> dict:
         """Triton's compile options for this tiling: warps, stages, and maxnreg where capped."""

@@ -94,10 +94,27 @@ def _load_weights(w_e, ws_e, v_e, vs_e, w_off, s_off, step, BK: gl.constexpr, GA
 
 
 @gluon.jit
-def _prefetch_l2(ptrs):
-    """Each address's 128-byte line into L2 with eviction priority evict_last (no registers, no wait)."""
-    gl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs],
-                              dtype=gl.int32, is_pure=False, pack=1)
+def _prefetch_l2(ptrs, KEEP: gl.constexpr = False):
+    """Each address's 128-byte line into L2 (no registers, no wait); KEEP: with eviction priority evict_last."""
+    if KEEP:
+        gl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs],
+                                  dtype=gl.int32, is_pure=False, pack=1)
+    else:
+        gl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+
+
+@gluon.jit
+def _row_lines(w_e, v_e, nt, N_OUT, s_wn, BN: gl.constexpr, GATED: gl.constexpr, NUM_WARPS: gl.constexpr):
+    """Pointers to the first word of each of this program's weight rows: [BN] of W, or [2 BN] of W then V where
+    GATED (a row's K step of 256 is one 128-byte line, of 128 two rows' halves)."""
+    R: gl.constexpr = 2 * BN if GATED else BN
+    L: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
+    i = gl.arange(0, R, layout=L)
+    rows = gl.minimum(nt * BN + i % BN, N_OUT - 1).to(gl.int64) * s_wn
+    if GATED:
+        return gl.where(i < BN, w_e + rows, v_e + rows)
+    return w_e + rows
 
 
 @gluon.jit
@@ -111,8 +128,8 @@ def _prefetch_down_rows(pf_e, pfs_e, nt, n_tiles, PF_N, s_pfn, s_pfsn, PF_STEPS:
     r = gl.arange(0, PF_RB, layout=gl.SliceLayout(1, L))
     rows = gl.minimum(nt * per + gl.minimum(r, per - 1), PF_N - 1).to(gl.int64)  # past the share: its last row again
     lines = gl.arange(0, PF_STEPS, layout=gl.SliceLayout(0, L))
-    _prefetch_l2(pf_e + gl.expand_dims(rows * s_pfn, 1) + gl.expand_dims(lines * 128, 0))
-    _prefetch_l2(pfs_e + rows * s_pfsn)
+    _prefetch_l2(pf_e + gl.expand_dims(rows * s_pfn, 1) + gl.expand_dims(lines * 128, 0), True)
+    _prefetch_l2(pfs_e + rows * s_pfsn, True)
 
 
 @gluon.jit
@@ -128,22 +145,27 @@ def _mma_step(a_buf, w, s, v, t, acc, acc2, BN: gl.constexpr, BK: gl.constexpr, 
 
 @gluon.jit
 def _register_loop(a_smem, g_ptrs, g_mask, w_e, ws_e, v_e, vs_e, w_off, s_off, steps, acc, acc2, w_c, s_c, v_c, t_c,
-                   BN: gl.constexpr, BK: gl.constexpr, LA: gl.constexpr, LB: gl.constexpr, GATED: gl.constexpr,
-                   EVICT: gl.constexpr):
+                   lines, BN: gl.constexpr, BK: gl.constexpr, LA: gl.constexpr, LB: gl.constexpr,
+                   GATED: gl.constexpr, EVICT: gl.constexpr, AHEAD: gl.constexpr):
     """The K loop with each step's weights loaded a step ahead into registers (the first step's, w_c .. t_c, by the
-    caller), unrolled by two so that each loaded value is used where it was loaded into."""
+    caller), unrolled by two so that each loaded value is used where it was loaded into. AHEAD > 0: where step j is
+    loaded, the lines of step j + AHEAD (the last step past the end) are prefetched into L2 (`lines`: `_row_lines`)."""
     a_smem.index(0).store(gl.load(g_ptrs, mask=g_mask, other=0.0))
     gl.thread_barrier()
     for i in range(steps // 2):
         j = gl.minimum(2 * i + 1, steps - 1)
         a_next = gl.load(g_ptrs + j * BK, mask=g_mask, other=0.0)
         w_n, s_n, v_n, t_n = _load_weights(w_e, ws_e, v_e, vs_e, w_off, s_off, j, BK, GATED, EVICT)
+        if AHEAD > 0:
+            _prefetch_l2(lines + gl.minimum(j + AHEAD, steps - 1) * (BK // 8))
         acc, acc2 = _mma_step(a_smem.index(0), w_c, s_c, v_c, t_c, acc, acc2, BN, BK, LA, LB, GATED)
         a_smem.index(1).store(a_next)  # buffer 1 was last read before the previous barrier
         gl.thread_barrier()
         j = gl.minimum(2 * i + 2, steps - 1)  # past the end: the last step again, never used
         a_next = gl.load(g_ptrs + j * BK, mask=g_mask, other=0.0)
         w_c, s_c, v_c, t_c = _load_weights(w_e, ws_e, v_e, vs_e, w_off, s_off, j, BK, GATED, EVICT)
+        if AHEAD > 0:
+            _prefetch_l2(lines + gl.minimum(j + AHEAD, steps - 1) * (BK // 8))
         acc, acc2 = _mma_step(a_smem.index(1), w_n, s_n, v_n, t_n, acc, acc2, BN, BK, LA, LB, GATED)
         a_smem.index(0).store(a_next)
         gl.thread_barrier()
@@ -159,13 +181,15 @@ def _fragment_gemm_kernel(
     pf_ptr, pfs_ptr, PF_N, s_pfe, s_pfn, s_pfse, s_pfsn,
     GATED: gl.constexpr, ACT: gl.constexpr, LINEAR_TANH: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
     OUT_BK: gl.constexpr, NUM_WARPS: gl.constexpr, PDL: gl.constexpr, PF_STEPS: gl.constexpr, PF_RB: gl.constexpr,
+    AHEAD: gl.constexpr,
 ):
     """One (block of 16 pairs, BN output columns): out[pair, cols] = act(A W^T, A V^T) (GATED, stored at the
     columns' MMA-k positions for a down GEMM of OUT_BK-wide steps) or A W^T (stored in place), rounded to bf16.
     PF_STEPS > 0 (gate/up): the program also prefetches its share of the expert's down weights (pf_ptr: codes
     [E, PF_N, .] bytes, pfs_ptr: scales) into L2 and streams its own weights with evict_first, so that they do not
     push the prefetched lines out (`MoEConfig.down_prefetch_steps`). PDL: launched with programmatic dependent
-    launch, A read only after the wait (`ops.moe.dependent_launch`)."""
+    launch, A read only after the wait (`ops.moe.dependent_launch`). AHEAD > 0: the program prefetches its weight
+    rows' lines into L2 AHEAD K steps ahead of its loads (`GemmTiles.prefetch_ahead`)."""
     BM: gl.constexpr = 16
     G: gl.constexpr = BK // 128
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, NUM_WARPS], instr_shape=[16, 8])
@@ -217,6 +241,13 @@ def _fragment_gemm_kernel(
                                        gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0]))
     EVICT: gl.constexpr = "evict_first" if PF_STEPS > 0 else ""
     w_c, s_c, v_c, t_c = _load_weights(w_e, ws_e, v_e, vs_e, w_off, s_off, 0, BK, GATED, EVICT)
+    lines = _row_lines(w_e, v_e, nt, N_OUT, s_wn, BN, GATED, NUM_WARPS)
+    if AHEAD > 0:  # steps 1 .. AHEAD now; the loop then keeps AHEAD steps ahead of its loads
+        ahead = gl.arange(1, AHEAD + 1, layout=gl.SliceLayout(0, gl.BlockedLayout([1, AHEAD], [32, 1],
+                                                                                   [NUM_WARPS, 1], [1, 0])))
+        first = gl.convert_layout(lines, gl.SliceLayout(1, gl.BlockedLayout([1, AHEAD], [32, 1], [NUM_WARPS, 1],
+                                                                            [1, 0])))
+        _prefetch_l2(gl.expand_dims(first, 1) + gl.expand_dims(gl.minimum(ahead, steps - 1) * (BK // 8), 0))
     if PF_STEPS > 0:
         _prefetch_down_rows(pf_ptr + e * s_pfe, pfs_ptr + e * s_pfse, nt, n_tiles, PF_N, s_pfn, s_pfsn, PF_STEPS, PF_RB,
                             NUM_WARPS)
@@ -224,7 +255,7 @@ def _fragment_gemm_kernel(
         gdc_wait()
         gdc_launch_dependents()
     acc, acc2 = _register_loop(a_smem, g_ptrs, g_mask, w_e, ws_e, v_e, vs_e, w_off, s_off, steps, acc, acc2, w_c, s_c,
-                               v_c, t_c, BN, BK, LA, LB, GATED, EVICT)
+                               v_c, t_c, lines, BN, BK, LA, LB, GATED, EVICT, AHEAD)
     ro = gl.arange(0, BM, layout=gl.SliceLayout(1, MMA))
     row_ok = ro < nrows
     po = gl.load(sorted_ptr + b * BM + ro, mask=row_ok, other=0).to(gl.int64)
@@ -259,6 +290,7 @@ def fragment_gemm(a, w, w_scale, v, v_scale, out, align, a_row_div: int, tiles, 
     _fragment_gemm_kernel[(align[1].numel() * n_tiles,)](
         *args, *pf_args, GATED=gated, ACT=_ACT[act], LINEAR_TANH=linear_beta is not None, BN=tiles.block_n,
         BK=tiles.block_k, OUT_BK=out_block_k, NUM_WARPS=tiles.num_warps, PDL=dependent_launch, PF_STEPS=steps,
+        AHEAD=tiles.prefetch_ahead,
         PF_RB=max(32 * tiles.num_warps, triton.next_power_of_2(triton.cdiv(pf.shape[1], n_tiles))) if steps else 1,
         **compile_options(tiles), **launch_options(dependent_launch))
 

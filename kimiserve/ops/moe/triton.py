@@ -742,6 +742,10 @@ def _check(x, w1, w2, w3, w1_scale, w2_scale, w3_scale, ids, weights, config: Mo
             raise ValueError(f"split_k must be 1..16, got {tiles.split_k}")
         if tiles.max_registers is not None and not 24 <= tiles.max_registers <= 255:
             raise ValueError(f"max_registers must be None or 24..255, got {tiles.max_registers}")
+        ahead = tiles.prefetch_ahead
+        if ahead and (not (config.fragments and config.block_m == 16) or ahead not in (1, 2, 4, 8)):
+            raise ValueError(f"prefetch_ahead takes 0, 1, 2, 4 or 8 K steps, with the decode fragment GEMMs "
+                             f"(fragments, block_m 16); got {ahead}")
     if config.fragments:
         if not (mxfp4 and config.dequant == "shift" and x.dtype == torch.bfloat16 and x.is_cuda):
             raise ValueError("MoEConfig.fragments runs bf16 activations on CUDA against MXFP4 experts in the shift "
