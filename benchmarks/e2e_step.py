@@ -71,8 +71,8 @@ from kimiserve.utils.run_info import git_commit  # noqa: E402
 def use_moe_config(spec: str | None, regime: str = "decode") -> None:
     """The fused MoE's config for one regime (bf16, MXFP4) from now on: "decode" (<= `DECODE_MAX_ROWS` routed rows
     per expert) or "prefill" (more): `spec` (a moe_layer.py variant) where its dequant matches the one the default
-    picks for the experts' layout, else the default; "default-pdl": the default with MoEConfig.dependent_launch
-    (the decode chain's programmatic dependent launch). Patches this process's `ops.moe.triton.default_config` (a
+    picks for the experts' layout, else the default; "default+OPT+...": the default with moe_layer.py's options
+    (`with_options`: pdl, pfP, paA, dpaA). Patches this process's `ops.moe.triton.default_config` (a
     benchmark's A/B, not a library setting; the other regime keeps what it had)."""
     from kimiserve.ops.moe import triton as moe_triton
 
@@ -81,13 +81,16 @@ def use_moe_config(spec: str | None, regime: str = "decode") -> None:
     tiles = dict(getattr(current, "tiles", {}))
     if spec in (None, "default"):
         tiles.pop(regime, None)
-    elif spec == "default-pdl":
-        tiles[regime] = "pdl"
     else:
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-        from moe_layer import parse_variant
+        from moe_layer import parse_variant, with_options
 
-        tiles[regime] = parse_variant(spec)
+        if spec.startswith("default+"):
+            options = spec.split("+")[1:]
+            with_options(moe_triton.MoEConfig(), options)  # a bad option fails here
+            tiles[regime] = options
+        else:
+            tiles[regime] = parse_variant(spec)
     if not tiles:
         moe_triton.default_config = original
         return
@@ -96,8 +99,10 @@ def use_moe_config(spec: str | None, regime: str = "decode") -> None:
         config = original(num_tokens, top_k, num_experts, dtype, mxfp4, mxfp4_layout, dims, num_sms)
         rows = num_tokens * top_k / max(1, num_experts)
         tile = tiles.get("decode" if rows <= moe_triton.DECODE_MAX_ROWS else "prefill")
-        if tile == "pdl":
-            return dataclasses.replace(config, dependent_launch=True)
+        if isinstance(tile, list):  # options onto the default
+            from moe_layer import with_options
+
+            return with_options(config, tile)
         ok = tile is not None and dtype == torch.bfloat16 and mxfp4 and tile.dequant == config.dequant
         return tile if ok else config
 
@@ -345,8 +350,8 @@ def main() -> int:
                         "apart (separate_kernel_ops), interleaved per layout ('': the engine's choice)")
     p.add_argument("--moe-decode-tiles", default="",
                    help="comma-separated fused-MoE configs for the decode regime (<= 8 routed rows per expert), each "
-                        "'default', 'default-pdl' (the default with the decode chain's programmatic dependent "
-                        "launch) or a benchmarks/moe_layer.py variant SPEC (e.g. shift-m16-n128-k128-w4-s3): the "
+                        "'default', 'default+OPT+...' (the default with moe_layer.py's options: pdl, pfP, paA, "
+                        "dpaA) or a benchmarks/moe_layer.py variant SPEC (e.g. shift-m16-n128-k128-w4-s3): the "
                         "decode rows run for each, graphs captured again between them (an A/B of a default change; "
                         "a SPEC whose dequant does not match the experts' layout leaves the default)")
     p.add_argument("--moe-prefill-tiles", default="",

@@ -35,7 +35,8 @@ sk/dsk: split-K of the gate/up and down GEMMs, fp32 partials reduced in a fixed 
 of each decode fragment GEMM, its weight lines prefetched into L2 A K steps ahead; pf: MoEConfig.down_prefetch_steps,
 the down weights' first P lines a row prefetched into L2 by the gate/up GEMM; pdl: MoEConfig.dependent_launch, the
 decode chain's programmatic dependent launch), e.g. lut-m16-n64-k256-w4-s3-swap, shift-m16-n64-k128-w4-s4-sk4-dsk4,
-shift-m16-n64-k256-w4-s2-dr72-frag-pdl; the variant default-shift-pdl is the shift layout's default with pdl.
+shift-m16-n64-k256-w4-s2-dr72-frag-pdl. A variant default-shift+OPT[+OPT...] is the shift layout's default config
+with options (`with_options`: pdl, pfP, paA, dpaA), e.g. default-shift+pdl+pa2+dpa2.
 --stages-each times every variant's stages apart (gate/up, down): the best gate/up and the best down tiling of
 a sweep can then be paired.
 Writes the JSON after every row (device, date, commit, copy_gbps, matmul_tflops, rows) and prints a
@@ -66,6 +67,7 @@ import torch  # noqa: E402
 
 from kimiserve.config import load_preset  # noqa: E402
 from kimiserve.ops.activation.reference import situ_and_mul  # noqa: E402
+from kimiserve.ops.moe import align as moe_align  # noqa: E402
 from kimiserve.ops.moe import triton as tt  # noqa: E402
 from kimiserve.ops.moe.reference import fused_moe_reference  # noqa: E402
 from kimiserve.ops.quant.reference import dequantize_mxfp4  # noqa: E402
@@ -164,7 +166,30 @@ def config_spec(cfg: tt.MoEConfig) -> str:
         ("-pdl" if cfg.dependent_launch else "")
 
 
-DEFAULT_PDL = "default-shift-pdl"  # a variant: the shift layout's default config with MoEConfig.dependent_launch
+def with_options(cfg: tt.MoEConfig, options: list[str]) -> tt.MoEConfig:
+    """cfg with SPEC-style options: pdl (MoEConfig.dependent_launch), pfP (down_prefetch_steps), paA / dpaA
+    (GemmTiles.prefetch_ahead of the gate/up / down GEMM): "default+pdl+pa2" applies them to a default config."""
+    for opt in options:
+        key = next((pre for pre in ("pdl", "dpa", "pa", "pf") if opt.startswith(pre)), None)
+        value = opt[len(key):] if key else ""
+        if key is None or (key == "pdl") != (value == "") or (value and not value.isdigit()):
+            raise ValueError(f"option {opt!r}: one of pdl, pfP, paA, dpaA")
+        if key == "pdl":
+            cfg = dataclasses.replace(cfg, dependent_launch=True)
+        elif key == "pf":
+            cfg = dataclasses.replace(cfg, down_prefetch_steps=int(value))
+        else:
+            gemm = "up" if key == "pa" else "down"
+            cfg = dataclasses.replace(cfg, **{gemm: dataclasses.replace(getattr(cfg, gemm), prefetch_ahead=int(value))})
+    return cfg
+
+
+def default_with_options(spec: str, base: str, make_default) -> tt.MoEConfig | None:
+    """`spec` "BASE+OPT+..." -> make_default() with the options (None when spec is not BASE with options)."""
+    name, *options = spec.split("+")
+    if name != base or not options:
+        return None
+    return with_options(make_default(), options)
 
 
 def variants_for(arg: str, dry: bool) -> list[str]:
@@ -175,9 +200,11 @@ def variants_for(arg: str, dry: bool) -> list[str]:
     out = []
     for item in arg.split(","):
         out += named[item] if item in named else [item]
-    for spec in out:
-        if spec != DEFAULT_PDL:
-            parse_variant(spec)  # fail before any GPU time is spent
+    for spec in out:  # fail before any GPU time is spent
+        if spec.startswith("default-shift+"):
+            with_options(tt.MoEConfig(), spec.split("+")[1:])
+        else:
+            parse_variant(spec)
     return out
 
 
@@ -519,14 +546,14 @@ def _main(argv: list[str] | None, clocks: ClockLog) -> int:
                         help="tiny shapes on the CPU under Triton's interpreter (a plumbing check, no figures)")
     parser.add_argument("--sass", action="store_true",
                         help="no GPU: compile the default and every variant for sm_90 and print their resources")
-    parser.add_argument("--align-pairs", type=int, default=tt.ALIGN_SMALL_PAIRS,
+    parser.add_argument("--align-pairs", type=int, default=moe_align.ALIGN_SMALL_PAIRS,
                         help="pairs up to which the align is one program, and the chunk of its chunked kernels above "
-                             "(a power of two; patches ops.moe.triton.ALIGN_SMALL_PAIRS in this process: an A/B)")
+                             "(a power of two; patches ops.moe.align.ALIGN_SMALL_PAIRS in this process: an A/B)")
     parser.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "moe_layer.json"))
     args = parser.parse_args(argv)
     if args.align_pairs < 16 or args.align_pairs & (args.align_pairs - 1):
         parser.error(f"--align-pairs must be a power of two >= 16, got {args.align_pairs}")
-    tt.ALIGN_SMALL_PAIRS = args.align_pairs
+    moe_align.ALIGN_SMALL_PAIRS = args.align_pairs
     if args.sass:
         _, _, h, inter = (int(v) for v in args.shape.split(","))
         defaults = [config_spec(tt.default_config(n, 16, 896, torch.bfloat16, True, layout, dims=(h, inter)))
@@ -591,10 +618,12 @@ def _main(argv: list[str] | None, clocks: ClockLog) -> int:
     def config_for(spec: str, n: int) -> tt.MoEConfig | None:
         if spec == "default":
             return None
-        if spec in ("default-shift", DEFAULT_PDL):
-            cfg = tt.default_config(n, k, E, dtype, True, "shift", dims=(h, inter), num_sms=tt.sm_count(device))
-            return dataclasses.replace(cfg, dependent_launch=spec == DEFAULT_PDL)
-        return parse_variant(spec)
+        def shift_default():
+            return tt.default_config(n, k, E, dtype, True, "shift", dims=(h, inter), num_sms=tt.sm_count(device))
+
+        if spec == "default-shift":
+            return shift_default()
+        return default_with_options(spec, "default-shift", shift_default) or parse_variant(spec)
     per_expert = sum(w[n][0].numel() for n in w)  # bytes: uint8 codes and scales
     act_bytes = torch.tensor([], dtype=dtype).element_size()
 
@@ -651,7 +680,8 @@ def _main(argv: list[str] | None, clocks: ClockLog) -> int:
                 except Exception as e:  # a tiling that does not compile (shared memory, registers)
                     print(f"variant {spec} at {n} tokens failed: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
                     continue
-                timed.append(dict(variant=spec, config=config_spec(config_for(spec, n)) if spec in defaults else spec,
+                timed.append(dict(variant=spec, config=config_spec(config_for(spec, n)) if spec.startswith("default")
+                                  else spec,
                                   ms=vms))
                 if args.stages_each:
                     cfg = config_for(spec, n)

@@ -36,7 +36,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from gpu_clocks import ClockLog, summarize  # noqa: E402
-from moe_layer import copy_gbps, layer_bytes, packed_experts, parse_variant, route, shift_layout  # noqa: E402
+from moe_layer import (copy_gbps, default_with_options, layer_bytes, packed_experts, parse_variant, route,  # noqa: E402
+                       shift_layout, with_options)
 
 from kimiserve.utils.cuda_timing import capture_graph, cuda_time, graph_time  # noqa: E402
 from kimiserve.utils.run_info import git_commit  # noqa: E402
@@ -111,8 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--routing", default="random", choices=("random", "zipf"))
     parser.add_argument("--same-routing", action="store_true", help="every layer of a graph with the first draw")
     parser.add_argument("--variants", default="default",
-                        help="'default' (the shift layout's default config), 'default-pdl' (the same with "
-                             "MoEConfig.dependent_launch) and moe_layer.py variant specs")
+                        help="'default' (the shift layout's default config), 'default+OPT+...' (the same with "
+                             "moe_layer.py's options: pdl, pfP, paA, dpaA) and moe_layer.py variant specs")
     parser.add_argument("--shape", default="896,16,3584,3072", help="experts,top_k,hidden,intermediate")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                                       "moe_timeline.json"))
@@ -127,7 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     E, k, h, inter = (int(v) for v in args.shape.split(","))
     variants = args.variants.split(",")
     for spec in variants:
-        if spec not in ("default", "default-pdl"):
+        if spec.startswith("default+"):
+            with_options(tt.MoEConfig(), spec.split("+")[1:])
+        elif spec != "default":
             parse_variant(spec)
     copy = copy_gbps("cuda", 2**32, lambda fn: cuda_time(fn, repeats=10, warmup=3))
     w = packed_experts(E, h, inter, "cuda")
@@ -150,12 +153,12 @@ def main(argv: list[str] | None = None) -> int:
             nbytes = [layer_bytes(int(torch.unique(ids).numel()), per_expert, n, h, 2, ids.numel())
                       for ids, _ in draws]
             for spec in variants:
-                if spec in ("default", "default-pdl"):
-                    cfg = tt.default_config(n, k, E, torch.bfloat16, True, "shift", dims=(h, inter),
-                                            num_sms=tt.sm_count("cuda"))
-                    cfg = dataclasses.replace(cfg, dependent_launch=spec == "default-pdl")
-                else:
-                    cfg = parse_variant(spec)
+                def default():
+                    return tt.default_config(n, k, E, torch.bfloat16, True, "shift", dims=(h, inter),
+                                             num_sms=tt.sm_count("cuda"))
+
+                cfg = default() if spec == "default" else (default_with_options(spec, "default", default)
+                                                           or parse_variant(spec))
                 row = time_row(x, shifted, draws, cfg, args.layers, copy, nbytes)
                 row.update(tokens=n, variant=spec)
                 result["rows"].append(row)

@@ -76,7 +76,7 @@ def test_variant_specs_carry_the_down_gemm_and_register_caps():
     (GemmTiles.max_registers), pa/dpa set GemmTiles.prefetch_ahead, pf MoEConfig.down_prefetch_steps, pdl
     MoEConfig.dependent_launch; config_spec writes back the same SPEC; unknown parts are refused."""
     sys.path.insert(0, str(REPO / "benchmarks"))
-    from moe_layer import config_spec, parse_variant
+    from moe_layer import config_spec, parse_variant, with_options
 
     spec = "shift-m16-n128-k128-w4-s3-dn256-dk64-dw8-ds4-r128-dr96"
     cfg = parse_variant(spec)
@@ -92,6 +92,11 @@ def test_variant_specs_carry_the_down_gemm_and_register_caps():
     ahead = parse_variant("shift-m16-n64-k256-w4-s2-dr72-pa2-dpa4-pf4-frag-pdl")
     assert (ahead.up.prefetch_ahead, ahead.down.prefetch_ahead, ahead.down_prefetch_steps) == (2, 4, 4)
     assert config_spec(ahead) == "shift-m16-n64-k256-w4-s2-dr72-pa2-dpa4-pf4-frag-pdl"
+    base = parse_variant("shift-m16-n64-k256-w4-s2-dr72-frag")  # "default+pa2+dpa4+pf4+pdl" onto a default
+    assert with_options(base, ["pa2", "dpa4", "pf4", "pdl"]) == ahead
+    for bad in ("pdl1", "pa", "pfx", "ahead2"):
+        with pytest.raises(ValueError, match=f"option {bad!r}"):
+            with_options(base, [bad])
     with pytest.raises(ValueError, match="cannot read"):
         parse_variant("shift-m16-n64-k256-w4-s3-q2")
 

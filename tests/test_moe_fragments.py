@@ -272,7 +272,7 @@ def test_sm90_builds_of_the_chain_wait_before_reading_what_the_last_launch_wrote
     import triton.language as tl
     from sass_report import compile_sm90, sass_of
 
-    from kimiserve.ops.moe import epilogue, mma_order, triton as tt
+    from kimiserve.ops.moe import align, epilogue, mma_order
 
     def build(fn, types, consts):
         types = {n: types.get(n, "i32") for n in fn.arg_names if n not in consts}
@@ -280,7 +280,7 @@ def test_sm90_builds_of_the_chain_wait_before_reading_what_the_last_launch_wrote
 
     ints = {n: "*i32" for n in ("ids_ptr", "sorted_ptr", "bexp_ptr", "brows_ptr", "nblk_ptr")}
     chain = [
-        (build(tt._align_few_kernel, ints, dict(BM=16, PB=16, PDL=True)), "align"),
+        (build(align._align_few_kernel, ints, dict(BM=16, PB=16, PDL=True)), "align"),
         (build(epilogue._combine_kernel, dict(y_ptr="*bf16", w_ptr="*fp32", out_ptr="*bf16"),
                dict(TOP_K=4, BH=512, SPLIT=1, DTYPE=tl.bfloat16, PDL=True)), "combine"),
     ]

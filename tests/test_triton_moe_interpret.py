@@ -48,7 +48,9 @@ def test_align_blocks(N, E, k, routing, block_m):
 def test_align_chunks_of_64_pairs(monkeypatch, N, E, k, routing, block_m):
     """The chunked kernels with 64-pair chunks (ALIGN_SMALL_PAIRS patched, as moe_layer.py --align-pairs does):
     4-16 chunks, most experts split across chunks, the same blocks as the torch ops."""
-    monkeypatch.setattr(tt, "ALIGN_SMALL_PAIRS", 64)
+    from kimiserve.ops.moe import align
+
+    monkeypatch.setattr(align, "ALIGN_SMALL_PAIRS", 64)
     check_align_matches_torch(tt, route_ids(N, E, k, routing, torch.Generator().manual_seed(N)), E, block_m)
 
 

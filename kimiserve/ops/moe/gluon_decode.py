@@ -41,6 +41,18 @@ off a layer there. At 1 token (1980 MHz throughout) the GEMMs' one or two waves 
 against 3.2-3.3 at 16 tokens): the down GEMM is capped at 72 registers where that makes its grid one wave
 (`ops.moe.config.default_config`).
 
+Opt-in, built in session 19 without a GPU and not yet timed (each is a benchmark variant; none changes a result):
+- `MoEConfig.dependent_launch`: launched with programmatic dependent launch (`ops.moe.dependent_launch`); a
+  program loads its block's expert, rows and pair ids and its first K step's weights before it waits for the
+  kernel that wrote its activations.
+- `MoEConfig.down_prefetch_steps`: each gate/up program prefetches into L2 (evict_last) the first K steps of its
+  share of its expert's down weight rows, and streams its own weights with evict_first. At 1 token the down GEMM's
+  93 MB run at 2.4 TB/s against 3.2 at 16 tokens; 4 steps of 12 are 37 MB of K3.1's 16 experts, which the gate/up
+  GEMM (at 2.9 TB/s, below the bandwidth) can fetch beside its own 187 MB.
+- `GemmTiles.prefetch_ahead`: each program prefetches its weight lines into L2 that many K steps ahead of its
+  register loads: more bytes in flight without registers or shared memory (the cp.async ring and the weights two
+  steps ahead in registers, both slower, cost both).
+
 `ops.moe.triton` runs these when `MoEConfig.fragments` is set (`ops.moe.config.default_config` sets it for decode
 batches where they fit); its module doc has the rest of the contract.
 """
