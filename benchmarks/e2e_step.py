@@ -348,6 +348,10 @@ def main() -> int:
                    help="comma-separated 'stacked' and/or 'separate': the decode rows run with the CUDA default's "
                         "stacked projection GEMMs (kimiserve.ops.backend.fewer_kernel_ops) and/or each projection "
                         "apart (separate_kernel_ops), interleaved per layout ('': the engine's choice)")
+    p.add_argument("--shared-experts", default="",
+                   help="comma-separated 'serial' and/or 'overlap': the decode rows run with each MoE block's shared "
+                        "experts after its routed experts and/or on a second stream beside them "
+                        "(kimiserve.ops.backend.shared_expert_overlap_ops) ('': the engine's choice)")
     p.add_argument("--moe-decode-tiles", default="",
                    help="comma-separated fused-MoE configs for the decode regime (<= 8 routed rows per expert), each "
                         "'default', 'default+OPT+...' (the default with moe_layer.py's options: pdl, pfP, paA, "
@@ -388,10 +392,13 @@ def main() -> int:
     projections = [x for x in args.projections.split(",") if x] or [None]
     if any(x not in (None, "stacked", "separate") for x in projections):
         p.error(f"--projections takes 'stacked' and/or 'separate', got {args.projections!r}")
+    shared = [x for x in args.shared_experts.split(",") if x] or [None]
+    if any(x not in (None, "serial", "overlap") for x in shared):
+        p.error(f"--shared-experts takes 'serial' and/or 'overlap', got {args.shared_experts!r}")
     tiles = [x for x in args.moe_decode_tiles.split(",") if x] or [None]
     base_ops = engine.runner.ops
     plan = [(b, c) for c in contexts for b in batches] + [(1, c) for c in singles]
-    for layout, projection, tile in itertools.product(layouts, projections, tiles):
+    for layout, projection, overlap, tile in itertools.product(layouts, projections, shared, tiles):
         from kimiserve.ops import backend
 
         if args.moe_decode_tiles:
@@ -401,10 +408,13 @@ def main() -> int:
             ops = backend.shift_moe_layout(ops) if layout == "shift" else dataclasses.replace(ops, moe_layout="checkpoint")
         if projection is not None:
             ops = backend.fewer_kernel_ops(ops) if projection == "stacked" else backend.separate_kernel_ops(ops)
+        if overlap is not None:
+            ops = (backend.shared_expert_overlap_ops(ops) if overlap == "overlap"
+                   else dataclasses.replace(ops, overlap_shared_experts=False))
         engine.runner.ops = ops  # the graph sets capture again with them
         result["ops"], result["moe_layouts"] = engine.runner.ops.name, moe_layouts(engine.model)
         print(f"ops {result['ops']}: MXFP4 expert layouts {result['moe_layouts']}", flush=True)
-        label = "".join(f"[{x}] " for x in (layout, projection, tile) if x)
+        label = "".join(f"[{x}] " for x in (layout, projection, overlap, tile) if x)
         for batch, context in plan:
             row = decode_row(engine, batch, context, copy, args.steps, args.source_tokens, count_steps)
             row["ops"], row["moe_layouts"] = result["ops"], result["moe_layouts"]

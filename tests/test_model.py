@@ -114,6 +114,46 @@ def test_moe_layer_equals_per_token_loop(tiny32):
         torch.testing.assert_close(out[n], moe.routed_expert_up_proj.weight @ routed + shared, rtol=1e-4, atol=1e-5)
 
 
+def test_shared_expert_overlap_computes_the_serial_sum(tiny32, monkeypatch):
+    """`DecodeOps.overlap_shared_experts` (CUDA streams, here stand-ins that record the order of the calls): the
+    shared experts' down projection goes to the side stream after it waits for the main one, the main stream waits
+    for it before the add, and the block's output is bit for bit the serial one (`linear_ref.linear_add`'s sum);
+    without CUDA the flag changes nothing."""
+    import contextlib
+
+    from kimiserve.ops.backend import REFERENCE_OPS, shared_expert_overlap_ops
+
+    moe: SparseMoE = tiny32.model.layers[1].block_sparse_moe
+    x = torch.randn(5, tiny32.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    ops = shared_expert_overlap_ops(REFERENCE_OPS)
+    serial = moe(x)
+    assert torch.equal(moe(x, ops), serial) and moe.side_stream is None  # the CPU: no second stream
+    calls = []
+
+    class Stream:
+        def __init__(self, name):
+            self.name = name
+
+        def wait_stream(self, other):
+            calls.append(f"{self.name} waits for {other.name}")
+
+    main, side = Stream("main"), Stream("side")
+
+    @contextlib.contextmanager
+    def on(stream):
+        calls.append(f"enter {stream.name}")
+        yield
+        calls.append(f"leave {stream.name}")
+
+    down = moe.shared_experts.down
+    monkeypatch.setattr(moe, "_side_stream", lambda t: side)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: main)
+    monkeypatch.setattr(torch.cuda, "stream", on)
+    monkeypatch.setattr(moe.shared_experts, "down", lambda *a: calls.append("shared down") or down(*a))
+    assert torch.equal(moe(x, ops), serial)
+    assert calls == ["side waits for main", "enter side", "shared down", "leave side", "main waits for side"]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("linear", [False, True])
 def test_checkpoint_round_trip_is_bit_identical(tmp_path, dtype, linear):

@@ -59,6 +59,11 @@ class MLP(nn.Module):
         act = self.act if ops is REFERENCE_OPS else gated_activation(self.config, ops)
         return ops.linear_add(act(gate, up), self.down_proj, addend)
 
+    def down(self, gate: torch.Tensor, up: torch.Tensor, ops: DecodeOps = REFERENCE_OPS) -> torch.Tensor:
+        """The forward after the gate and up projections."""
+        act = self.act if ops is REFERENCE_OPS else gated_activation(self.config, ops)
+        return self.down_proj(act(gate, up))
+
 
 class Router(nn.Module):
     """Sigmoid router in fp32 with a score-correction bias used for the choice only (noaux_tc).
@@ -353,6 +358,8 @@ class SparseMoE(nn.Module):
             self.routed_expert_up_proj = RowParallelLinear(config.routed_expert_hidden_size, d, dtype, p, False, what)
             if config.latent_moe_use_norm:
                 self.routed_expert_norm = RMSNorm(config.routed_expert_hidden_size, config.rms_norm_eps, dtype)
+        self.side_stream: torch.cuda.Stream | None = None
+        """The second stream of `DecodeOps.overlap_shared_experts` (made at the first such forward on CUDA)."""
 
     def forward(self, x: torch.Tensor, ops: DecodeOps = REFERENCE_OPS) -> torch.Tensor:
         """ops: the router's selection, the latent norm and the shared experts' activation (`DecodeOps`)."""
@@ -366,6 +373,11 @@ class SparseMoE(nn.Module):
         reads = ((self.routed_expert_down_proj,) if latent else ()) + (
             (self.shared_experts.gate_proj, self.shared_experts.up_proj) if shared else ())
         projected = ops.linears(x, reads) if reads else ()
+        side = self._side_stream(x) if shared and ops.overlap_shared_experts else None
+        if side is not None:  # the shared experts beside everything below, joined before their add
+            side.wait_stream(torch.cuda.current_stream(x.device))
+            with torch.cuda.stream(side):
+                shared_out = self.shared_experts.down(*projected[-2:], ops)
         h = p.tp_all_gather(projected[0], dim=-1) if latent else x
         # a partial over the TP group stays fp32 until the sum (a bf16 partial moved bf16 EP-2 results by 2e-3)
         y = self.experts(h, ids, weights, torch.float32 if p.tp_size > 1 else None)
@@ -376,6 +388,16 @@ class SparseMoE(nn.Module):
             if p.tp_size > 1:
                 y = y[:, self.latent_slice]
             y = self.routed_expert_up_proj(y)
-        if shared:
+        if side is not None:
+            torch.cuda.current_stream(x.device).wait_stream(side)
+            y = y + shared_out  # as linear_ref.linear_add adds it
+        elif shared:
             y = self.shared_experts.down_onto(*projected[-2:], y, ops)
         return p.tp_all_reduce(y).to(x.dtype).view(shape)
+
+    def _side_stream(self, x: torch.Tensor) -> torch.cuda.Stream | None:
+        if x.device.type != "cuda":
+            return None
+        if self.side_stream is None or self.side_stream.device != x.device:
+            self.side_stream = torch.cuda.Stream(device=x.device)
+        return self.side_stream

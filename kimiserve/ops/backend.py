@@ -91,6 +91,12 @@ class DecodeOps:
     gate_output: Callable = activation_ref.gate_output
     """(o [..., n] fp32 or dtype, gate [..., n] | None, dtype) -> o in dtype times sigmoid(gate): MLA's output gate
     on the attention output of a serving batch's rows"""
+    overlap_shared_experts: bool = False
+    """CUDA: a MoE block's shared experts (activation and down projection, after the projections that read the
+    block's input) run on a second stream beside the router, the routed experts and the latent projections, and are
+    added after the join as `linear_ref.linear_add` adds them (SGLang's dual-stream MoE): a few-token batch's routed
+    experts read their weights below the copy bandwidth, which the shared experts' GEMM can use
+    (`shared_expert_overlap_ops`). Nothing changes on the CPU."""
     moe_layout: str = "checkpoint"
     """The layout MXFP4 routed experts hold their codes in where the fused MoE kernel runs (`ModelRunner.ops`
     re-lays them once when set): "checkpoint" (the "lut" decode) or "shift" (`ops.moe.mxfp4_layout`, the
@@ -183,6 +189,12 @@ def separate_kernel_ops(ops: DecodeOps) -> DecodeOps:
     reference compositions: the other side of `fewer_kernel_ops`' A/B (the CUDA engine before session 6)."""
     return dataclasses.replace(ops, name=f"{_projection_base(ops.name)}+separate-projections", linears=linear_ref.separate_linears,
                                linear_add=linear_ref.linear_add, gate_output=activation_ref.gate_output)
+
+
+def shared_expert_overlap_ops(ops: DecodeOps) -> DecodeOps:
+    """`ops` with `overlap_shared_experts` (opt-in, not yet timed: `benchmarks/e2e_step.py --shared-experts
+    serial,overlap`); `dataclasses.replace(ops, overlap_shared_experts=False)` is the other side of the A/B."""
+    return dataclasses.replace(ops, name=f"{ops.name}+shared-overlap", overlap_shared_experts=True)
 
 
 def shift_moe_layout(ops: DecodeOps) -> DecodeOps:
