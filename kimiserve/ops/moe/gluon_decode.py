@@ -119,7 +119,7 @@ def _prefetch_l2(ptrs, KEEP: gl.constexpr = False):
 @gluon.jit
 def _row_lines(w_e, v_e, nt, N_OUT, s_wn, BN: gl.constexpr, GATED: gl.constexpr, NUM_WARPS: gl.constexpr):
     """Pointers to the first word of each of this program's weight rows: [BN] of W, or [2 BN] of W then V where
-    GATED (a row's K step of 256 is one 128-byte line, of 128 two rows' halves)."""
+    GATED. A row's K step of 256 columns is one 128-byte line (of 128 columns, half of one)."""
     R: gl.constexpr = 2 * BN if GATED else BN
     L: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
     i = gl.arange(0, R, layout=L)
