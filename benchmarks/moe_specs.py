@@ -1,0 +1,84 @@
+"""The fused MoE's launch configs as the benchmarks name them (SPECs; `benchmarks/moe_layer.py`'s doc lists the
+parts), and options applied onto a default config ("default+pdl+pa2")."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from kimiserve.ops.moe import triton as tt
+
+
+def parse_variant(spec: str) -> tt.MoEConfig:
+    """DEQUANT-mBM-nBN-kBK-wW-sS[-dnBN][-dkBK][-dwW][-dsS][-rR][-drR][-skS][-dskS][-paA][-dpaA][-pfP][-swap][-frag]
+    [-pdl] -> MoEConfig (frag: MoEConfig.fragments, the Gluon fragment GEMMs; pdl: MoEConfig.dependent_launch; pa /
+    dpa: GemmTiles.prefetch_ahead of gate/up / down; pf: MoEConfig.down_prefetch_steps)."""
+    dequant, *parts = spec.split("-")
+    if dequant not in tt._DEQUANT:
+        raise ValueError(f"variant {spec!r}: dequant must be one of {list(tt._DEQUANT)}")
+    vals, flags = {}, set()
+    for p in parts:
+        if p in ("swap", "frag", "pdl"):
+            flags.add(p)
+            continue
+        key = next((pre for pre in ("dsk", "dpa", "dn", "dk", "dw", "ds", "dr", "sk", "pf", "pa")
+                    if p.startswith(pre)), p[:1])
+        if key not in ("m", "n", "k", "w", "s", "r", "dn", "dk", "dw", "ds", "dr", "sk", "dsk", "pf", "pa", "dpa") \
+                or not p[len(key):].isdigit():
+            raise ValueError(f"variant {spec!r}: cannot read {p!r}")
+        vals[key] = int(p[len(key):])
+    missing = {"m", "n", "k", "w", "s"} - vals.keys()
+    if missing:
+        raise ValueError(f"variant {spec!r} lacks {sorted(missing)}")
+    swap = "swap" in flags
+    up = tt.GemmTiles(block_n=vals["n"], block_k=vals["k"], num_warps=vals["w"], num_stages=vals["s"], swap=swap,
+                      split_k=vals.get("sk", 1), max_registers=vals.get("r"), prefetch_ahead=vals.get("pa", 0))
+    down = tt.GemmTiles(block_n=vals.get("dn", vals["n"]), block_k=vals.get("dk", vals["k"]),
+                        num_warps=vals.get("dw", vals["w"]), num_stages=vals.get("ds", vals["s"]), swap=swap,
+                        split_k=vals.get("dsk", 1), max_registers=vals.get("dr"),
+                        prefetch_ahead=vals.get("dpa", 0))
+    return tt.MoEConfig(block_m=vals["m"], up=up, down=down, dequant=dequant, fragments="frag" in flags,
+                        dependent_launch="pdl" in flags, down_prefetch_steps=vals.get("pf", 0))
+
+
+def config_spec(cfg: tt.MoEConfig) -> str:
+    u, d = cfg.up, cfg.down
+    spec = f"{cfg.dequant}-m{cfg.block_m}-n{u.block_n}-k{u.block_k}-w{u.num_warps}-s{u.num_stages}"
+    spec += f"-dn{d.block_n}" if d.block_n != u.block_n else ""
+    spec += f"-dk{d.block_k}" if d.block_k != u.block_k else ""
+    spec += f"-dw{d.num_warps}" if d.num_warps != u.num_warps else ""
+    spec += f"-ds{d.num_stages}" if d.num_stages != u.num_stages else ""
+    spec += f"-r{u.max_registers}" if u.max_registers else ""
+    spec += f"-dr{d.max_registers}" if d.max_registers else ""
+    spec += f"-sk{u.split_k}" if u.split_k > 1 else ""
+    spec += f"-dsk{d.split_k}" if d.split_k > 1 else ""
+    spec += f"-pa{u.prefetch_ahead}" if u.prefetch_ahead else ""
+    spec += f"-dpa{d.prefetch_ahead}" if d.prefetch_ahead else ""
+    spec += f"-pf{cfg.down_prefetch_steps}" if cfg.down_prefetch_steps else ""
+    return spec + ("-swap" if u.swap else "") + ("-frag" if cfg.fragments else "") + \
+        ("-pdl" if cfg.dependent_launch else "")
+
+
+def with_options(cfg: tt.MoEConfig, options: list[str]) -> tt.MoEConfig:
+    """cfg with SPEC-style options: pdl (MoEConfig.dependent_launch), pfP (down_prefetch_steps), paA / dpaA
+    (GemmTiles.prefetch_ahead of the gate/up / down GEMM): "default+pdl+pa2" applies them to a default config."""
+    for opt in options:
+        key = next((pre for pre in ("pdl", "dpa", "pa", "pf") if opt.startswith(pre)), None)
+        value = opt[len(key):] if key else ""
+        if key is None or (key == "pdl") != (value == "") or (value and not value.isdigit()):
+            raise ValueError(f"option {opt!r}: one of pdl, pfP, paA, dpaA")
+        if key == "pdl":
+            cfg = dataclasses.replace(cfg, dependent_launch=True)
+        elif key == "pf":
+            cfg = dataclasses.replace(cfg, down_prefetch_steps=int(value))
+        else:
+            gemm = "up" if key == "pa" else "down"
+            cfg = dataclasses.replace(cfg, **{gemm: dataclasses.replace(getattr(cfg, gemm), prefetch_ahead=int(value))})
+    return cfg
+
+
+def default_with_options(spec: str, base: str, make_default) -> tt.MoEConfig | None:
+    """`spec` "BASE+OPT+..." -> make_default() with the options (None when spec is not BASE with options)."""
+    name, *options = spec.split("+")
+    if name != base or not options:
+        return None
+    return with_options(make_default(), options)
