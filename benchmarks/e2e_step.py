@@ -83,7 +83,7 @@ def use_moe_config(spec: str | None, regime: str = "decode") -> None:
         tiles.pop(regime, None)
     else:
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-        from moe_layer import parse_variant, with_options
+        from moe_specs import parse_variant, with_options
 
         if spec.startswith("default+"):
             options = spec.split("+")[1:]
@@ -100,7 +100,7 @@ def use_moe_config(spec: str | None, regime: str = "decode") -> None:
         rows = num_tokens * top_k / max(1, num_experts)
         tile = tiles.get("decode" if rows <= moe_triton.DECODE_MAX_ROWS else "prefill")
         if isinstance(tile, list):  # options onto the default
-            from moe_layer import with_options
+            from moe_specs import with_options
 
             return with_options(config, tile)
         ok = tile is not None and dtype == torch.bfloat16 and mxfp4 and tile.dequant == config.dequant

@@ -125,10 +125,7 @@ def variants_for(arg: str, dry: bool) -> list[str]:
     for item in arg.split(","):
         out += named[item] if item in named else [item]
     for spec in out:  # fail before any GPU time is spent
-        if spec.startswith("default-shift+"):
-            with_options(tt.MoEConfig(), spec.split("+")[1:])
-        else:
-            parse_variant(spec)
+        default_with_options(spec, "default-shift", tt.MoEConfig) or parse_variant(spec)
     return out
 
 

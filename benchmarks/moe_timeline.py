@@ -23,7 +23,6 @@ layer's cost inside an engine step; `moe_layer.py` times one call a replay, whic
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import json
 import os
@@ -36,8 +35,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from gpu_clocks import ClockLog, summarize  # noqa: E402
-from moe_layer import (copy_gbps, default_with_options, layer_bytes, packed_experts, parse_variant, route,  # noqa: E402
-                       shift_layout, with_options)
+from moe_layer import copy_gbps, layer_bytes, packed_experts, route, shift_layout  # noqa: E402
+from moe_specs import default_with_options, parse_variant  # noqa: E402
 
 from kimiserve.utils.cuda_timing import capture_graph, cuda_time, graph_time  # noqa: E402
 from kimiserve.utils.run_info import git_commit  # noqa: E402
@@ -128,10 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     E, k, h, inter = (int(v) for v in args.shape.split(","))
     variants = args.variants.split(",")
     for spec in variants:
-        if spec.startswith("default+"):
-            with_options(tt.MoEConfig(), spec.split("+")[1:])
-        elif spec != "default":
-            parse_variant(spec)
+        if spec != "default":
+            default_with_options(spec, "default", tt.MoEConfig) or parse_variant(spec)
     copy = copy_gbps("cuda", 2**32, lambda fn: cuda_time(fn, repeats=10, warmup=3))
     w = packed_experts(E, h, inter, "cuda")
     shifted = shift_layout(w, True)

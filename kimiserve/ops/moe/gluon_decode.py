@@ -255,10 +255,9 @@ def _fragment_gemm_kernel(
     w_c, s_c, v_c, t_c = _load_weights(w_e, ws_e, v_e, vs_e, w_off, s_off, 0, BK, GATED, EVICT)
     lines = _row_lines(w_e, v_e, nt, N_OUT, s_wn, BN, GATED, NUM_WARPS)
     if AHEAD > 0:  # steps 1 .. AHEAD now; the loop then keeps AHEAD steps ahead of its loads
-        ahead = gl.arange(1, AHEAD + 1, layout=gl.SliceLayout(0, gl.BlockedLayout([1, AHEAD], [32, 1],
-                                                                                   [NUM_WARPS, 1], [1, 0])))
-        first = gl.convert_layout(lines, gl.SliceLayout(1, gl.BlockedLayout([1, AHEAD], [32, 1], [NUM_WARPS, 1],
-                                                                            [1, 0])))
+        LP: gl.constexpr = gl.BlockedLayout([1, AHEAD], [32, 1], [NUM_WARPS, 1], [1, 0])
+        ahead = gl.arange(1, AHEAD + 1, layout=gl.SliceLayout(0, LP))
+        first = gl.convert_layout(lines, gl.SliceLayout(1, LP))
         _prefetch_l2(gl.expand_dims(first, 1) + gl.expand_dims(gl.minimum(ahead, steps - 1) * (BK // 8), 0))
     if PF_STEPS > 0:
         _prefetch_down_rows(pf_ptr + e * s_pfe, pfs_ptr + e * s_pfse, nt, n_tiles, PF_N, s_pfn, s_pfsn, PF_STEPS, PF_RB,
