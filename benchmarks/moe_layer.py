@@ -29,14 +29,18 @@ at the same shape for --check-tokens (relative RMS error, bound 1e-2), and the p
                                                             # spills, shared memory, SASS per K step)
 
 A variant SPEC is DEQUANT-mBM-nBN-kBK-wWARPS-sSTAGES[-dnBN][-dkBK][-dwWARPS][-dsSTAGES][-rREGS][-drREGS]
-[-skS][-dskS][-paA][-dpaA][-pfP][-swap][-frag][-pdl] (dn/dk/dw/ds: the down GEMM's column tile, K step, warps and
-stages when they differ from the gate/up GEMM's; frag: MoEConfig.fragments; r/dr: a register cap (maxnreg) per GEMM;
-sk/dsk: split-K of the gate/up and down GEMMs, fp32 partials reduced in a fixed order; pa/dpa: GemmTiles.prefetch_ahead
-of each decode fragment GEMM, its weight lines prefetched into L2 A K steps ahead; pf: MoEConfig.down_prefetch_steps,
-the down weights' first P lines a row prefetched into L2 by the gate/up GEMM; pdl: MoEConfig.dependent_launch, the
-decode chain's programmatic dependent launch), e.g. lut-m16-n64-k256-w4-s3-swap, shift-m16-n64-k128-w4-s4-sk4-dsk4,
-shift-m16-n64-k256-w4-s2-dr72-frag-pdl. A variant default-shift+OPT[+OPT...] is the shift layout's default config
-with options (`with_options`: pdl, pfP, paA, dpaA), e.g. default-shift+pdl+pa2+dpa2.
+[-skS][-dskS][-paA][-dpaA][-pfP][-tNAME][-swap][-frag][-pdl] (dn/dk/dw/ds: the down GEMM's column tile, K step, warps
+and stages when they differ from the gate/up GEMM's; frag: MoEConfig.fragments; r/dr: a register cap (maxnreg) per
+GEMM; sk/dsk: split-K of the gate/up and down GEMMs, fp32 partials reduced in a fixed order; pa/dpa:
+GemmTiles.prefetch_ahead of each decode fragment GEMM, its weight lines prefetched into L2 A K steps ahead; pf:
+MoEConfig.down_prefetch_steps, the down weights' first P lines a row prefetched into L2 by the gate/up GEMM; pdl:
+MoEConfig.dependent_launch, the decode chain's programmatic dependent launch; tNAME: MoEConfig.wgmma_tails by the
+names of `moe_specs.TAILS`, e.g. t32: the wgmma GEMMs' tails of at most 32 rows as 32-token tiles, two programs an SM),
+e.g. lut-m16-n64-k256-w4-s3-swap, shift-m16-n64-k128-w4-s4-sk4-dsk4, shift-m16-n64-k256-w4-s2-dr72-frag-pdl. A
+variant default-shift+OPT[+OPT...] is the shift layout's default config with options (`with_options`: pdl, pfP, paA,
+dpaA, the TAILS names), e.g. default-shift+pdl+pa2+dpa2 or default-shift+t32. An option that does not apply to a
+size's default config (t32 where it is not the wgmma GEMMs, at K3.1 up to 1344 tokens; pf4 above 256) raises there:
+that size is not timed for the variant, and a --check at such a size drops the variant at every size.
 --stages-each times every variant's stages apart (gate/up, down): the best gate/up and the best down tiling of
 a sweep can then be paired.
 Writes the JSON after every row (device, date, commit, copy_gbps, matmul_tflops, rows) and prints a

@@ -7,11 +7,18 @@ import dataclasses
 
 from kimiserve.ops.moe import triton as tt
 
+_T = tt.WgmmaTail
+# MoEConfig.wgmma_tails by name: the default (64-token tiles); with 32-token tiles for blocks of at most 32 rows
+# (4 stages, capped at 128 registers: two programs an SM); every tail capped (64-token tiles on 3 stages)
+TAILS = {"t64": (_T(),), "t32": (_T(), _T(32, 4, 128)), "t64r": (_T(64, 3, 128),),
+         "t32r": (_T(64, 3, 128), _T(32, 4, 128))}
+
 
 def parse_variant(spec: str) -> tt.MoEConfig:
-    """DEQUANT-mBM-nBN-kBK-wW-sS[-dnBN][-dkBK][-dwW][-dsS][-rR][-drR][-skS][-dskS][-paA][-dpaA][-pfP][-swap][-frag]
-    [-pdl] -> MoEConfig (frag: MoEConfig.fragments, the Gluon fragment GEMMs; pdl: MoEConfig.dependent_launch; pa /
-    dpa: GemmTiles.prefetch_ahead of gate/up / down; pf: MoEConfig.down_prefetch_steps)."""
+    """DEQUANT-mBM-nBN-kBK-wW-sS[-dnBN][-dkBK][-dwW][-dsS][-rR][-drR][-skS][-dskS][-paA][-dpaA][-pfP][-tNAME][-swap]
+    [-frag][-pdl] -> MoEConfig (frag: MoEConfig.fragments, the Gluon fragment GEMMs; pdl: MoEConfig.dependent_launch;
+    pa / dpa: GemmTiles.prefetch_ahead of gate/up / down; pf: MoEConfig.down_prefetch_steps; -tNAME:
+    MoEConfig.wgmma_tails, one of TAILS)."""
     dequant, *parts = spec.split("-")
     if dequant not in tt._DEQUANT:
         raise ValueError(f"variant {spec!r}: dequant must be one of {list(tt._DEQUANT)}")
@@ -19,6 +26,9 @@ def parse_variant(spec: str) -> tt.MoEConfig:
     for p in parts:
         if p in ("swap", "frag", "pdl"):
             flags.add(p)
+            continue
+        if p in TAILS:
+            vals["t"] = p
             continue
         key = next((pre for pre in ("dsk", "dpa", "dn", "dk", "dw", "ds", "dr", "sk", "pf", "pa")
                     if p.startswith(pre)), p[:1])
@@ -37,7 +47,8 @@ def parse_variant(spec: str) -> tt.MoEConfig:
                         split_k=vals.get("dsk", 1), max_registers=vals.get("dr"),
                         prefetch_ahead=vals.get("dpa", 0))
     return tt.MoEConfig(block_m=vals["m"], up=up, down=down, dequant=dequant, fragments="frag" in flags,
-                        dependent_launch="pdl" in flags, down_prefetch_steps=vals.get("pf", 0))
+                        dependent_launch="pdl" in flags, down_prefetch_steps=vals.get("pf", 0),
+                        wgmma_tails=TAILS[vals.get("t", "t64")])
 
 
 def config_spec(cfg: tt.MoEConfig) -> str:
@@ -54,18 +65,25 @@ def config_spec(cfg: tt.MoEConfig) -> str:
     spec += f"-pa{u.prefetch_ahead}" if u.prefetch_ahead else ""
     spec += f"-dpa{d.prefetch_ahead}" if d.prefetch_ahead else ""
     spec += f"-pf{cfg.down_prefetch_steps}" if cfg.down_prefetch_steps else ""
+    if cfg.wgmma_tails != tt.MoEConfig.wgmma_tails:
+        unnamed = "tails" + ".".join(f"{t.block_m}s{t.num_stages}r{t.max_registers or 0}" for t in cfg.wgmma_tails)
+        spec += "-" + next((name for name, tails in TAILS.items() if tails == cfg.wgmma_tails), unnamed)
     return spec + ("-swap" if u.swap else "") + ("-frag" if cfg.fragments else "") + \
         ("-pdl" if cfg.dependent_launch else "")
 
 
 def with_options(cfg: tt.MoEConfig, options: list[str]) -> tt.MoEConfig:
     """cfg with SPEC-style options: pdl (MoEConfig.dependent_launch), pfP (down_prefetch_steps), paA / dpaA
-    (GemmTiles.prefetch_ahead of the gate/up / down GEMM): "default+pdl+pa2" applies them to a default config."""
+    (GemmTiles.prefetch_ahead of the gate/up / down GEMM), a name of TAILS (MoEConfig.wgmma_tails): "default+pdl+pa2"
+    applies them to a default config."""
     for opt in options:
+        if opt in TAILS:
+            cfg = dataclasses.replace(cfg, wgmma_tails=TAILS[opt])
+            continue
         key = next((pre for pre in ("pdl", "dpa", "pa", "pf") if opt.startswith(pre)), None)
         value = opt[len(key):] if key else ""
         if key is None or (key == "pdl") != (value == "") or (value and not value.isdigit()):
-            raise ValueError(f"option {opt!r}: one of pdl, pfP, paA, dpaA")
+            raise ValueError(f"option {opt!r}: one of pdl, pfP, paA, dpaA, {', '.join(TAILS)}")
         if key == "pdl":
             cfg = dataclasses.replace(cfg, dependent_launch=True)
         elif key == "pf":

@@ -74,7 +74,8 @@ def test_moe_layer_dry_run(tmp_path):
 def test_variant_specs_carry_the_down_gemm_and_register_caps():
     """moe_layer.py SPECs: dn/dk/dw/ds set the down GEMM's tile, warps and stages apart, r/dr cap the registers
     (GemmTiles.max_registers), pa/dpa set GemmTiles.prefetch_ahead, pf MoEConfig.down_prefetch_steps, pdl
-    MoEConfig.dependent_launch; config_spec writes back the same SPEC; unknown parts are refused."""
+    MoEConfig.dependent_launch, t the smallest of MoEConfig.wgmma_tails; config_spec writes back the same SPEC;
+    unknown parts are refused."""
     sys.path.insert(0, str(REPO / "benchmarks"))
     from moe_layer import config_spec, parse_variant, with_options
 
@@ -97,6 +98,13 @@ def test_variant_specs_carry_the_down_gemm_and_register_caps():
     for bad in ("pdl1", "pa", "pfx", "ahead2"):
         with pytest.raises(ValueError, match=f"option {bad!r}"):
             with_options(base, [bad])
+    prefill = parse_variant("shift-m128-n128-k128-w8-s3-frag")
+    tails = parse_variant("shift-m128-n128-k128-w8-s3-t32-frag")
+    assert [t.block_m for t in prefill.wgmma_tails] == [64] and tails.wgmma_tails[1].max_registers == 128
+    assert config_spec(tails) == "shift-m128-n128-k128-w8-s3-t32-frag" and with_options(prefill, ["t32"]) == tails
+    assert with_options(tails, ["t64"]) == prefill and config_spec(prefill) == "shift-m128-n128-k128-w8-s3-frag"
+    with pytest.raises(ValueError, match="option 't16'"):
+        with_options(prefill, ["t16"])
     with pytest.raises(ValueError, match="cannot read"):
         parse_variant("shift-m16-n64-k256-w4-s3-q2")
 

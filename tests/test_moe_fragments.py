@@ -183,6 +183,39 @@ def test_sm90_build_of_the_wgmma_kernel(gated, paired, block_m, stages):
     assert len(ops) / weights < 3.6
 
 
+@pytest.mark.parametrize("gated", [True, False])
+@pytest.mark.parametrize("block_m,stages,loop_spills", [(32, 4, 0), (64, 3, 4)])
+def test_sm90_build_of_the_capped_tail_tiles(gated, block_m, stages, loop_spills):
+    """The capped tail tiles of benchmarks/moe_specs.py's TAILS (`MoEConfig.wgmma_tails`: 32 tokens on 4 stages, 64
+    on 3, at 128 registers), built for sm_90 offline as `wgmma_gemm_tails` launches them: two programs' registers
+    and shared memory fit an SM, their wgmmas are 64xBMx16, and the K loop spills at most a few words (none at 32
+    tokens; uncapped they take 146-172 registers, one program an SM)."""
+    pytest.importorskip("triton")
+    import importlib
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    from moe_layer import _largest_loop
+    from sass_report import compile_sm90, resource_usage, sass_of
+
+    gluon_prefill = importlib.import_module("kimiserve.ops.moe.gluon_prefill")
+    types = dict(a_ptr="*bf16", w_ptr="*i32", ws_ptr="*i32", v_ptr="*i32", vs_ptr="*i32", out_ptr="*bf16",
+                 sorted_ptr="*i32", bexp_ptr="*i32", brows_ptr="*i32", nblk_ptr="*i32", N_OUT="i32", K="i32",
+                 A_ROW_DIV="i32", s_am="i32", s_we="i64", s_wn="i32", s_se="i64", s_sn="i32", s_om="i32",
+                 beta="fp32", linear_beta="fp32")
+    consts = dict(GATED=gated, PAIRED=not gated, ACT=1, LINEAR_TANH=True, BM=block_m, STAGES=stages, ALIGN_M=128,
+                  MIN_ROWS=1)
+    cap = 128
+    built = compile_sm90(gluon_prefill._wgmma_gemm_kernel, types, consts, dict(num_warps=8, maxnreg=cap),
+                         ["N_OUT", "K", "s_am", "s_we", "s_wn", "s_se", "s_sn", "s_om"])
+    assert resource_usage(built)["reg"] <= cap and 2 * 8 * 32 * cap <= 65536
+    assert 2 * built.metadata.shared <= 228 * 1024  # the H100/H200 SM's shared memory
+    ops = _largest_loop(sass_of(built))
+    assert sum(op == f"HGMMA.64x{block_m}x16.F32.BF16" for op in ops) == 16
+    assert sum(op.startswith(("LDL", "STL")) for op in ops) <= loop_spills
+
+
 def test_decode_down_register_cap_only_where_it_makes_one_wave(monkeypatch):
     """The decode down GEMM is capped at DOWN_CAPPED_REGISTERS only where that turns two waves into one: K3.1 at 1
     token is 16 blocks x 56 column tiles = 896 programs, 5 an SM uncapped, 7 capped."""
@@ -295,7 +328,8 @@ def test_sm90_builds_of_the_chain_wait_before_reading_what_the_last_launch_wrote
 
 def test_decode_chain_options_are_checked():
     """MoEConfig.dependent_launch on the CPU (or under the interpreter) is a ValueError that says to leave it off;
-    down_prefetch_steps off the decode fragment GEMMs, or not a power of two, a ValueError that says what it takes."""
+    down_prefetch_steps off the decode fragment GEMMs, or not a power of two, and wgmma_tails off the wgmma GEMMs, a
+    ValueError that says what they take."""
     pytest.importorskip("triton")
     import dataclasses
 
@@ -313,3 +347,29 @@ def test_decode_chain_options_are_checked():
         config = dataclasses.replace(tt.default_config(2, 2, E, torch.float32, False), down_prefetch_steps=steps)
         with pytest.raises(ValueError, match="down_prefetch_steps takes 0 or a power of two"):
             tt.fused_moe(x, w1, w2, w3, ids, weights, config=config)
+    config = dataclasses.replace(tt.default_config(2, 2, E, torch.float32, False),
+                                 wgmma_tails=(tt.WgmmaTail(), tt.WgmmaTail(32)))  # off the wgmma GEMMs
+    with pytest.raises(ValueError, match="wgmma_tails applies to the wgmma fragment GEMMs on 128-row blocks"):
+        tt.fused_moe(x, w1, w2, w3, ids, weights, config=config)
+
+
+def test_wgmma_tails_are_checked():
+    """MoEConfig.wgmma_tails that the tail launches cannot run: a message that says what they take (CPU: the
+    check behind fused_moe's ValueError)."""
+    from kimiserve.ops.moe.config import GemmTiles, WgmmaTail
+    from kimiserve.ops.moe.fragment_order import check_fragment_shapes
+
+    tiles = GemmTiles(block_n=128, block_k=128, num_warps=8, num_stages=3)
+
+    def why(*tails):
+        return check_fragment_shapes(3584, 3072, 128, tiles, tiles, tails)
+
+    assert why(WgmmaTail()) is None and why(WgmmaTail(), WgmmaTail(32, 4, 128)) is None
+    assert why(WgmmaTail(32)) is None and why(WgmmaTail(64, 3, 128)) is None
+    for bad in ((), (WgmmaTail(32), WgmmaTail(64)), (WgmmaTail(16),), (WgmmaTail(), WgmmaTail()),
+                (WgmmaTail(128),)):
+        assert "tiles of (64, 32) tokens, largest first" in why(*bad)
+    assert ">= 3 stages" in why(WgmmaTail(64, 2))
+    assert "max_registers None or 24..255" in why(WgmmaTail(64, 4, 300))
+    assert "take fewer stages" in why(WgmmaTail(64, 7))
+    assert check_fragment_shapes(3584, 3072, 64, tiles, tiles, ()) is None  # 64-row blocks have no tails

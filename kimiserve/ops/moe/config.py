@@ -48,6 +48,18 @@ class GemmTiles:
 
 
 @dataclass(frozen=True)
+class WgmmaTail:
+    """One launch of the wgmma fragment GEMMs' tail tiles (`MoEConfig.wgmma_tails`): block_m tokens a tile (64 or
+    32: wgmma N), num_stages shared-memory stages (>= 3), max_registers a cap on its registers per thread (Triton's
+    maxnreg; 128 lets two 8-warp programs share an SM where their stages fit twice in its shared memory; None: the
+    compiler's choice, 146-172 registers at 32-64 tokens, one program an SM)."""
+
+    block_m: int = 64
+    num_stages: int = 4
+    max_registers: int | None = None
+
+
+@dataclass(frozen=True)
 class MoEConfig:
     """block_m: rows (routed pairs) per block, shared by both GEMMs; up: the gate/up GEMM (N = the
     intermediate dim, K = hidden); down: the down GEMM (N = hidden, K = intermediate); dequant:
@@ -64,7 +76,10 @@ class MoEConfig:
     down_prefetch_steps: with the decode fragment GEMMs, each gate/up program also prefetches into L2 (evict_last) the
     first that many 128-byte lines (K steps of 256) of its share of its expert's down weight rows, and streams its own
     weights with evict_first, so that the down GEMM starts on L2 hits (0: off; a power of two; for few tokens, whose
-    experts' prefetched lines fit in L2 beside the gate/up stream)."""
+    experts' prefetched lines fit in L2 beside the gate/up stream); wgmma_tails: with the wgmma fragment GEMMs on
+    128-row blocks, the launches (`WgmmaTail`) that take each expert's last block where it holds few rows, largest
+    tile first, each the blocks of more rows than the next one's tile holds (the 128-token launch: more than the
+    first one's): by default those of at most 64 rows as 64-token tiles (`ops.moe.gluon_prefill.wgmma_gemm_tails`)."""
 
     block_m: int = 16
     up: GemmTiles = field(default_factory=GemmTiles)
@@ -74,6 +89,7 @@ class MoEConfig:
     fragments: bool = False
     dependent_launch: bool = False
     down_prefetch_steps: int = 0
+    wgmma_tails: tuple[WgmmaTail, ...] = (WgmmaTail(),)
 
 
 def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -166,4 +182,4 @@ def _gluon_kernels(module: str) -> bool:
     return True
 
 
-__all__ = ["DECODE_MAX_ROWS", "GemmTiles", "MoEConfig", "default_config", "max_blocks"]
+__all__ = ["DECODE_MAX_ROWS", "GemmTiles", "MoEConfig", "WgmmaTail", "default_config", "max_blocks"]

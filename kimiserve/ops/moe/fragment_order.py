@@ -15,6 +15,7 @@ import torch
 FRAGMENT_BLOCK_KS = (128, 256)  # K per step: 4 quad threads x 32 or 64 physical columns
 FRAGMENT_BLOCK_M = 16  # the decode kernels (mma.sync, `ops.moe.gluon_decode`)
 WGMMA_BLOCK_MS = (64, 128)  # the prefill kernels (wgmma, `ops.moe.gluon_prefill`): tokens per block = wgmma N
+WGMMA_TAIL_BLOCK_MS = (64, 32)  # their tail launches' tiles at block_m 128 (`MoEConfig.wgmma_tails`)
 WGMMA_SHARED_BYTES = 227 * 1024  # the most shared memory one program may take on sm_90
 
 
@@ -63,24 +64,25 @@ def grouped_gemm_args(a, w, w_scale, v, v_scale, out, align, a_row_div: int, bet
     return args, gated
 
 
-def check_fragment_shapes(h: int, inter: int, block_m: int, up, down) -> str | None:
+def check_fragment_shapes(h: int, inter: int, block_m: int, up, down, tails=None) -> str | None:
     """Why the fragment GEMMs cannot run these expert dims and tiles (GemmTiles; None: they can). block_m 16: the
     decode kernels; 64 or 128: the prefill (wgmma) kernels, 128 weight rows x 128-wide K steps on 8 warps, 3 or more
-    stages that fit the shared memory (gate/up: up to 6 at block_m 64, 4 at 128)."""
+    stages that fit the shared memory (gate/up: up to 6 at block_m 64, 4 at 128). tails: at block_m 128, the tail
+    launches (`MoEConfig.wgmma_tails`: tiles of WGMMA_TAIL_BLOCK_MS tokens, largest first, their stages fitting)."""
+    if block_m == 128 and tails is not None:
+        why = _check_tails(h, tails)
+        if why:
+            return why
     if block_m in WGMMA_BLOCK_MS:
         if h % 128 or inter % 128:
             return f"the wgmma fragment GEMMs need expert dims that are multiples of 128, got {h} and {inter}"
-        # the down GEMM: two weight tiles a program where its N (h) is a multiple of 256 (gluon_prefill.paired_down)
-        for t, weight_tiles in ((up, 2), (down, 2 if h % 256 == 0 else 1)):
+        for t, weight_tiles in ((up, 2), (down, _down_weight_tiles(h))):
             if (t.block_n, t.block_k, t.num_warps, t.split_k, t.swap) != (128, 128, 8, 1, False) or t.num_stages < 3:
                 return (f"block_m {block_m} (the wgmma fragment GEMMs) takes tiles of block_n 128, block_k 128, "
                         f"8 warps, >= 3 stages, no split-K, no swap; got {t}")
-            # a stage: the token tile, each weight tile's codes and scales (the epilogue's [128, block_m] tile reuses
-            # the stages' memory)
-            smem = t.num_stages * (block_m * 256 + weight_tiles * (128 * 64 + 512))
-            if smem > WGMMA_SHARED_BYTES:
-                return (f"{t.num_stages} stages of block_m {block_m} need {smem // 1024} KB of shared memory "
-                        f"({WGMMA_SHARED_BYTES // 1024} KB a program on sm_90): take fewer stages")
+            why = _check_wgmma_stages(block_m, t.num_stages, weight_tiles)
+            if why:
+                return why
         return None
     if block_m != FRAGMENT_BLOCK_M:
         return f"block_m must be {FRAGMENT_BLOCK_M} (decode) or one of {WGMMA_BLOCK_MS} (prefill), got {block_m}"
@@ -93,5 +95,33 @@ def check_fragment_shapes(h: int, inter: int, block_m: int, up, down) -> str | N
     return None
 
 
-__all__ = ["FRAGMENT_BLOCK_KS", "FRAGMENT_BLOCK_M", "WGMMA_BLOCK_MS", "WGMMA_SHARED_BYTES", "check_fragment_shapes",
+def _down_weight_tiles(h: int) -> int:
+    """The down GEMM's weight tiles a program: two where its N (h) is a multiple of 256 (gluon_prefill.paired_down)."""
+    return 2 if h % 256 == 0 else 1
+
+
+def _check_wgmma_stages(block_m: int, stages: int, weight_tiles: int) -> str | None:
+    # a stage: the token tile, each weight tile's codes and scales (the epilogue's [128, block_m] tile reuses the
+    # stages' memory)
+    smem = stages * (block_m * 256 + weight_tiles * (128 * 64 + 512))
+    if smem > WGMMA_SHARED_BYTES:
+        return (f"{stages} stages of block_m {block_m} need {smem // 1024} KB of shared memory "
+                f"({WGMMA_SHARED_BYTES // 1024} KB a program on sm_90): take fewer stages")
+    return None
+
+
+def _check_tails(h: int, tails) -> str | None:
+    sizes = [t.block_m for t in tails]
+    if not sizes or any(m not in WGMMA_TAIL_BLOCK_MS for m in sizes) or sizes != sorted(set(sizes), reverse=True):
+        return f"wgmma_tails takes tiles of {WGMMA_TAIL_BLOCK_MS} tokens, largest first, each size once; got {sizes}"
+    for t in tails:
+        if t.num_stages < 3 or not (t.max_registers is None or 24 <= t.max_registers <= 255):
+            return f"a wgmma tail takes >= 3 stages and max_registers None or 24..255; got {t}"
+        why = _check_wgmma_stages(t.block_m, t.num_stages, 2)
+        if why:
+            return f"wgmma tail {t}: {why}"
+    return None
+
+
+__all__ = ["FRAGMENT_BLOCK_KS", "FRAGMENT_BLOCK_M", "WGMMA_BLOCK_MS", "WGMMA_SHARED_BYTES", "WGMMA_TAIL_BLOCK_MS", "check_fragment_shapes",
            "fragment_order", "from_fragment_order", "grouped_gemm_args", "mma_position"]

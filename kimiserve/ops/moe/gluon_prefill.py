@@ -44,6 +44,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
+from kimiserve.ops.moe.config import WgmmaTail
 from kimiserve.ops.moe.epilogue import _activate
 from kimiserve.ops.moe.fragment_order import grouped_gemm_args
 from kimiserve.ops.moe.triton import _ACT, _LUT_CONSTRAINTS, _SHIFT_ASM_C
@@ -310,7 +311,8 @@ def _store_tile(y, out_ptr, sorted_ptr, row0, nrows, col0, s_om, BM: gl.constexp
 
 
 def wgmma_gemm(a, w, w_scale, v, v_scale, out, align, a_row_div: int, block_m: int, act: str, beta: float,
-               linear_beta: float | None, stages: int = 4, align_m: int | None = None, min_rows: int = 1):
+               linear_beta: float | None, stages: int = 4, align_m: int | None = None, min_rows: int = 1,
+               max_registers: int | None = None):
     """One grouped GEMM (see the module doc): a [rows, K] bf16 in the MMA-k order of 128-wide steps; w, v uint8
     [E, N, K/2] in the shift layout with ue8m0 scales [E, N, K/32] (v None: the down GEMM, two 128-row weight tiles
     a program where N is a multiple of 256); out [N k, N] bf16 (the gate/up GEMM: its columns in the MMA-k order of
@@ -318,7 +320,8 @@ def wgmma_gemm(a, w, w_scale, v, v_scale, out, align, a_row_div: int, block_m: i
 
     align: `ops.moe.triton.align_blocks` at align_m rows a block (None: block_m); this launch takes only the blocks
     of min_rows..block_m real rows, so that a launch of 128-row tiles can leave the blocks of at most 64 rows to a
-    launch of 64-row tiles (`wgmma_gemm_tails`)."""
+    launch of 64-row tiles (`wgmma_gemm_tails`). max_registers: Triton's maxnreg for this launch (None: the
+    compiler's choice)."""
     align_m = align_m or block_m
     if align_m < block_m or not 1 <= min_rows <= block_m:
         raise ValueError(f"a launch of {block_m}-row tiles takes align blocks of at least {block_m} rows (got "
@@ -331,7 +334,8 @@ def wgmma_gemm(a, w, w_scale, v, v_scale, out, align, a_row_div: int, block_m: i
     grid = (align[1].numel() * triton.cdiv(w.shape[1], BLOCK_N.value * (1 + paired)),)
     _wgmma_gemm_kernel[grid](
         *args, GATED=gated, PAIRED=paired, ACT=_ACT[act], LINEAR_TANH=linear_beta is not None, BM=block_m,
-        STAGES=stages, ALIGN_M=align_m, MIN_ROWS=min_rows, num_warps=NUM_WARPS.value)
+        STAGES=stages, ALIGN_M=align_m, MIN_ROWS=min_rows, num_warps=NUM_WARPS.value,
+        **({"maxnreg": max_registers} if max_registers else {}))
 
 
 def paired_down(n_out: int) -> bool:
@@ -340,22 +344,26 @@ def paired_down(n_out: int) -> bool:
 
 
 def wgmma_gemm_tails(a, w, w_scale, v, v_scale, out, align, a_row_div: int, act: str, beta: float,
-                     linear_beta: float | None, stages: int = 3, tail_stages: int = 4):
-    """A grouped GEMM on 128-row align blocks: blocks of more than 64 rows as 128-token tiles, the rest (each
-    expert's last block where it holds at most 64 rows) as 64-token tiles in a second launch. A 128-token tile costs
-    ~1.5x a 64-token one for twice the tokens, and a tail of at most 64 rows would pad the 128-token tile by half."""
+                     linear_beta: float | None, stages: int = 3, tails: tuple[WgmmaTail, ...] = (WgmmaTail(),)):
+    """A grouped GEMM on 128-row align blocks: each expert's blocks of more rows than the first tail tile holds as
+    128-token tiles, the rest (its last block where it holds few rows) in the tail launches, largest tile first,
+    each taking the blocks of more rows than the next one's tile (`MoEConfig.wgmma_tails`; by default those of at
+    most 64 rows as 64-token tiles). A 128-token tile costs ~1.5x a 64-token one for twice the tokens, and a tail of
+    at most 64 rows would pad the 128-token tile by half."""
     common = (a, w, w_scale, v, v_scale, out, align, a_row_div)
-    wgmma_gemm(*common, 128, act, beta, linear_beta, stages, align_m=128, min_rows=65)
-    wgmma_gemm(*common, 64, act, beta, linear_beta, tail_stages, align_m=128)
+    wgmma_gemm(*common, 128, act, beta, linear_beta, stages, align_m=128, min_rows=tails[0].block_m + 1)
+    for tail, smaller in zip(tails, tails[1:] + (None,)):
+        wgmma_gemm(*common, tail.block_m, act, beta, linear_beta, tail.num_stages, align_m=128,
+                   min_rows=smaller.block_m + 1 if smaller else 1, max_registers=tail.max_registers)
 
 
 def wgmma_gemm_blocks(a, w, w_scale, v, v_scale, out, align, a_row_div: int, block_m: int, act: str, beta: float,
-                      linear_beta: float | None, stages: int):
-    """The grouped GEMM on align blocks of block_m rows: at 128 with each expert's tail as 64-token tiles
-    (`wgmma_gemm_tails`), at 64 in one launch."""
+                      linear_beta: float | None, stages: int, tails: tuple[WgmmaTail, ...] = (WgmmaTail(),)):
+    """The grouped GEMM on align blocks of block_m rows: at 128 with each expert's tail in launches of smaller
+    tiles (`wgmma_gemm_tails`), at 64 in one launch."""
     common = (a, w, w_scale, v, v_scale, out, align, a_row_div)
     if block_m == 128:
-        wgmma_gemm_tails(*common, act, beta, linear_beta, stages)
+        wgmma_gemm_tails(*common, act, beta, linear_beta, stages, tails)
     else:
         wgmma_gemm(*common, block_m, act, beta, linear_beta, stages)
 

@@ -76,7 +76,7 @@ import triton
 import triton.language as tl
 
 from kimiserve.ops.moe.align import align_blocks
-from kimiserve.ops.moe.config import DECODE_MAX_ROWS, GemmTiles, MoEConfig, default_config, max_blocks
+from kimiserve.ops.moe.config import DECODE_MAX_ROWS, GemmTiles, MoEConfig, WgmmaTail, default_config, max_blocks
 from kimiserve.ops.moe.dependent_launch import launch_options, unsupported
 from kimiserve.ops.moe.epilogue import _activate, _combine_kernel, _reduce_act_kernel
 from kimiserve.ops.moe.mxfp4_layout import MAG_MASK, SHIFT_PAIRS, SIGN_MASK, shift_decode_ptx
@@ -554,9 +554,12 @@ def _check(x, w1, w2, w3, w1_scale, w2_scale, w3_scale, ids, weights, config: Mo
             raise ValueError("MoEConfig.fragments runs bf16 activations on CUDA against MXFP4 experts in the shift "
                              f"layout (dequant 'shift'); got {x.dtype} on {x.device.type}, dequant {config.dequant!r}")
         from kimiserve.ops.moe.fragment_order import check_fragment_shapes
-        why = check_fragment_shapes(h, inter, config.block_m, config.up, config.down)
+        why = check_fragment_shapes(h, inter, config.block_m, config.up, config.down, config.wgmma_tails)
         if why:
             raise ValueError(f"MoEConfig.fragments: {why}")
+    if config.wgmma_tails != MoEConfig.wgmma_tails and not (config.fragments and config.block_m == 128):
+        raise ValueError(f"MoEConfig.wgmma_tails applies to the wgmma fragment GEMMs on 128-row blocks (fragments, "
+                         f"block_m 128); leave it at its default for block_m {config.block_m}")
     steps = config.down_prefetch_steps
     if steps and (not (config.fragments and config.block_m == 16) or steps & (steps - 1) or steps < 0
                   or steps * 128 > w2.shape[2]):
@@ -623,7 +626,8 @@ def gate_up(x, w1, w1_scale, w3, w3_scale, act, align, config: MoEConfig, activa
         from kimiserve.ops.moe import gluon_prefill
         from kimiserve.ops.moe.fragment_order import fragment_order
         gluon_prefill.wgmma_gemm_blocks(fragment_order(x, 128), w1, w1_scale, w3, w3_scale, act, align, k,
-                                        config.block_m, activation, beta, linear_beta, config.up.num_stages)
+                                        config.block_m, activation, beta, linear_beta, config.up.num_stages,
+                                        config.wgmma_tails)
         return
     if config.fragments:
         from kimiserve.ops.moe import gluon_decode
@@ -652,7 +656,7 @@ def down_gemm(act, w2, w2_scale, y, align, config: MoEConfig):
     if config.fragments and config.block_m > 16:
         from kimiserve.ops.moe import gluon_prefill
         gluon_prefill.wgmma_gemm_blocks(act, w2, w2_scale, None, None, y, align, 1, config.block_m, "silu", 1.0, None,
-                                        config.down.num_stages)
+                                        config.down.num_stages, config.wgmma_tails)
     elif config.fragments:
         from kimiserve.ops.moe import gluon_decode
         gluon_decode.fragment_gemm(act, w2, w2_scale, None, None, y, align, 1, config.down, "silu", 1.0, None,
@@ -677,6 +681,6 @@ def down_combine(act, w2, w2_scale, y, weights, out, align, config: MoEConfig):
                                               **launch_options(config.dependent_launch))
 
 
-__all__ = ["DECODE_MAX_ROWS", "GemmTiles", "MoEConfig", "align_blocks",
+__all__ = ["DECODE_MAX_ROWS", "GemmTiles", "MoEConfig", "WgmmaTail", "align_blocks",
            "default_config", "dequantize_weights", "down_combine", "down_gemm", "fused_moe", "gate_up", "max_blocks",
            "sm_count"]
