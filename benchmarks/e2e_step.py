@@ -72,8 +72,9 @@ def use_moe_config(spec: str | None, regime: str = "decode") -> None:
     """The fused MoE's config for one regime (bf16, MXFP4) from now on: "decode" (<= `DECODE_MAX_ROWS` routed rows
     per expert) or "prefill" (more): `spec` (a moe_layer.py variant) where its dequant matches the one the default
     picks for the experts' layout, else the default; "default+OPT+...": the default with moe_layer.py's options
-    (`with_options`: pdl, pfP, paA, dpaA). Patches this process's `ops.moe.triton.default_config` (a
-    benchmark's A/B, not a library setting; the other regime keeps what it had)."""
+    (`moe_specs.with_options`: pdl, pfP, paA, dpaA for decode, the `moe_specs.TAILS` names for prefill). Patches
+    this process's `ops.moe.triton.default_config` (a benchmark's A/B, not a library setting; the other regime keeps
+    what it had)."""
     from kimiserve.ops.moe import triton as moe_triton
 
     current = moe_triton.default_config
@@ -360,7 +361,8 @@ def main() -> int:
                         "a SPEC whose dequant does not match the experts' layout leaves the default)")
     p.add_argument("--moe-prefill-tiles", default="",
                    help="comma-separated fused-MoE configs for the prefill regime (> 8 routed rows per expert), each "
-                        "'default' or a benchmarks/moe_layer.py variant SPEC: the prefill rows run for each (an A/B "
+                        "'default', 'default+OPT+...' (the default with moe_specs.TAILS' options, e.g. t32) or a "
+                        "benchmarks/moe_layer.py variant SPEC: the prefill rows run for each (an A/B "
                         "of a default change; a SPEC whose dequant does not match the experts' layout leaves the "
                         "default)")
     p.add_argument("--quick", action="store_true", help="the same rows, 8 timed steps and 1 expert-count step each")
