@@ -344,28 +344,30 @@ def paired_down(n_out: int) -> bool:
 
 
 def wgmma_gemm_tails(a, w, w_scale, v, v_scale, out, align, a_row_div: int, act: str, beta: float,
-                     linear_beta: float | None, stages: int = 3, tails: tuple[WgmmaTail, ...] = (WgmmaTail(),)):
+                     linear_beta: float | None, stages: int = 3, tails: tuple[WgmmaTail, ...] = (WgmmaTail(),),
+                     max_registers: int | None = None):
     """A grouped GEMM on 128-row align blocks: each expert's blocks of more rows than the first tail tile holds as
-    128-token tiles, the rest (its last block where it holds few rows) in the tail launches, largest tile first,
-    each taking the blocks of more rows than the next one's tile (`MoEConfig.wgmma_tails`; by default those of at
-    most 64 rows as 64-token tiles). A 128-token tile costs ~1.5x a 64-token one for twice the tokens, and a tail of
-    at most 64 rows would pad the 128-token tile by half."""
+    128-token tiles (stages, max_registers), the rest (its last block where it holds few rows) in the tail launches,
+    largest tile first, each taking the blocks of more rows than the next one's tile (`MoEConfig.wgmma_tails`; by
+    default those of at most 64 rows as 64-token tiles). A 128-token tile costs ~1.5x a 64-token one for twice the
+    tokens, and a tail of at most 64 rows would pad the 128-token tile by half."""
     common = (a, w, w_scale, v, v_scale, out, align, a_row_div)
-    wgmma_gemm(*common, 128, act, beta, linear_beta, stages, align_m=128, min_rows=tails[0].block_m + 1)
+    wgmma_gemm(*common, 128, act, beta, linear_beta, stages, align_m=128, min_rows=tails[0].block_m + 1,
+               max_registers=max_registers)
     for tail, smaller in zip(tails, tails[1:] + (None,)):
         wgmma_gemm(*common, tail.block_m, act, beta, linear_beta, tail.num_stages, align_m=128,
                    min_rows=smaller.block_m + 1 if smaller else 1, max_registers=tail.max_registers)
 
 
 def wgmma_gemm_blocks(a, w, w_scale, v, v_scale, out, align, a_row_div: int, block_m: int, act: str, beta: float,
-                      linear_beta: float | None, stages: int, tails: tuple[WgmmaTail, ...] = (WgmmaTail(),)):
-    """The grouped GEMM on align blocks of block_m rows: at 128 with each expert's tail in launches of smaller
-    tiles (`wgmma_gemm_tails`), at 64 in one launch."""
+                      linear_beta: float | None, tiles, tails: tuple[WgmmaTail, ...] = (WgmmaTail(),)):
+    """The grouped GEMM on align blocks of block_m rows, with the GEMM's `GemmTiles` (its stages and register cap):
+    at 128 with each expert's tail in launches of smaller tiles (`wgmma_gemm_tails`), at 64 in one launch."""
     common = (a, w, w_scale, v, v_scale, out, align, a_row_div)
     if block_m == 128:
-        wgmma_gemm_tails(*common, act, beta, linear_beta, stages, tails)
+        wgmma_gemm_tails(*common, act, beta, linear_beta, tiles.num_stages, tails, tiles.max_registers)
     else:
-        wgmma_gemm(*common, block_m, act, beta, linear_beta, stages)
+        wgmma_gemm(*common, block_m, act, beta, linear_beta, tiles.num_stages, max_registers=tiles.max_registers)
 
 
 __all__ = ["BLOCK_K", "BLOCK_N", "paired_down", "wgmma_gemm", "wgmma_gemm_blocks", "wgmma_gemm_tails"]

@@ -626,8 +626,7 @@ def gate_up(x, w1, w1_scale, w3, w3_scale, act, align, config: MoEConfig, activa
         from kimiserve.ops.moe import gluon_prefill
         from kimiserve.ops.moe.fragment_order import fragment_order
         gluon_prefill.wgmma_gemm_blocks(fragment_order(x, 128), w1, w1_scale, w3, w3_scale, act, align, k,
-                                        config.block_m, activation, beta, linear_beta, config.up.num_stages,
-                                        config.wgmma_tails)
+                                        config.block_m, activation, beta, linear_beta, config.up, config.wgmma_tails)
         return
     if config.fragments:
         from kimiserve.ops.moe import gluon_decode
@@ -656,7 +655,7 @@ def down_gemm(act, w2, w2_scale, y, align, config: MoEConfig):
     if config.fragments and config.block_m > 16:
         from kimiserve.ops.moe import gluon_prefill
         gluon_prefill.wgmma_gemm_blocks(act, w2, w2_scale, None, None, y, align, 1, config.block_m, "silu", 1.0, None,
-                                        config.down.num_stages, config.wgmma_tails)
+                                        config.down, config.wgmma_tails)
     elif config.fragments:
         from kimiserve.ops.moe import gluon_decode
         gluon_decode.fragment_gemm(act, w2, w2_scale, None, None, y, align, 1, config.down, "silu", 1.0, None,
