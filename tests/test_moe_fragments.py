@@ -4,6 +4,7 @@ tests/test_triton_moe.py (`test_fragment_gemms`, `test_wgmma_fragment_gemms`).""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import itertools
 
@@ -143,6 +144,13 @@ def test_wgmma_stages_fit_the_shared_memory():
     assert "fewer stages" in check_fragment_shapes(3584, 3072, 64, tiles(7), tiles(3))
     assert "fewer stages" in check_fragment_shapes(3584, 3072, 128, tiles(5), tiles(4))
     assert ">= 3 stages" in check_fragment_shapes(3584, 3072, 64, tiles(2), tiles(3))
+    # 16 warps: two weight tiles as one, so not for a down GEMM of one tile (h not a multiple of 256)
+    sixteen = GemmTiles(block_n=128, block_k=128, num_warps=16, num_stages=3)
+    assert check_fragment_shapes(3584, 3072, 128, sixteen, sixteen) is None
+    assert "take 8 warps" in check_fragment_shapes(3456, 3072, 128, sixteen, sixteen)
+    assert check_fragment_shapes(3456, 3072, 128, sixteen, tiles(3)) is None
+    assert "8 or 16 warps" in check_fragment_shapes(3584, 3072, 128, dataclasses.replace(sixteen, num_warps=4),
+                                                    tiles(3))
 
 
 @pytest.mark.parametrize("gated", [True, False])
@@ -171,7 +179,7 @@ def test_sm90_build_of_the_wgmma_kernel(gated, paired, block_m, stages):
     import re
 
     consts = dict(GATED=gated, PAIRED=paired, ACT=1, LINEAR_TANH=True, BM=block_m, STAGES=stages, ALIGN_M=128,
-                  MIN_ROWS=1)
+                  MIN_ROWS=1, NW=8)
     sass, ops, loop_mix = _sm90_build("gluon_prefill", "_wgmma_gemm_kernel", "*i32", consts, 8,
                                       ["N_OUT", "K", "s_am", "s_we", "s_wn", "s_se", "s_sn", "s_om"])
     tiles = 2 if gated or paired else 1
@@ -205,7 +213,7 @@ def test_sm90_build_of_the_capped_tail_tiles(gated, block_m, stages, loop_spills
                  A_ROW_DIV="i32", s_am="i32", s_we="i64", s_wn="i32", s_se="i64", s_sn="i32", s_om="i32",
                  beta="fp32", linear_beta="fp32")
     consts = dict(GATED=gated, PAIRED=not gated, ACT=1, LINEAR_TANH=True, BM=block_m, STAGES=stages, ALIGN_M=128,
-                  MIN_ROWS=1)
+                  MIN_ROWS=1, NW=8)
     cap = 128
     built = compile_sm90(gluon_prefill._wgmma_gemm_kernel, types, consts, dict(num_warps=8, maxnreg=cap),
                          ["N_OUT", "K", "s_am", "s_we", "s_wn", "s_se", "s_sn", "s_om"])
@@ -214,6 +222,51 @@ def test_sm90_build_of_the_capped_tail_tiles(gated, block_m, stages, loop_spills
     ops = _largest_loop(sass_of(built))
     assert sum(op == f"HGMMA.64x{block_m}x16.F32.BF16" for op in ops) == 16
     assert sum(op.startswith(("LDL", "STL")) for op in ops) <= loop_spills
+
+
+@pytest.mark.parametrize("gated,loop_spills", [(True, 5), (False, 0)])
+def test_sm90_build_of_the_16_warp_wgmma_kernel(gated, loop_spills):
+    """The prefill kernel on 16 warps (GemmTiles.num_warps 16: W's and V's 128 rows as one 256-row tile on four
+    warpgroups), built for sm_90 offline at block_m 128, 3 stages: 128 registers (one program of 512 threads an SM,
+    four warps a scheduler against two), the same shared memory as two 128-row tiles on 8 warps, a wgmma of one
+    tile per chunk and warpgroup kept asynchronous, and per thread about half the 8-warp loop's decode (HMUL2,
+    LOP3) and copies, under 0.7 of its instructions (a program's warps issue 27% more in all, for twice the warps a
+    scheduler). The gate/up build spills a few words inside the loop."""
+    import collections
+
+    types = dict(a_ptr="*bf16", w_ptr="*i32", ws_ptr="*i32", v_ptr="*i32", vs_ptr="*i32", out_ptr="*bf16",
+                 sorted_ptr="*i32", bexp_ptr="*i32", brows_ptr="*i32", nblk_ptr="*i32", N_OUT="i32", K="i32",
+                 A_ROW_DIV="i32", s_am="i32", s_we="i64", s_wn="i32", s_se="i64", s_sn="i32", s_om="i32",
+                 beta="fp32", linear_beta="fp32")
+    div16 = ["N_OUT", "K", "s_am", "s_we", "s_wn", "s_se", "s_sn", "s_om"]
+    pytest.importorskip("triton")
+    import importlib
+    import os
+    import re
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    from moe_layer import _largest_loop
+    from sass_report import compile_sm90, resource_usage, sass_of
+
+    fn = importlib.import_module("kimiserve.ops.moe.gluon_prefill")._wgmma_gemm_kernel
+    mix = {}
+    for nw in (8, 16):
+        consts = dict(GATED=gated, PAIRED=not gated, ACT=1, LINEAR_TANH=True, BM=128, STAGES=3, ALIGN_M=128,
+                      MIN_ROWS=1, NW=nw)
+        built = compile_sm90(fn, types, consts, dict(num_warps=nw), div16)
+        sass = sass_of(built)
+        ops = _largest_loop(sass)
+        mix[nw] = collections.Counter(op.split(".")[0] for op in ops)
+        if nw == 16:
+            assert resource_usage(built)["reg"] <= 128 and built.metadata.shared == 150528
+            assert sum(op == "HGMMA.64x128x16.F32.BF16" for op in ops) == 8
+            waits = re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, (0x[0-9a-f]+)", sass)
+            assert waits.count("0x1") == 4 and waits.count("0x0") == 1, waits
+            assert sum(op.startswith(("LDL", "STL")) for op in ops) <= loop_spills
+    for op in ("HMUL2", "LOP3", "LDGSTS", "HGMMA"):  # the decode's shifts: SHF or IMAD.SHL, as ptxas picks
+        assert mix[8][op] // 2 <= mix[16][op] <= mix[8][op] // 2 + 2, (op, mix[8][op], mix[16][op])
+    assert sum(mix[16].values()) < 0.7 * sum(mix[8].values())  # 249-256 against 393 a thread
 
 
 def test_decode_down_register_cap_only_where_it_makes_one_wave(monkeypatch):

@@ -449,10 +449,10 @@ def test_fragment_config_errors(tt):
 
 
 def wgmma_config(tt, block_m: int = 64, stages: int = 4, down_stages: int | None = None, tails: str = "t64",
-                 registers: int | None = None):
+                 registers: int | None = None, warps: int = 8, down_warps: int | None = None):
     """tails: a name of benchmarks/moe_specs.py's TAILS (MoEConfig.wgmma_tails); registers: both GEMMs' cap."""
-    up = tt.GemmTiles(block_n=128, block_k=128, num_warps=8, num_stages=stages, max_registers=registers)
-    down = tt.GemmTiles(block_n=128, block_k=128, num_warps=8, num_stages=down_stages or stages,
+    up = tt.GemmTiles(block_n=128, block_k=128, num_warps=warps, num_stages=stages, max_registers=registers)
+    down = tt.GemmTiles(block_n=128, block_k=128, num_warps=down_warps or warps, num_stages=down_stages or stages,
                         max_registers=registers)
     return tt.MoEConfig(block_m=block_m, up=up, down=down, dequant="shift", fragments=True,
                         wgmma_tails=moe_specs().TAILS[tails])
@@ -465,21 +465,23 @@ def moe_specs():
     return moe_specs
 
 
-@pytest.mark.parametrize("block_m,stages,down_stages,tails,registers", [
-    (64, 4, 4, "t64", None), (64, 3, 5, "t64", None), (128, 3, 4, "t64", None), (128, 3, 3, "t64", None),
-    (128, 3, 3, "t32", None), (128, 3, 4, "t32r", None), (64, 3, 3, "t64", 128)])
-def test_wgmma_fragment_gemms(tt, block_m, stages, down_stages, tails, registers):
+@pytest.mark.parametrize("block_m,stages,down_stages,tails,registers,warps", [
+    (64, 4, 4, "t64", None, 8), (64, 3, 5, "t64", None, 8), (128, 3, 4, "t64", None, 8),
+    (128, 3, 3, "t64", None, 8), (128, 3, 3, "t32", None, 8), (128, 3, 4, "t32r", None, 8),
+    (64, 3, 3, "t64", 128, 8), (128, 3, 3, "t64", None, 16), (64, 4, 4, "t64", None, 16)])
+def test_wgmma_fragment_gemms(tt, block_m, stages, down_stages, tails, registers, warps):
     """The prefill fragment GEMMs (block_m 64 / 128, ops.moe.gluon_prefill: wgmma with the dequantised weights as
     the register A operand) against the reference. K of 1, 2, 3 and 5 steps (fewer steps than stages in flight:
     the clamped copies past the end), several column tiles; experts with no token, one token on its k experts,
     experts of 100 rows (at block_m 128: one block in the 128-token launch, none in the tail launch), of 190 rows
     (128 + a tail of 62 in the 64-token launch) and of 150 rows (128 + a tail of 22: with the tails t32 / t32r in
     the 32-token launch, capped at 128 registers), zipf; SiTU and SiLU; 64-row blocks capped at 128 registers
-    (two programs an SM, GemmTiles.max_registers);
+    (two programs an SM, GemmTiles.max_registers); 16 warps (gate/up, and the down GEMM at h = 512: the two
+    weight tiles as one on four warpgroups);
     NaN-poisoned output and workspace (a row no launch wrote stays NaN). h = 512: the down GEMM's programs
     take two 128-row weight tiles (gluon_prefill.paired_down); 384 and 128: one."""
-    cfg = wgmma_config(tt, block_m, stages, down_stages, tails, registers)
     for h, inter in ((384, 256), (512, 384), (128, 640)):
+        cfg = wgmma_config(tt, block_m, stages, down_stages, tails, registers, warps, 8 if h % 256 else warps)
         for N, routing, act in ((45, "subset", "situ"), (1, "random", "situ"), (190, "same", "silu"),
                                 (100, "same", "situ"), (150, "same", "situ"), (300, "zipf", "situ")):
             check_case(tt, N, h, inter, 9, 3, torch.bfloat16, True, act, routing, "cuda", cfg, seed=N)
@@ -630,19 +632,19 @@ def test_k31_shape_fragments(tt, k31_experts, k31_shift, N, block_n, block_k):
     assert torch.isfinite(runs[0]).all() and err < 1e-2 and torch.equal(runs[0], runs[1])
 
 
-@pytest.mark.parametrize("N,block_m,tails,registers", [(1024, 64, "t64", None), (4096, 64, "t64", None),
-                                                       (4096, 128, "t64", None), (8192, 128, "t32", None),
-                                                       (8192, 128, "t32r", None), (8192, 64, "t64", 128)])
-def test_k31_shape_wgmma_fragments(tt, k31_experts, k31_shift, N, block_m, tails, registers):
+@pytest.mark.parametrize("N,block_m,tails,registers,warps", [
+    (1024, 64, "t64", None, 8), (4096, 64, "t64", None, 8), (4096, 128, "t64", None, 8), (8192, 128, "t32", None, 8),
+    (8192, 128, "t32r", None, 8), (8192, 64, "t64", 128, 8), (8192, 128, "t64", None, 16)])
+def test_k31_shape_wgmma_fragments(tt, k31_experts, k31_shift, N, block_m, tails, registers, warps):
     """The prefill fragment GEMMs at the K3.1 shape, random routing (at 4096 tokens ~73 rows an expert: 128-row
     blocks of 65-127 rows and tails of at most 64 in the second gate/up launch; at 8192 ~146, most tails at most 32
-    rows, with the tails t32 / t32r in a third launch; 64-row blocks at 128 registers, two programs an SM); two
-    runs bitwise equal."""
+    rows, with the tails t32 / t32r in a third launch; 64-row blocks at 128 registers, two programs an SM; the
+    main launches on 16 warps); two runs bitwise equal."""
     w = k31_shift
     x, ids, weights = _k31_inputs(N, "random", 5 + N)
     want = reference(x, k31_experts, ids, weights, "situ")
     stages = 3 if block_m == 128 or registers else 4
-    cfg = wgmma_config(tt, block_m, stages, stages, tails, registers)
+    cfg = wgmma_config(tt, block_m, stages, stages, tails, registers, warps)
     runs = [tt.fused_moe(x, w["w1"], w["w2"], w["w3"], ids, weights, w1_scale=w["w1_scale"], w2_scale=w["w2_scale"],
                          w3_scale=w["w3_scale"], config=cfg, mxfp4_layout="shift") for _ in range(2)]
     err = rel_rms(runs[0], want)

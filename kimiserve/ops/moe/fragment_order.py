@@ -66,8 +66,9 @@ def grouped_gemm_args(a, w, w_scale, v, v_scale, out, align, a_row_div: int, bet
 
 def check_fragment_shapes(h: int, inter: int, block_m: int, up, down, tails=None) -> str | None:
     """Why the fragment GEMMs cannot run these expert dims and tiles (GemmTiles; None: they can). block_m 16: the
-    decode kernels; 64 or 128: the prefill (wgmma) kernels, 128 weight rows x 128-wide K steps on 8 warps, 3 or more
-    stages that fit the shared memory (gate/up: up to 6 at block_m 64, 4 at 128). tails: at block_m 128, the tail
+    decode kernels; 64 or 128: the prefill (wgmma) kernels, 128 weight rows x 128-wide K steps on 8 warps (or 16,
+    two weight tiles as one: the gate/up GEMM, and the down GEMM where h is a multiple of 256), 3 or more stages that
+    fit the shared memory (gate/up: up to 6 at block_m 64, 4 at 128). tails: at block_m 128, the tail
     launches (`MoEConfig.wgmma_tails`: tiles of WGMMA_TAIL_BLOCK_MS tokens, largest first, their stages fitting)."""
     if block_m == 128 and tails is not None:
         why = _check_tails(h, tails)
@@ -77,9 +78,13 @@ def check_fragment_shapes(h: int, inter: int, block_m: int, up, down, tails=None
         if h % 128 or inter % 128:
             return f"the wgmma fragment GEMMs need expert dims that are multiples of 128, got {h} and {inter}"
         for t, weight_tiles in ((up, 2), (down, _down_weight_tiles(h))):
-            if (t.block_n, t.block_k, t.num_warps, t.split_k, t.swap) != (128, 128, 8, 1, False) or t.num_stages < 3:
+            if (t.block_n, t.block_k, t.split_k, t.swap) != (128, 128, 1, False) or t.num_stages < 3 \
+                    or t.num_warps not in (8, 16):
                 return (f"block_m {block_m} (the wgmma fragment GEMMs) takes tiles of block_n 128, block_k 128, "
-                        f"8 warps, >= 3 stages, no split-K, no swap; got {t}")
+                        f"8 or 16 warps, >= 3 stages, no split-K, no swap; got {t}")
+            if t.num_warps == 16 and weight_tiles == 1:
+                return (f"16 warps run two 128-row weight tiles as one: the down GEMM has one where h ({h}) is not a "
+                        f"multiple of 256; take 8 warps")
             why = _check_wgmma_stages(block_m, t.num_stages, weight_tiles)
             if why:
                 return why
