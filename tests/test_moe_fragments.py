@@ -51,6 +51,31 @@ def test_thread_words_are_its_fragments(block_k):
         assert (s >> 1, half) == (4 * g + u, 8 * (r & 1)) and (s & 1) == (r >> 1)
 
 
+@pytest.mark.parametrize("nw", [8, 16])
+def test_wgmma_row_algebra(nw):
+    """The row algebra of gluon_prefill's kernel, its reshapes and permutes written in torch: the copies put tile
+    row n = 8 NW rep + 8 w + g in lane 4 g + t of warp w; `_a_chunk` makes it wgmma row m = 16 w + 8 rep + g (the
+    rows g and g + 8 of warp w's 16-row slab: that thread's); `_m_to_n` takes each accumulator row back to its tile
+    row; the gate/up epilogue stores weight column q at its MMA-k position for the down GEMM
+    (`fragment_order.mma_position`): on 8 warps from the two tiles' m order, on 16 after the split on rep pairs W
+    row q (rep 0) with V row q (rep 1) in one thread."""
+    BN = 16 * nw
+    n = torch.arange(BN)
+    m_rows = n.reshape(2, BN // 64, 4, 8).permute(1, 2, 0, 3).reshape(BN)  # _a_chunk: wgmma row m holds tile row
+    for m, row in enumerate(m_rows.tolist()):
+        rep, w, g = row // (8 * nw), row % (8 * nw) // 8, row % 8
+        assert m == 16 * w + 8 * rep + g
+    assert torch.equal(m_rows.reshape(BN // 64, 4, 2, 8).permute(2, 0, 1, 3).reshape(BN), n)  # _m_to_n
+    q = torch.arange(128)
+    if nw == 8:  # acc (W) and acc2 (V) in m order, tile row = weight column q
+        y = m_rows.reshape(2, 4, 2, 2, 2, 2).permute(1, 3, 4, 2, 0, 5).reshape(128)
+    else:
+        gate, up = m_rows.reshape(nw, 2, 8).permute(0, 2, 1).unbind(-1)
+        assert torch.equal(gate.reshape(128), q) and torch.equal(up.reshape(128), q + 128)  # W row q, V row q
+        y = gate.reshape(128).reshape(4, 8, 2, 2).permute(1, 2, 0, 3).reshape(128)
+    assert torch.equal(y[mma_position(q, 128)], q)  # stored row i holds the column whose MMA-k position is i
+
+
 @pytest.mark.parametrize("block_k", [128, 256])
 def test_sums_are_the_same_sums(block_k):
     gen = torch.Generator().manual_seed(1)
