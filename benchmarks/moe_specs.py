@@ -9,9 +9,10 @@ from kimiserve.ops.moe import triton as tt
 
 _T = tt.WgmmaTail
 # MoEConfig.wgmma_tails by name: the default (64-token tiles); with 32-token tiles for blocks of at most 32 rows
-# (4 stages, capped at 128 registers: two programs an SM); every tail capped (64-token tiles on 3 stages)
+# (4 stages, capped at 128 registers: two programs an SM); every tail capped (64-token tiles on 3 stages); the
+# 64-token tails on 16 warps
 TAILS = {"t64": (_T(),), "t32": (_T(), _T(32, 4, 128)), "t64r": (_T(64, 3, 128),),
-         "t32r": (_T(64, 3, 128), _T(32, 4, 128))}
+         "t32r": (_T(64, 3, 128), _T(32, 4, 128)), "t64w": (_T(64, 4, None, 16),)}
 
 
 def parse_variant(spec: str) -> tt.MoEConfig:

@@ -449,5 +449,7 @@ def test_wgmma_tails_are_checked():
         assert "tiles of (64, 32) tokens, largest first" in why(*bad)
     assert ">= 3 stages" in why(WgmmaTail(64, 2))
     assert "max_registers None or 24..255" in why(WgmmaTail(64, 4, 300))
+    assert "8 or 16 warps" in why(WgmmaTail(64, 4, None, 4)) and why(WgmmaTail(64, 4, None, 16)) is None
+    assert "take 8 warps" in check_fragment_shapes(3456, 3072, 128, tiles, tiles, (WgmmaTail(64, 4, None, 16),))
     assert "take fewer stages" in why(WgmmaTail(64, 7))
     assert check_fragment_shapes(3584, 3072, 64, tiles, tiles, ()) is None  # 64-row blocks have no tails

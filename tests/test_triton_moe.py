@@ -468,7 +468,8 @@ def moe_specs():
 @pytest.mark.parametrize("block_m,stages,down_stages,tails,registers,warps", [
     (64, 4, 4, "t64", None, 8), (64, 3, 5, "t64", None, 8), (128, 3, 4, "t64", None, 8),
     (128, 3, 3, "t64", None, 8), (128, 3, 3, "t32", None, 8), (128, 3, 4, "t32r", None, 8),
-    (64, 3, 3, "t64", 128, 8), (128, 3, 3, "t64", None, 16), (64, 4, 4, "t64", None, 16)])
+    (64, 3, 3, "t64", 128, 8), (128, 3, 3, "t64", None, 16), (64, 4, 4, "t64", None, 16),
+    (128, 3, 3, "t64w", None, 16)])
 def test_wgmma_fragment_gemms(tt, block_m, stages, down_stages, tails, registers, warps):
     """The prefill fragment GEMMs (block_m 64 / 128, ops.moe.gluon_prefill: wgmma with the dequantised weights as
     the register A operand) against the reference. K of 1, 2, 3 and 5 steps (fewer steps than stages in flight:
@@ -481,6 +482,8 @@ def test_wgmma_fragment_gemms(tt, block_m, stages, down_stages, tails, registers
     NaN-poisoned output and workspace (a row no launch wrote stays NaN). h = 512: the down GEMM's programs
     take two 128-row weight tiles (gluon_prefill.paired_down); 384 and 128: one."""
     for h, inter in ((384, 256), (512, 384), (128, 640)):
+        if h % 256 and tails == "t64w":  # the down GEMM's tails would run one tile on 16 warps: an error
+            continue
         cfg = wgmma_config(tt, block_m, stages, down_stages, tails, registers, warps, 8 if h % 256 else warps)
         for N, routing, act in ((45, "subset", "situ"), (1, "random", "situ"), (190, "same", "silu"),
                                 (100, "same", "situ"), (150, "same", "situ"), (300, "zipf", "situ")):
@@ -634,7 +637,8 @@ def test_k31_shape_fragments(tt, k31_experts, k31_shift, N, block_n, block_k):
 
 @pytest.mark.parametrize("N,block_m,tails,registers,warps", [
     (1024, 64, "t64", None, 8), (4096, 64, "t64", None, 8), (4096, 128, "t64", None, 8), (8192, 128, "t32", None, 8),
-    (8192, 128, "t32r", None, 8), (8192, 64, "t64", 128, 8), (8192, 128, "t64", None, 16)])
+    (8192, 128, "t32r", None, 8), (8192, 64, "t64", 128, 8), (8192, 128, "t64", None, 16),
+    (8192, 128, "t64w", None, 16)])
 def test_k31_shape_wgmma_fragments(tt, k31_experts, k31_shift, N, block_m, tails, registers, warps):
     """The prefill fragment GEMMs at the K3.1 shape, random routing (at 4096 tokens ~73 rows an expert: 128-row
     blocks of 65-127 rows and tails of at most 64 in the second gate/up launch; at 8192 ~146, most tails at most 32

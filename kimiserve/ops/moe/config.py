@@ -52,11 +52,13 @@ class WgmmaTail:
     """One launch of the wgmma fragment GEMMs' tail tiles (`MoEConfig.wgmma_tails`): block_m tokens a tile (64 or
     32: wgmma N), num_stages shared-memory stages (>= 3), max_registers a cap on its registers per thread (Triton's
     maxnreg; 128 lets two 8-warp programs share an SM where their stages fit twice in its shared memory; None: the
-    compiler's choice, 146-172 registers at 32-64 tokens, one program an SM)."""
+    compiler's choice, 146-172 registers at 32-64 tokens on 8 warps, one program an SM), num_warps 8 or 16 (as
+    `GemmTiles.num_warps` of the wgmma GEMMs: two weight tiles as one on four warpgroups, 82-108 registers)."""
 
     block_m: int = 64
     num_stages: int = 4
     max_registers: int | None = None
+    num_warps: int = 8
 
 
 @dataclass(frozen=True)

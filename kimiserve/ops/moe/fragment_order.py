@@ -120,8 +120,12 @@ def _check_tails(h: int, tails) -> str | None:
     if not sizes or any(m not in WGMMA_TAIL_BLOCK_MS for m in sizes) or sizes != sorted(set(sizes), reverse=True):
         return f"wgmma_tails takes tiles of {WGMMA_TAIL_BLOCK_MS} tokens, largest first, each size once; got {sizes}"
     for t in tails:
-        if t.num_stages < 3 or not (t.max_registers is None or 24 <= t.max_registers <= 255):
-            return f"a wgmma tail takes >= 3 stages and max_registers None or 24..255; got {t}"
+        if t.num_stages < 3 or not (t.max_registers is None or 24 <= t.max_registers <= 255) \
+                or t.num_warps not in (8, 16):
+            return f"a wgmma tail takes >= 3 stages, max_registers None or 24..255 and 8 or 16 warps; got {t}"
+        if t.num_warps == 16 and _down_weight_tiles(h) == 1:
+            return (f"16 warps run two 128-row weight tiles as one: the down GEMM has one where h ({h}) is not a "
+                    f"multiple of 256; take 8 warps")
         why = _check_wgmma_stages(t.block_m, t.num_stages, 2)
         if why:
             return f"wgmma tail {t}: {why}"

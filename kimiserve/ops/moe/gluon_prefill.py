@@ -388,7 +388,8 @@ def wgmma_gemm_tails(a, w, w_scale, v, v_scale, out, align, a_row_div: int, act:
                max_registers=max_registers, num_warps=num_warps)
     for tail, smaller in zip(tails, tails[1:] + (None,)):
         wgmma_gemm(*common, tail.block_m, act, beta, linear_beta, tail.num_stages, align_m=128,
-                   min_rows=smaller.block_m + 1 if smaller else 1, max_registers=tail.max_registers)
+                   min_rows=smaller.block_m + 1 if smaller else 1, max_registers=tail.max_registers,
+                   num_warps=tail.num_warps)
 
 
 def wgmma_gemm_blocks(a, w, w_scale, v, v_scale, out, align, a_row_div: int, block_m: int, act: str, beta: float,
