@@ -356,8 +356,8 @@ def sass_report(specs: list[str], h: int, inter: int) -> int:
     from sass_report import compile_sm90, instruction_mix, sass_of
 
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    print("variant                                  gemm  regs stack  smem KB  loop instr  per weight  moves   alu   fma"
-          "  MMA   (moves, alu, fma: per weight)")
+    print("variant                                  gemm    regs stack  smem KB  loop instr  per weight  moves   alu   fma"
+          "  MMA   (moves, alu, fma: per weight; gemm/BM: a wgmma tail launch)")
     for spec in specs:
         cfg = parse_variant(spec)
         dq = tt._DEQUANT[cfg.dequant]
@@ -370,43 +370,51 @@ def sass_report(specs: list[str], h: int, inter: int) -> int:
                           DTYPE=tl.bfloat16, PRECISION="tf32", BM=cfg.block_m, BN=tiles.block_n, BK=tiles.block_k,
                           EVEN_K=K % tiles.block_k == 0, SPLIT=tiles.split_k)
             fn, options = tt._moe_gemm_kernel, tiles.compile_options()
-            if cfg.fragments and cfg.block_m > 16:
+            launches = [(name, consts, options, tiles.num_warps)]
+            if cfg.fragments and cfg.block_m > 16:  # the main launch, then each tail launch (at block_m 128)
                 from kimiserve.ops.moe import gluon_prefill
-                fn, options = gluon_prefill._wgmma_gemm_kernel, dict(num_warps=8)
-                consts = dict(GATED=gated, PAIRED=not gated and gluon_prefill.paired_down(h), ACT=1,
-                              LINEAR_TANH=True, BM=cfg.block_m, STAGES=tiles.num_stages, ALIGN_M=cfg.block_m,
-                              MIN_ROWS=1)  # at block_m 128: the 128-row launch (the tails': 64)
+                fn = gluon_prefill._wgmma_gemm_kernel
                 types.update(s_we="i64", s_se="i64", w_ptr="*i32", ws_ptr="*i32", v_ptr="*i32", vs_ptr="*i32")
+                tails = cfg.wgmma_tails if cfg.block_m == 128 else ()
+                launches = [(f"{name}{'/' + str(bm) if bm != cfg.block_m else ''}",
+                             dict(GATED=gated, PAIRED=not gated and gluon_prefill.paired_down(h), ACT=1,
+                                  LINEAR_TANH=True, BM=bm, STAGES=stages, ALIGN_M=cfg.block_m, MIN_ROWS=1, NW=warps),
+                             dict(num_warps=warps, **({"maxnreg": regs} if regs else {})), warps)
+                            for bm, stages, regs, warps in [(cfg.block_m, tiles.num_stages, tiles.max_registers,
+                                                              tiles.num_warps)]
+                            + [(t.block_m, t.num_stages, t.max_registers, t.num_warps) for t in tails]]
             elif cfg.fragments:
                 from kimiserve.ops.moe import gluon_decode
-                fn, options = gluon_decode._fragment_gemm_kernel, gluon_decode.compile_options(tiles)
+                fn = gluon_decode._fragment_gemm_kernel
                 consts = dict(GATED=gated, ACT=1, LINEAR_TANH=True, BN=tiles.block_n, BK=tiles.block_k,
                               OUT_BK=cfg.down.block_k, NUM_WARPS=tiles.num_warps, PDL=cfg.dependent_launch,
                               PF_STEPS=cfg.down_prefetch_steps if gated else 0,
                               PF_RB=128 if gated and cfg.down_prefetch_steps else 1, AHEAD=tiles.prefetch_ahead)
+                launches = [(name, consts, gluon_decode.compile_options(tiles), tiles.num_warps)]
                 types.update(pf_ptr="*u8", pfs_ptr="*u8", PF_N="i32", s_pfe="i64", s_pfn="i32", s_pfse="i64",
                              s_pfsn="i32")
                 types.update(s_we="i64", s_se="i64")
-            try:
-                div16 = [n for n in _GEMM_INTS if n != "A_ROW_DIV"] + ["s_ps"]
-                kernel = compile_sm90(fn, types, consts, options, div16)
-            except Exception as e:
-                print(f"{spec:<40} {name:<5} does not compile: {type(e).__name__}: {str(e)[:200]}")
-                continue
-            with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-                f.write(kernel.asm["cubin"])
-                f.flush()
-                usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
-            m = re.search(r"REG:(\d+).*?STACK:(\d+)", usage)
-            sass = sass_of(kernel)
-            ops = _largest_loop(sass)
-            mix = loop_mix(ops)
-            weights = (2 if gated or consts.get("PAIRED") else 1) * tiles.block_n * tiles.block_k / (32 * tiles.num_warps)
-            weights *= 2 if cfg.fragments and cfg.block_m == 16 else 1  # the decode fragment kernel's loop: 2 steps
-            mma = ",".join(sorted(op for op in instruction_mix(sass) if "MMA" in op))
-            print(f"{spec:<40} {name:<5} {m.group(1):>4} {m.group(2):>5} {kernel.metadata.shared / 1024:8.1f} "
-                  f"{len(ops):11d} {len(ops) / weights:11.2f} {mix['moves'] / weights:6.2f} {mix['alu'] / weights:5.2f} "
-                  f"{mix['fma'] / weights:5.2f}  {mma}")
+            for label, consts, options, warps in launches:
+                try:
+                    div16 = [n for n in _GEMM_INTS if n != "A_ROW_DIV"] + ["s_ps"]
+                    kernel = compile_sm90(fn, types, consts, options, div16)
+                except Exception as e:
+                    print(f"{spec:<40} {label:<7} does not compile: {type(e).__name__}: {str(e)[:200]}")
+                    continue
+                with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+                    f.write(kernel.asm["cubin"])
+                    f.flush()
+                    usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
+                m = re.search(r"REG:(\d+).*?STACK:(\d+)", usage)
+                sass = sass_of(kernel)
+                ops = _largest_loop(sass)
+                mix = loop_mix(ops)
+                weights = (2 if gated or consts.get("PAIRED") else 1) * tiles.block_n * tiles.block_k / (32 * warps)
+                weights *= 2 if cfg.fragments and cfg.block_m == 16 else 1  # the decode fragment loop: 2 steps
+                mma = ",".join(sorted(op for op in instruction_mix(sass) if "MMA" in op))
+                print(f"{spec:<40} {label:<7} {m.group(1):>4} {m.group(2):>5} {kernel.metadata.shared / 1024:8.1f} "
+                      f"{len(ops):11d} {len(ops) / weights:11.2f} {mix['moves'] / weights:6.2f} "
+                      f"{mix['alu'] / weights:5.2f} {mix['fma'] / weights:5.2f}  {mma}")
     return 0
 
 

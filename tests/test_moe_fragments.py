@@ -453,3 +453,22 @@ def test_wgmma_tails_are_checked():
     assert "take 8 warps" in check_fragment_shapes(3456, 3072, 128, tiles, tiles, (WgmmaTail(64, 4, None, 16),))
     assert "take fewer stages" in why(WgmmaTail(64, 7))
     assert check_fragment_shapes(3584, 3072, 64, tiles, tiles, ()) is None  # 64-row blocks have no tails
+
+
+def test_sass_report_lists_each_wgmma_launch(capsys):
+    """`benchmarks/moe_layer.py --sass` on a wgmma spec builds each launch as fused_moe runs it: the main launches on
+    their warps and register cap, then each tail launch (`gemm/BM`) on its own (here the t32 tails: 32-token tiles at
+    128 registers)."""
+    pytest.importorskip("triton")
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    from moe_layer import sass_report
+
+    assert sass_report(["shift-m128-n128-k128-w16-s3-t32-frag"], 3584, 3072) == 0
+    rows = {line.split()[1]: line.split() for line in capsys.readouterr().out.splitlines()[1:]}
+    assert set(rows) == {"up", "up/64", "up/32", "down", "down/64", "down/32"}
+    assert int(rows["up"][2]) <= 128 and int(rows["down"][2]) <= 128  # 16 warps
+    assert int(rows["up/32"][2]) == 128 and int(rows["up/64"][2]) > 128  # the capped 32-token tail; the 64 uncapped
+    assert all(row[-1].startswith("HGMMA.64x") for row in rows.values())
