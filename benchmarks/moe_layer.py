@@ -356,8 +356,8 @@ def sass_report(specs: list[str], h: int, inter: int) -> int:
     from sass_report import compile_sm90, instruction_mix, sass_of
 
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    print("variant                                  gemm    regs stack  smem KB  loop instr  per weight  moves   alu   fma"
-          "  MMA   (moves, alu, fma: per weight; gemm/BM: a wgmma tail launch)")
+    print("variant                                  gemm    regs stack  smem KB  loop instr  per weight  moves   alu"
+          "   fma  MMA   (moves, alu, fma: per weight; gemm/BM: a wgmma tail launch)")
     for spec in specs:
         cfg = parse_variant(spec)
         dq = tt._DEQUANT[cfg.dequant]

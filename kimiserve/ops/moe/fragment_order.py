@@ -82,10 +82,8 @@ def check_fragment_shapes(h: int, inter: int, block_m: int, up, down, tails=None
                     or t.num_warps not in (8, 16):
                 return (f"block_m {block_m} (the wgmma fragment GEMMs) takes tiles of block_n 128, block_k 128, "
                         f"8 or 16 warps, >= 3 stages, no split-K, no swap; got {t}")
-            if t.num_warps == 16 and weight_tiles == 1:
-                return (f"16 warps run two 128-row weight tiles as one: the down GEMM has one where h ({h}) is not a "
-                        f"multiple of 256; take 8 warps")
-            why = _check_wgmma_stages(block_m, t.num_stages, weight_tiles)
+            why = _check_sixteen_warps(t.num_warps, weight_tiles, h) or \
+                _check_wgmma_stages(block_m, t.num_stages, weight_tiles)
             if why:
                 return why
         return None
@@ -101,8 +99,15 @@ def check_fragment_shapes(h: int, inter: int, block_m: int, up, down, tails=None
 
 
 def _down_weight_tiles(h: int) -> int:
-    """The down GEMM's weight tiles a program: two where its N (h) is a multiple of 256 (gluon_prefill.paired_down)."""
+    """The down GEMM's weight tiles a program: two where its N (h) is a multiple of 256 (`paired_down`)."""
     return 2 if h % 256 == 0 else 1
+
+
+def _check_sixteen_warps(num_warps: int, weight_tiles: int, h: int) -> str | None:
+    if num_warps == 16 and weight_tiles == 1:
+        return (f"16 warps run two 128-row weight tiles as one: the down GEMM has one where h ({h}) is not a multiple "
+                f"of 256; take 8 warps")
+    return None
 
 
 def _check_wgmma_stages(block_m: int, stages: int, weight_tiles: int) -> str | None:
@@ -123,14 +128,14 @@ def _check_tails(h: int, tails) -> str | None:
         if t.num_stages < 3 or not (t.max_registers is None or 24 <= t.max_registers <= 255) \
                 or t.num_warps not in (8, 16):
             return f"a wgmma tail takes >= 3 stages, max_registers None or 24..255 and 8 or 16 warps; got {t}"
-        if t.num_warps == 16 and _down_weight_tiles(h) == 1:
-            return (f"16 warps run two 128-row weight tiles as one: the down GEMM has one where h ({h}) is not a "
-                    f"multiple of 256; take 8 warps")
+        why = _check_sixteen_warps(t.num_warps, _down_weight_tiles(h), h)
+        if why:
+            return why
         why = _check_wgmma_stages(t.block_m, t.num_stages, 2)
         if why:
             return f"wgmma tail {t}: {why}"
     return None
 
 
-__all__ = ["FRAGMENT_BLOCK_KS", "FRAGMENT_BLOCK_M", "WGMMA_BLOCK_MS", "WGMMA_SHARED_BYTES", "WGMMA_TAIL_BLOCK_MS", "check_fragment_shapes",
-           "fragment_order", "from_fragment_order", "grouped_gemm_args", "mma_position"]
+__all__ = ["FRAGMENT_BLOCK_KS", "FRAGMENT_BLOCK_M", "WGMMA_BLOCK_MS", "WGMMA_SHARED_BYTES", "WGMMA_TAIL_BLOCK_MS",
+           "check_fragment_shapes", "fragment_order", "from_fragment_order", "grouped_gemm_args", "mma_position"]

@@ -379,10 +379,10 @@ def wgmma_gemm_tails(a, w, w_scale, v, v_scale, out, align, a_row_div: int, act:
                      linear_beta: float | None, stages: int = 3, tails: tuple[WgmmaTail, ...] = (WgmmaTail(),),
                      max_registers: int | None = None, num_warps: int = 8):
     """A grouped GEMM on 128-row align blocks: each expert's blocks of more rows than the first tail tile holds as
-    128-token tiles (stages, max_registers, num_warps), the rest (its last block where it holds few rows) in the tail launches,
-    largest tile first, each taking the blocks of more rows than the next one's tile (`MoEConfig.wgmma_tails`; by
-    default those of at most 64 rows as 64-token tiles). A 128-token tile costs ~1.5x a 64-token one for twice the
-    tokens, and a tail of at most 64 rows would pad the 128-token tile by half."""
+    128-token tiles (stages, max_registers, num_warps), the rest (its last block where it holds few rows) in the
+    tail launches, largest tile first, each taking the blocks of more rows than the next one's tile
+    (`MoEConfig.wgmma_tails`; by default those of at most 64 rows as 64-token tiles). A 128-token tile costs ~1.5x
+    a 64-token one for twice the tokens, and a tail of at most 64 rows would pad the 128-token tile by half."""
     common = (a, w, w_scale, v, v_scale, out, align, a_row_div)
     wgmma_gemm(*common, 128, act, beta, linear_beta, stages, align_m=128, min_rows=tails[0].block_m + 1,
                max_registers=max_registers, num_warps=num_warps)
