@@ -67,7 +67,8 @@ def config_spec(cfg: tt.MoEConfig) -> str:
     spec += f"-dpa{d.prefetch_ahead}" if d.prefetch_ahead else ""
     spec += f"-pf{cfg.down_prefetch_steps}" if cfg.down_prefetch_steps else ""
     if cfg.wgmma_tails != tt.MoEConfig.wgmma_tails:
-        unnamed = "tails" + ".".join(f"{t.block_m}s{t.num_stages}r{t.max_registers or 0}" for t in cfg.wgmma_tails)
+        unnamed = "tails" + ".".join(f"{t.block_m}s{t.num_stages}r{t.max_registers or 0}w{t.num_warps}"
+                                     for t in cfg.wgmma_tails)
         spec += "-" + next((name for name, tails in TAILS.items() if tails == cfg.wgmma_tails), unnamed)
     return spec + ("-swap" if u.swap else "") + ("-frag" if cfg.fragments else "") + \
         ("-pdl" if cfg.dependent_launch else "")

@@ -74,8 +74,8 @@ def test_moe_layer_dry_run(tmp_path):
 def test_variant_specs_carry_the_down_gemm_and_register_caps():
     """moe_layer.py SPECs: dn/dk/dw/ds set the down GEMM's tile, warps and stages apart, r/dr cap the registers
     (GemmTiles.max_registers), pa/dpa set GemmTiles.prefetch_ahead, pf MoEConfig.down_prefetch_steps, pdl
-    MoEConfig.dependent_launch, t the smallest of MoEConfig.wgmma_tails; config_spec writes back the same SPEC;
-    unknown parts are refused."""
+    MoEConfig.dependent_launch, tNAME MoEConfig.wgmma_tails by moe_specs.TAILS' names; config_spec writes back the
+    same SPEC; unknown parts are refused."""
     sys.path.insert(0, str(REPO / "benchmarks"))
     from moe_layer import config_spec, parse_variant, with_options
 
