@@ -472,3 +472,17 @@ def test_sass_report_lists_each_wgmma_launch(capsys):
     assert int(rows["up"][2]) <= 128 and int(rows["down"][2]) <= 128  # 16 warps
     assert int(rows["up/32"][2]) == 128 and int(rows["up/64"][2]) > 128  # the capped 32-token tail; the 64 uncapped
     assert all(row[-1].startswith("HGMMA.64x") for row in rows.values())
+
+
+def test_wgmma_gemm_refuses_sixteen_warps_on_one_tile():
+    """`gluon_prefill.wgmma_gemm` (public) checks its warps itself: 16 warps need a program's two weight tiles, so a
+    down GEMM of one tile (N not a multiple of 256) on 16 warps is a ValueError that says to take 8 warps, before
+    anything is launched."""
+    pytest.importorskip("triton")
+    from kimiserve.ops.moe import gluon_prefill
+
+    w = torch.zeros(2, 384, 64, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="8 warps, or 16 where a program has two weight tiles"):
+        gluon_prefill.wgmma_gemm(None, w, None, None, None, None, None, 1, 64, "silu", 1.0, None, num_warps=16)
+    with pytest.raises(ValueError, match="got 4 warps"):
+        gluon_prefill.wgmma_gemm(None, w, None, None, None, None, None, 1, 64, "silu", 1.0, None, num_warps=4)
