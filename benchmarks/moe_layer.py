@@ -389,7 +389,8 @@ def sass_report(specs: list[str], h: int, inter: int) -> int:
                 consts = dict(GATED=gated, ACT=1, LINEAR_TANH=True, BN=tiles.block_n, BK=tiles.block_k,
                               OUT_BK=cfg.down.block_k, NUM_WARPS=tiles.num_warps, PDL=cfg.dependent_launch,
                               PF_STEPS=cfg.down_prefetch_steps if gated else 0,
-                              PF_RB=128 if gated and cfg.down_prefetch_steps else 1, AHEAD=tiles.prefetch_ahead)
+                              PF_RB=128 if gated and cfg.down_prefetch_steps else 1, AHEAD=tiles.prefetch_ahead,
+                              SWAP=tiles.swap, BM=cfg.block_m)
                 launches = [(name, consts, gluon_decode.compile_options(tiles), tiles.num_warps)]
                 types.update(pf_ptr="*u8", pfs_ptr="*u8", PF_N="i32", s_pfe="i64", s_pfn="i32", s_pfse="i64",
                              s_pfsn="i32")
@@ -410,7 +411,7 @@ def sass_report(specs: list[str], h: int, inter: int) -> int:
                 ops = _largest_loop(sass)
                 mix = loop_mix(ops)
                 weights = (2 if gated or consts.get("PAIRED") else 1) * tiles.block_n * tiles.block_k / (32 * warps)
-                weights *= 2 if cfg.fragments and cfg.block_m == 16 else 1  # the decode fragment loop: 2 steps
+                weights *= 2 if cfg.fragments and cfg.block_m <= 16 else 1  # the decode fragment loop: 2 steps
                 mma = ",".join(sorted(op for op in instruction_mix(sass) if "MMA" in op))
                 print(f"{spec:<40} {label:<7} {m.group(1):>4} {m.group(2):>5} {kernel.metadata.shared / 1024:8.1f} "
                       f"{len(ops):11d} {len(ops) / weights:11.2f} {mix['moves'] / weights:6.2f} "

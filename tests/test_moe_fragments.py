@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import itertools
+import re
 
 import pytest
 import torch
@@ -184,7 +185,7 @@ def test_sm90_build_has_no_fragment_moves(gated):
     (the kernel asserts it), no spills, and the K loop has almost no register moves (Triton's own decode GEMM:
     0.89 a weight for gate/up) and two K steps of mma.sync per iteration."""
     consts = dict(GATED=gated, ACT=1, LINEAR_TANH=True, BN=128, BK=128, OUT_BK=128, NUM_WARPS=4, PDL=False,
-                  PF_STEPS=0, PF_RB=1, AHEAD=0)
+                  PF_STEPS=0, PF_RB=1, AHEAD=0, SWAP=False, BM=16)
     sass, ops, loop_mix = _sm90_build("gluon_decode", "_fragment_gemm_kernel", "*u8", consts, 4,
                                       ["K", "s_am", "s_we", "s_wn", "s_se", "s_sn", "s_om"])
     weights = 2 * (2 if gated else 1) * 128 * 128 / 128  # per thread: two K steps of one or two weight tiles
@@ -337,7 +338,8 @@ def test_sm90_build_with_dependent_launch(gated, prefetch):
     thread) each thread prefetches 4 lines of codes and 1 of scales with evict_last (CCTL.E.PML2) before the wait,
     and every weight load of the gate/up GEMM is evict_first (LDG.E.EF), the activation loads not."""
     consts = dict(GATED=gated, ACT=1, LINEAR_TANH=True, BN=64, BK=256, OUT_BK=256, NUM_WARPS=4, PDL=True,
-                  PF_STEPS=prefetch, PF_RB=128 if prefetch else 1, AHEAD=0)
+                  PF_STEPS=prefetch, PF_RB=128 if prefetch else 1, AHEAD=0, SWAP=False,
+                  BM=16)
     div16 = ["K", "s_am", "s_we", "s_wn", "s_se", "s_sn", "s_om"]
     sass, _, _ = _sm90_build("gluon_decode", "_fragment_gemm_kernel", "*u8", consts, 4, div16)
     ops = _sass_ops(sass)
@@ -365,7 +367,7 @@ def test_sm90_build_prefetching_ahead(gated):
     otherwise as long within a few instructions and no registers more."""
     div16 = ["K", "s_am", "s_we", "s_wn", "s_se", "s_sn", "s_om"]
     consts = dict(GATED=gated, ACT=1, LINEAR_TANH=True, BN=64, BK=256, OUT_BK=256, NUM_WARPS=4, PDL=False,
-                  PF_STEPS=0, PF_RB=1, AHEAD=0)
+                  PF_STEPS=0, PF_RB=1, AHEAD=0, SWAP=False, BM=16)
     base, base_loop, _ = _sm90_build("gluon_decode", "_fragment_gemm_kernel", "*u8", consts, 4, div16)
     sass, loop, _ = _sm90_build("gluon_decode", "_fragment_gemm_kernel", "*u8", dict(consts, AHEAD=2), 4, div16)
     assert _sass_ops(sass).count("CCTL.E.PF2") == 4 and loop.count("CCTL.E.PF2") == 2
@@ -486,3 +488,56 @@ def test_wgmma_gemm_refuses_sixteen_warps_on_one_tile():
         gluon_prefill.wgmma_gemm(None, w, None, None, None, None, None, 1, 64, "silu", 1.0, None, num_warps=16)
     with pytest.raises(ValueError, match="got 4 warps"):
         gluon_prefill.wgmma_gemm(None, w, None, None, None, None, None, 1, 64, "silu", 1.0, None, num_warps=4)
+
+
+@pytest.mark.parametrize("warps", [2, 4, 8])
+def test_swapped_row_algebra(warps):
+    """The swapped decode form's rows (`gluon_decode._a_fragments` and its epilogue, in torch): the loads put weight
+    row n = (BN / 2) rep + 8 w + g in lane 4 g + t of warp w; the A operand's row m = 16 w + 8 rep + g (rows g and
+    g + 8 of warp w's 16-row slab, that thread's) holds it, and the epilogue's column of row m is n again."""
+    BN = 16 * warps
+    n = torch.arange(BN)
+    m_rows = n.reshape(2, BN // 16, 8).permute(1, 0, 2).reshape(BN)  # A row m holds weight row m_rows[m]
+    for m, row in enumerate(m_rows.tolist()):
+        rep, w, g = row // (BN // 2), row % (BN // 2) // 8, row % 8
+        assert m == 16 * w + 8 * rep + g
+    m = torch.arange(BN)
+    assert torch.equal((m // 16) * 8 + m % 8 + (m // 8 % 2) * (BN // 2), m_rows)  # the epilogue's cols
+
+
+def test_swapped_fragment_shape_checks():
+    """Swapped decode tiles (GemmTiles.swap with the fragment GEMMs): 16 weight rows a warp, both GEMMs, blocks of 8
+    or 16 pairs; block_m 8 only swapped."""
+    def tiles(block_n=64, warps=4, swap=True):
+        return GemmTiles(block_n=block_n, block_k=256, num_warps=warps, swap=swap)
+
+    for block_m in (8, 16):
+        assert check_fragment_shapes(3584, 3072, block_m, tiles(), tiles()) is None
+    assert check_fragment_shapes(3584, 3072, 8, tiles(128, 8), tiles(32, 2)) is None
+    assert "block_n = 16 x num_warps" in check_fragment_shapes(3584, 3072, 8, tiles(128, 4), tiles())
+    assert "both GEMMs' operands or neither" in check_fragment_shapes(3584, 3072, 16, tiles(), tiles(swap=False))
+    assert "8 with swapped tiles" in check_fragment_shapes(3584, 3072, 8, tiles(swap=False), tiles(swap=False))
+    assert "8 with swapped tiles" in check_fragment_shapes(3584, 3072, 32, tiles(), tiles())
+
+
+@pytest.mark.parametrize("gated", [True, False])
+def test_sm90_build_of_the_swapped_decode_kernel(gated):
+    """The decode fragment GEMM with swapped operands (weights as mma.sync's A, 16 rows a warp, 8 pairs as N), built
+    for sm_90 offline at the default's tiles (64 rows x 256-wide steps, 4 warps): half the HMMAs and activation
+    fragment loads (LDSM) of the unswapped build, fewer instructions a loop (1182 / 616 against 1285 / 690), and
+    for gate/up at most 128 registers: four programs an SM against three."""
+    import collections
+
+    div16 = ["K", "s_am", "s_we", "s_wn", "s_se", "s_sn", "s_om"]
+    mix, regs = {}, {}
+    for swap, block_m in ((False, 16), (True, 8)):
+        consts = dict(GATED=gated, ACT=1, LINEAR_TANH=True, BN=64, BK=256, OUT_BK=256, NUM_WARPS=4, PDL=False,
+                      PF_STEPS=0, PF_RB=1, AHEAD=0, SWAP=swap, BM=block_m)
+        sass, ops, _ = _sm90_build("gluon_decode", "_fragment_gemm_kernel", "*u8", consts, 4, div16)
+        mix[swap] = collections.Counter(op.split(".")[0] for op in ops)
+        regs[swap] = max(int(r) for r in re.findall(r"\bR(\d+)\b", sass)) + 1
+    for op in ("HMMA", "LDSM"):
+        assert 2 * mix[True][op] == mix[False][op], (op, mix[False][op], mix[True][op])
+    assert sum(mix[True].values()) < 0.93 * sum(mix[False].values())
+    if gated:
+        assert regs[True] <= 128 < regs[False]

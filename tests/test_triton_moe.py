@@ -278,10 +278,15 @@ FRAGMENT_TILES = [  # block_n, num_warps, block_k of gate/up, of down
     (128, 4, 128, 128), (256, 8, 128, 128), (64, 2, 256, 256), (64, 4, 256, 128), (32, 2, 128, 256)]
 
 
-def fragment_config(tt, block_n: int = 128, warps: int = 4, block_k: int = 128, down_block_k: int = 128):
-    up = tt.GemmTiles(block_n=block_n, block_k=block_k, num_warps=warps)
-    down = tt.GemmTiles(block_n=block_n, block_k=down_block_k, num_warps=warps)
-    return tt.MoEConfig(block_m=16, up=up, down=down, dequant="shift", fragments=True)
+SWAPPED_TILES = [  # block_n (16 a warp), num_warps, block_k of gate/up, of down, block_m
+    (64, 4, 256, 256, 8), (64, 4, 128, 256, 16), (32, 2, 256, 128, 8), (128, 8, 128, 128, 8)]
+
+
+def fragment_config(tt, block_n: int = 128, warps: int = 4, block_k: int = 128, down_block_k: int = 128,
+                    block_m: int = 16, swap: bool = False):
+    up = tt.GemmTiles(block_n=block_n, block_k=block_k, num_warps=warps, swap=swap)
+    down = tt.GemmTiles(block_n=block_n, block_k=down_block_k, num_warps=warps, swap=swap)
+    return tt.MoEConfig(block_m=block_m, up=up, down=down, dequant="shift", fragments=True)
 
 
 @pytest.mark.parametrize("block_n,warps,block_k,down_block_k", FRAGMENT_TILES)
@@ -296,6 +301,19 @@ def test_fragment_gemms(tt, block_n, warps, block_k, down_block_k):
     for h, inter in ((3 * block_k, 2 * big), (block_k, 5 * big)):
         for N, routing, act in ((45, "subset", "situ"), (1, "random", "situ"), (7, "same", "silu"),
                                 (33, "zipf", "situ")):
+            check_case(tt, N, h, inter, 9, 3, torch.bfloat16, True, act, routing, "cuda", cfg, seed=N)
+
+
+@pytest.mark.parametrize("block_n,warps,block_k,down_block_k,block_m", SWAPPED_TILES)
+def test_swapped_fragment_gemms(tt, block_n, warps, block_k, down_block_k, block_m):
+    """The fragment GEMMs with swapped operands (GemmTiles.swap: the weights as mma.sync's A, 16 rows a warp, the
+    block's 8 or 16 pairs as N) against the reference, as test_fragment_gemms; 20 tokens on the same k experts fill
+    blocks of 8 twice and a third with 4; two runs bitwise equal."""
+    cfg = fragment_config(tt, block_n, warps, block_k, down_block_k, block_m, swap=True)
+    big = max(block_k, down_block_k)
+    for h, inter in ((3 * block_k, 2 * big), (block_k, 5 * big)):
+        for N, routing, act in ((45, "subset", "situ"), (1, "random", "situ"), (7, "same", "silu"),
+                                (20, "same", "situ"), (33, "zipf", "situ")):
             check_case(tt, N, h, inter, 9, 3, torch.bfloat16, True, act, routing, "cuda", cfg, seed=N)
 
 
@@ -376,6 +394,13 @@ def test_decode_chain_launch_and_prefetch_options(tt):
     for N in (1, 45, 700):
         x, ids, weights = inputs(N, N)
         assert torch.equal(call(x, ids, weights, on), call(x, ids, weights, off))
+    swapped = fragment_config(tt, 64, 4, 256, 256, 8, swap=True)  # the options on the swapped form too
+    swapped_on = dataclasses.replace(on, block_m=8, up=dataclasses.replace(on.up, swap=True),
+                                     down=dataclasses.replace(on.down, swap=True))
+    for N in (1, 45):
+        check_case(tt, N, 512, 768, 9, 3, torch.bfloat16, True, "situ", "random", "cuda", swapped_on, seed=N)
+        x, ids, weights = inputs(N, N)
+        assert torch.equal(call(x, ids, weights, swapped_on), call(x, ids, weights, swapped))
     layers = [inputs(seed) for seed in range(3)]
 
     def chain():  # each layer's input is the last one's output, as in a model
@@ -621,13 +646,16 @@ def k31_shift(k31_experts):
     return {n: t if n.endswith("_scale") else to_shift_layout(t) for n, t in k31_experts.items()}
 
 
-@pytest.mark.parametrize("N,block_n,block_k", [(1, 128, 128), (16, 64, 256), (64, 128, 128), (64, 64, 256)])
-def test_k31_shape_fragments(tt, k31_experts, k31_shift, N, block_n, block_k):
-    """The fragment GEMMs at the K3.1 shape, random routing; two runs bitwise equal."""
+@pytest.mark.parametrize("N,block_n,block_k,block_m", [(1, 128, 128, 16), (16, 64, 256, 16), (64, 128, 128, 16),
+                                                       (64, 64, 256, 16), (1, 64, 256, 8), (16, 64, 256, 8),
+                                                       (64, 64, 256, 8)])
+def test_k31_shape_fragments(tt, k31_experts, k31_shift, N, block_n, block_k, block_m):
+    """The fragment GEMMs at the K3.1 shape, random routing (block_m 8: swapped operands); two runs bitwise
+    equal."""
     w = k31_shift
     x, ids, weights = _k31_inputs(N, "random", 11 + N)
     want = reference(x, k31_experts, ids, weights, "situ")
-    cfg = fragment_config(tt, block_n, 4, block_k, block_k)
+    cfg = fragment_config(tt, block_n, 4, block_k, block_k, block_m, swap=block_m == 8)
     runs = [tt.fused_moe(x, w["w1"], w["w2"], w["w3"], ids, weights, w1_scale=w["w1_scale"], w2_scale=w["w2_scale"],
                          w3_scale=w["w3_scale"], config=cfg, mxfp4_layout="shift") for _ in range(2)]
     err = rel_rms(runs[0], want)

@@ -28,7 +28,9 @@ class GemmTiles:
     compiled kernel's registers per thread (Triton's maxnreg; more programs per SM, spills past it), None for
     the compiler's choice. prefetch_ahead (the decode fragment GEMMs, `ops.moe.gluon_decode`): each program
     prefetches its weight rows' lines into L2 that many K steps ahead of its register loads (0: off; a power of
-    two), more bytes in flight without registers or shared memory."""
+    two), more bytes in flight without registers or shared memory. swap: the weights as the MMA's A operand and
+    the block's pairs as N (the Triton tiles: wgmma N = 32; the decode fragment GEMMs: mma.sync with 16 weight rows
+    a warp, block_n = 16 num_warps, blocks of 8 or 16 pairs, both GEMMs or neither)."""
 
     block_n: int = 64
     block_k: int = 128
@@ -69,7 +71,7 @@ class MoEConfig:
     combine_block: hidden columns per program of the combine; fragments: both GEMMs as Gluon kernels whose
     dequantised weights are register fragments of the MMA (CUDA, bf16, the shift layout; the activation between
     them kept in `ops.moe.fragment_order`'s MMA-k order): with block_m 16 `ops.moe.gluon_decode`'s (mma.sync,
-    block_k 128 or 256, num_stages not used), with block_m 64 or 128 `ops.moe.gluon_prefill`'s (wgmma, tiles of
+    block_k 128 or 256, num_stages not used; with swapped tiles block_m 8 too), with block_m 64 or 128 `ops.moe.gluon_prefill`'s (wgmma, tiles of
     128 x 128 on 8 warps, or on 16 where a program has two weight tiles (the gate/up GEMM, the down GEMM where h is
     a multiple of 256: one 256-row tile on four warpgroups, the main launches only), num_stages shared-memory stages,
     max_registers a cap on the launch: 128 fits two 8-warp programs an SM where their stages fit, 3 of block_m 64;

@@ -14,6 +14,7 @@ import torch
 
 FRAGMENT_BLOCK_KS = (128, 256)  # K per step: 4 quad threads x 32 or 64 physical columns
 FRAGMENT_BLOCK_M = 16  # the decode kernels (mma.sync, `ops.moe.gluon_decode`)
+SWAPPED_BLOCK_M = 8  # theirs with swapped operands (the weights as the mma's A, the pairs as N = 8)
 WGMMA_BLOCK_MS = (64, 128)  # the prefill kernels (wgmma, `ops.moe.gluon_prefill`): tokens per block = wgmma N
 WGMMA_TAIL_BLOCK_MS = (64, 32)  # their tail launches' tiles at block_m 128 (`MoEConfig.wgmma_tails`)
 WGMMA_SHARED_BYTES = 227 * 1024  # the most shared memory one program may take on sm_90
@@ -66,7 +67,7 @@ def grouped_gemm_args(a, w, w_scale, v, v_scale, out, align, a_row_div: int, bet
 
 def check_fragment_shapes(h: int, inter: int, block_m: int, up, down, tails=None) -> str | None:
     """Why the fragment GEMMs cannot run these expert dims and tiles (GemmTiles; None: they can). block_m 16: the
-    decode kernels; 64 or 128: the prefill (wgmma) kernels, 128 weight rows x 128-wide K steps on 8 warps (or 16,
+    decode kernels (swap: the weights as the mma's A operand, 16 rows a warp; then block_m 8 too); 64 or 128: the prefill (wgmma) kernels, 128 weight rows x 128-wide K steps on 8 warps (or 16,
     two weight tiles as one: the gate/up GEMM, and the down GEMM where h is a multiple of 256), 3 or more stages that
     fit the shared memory (gate/up: up to 6 at block_m 64, 4 at 128). tails: at block_m 128, the tail
     launches (`MoEConfig.wgmma_tails`: tiles of WGMMA_TAIL_BLOCK_MS tokens, largest first, their stages fitting)."""
@@ -87,14 +88,20 @@ def check_fragment_shapes(h: int, inter: int, block_m: int, up, down, tails=None
             if why:
                 return why
         return None
-    if block_m != FRAGMENT_BLOCK_M:
-        return f"block_m must be {FRAGMENT_BLOCK_M} (decode) or one of {WGMMA_BLOCK_MS} (prefill), got {block_m}"
+    swapped = up.swap and down.swap
+    if block_m not in (FRAGMENT_BLOCK_M, SWAPPED_BLOCK_M) or (block_m == SWAPPED_BLOCK_M and not swapped):
+        return (f"block_m must be {FRAGMENT_BLOCK_M} (decode; {SWAPPED_BLOCK_M} with swapped tiles) or one of "
+                f"{WGMMA_BLOCK_MS} (prefill), got {block_m}")
+    if up.swap != down.swap:
+        return "the decode fragment GEMMs swap both GEMMs' operands or neither"
     for t, K in ((up, h), (down, inter)):
-        if t.block_k not in FRAGMENT_BLOCK_KS or K % t.block_k or t.split_k != 1 or t.swap:
-            return (f"tiles need block_k in {FRAGMENT_BLOCK_KS} dividing their K, no split-K and no swap; got {t} "
-                    f"for K = {K}")
+        if t.block_k not in FRAGMENT_BLOCK_KS or K % t.block_k or t.split_k != 1:
+            return f"tiles need block_k in {FRAGMENT_BLOCK_KS} dividing their K and no split-K; got {t} for K = {K}"
         if t.num_warps not in (1, 2, 4, 8) or t.block_n & (t.block_n - 1) or t.block_n < 8 * t.num_warps:
             return f"block_n must be a power of two >= 8 x num_warps (1, 2, 4 or 8), got {t.block_n} and {t.num_warps}"
+        if t.swap and t.block_n != 16 * t.num_warps:
+            return (f"swapped tiles take 16 weight rows a warp (the mma's M): block_n = 16 x num_warps, got "
+                    f"{t.block_n} and {t.num_warps}")
     return None
 
 
@@ -137,5 +144,5 @@ def _check_tails(h: int, tails) -> str | None:
     return None
 
 
-__all__ = ["FRAGMENT_BLOCK_KS", "FRAGMENT_BLOCK_M", "WGMMA_BLOCK_MS", "WGMMA_SHARED_BYTES", "WGMMA_TAIL_BLOCK_MS",
+__all__ = ["FRAGMENT_BLOCK_KS", "FRAGMENT_BLOCK_M", "SWAPPED_BLOCK_M", "WGMMA_BLOCK_MS", "WGMMA_SHARED_BYTES", "WGMMA_TAIL_BLOCK_MS",
            "check_fragment_shapes", "fragment_order", "from_fragment_order", "grouped_gemm_args", "mma_position"]

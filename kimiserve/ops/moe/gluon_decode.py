@@ -75,6 +75,20 @@ def _b_fragments(words, sc, BN: gl.constexpr, BK: gl.constexpr, LB: gl.constexpr
     """Shift-layout words [BN, 4 (t), 4 G (g, u)] and ue8m0 scales [BN, 4 (t), G (g)], G = BK / 128 -> B [BK, BN]
     bf16 in MMA-k order, in the mma's operand layout (trivial conversions: every value already sits in its
     thread)."""
+    return gl.convert_layout(gl.permute(_decoded(words, sc, BN, BK), (1, 0)), LB, assert_trivial=True)
+
+
+@gluon.jit
+def _a_fragments(words, sc, BN: gl.constexpr, BK: gl.constexpr, LA: gl.constexpr):
+    """The same words as the A operand [BN, BK] (the swapped form, M = weight rows): the loads put weight row
+    n = (BN / 2) rep + 8 w + g in lane 4 g + t of warp w, where the mma's row m = 16 w + 8 rep + g is (trivial)."""
+    v = gl.reshape(gl.permute(gl.reshape(_decoded(words, sc, BN, BK), (2, BN // 16, 8, BK)), (1, 0, 2, 3)), (BN, BK))
+    return gl.convert_layout(v, LA, assert_trivial=True)
+
+
+@gluon.jit
+def _decoded(words, sc, BN: gl.constexpr, BK: gl.constexpr):
+    """Shift-layout words [BN, 4 (t), 4 G] and scales [BN, 4 (t), G] -> [BN, BK] bf16 in MMA-k order."""
     words = gl.reshape(words, (BN, 4, BK // 128, 4))
     sc = gl.convert_layout(sc, gl.SliceLayout(3, words.type.layout), assert_trivial=True)
     s16 = (sc.to(gl.int32) + 126) << 7  # 2^(s - 1) as bf16 bits (see ops.moe.triton's "shift" dequant)
@@ -85,8 +99,7 @@ def _b_fragments(words, sc, BN: gl.constexpr, BK: gl.constexpr, LB: gl.constexpr
     # code 2r + b0 of word (t, g, u) is physical k (BK / 4) t + 32 g + 8 u + 2r + b0; join appends its new dim last
     v = gl.join(gl.join(gl.join(e0, e1), gl.join(e2, e3)), gl.join(gl.join(e4, e5), gl.join(e6, e7)))
     # [BN, t, g, u, b0, r & 1, r >> 1] -> MMA position 128 g + 32 u + 16 (r >> 1) + 8 (r & 1) + 2t + b0
-    v = gl.reshape(gl.permute(v, (0, 2, 3, 6, 5, 1, 4)), (BN, BK))
-    return gl.convert_layout(gl.permute(v, (1, 0)), LB, assert_trivial=True)
+    return gl.reshape(gl.permute(v, (0, 2, 3, 6, 5, 1, 4)), (BN, BK))
 
 
 @gluon.jit
@@ -146,19 +159,26 @@ def _prefetch_down_rows(pf_e, pfs_e, nt, n_tiles, PF_N, s_pfn, s_pfsn, PF_STEPS:
 
 @gluon.jit
 def _mma_step(a_buf, w, s, v, t, acc, acc2, BN: gl.constexpr, BK: gl.constexpr, LA: gl.constexpr,
-              LB: gl.constexpr, GATED: gl.constexpr):
-    """acc (+ acc2) += the activation tile in shared memory times one K step of W (and V)."""
-    a = a_buf.load(LA)
-    acc = mma_v2(a, _b_fragments(w, s, BN, BK, LB), acc)
-    if GATED:
-        acc2 = mma_v2(a, _b_fragments(v, t, BN, BK, LB), acc2)
+              LB: gl.constexpr, GATED: gl.constexpr, SWAP: gl.constexpr):
+    """acc (+ acc2) += the activation tile in shared memory times one K step of W (and V); SWAP: the weights as the
+    mma's A operand and the activations as B (acc [BN, BM])."""
+    if SWAP:
+        x = a_buf.permute((1, 0)).load(LB)
+        acc = mma_v2(_a_fragments(w, s, BN, BK, LA), x, acc)
+        if GATED:
+            acc2 = mma_v2(_a_fragments(v, t, BN, BK, LA), x, acc2)
+    else:
+        a = a_buf.load(LA)
+        acc = mma_v2(a, _b_fragments(w, s, BN, BK, LB), acc)
+        if GATED:
+            acc2 = mma_v2(a, _b_fragments(v, t, BN, BK, LB), acc2)
     return acc, acc2
 
 
 @gluon.jit
 def _register_loop(a_smem, g_ptrs, g_mask, w_e, ws_e, v_e, vs_e, w_off, s_off, steps, acc, acc2, w_c, s_c, v_c, t_c,
                    lines, BN: gl.constexpr, BK: gl.constexpr, LA: gl.constexpr, LB: gl.constexpr,
-                   GATED: gl.constexpr, EVICT: gl.constexpr, AHEAD: gl.constexpr):
+                   GATED: gl.constexpr, EVICT: gl.constexpr, AHEAD: gl.constexpr, SWAP: gl.constexpr):
     """The K loop with each step's weights loaded a step ahead into registers (the first step's, w_c .. t_c, by the
     caller), unrolled by two so that each loaded value is used where it was loaded into. AHEAD > 0: where step j is
     loaded, the lines of step j + AHEAD (the last step past the end) are prefetched into L2 (`lines`: `_row_lines`)."""
@@ -170,7 +190,7 @@ def _register_loop(a_smem, g_ptrs, g_mask, w_e, ws_e, v_e, vs_e, w_off, s_off, s
         w_n, s_n, v_n, t_n = _load_weights(w_e, ws_e, v_e, vs_e, w_off, s_off, j, BK, GATED, EVICT)
         if AHEAD > 0:
             _prefetch_l2(lines + gl.minimum(j + AHEAD, steps - 1) * (BK // 8))
-        acc, acc2 = _mma_step(a_smem.index(0), w_c, s_c, v_c, t_c, acc, acc2, BN, BK, LA, LB, GATED)
+        acc, acc2 = _mma_step(a_smem.index(0), w_c, s_c, v_c, t_c, acc, acc2, BN, BK, LA, LB, GATED, SWAP)
         a_smem.index(1).store(a_next)  # buffer 1 was last read before the previous barrier
         gl.thread_barrier()
         j = gl.minimum(2 * i + 2, steps - 1)  # past the end: the last step again, never used
@@ -178,11 +198,11 @@ def _register_loop(a_smem, g_ptrs, g_mask, w_e, ws_e, v_e, vs_e, w_off, s_off, s
         w_c, s_c, v_c, t_c = _load_weights(w_e, ws_e, v_e, vs_e, w_off, s_off, j, BK, GATED, EVICT)
         if AHEAD > 0:
             _prefetch_l2(lines + gl.minimum(j + AHEAD, steps - 1) * (BK // 8))
-        acc, acc2 = _mma_step(a_smem.index(1), w_n, s_n, v_n, t_n, acc, acc2, BN, BK, LA, LB, GATED)
+        acc, acc2 = _mma_step(a_smem.index(1), w_n, s_n, v_n, t_n, acc, acc2, BN, BK, LA, LB, GATED, SWAP)
         a_smem.index(0).store(a_next)
         gl.thread_barrier()
     if steps % 2:
-        acc, acc2 = _mma_step(a_smem.index(0), w_c, s_c, v_c, t_c, acc, acc2, BN, BK, LA, LB, GATED)
+        acc, acc2 = _mma_step(a_smem.index(0), w_c, s_c, v_c, t_c, acc, acc2, BN, BK, LA, LB, GATED, SWAP)
     return acc, acc2
 
 
@@ -193,7 +213,7 @@ def _fragment_gemm_kernel(
     pf_ptr, pfs_ptr, PF_N, s_pfe, s_pfn, s_pfse, s_pfsn,
     GATED: gl.constexpr, ACT: gl.constexpr, LINEAR_TANH: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
     OUT_BK: gl.constexpr, NUM_WARPS: gl.constexpr, PDL: gl.constexpr, PF_STEPS: gl.constexpr, PF_RB: gl.constexpr,
-    AHEAD: gl.constexpr,
+    AHEAD: gl.constexpr, SWAP: gl.constexpr = False, BM: gl.constexpr = 16,
 ):
     """One (block of 16 pairs, BN output columns): out[pair, cols] = act(A W^T, A V^T) (GATED, stored at the
     columns' MMA-k positions for a down GEMM of OUT_BK-wide steps) or A W^T (stored in place), rounded to bf16.
@@ -201,10 +221,12 @@ def _fragment_gemm_kernel(
     [E, PF_N, .] bytes, pfs_ptr: scales) into L2 and streams its own weights with evict_first, so that they do not
     push the prefetched lines out (`MoEConfig.down_prefetch_steps`). PDL: launched with programmatic dependent
     launch, A read only after the wait (`ops.moe.dependent_launch`). AHEAD > 0: the program prefetches its weight
-    rows' lines into L2 AHEAD K steps ahead of its loads (`GemmTiles.prefetch_ahead`)."""
-    BM: gl.constexpr = 16
+    rows' lines into L2 AHEAD K steps ahead of its loads (`GemmTiles.prefetch_ahead`). SWAP (`GemmTiles.swap`): the
+    weights as the mma's A operand (M = weight rows, BN = 16 NUM_WARPS) and the block's BM (8 or 16) pairs as N, the
+    accumulators [BN, BM]: half the registers of the activation fragments at BM 8."""
     G: gl.constexpr = BK // 128
-    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, NUM_WARPS], instr_shape=[16, 8])
+    WPC: gl.constexpr = [NUM_WARPS, 1] if SWAP else [1, NUM_WARPS]
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=WPC, instr_shape=[16, 8])
     LA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     LB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
     # weight words [BN, 4 (t), 4 G]: row 8 w + g (+ 8 NUM_WARPS j) in lane 4 g + t of warp w, as in the mma; scales
@@ -236,8 +258,9 @@ def _fragment_gemm_kernel(
     ws_e = ws_ptr + e * s_se
     v_e = v_ptr + e * s_we
     vs_e = vs_ptr + e * s_se
-    acc = gl.zeros((BM, BN), gl.float32, MMA)
-    acc2 = gl.zeros((BM, BN), gl.float32, MMA)
+    ACC: gl.constexpr = [BN, BM] if SWAP else [BM, BN]
+    acc = gl.zeros(ACC, gl.float32, MMA)
+    acc2 = gl.zeros(ACC, gl.float32, MMA)
     steps = K // BK
     # the activation tile a step ahead through shared memory (16-byte loads, ldmatrix into the A fragments), two
     # buffers, one barrier a step; the weights a step ahead in registers (`_register_loop`)
@@ -266,11 +289,18 @@ def _fragment_gemm_kernel(
         gdc_wait()
         gdc_launch_dependents()
     acc, acc2 = _register_loop(a_smem, g_ptrs, g_mask, w_e, ws_e, v_e, vs_e, w_off, s_off, steps, acc, acc2, w_c, s_c,
-                               v_c, t_c, lines, BN, BK, LA, LB, GATED, EVICT, AHEAD)
-    ro = gl.arange(0, BM, layout=gl.SliceLayout(1, MMA))
+                               v_c, t_c, lines, BN, BK, LA, LB, GATED, EVICT, AHEAD, SWAP)
+    if SWAP:  # [BN, BM]: row m = 16 w + 8 rep + g holds weight row n = (BN / 2) rep + 8 w + g
+        acc = gl.permute(acc, (1, 0))
+        acc2 = gl.permute(acc2, (1, 0))
+        m = gl.arange(0, BN, layout=gl.SliceLayout(0, acc.type.layout))
+        cols = nt * BN + (m // 16) * 8 + m % 8 + (m // 8 % 2) * (BN // 2)
+        ro = gl.arange(0, BM, layout=gl.SliceLayout(1, acc.type.layout))
+    else:
+        cols = nt * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, MMA))
+        ro = gl.arange(0, BM, layout=gl.SliceLayout(1, MMA))
     row_ok = ro < nrows
     po = gl.load(sorted_ptr + b * BM + ro, mask=row_ok, other=0).to(gl.int64)
-    cols = nt * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, MMA))
     if GATED:  # gate and up rounded to bf16, the activation in fp32 (the Triton kernels' epilogue)
         y = _activate(acc, acc2, beta, linear_beta, ACT, LINEAR_TANH, gl.bfloat16)
         q = cols % OUT_BK  # physical (OUT_BK / 4) t + 4s + 2b1 + b0 -> MMA position 16s + 8b1 + 2t + b0
@@ -301,7 +331,7 @@ def fragment_gemm(a, w, w_scale, v, v_scale, out, align, a_row_div: int, tiles, 
     _fragment_gemm_kernel[(align[1].numel() * n_tiles,)](
         *args, *pf_args, GATED=gated, ACT=_ACT[act], LINEAR_TANH=linear_beta is not None, BN=tiles.block_n,
         BK=tiles.block_k, OUT_BK=out_block_k, NUM_WARPS=tiles.num_warps, PDL=dependent_launch, PF_STEPS=steps,
-        AHEAD=tiles.prefetch_ahead,
+        AHEAD=tiles.prefetch_ahead, SWAP=tiles.swap, BM=align[0].numel() // align[1].numel(),
         PF_RB=max(32 * tiles.num_warps, triton.next_power_of_2(triton.cdiv(pf.shape[1], n_tiles))) if steps else 1,
         **compile_options(tiles), **launch_options(dependent_launch))
 

@@ -546,7 +546,7 @@ def _check(x, w1, w2, w3, w1_scale, w2_scale, w3_scale, ids, weights, config: Mo
         if tiles.max_registers is not None and not 24 <= tiles.max_registers <= 255:
             raise ValueError(f"max_registers must be None or 24..255, got {tiles.max_registers}")
         ahead = tiles.prefetch_ahead
-        if ahead and (not (config.fragments and config.block_m == 16) or ahead not in (1, 2, 4, 8)):
+        if ahead and (not (config.fragments and config.block_m <= 16) or ahead not in (1, 2, 4, 8)):
             raise ValueError(f"prefetch_ahead takes 0, 1, 2, 4 or 8 K steps, with the decode fragment GEMMs "
                              f"(fragments, block_m 16); got {ahead}")
     if config.fragments:
@@ -561,7 +561,7 @@ def _check(x, w1, w2, w3, w1_scale, w2_scale, w3_scale, ids, weights, config: Mo
         raise ValueError(f"MoEConfig.wgmma_tails applies to the wgmma fragment GEMMs on 128-row blocks (fragments, "
                          f"block_m 128); leave it at its default for block_m {config.block_m}")
     steps = config.down_prefetch_steps
-    if steps and (not (config.fragments and config.block_m == 16) or steps & (steps - 1) or steps < 0
+    if steps and (not (config.fragments and config.block_m <= 16) or steps & (steps - 1) or steps < 0
                   or steps * 128 > w2.shape[2]):
         raise ValueError(f"MoEConfig.down_prefetch_steps takes 0 or a power of two of 128-byte lines within a down "
                          f"weight row ({w2.shape[2]} bytes), with the decode fragment GEMMs (fragments, block_m "
