@@ -223,7 +223,7 @@ def _fragment_gemm_kernel(
     OUT_BK: gl.constexpr, NUM_WARPS: gl.constexpr, PDL: gl.constexpr, PF_STEPS: gl.constexpr, PF_RB: gl.constexpr,
     AHEAD: gl.constexpr, SWAP: gl.constexpr = False, BM: gl.constexpr = 16,
 ):
-    """One (block of 16 pairs, BN output columns): out[pair, cols] = act(A W^T, A V^T) (GATED, stored at the
+    """One (block of BM pairs, BN output columns): out[pair, cols] = act(A W^T, A V^T) (GATED, stored at the
     columns' MMA-k positions for a down GEMM of OUT_BK-wide steps) or A W^T (stored in place), rounded to bf16.
     PF_STEPS > 0 (gate/up): the program also prefetches its share of the expert's down weights (pf_ptr: codes
     [E, PF_N, .] bytes, pfs_ptr: scales) into L2 and streams its own weights with evict_first, so that they do not
