@@ -133,14 +133,32 @@ def test_grouped_gemm_args_are_the_kernels_leading_arguments():
 def _sm90_build(module: str, kernel: str, scale_type: str, consts: dict, num_warps: int, div16: list[str]):
     """Kernel `kernel` of `kimiserve.ops.moe.<module>` built for sm_90 (Triton's ptxas, offline; skips without
     Triton), asserted spill-free -> (its SASS, the opcodes of its K loop, benchmarks/moe_layer.py's loop_mix)."""
+    _benchmark_helpers()
+    from moe_layer import _largest_loop, loop_mix
+    from sass_report import resource_usage, sass_of
+
+    built = _sm90_compile(module, kernel, scale_type, consts, dict(num_warps=num_warps), div16)
+    assert resource_usage(built)["stack"] == 0
+    sass = sass_of(built)
+    return sass, _largest_loop(sass), loop_mix
+
+
+def _benchmark_helpers():
+    """Skips without Triton; puts benchmarks/ (sass_report, moe_layer's SASS helpers) on sys.path."""
     pytest.importorskip("triton")
-    import importlib
     import os
     import sys
 
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
-    from moe_layer import _largest_loop, loop_mix
-    from sass_report import compile_sm90, resource_usage, sass_of
+
+
+def _sm90_compile(module: str, kernel: str, scale_type: str, consts: dict, options: dict, div16: list[str]):
+    """The sm_90 build of a kernel of `kimiserve.ops.moe.<module>` with Triton's compile options (skips without
+    Triton)."""
+    _benchmark_helpers()
+    import importlib
+
+    from sass_report import compile_sm90
 
     types = dict(a_ptr="*bf16", w_ptr="*i32", ws_ptr=scale_type, v_ptr="*i32", vs_ptr=scale_type, out_ptr="*bf16",
                  sorted_ptr="*i32", bexp_ptr="*i32", brows_ptr="*i32", nblk_ptr="*i32", N_OUT="i32", K="i32",
@@ -149,10 +167,10 @@ def _sm90_build(module: str, kernel: str, scale_type: str, consts: dict, num_war
                  s_pfse="i64", s_pfsn="i32")
     fn = getattr(importlib.import_module(f"kimiserve.ops.moe.{module}"), kernel)
     types = {n: t for n, t in types.items() if n in fn.arg_names}
-    built = compile_sm90(fn, types, consts, dict(num_warps=num_warps), div16)
-    assert resource_usage(built)["stack"] == 0
-    sass = sass_of(built)
-    return sass, _largest_loop(sass), loop_mix
+    return compile_sm90(fn, types, consts, options, div16)
+
+
+WGMMA_DIV16 = ["N_OUT", "K", "s_am", "s_we", "s_wn", "s_se", "s_sn", "s_om"]
 
 
 def test_wgmma_stages_fit_the_shared_memory():
@@ -224,25 +242,15 @@ def test_sm90_build_of_the_capped_tail_tiles(gated, block_m, stages, loop_spills
     on 3, at 128 registers), built for sm_90 offline as `wgmma_gemm_tails` launches them: two programs' registers
     and shared memory fit an SM, their wgmmas are 64xBMx16, and the K loop spills at most a few words (none at 32
     tokens; uncapped they take 146-172 registers, one program an SM)."""
-    pytest.importorskip("triton")
-    import importlib
-    import os
-    import sys
-
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    _benchmark_helpers()
     from moe_layer import _largest_loop
-    from sass_report import compile_sm90, resource_usage, sass_of
+    from sass_report import resource_usage, sass_of
 
-    gluon_prefill = importlib.import_module("kimiserve.ops.moe.gluon_prefill")
-    types = dict(a_ptr="*bf16", w_ptr="*i32", ws_ptr="*i32", v_ptr="*i32", vs_ptr="*i32", out_ptr="*bf16",
-                 sorted_ptr="*i32", bexp_ptr="*i32", brows_ptr="*i32", nblk_ptr="*i32", N_OUT="i32", K="i32",
-                 A_ROW_DIV="i32", s_am="i32", s_we="i64", s_wn="i32", s_se="i64", s_sn="i32", s_om="i32",
-                 beta="fp32", linear_beta="fp32")
     consts = dict(GATED=gated, PAIRED=not gated, ACT=1, LINEAR_TANH=True, BM=block_m, STAGES=stages, ALIGN_M=128,
                   MIN_ROWS=1, NW=8)
     cap = 128
-    built = compile_sm90(gluon_prefill._wgmma_gemm_kernel, types, consts, dict(num_warps=8, maxnreg=cap),
-                         ["N_OUT", "K", "s_am", "s_we", "s_wn", "s_se", "s_sn", "s_om"])
+    built = _sm90_compile("gluon_prefill", "_wgmma_gemm_kernel", "*i32", consts, dict(num_warps=8, maxnreg=cap),
+                          WGMMA_DIV16)
     assert resource_usage(built)["reg"] <= cap and 2 * 8 * 32 * cap <= 65536
     assert 2 * built.metadata.shared <= 228 * 1024  # the H100/H200 SM's shared memory
     ops = _largest_loop(sass_of(built))
@@ -259,28 +267,17 @@ def test_sm90_build_of_the_16_warp_wgmma_kernel(gated, loop_spills):
     LOP3) and copies, under 0.7 of its instructions (a program's warps issue 27% more in all, for twice the warps a
     scheduler). The gate/up build spills a few words inside the loop."""
     import collections
-
-    types = dict(a_ptr="*bf16", w_ptr="*i32", ws_ptr="*i32", v_ptr="*i32", vs_ptr="*i32", out_ptr="*bf16",
-                 sorted_ptr="*i32", bexp_ptr="*i32", brows_ptr="*i32", nblk_ptr="*i32", N_OUT="i32", K="i32",
-                 A_ROW_DIV="i32", s_am="i32", s_we="i64", s_wn="i32", s_se="i64", s_sn="i32", s_om="i32",
-                 beta="fp32", linear_beta="fp32")
-    div16 = ["N_OUT", "K", "s_am", "s_we", "s_wn", "s_se", "s_sn", "s_om"]
-    pytest.importorskip("triton")
-    import importlib
-    import os
     import re
-    import sys
 
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    _benchmark_helpers()
     from moe_layer import _largest_loop
-    from sass_report import compile_sm90, resource_usage, sass_of
+    from sass_report import resource_usage, sass_of
 
-    fn = importlib.import_module("kimiserve.ops.moe.gluon_prefill")._wgmma_gemm_kernel
     mix = {}
     for nw in (8, 16):
         consts = dict(GATED=gated, PAIRED=not gated, ACT=1, LINEAR_TANH=True, BM=128, STAGES=3, ALIGN_M=128,
                       MIN_ROWS=1, NW=nw)
-        built = compile_sm90(fn, types, consts, dict(num_warps=nw), div16)
+        built = _sm90_compile("gluon_prefill", "_wgmma_gemm_kernel", "*i32", consts, dict(num_warps=nw), WGMMA_DIV16)
         sass = sass_of(built)
         ops = _largest_loop(sass)
         mix[nw] = collections.Counter(op.split(".")[0] for op in ops)
@@ -377,11 +374,7 @@ def test_sm90_build_prefetching_ahead(gated):
 def test_sm90_builds_of_the_chain_wait_before_reading_what_the_last_launch_wrote():
     """The chain's Triton kernels with PDL (offline sm_90 builds): the align and the combine wait before any load;
     x's MMA-k copy loads x (the MoE's input) first and waits before its store."""
-    pytest.importorskip("triton")
-    import os
-    import sys
-
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    _benchmark_helpers()
     import triton.language as tl
     from sass_report import compile_sm90, sass_of
 
@@ -461,11 +454,7 @@ def test_sass_report_lists_each_wgmma_launch(capsys):
     """`benchmarks/moe_layer.py --sass` on a wgmma spec builds each launch as fused_moe runs it: the main launches on
     their warps and register cap, then each tail launch (`gemm/BM`) on its own (here the t32 tails: 32-token tiles at
     128 registers)."""
-    pytest.importorskip("triton")
-    import os
-    import sys
-
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    _benchmark_helpers()
     from moe_layer import sass_report
 
     assert sass_report(["shift-m128-n128-k128-w16-s3-t32-frag"], 3584, 3072) == 0
