@@ -71,14 +71,14 @@ class MoEConfig:
     combine_block: hidden columns per program of the combine; fragments: both GEMMs as Gluon kernels whose
     dequantised weights are register fragments of the MMA (CUDA, bf16, the shift layout; the activation between
     them kept in `ops.moe.fragment_order`'s MMA-k order): with block_m 16 `ops.moe.gluon_decode`'s (mma.sync,
-    block_k 128 or 256, num_stages not used; with swapped tiles block_m 8 too), with block_m 64 or 128 `ops.moe.gluon_prefill`'s (wgmma, tiles of
-    128 x 128 on 8 warps, or on 16 where a program has two weight tiles (the gate/up GEMM, the down GEMM where h is
-    a multiple of 256: one 256-row tile on four warpgroups, the main launches only), num_stages shared-memory stages,
-    max_registers a cap on the launch: 128 fits two 8-warp programs an SM where their stages fit, 3 of block_m 64;
-    at block_m 128 both GEMMs run each expert's tail, its last block where it holds at most 64 rows, in launches of
-    their own, `wgmma_tails`); dependent_launch: the decode chain (align, x's MMA-k copy, the fragment GEMMs,
-    combine) launched with programmatic dependent launch (CUDA, sm_90+): each kernel
-    may start while the one before it finishes, and waits for it (`griddepcontrol.wait`) only before it reads that
+    block_k 128 or 256, num_stages not used; with swapped tiles block_m 8 too), with block_m 64 or 128
+    `ops.moe.gluon_prefill`'s (wgmma, tiles of 128 x 128 on 8 warps, or on 16 where a program has two weight tiles
+    (the gate/up GEMM, the down GEMM where h is a multiple of 256: one 256-row tile on four warpgroups, the main
+    launches only), num_stages shared-memory stages, max_registers a cap on the launch: 128 fits two 8-warp programs
+    an SM where their stages fit, 3 of block_m 64; at block_m 128 both GEMMs run each expert's tail, its last block
+    where it holds at most 64 rows, in launches of their own, `wgmma_tails`); dependent_launch: the decode chain
+    (align, x's MMA-k copy, the fragment GEMMs, combine) launched with programmatic dependent launch (CUDA, sm_90+):
+    each kernel may start while the one before it finishes, and waits for it (`griddepcontrol.wait`) only before it reads that
     kernel's output; the fragment GEMMs load their first weights before the wait (see `ops.moe.gluon_decode`);
     down_prefetch_steps: with the decode fragment GEMMs, each gate/up program also prefetches into L2 (evict_last) the
     first that many 128-byte lines (K steps of 256) of its share of its expert's down weight rows, and streams its own
