@@ -78,8 +78,9 @@ class MoEConfig:
     an SM where their stages fit, 3 of block_m 64; at block_m 128 both GEMMs run each expert's tail, its last block
     where it holds at most 64 rows, in launches of their own, `wgmma_tails`); dependent_launch: the decode chain
     (align, x's MMA-k copy, the fragment GEMMs, combine) launched with programmatic dependent launch (CUDA, sm_90+):
-    each kernel may start while the one before it finishes, and waits for it (`griddepcontrol.wait`) only before it reads that
-    kernel's output; the fragment GEMMs load their first weights before the wait (see `ops.moe.gluon_decode`);
+    each kernel may start while the one before it finishes, and waits for it (`griddepcontrol.wait`) only before it
+    reads that kernel's output; the fragment GEMMs load their first weights before the wait (see
+    `ops.moe.gluon_decode`);
     down_prefetch_steps: with the decode fragment GEMMs, each gate/up program also prefetches into L2 (evict_last) the
     first that many 128-byte lines (K steps of 256) of its share of its expert's down weight rows, and streams its own
     weights with evict_first, so that the down GEMM starts on L2 hits (0: off; a power of two; for few tokens, whose

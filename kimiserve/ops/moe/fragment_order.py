@@ -67,9 +67,10 @@ def grouped_gemm_args(a, w, w_scale, v, v_scale, out, align, a_row_div: int, bet
 
 def check_fragment_shapes(h: int, inter: int, block_m: int, up, down, tails=None) -> str | None:
     """Why the fragment GEMMs cannot run these expert dims and tiles (GemmTiles; None: they can). block_m 16: the
-    decode kernels (swap: the weights as the mma's A operand, 16 rows a warp; then block_m 8 too); 64 or 128: the prefill (wgmma) kernels, 128 weight rows x 128-wide K steps on 8 warps (or 16,
-    two weight tiles as one: the gate/up GEMM, and the down GEMM where h is a multiple of 256), 3 or more stages that
-    fit the shared memory (gate/up: up to 6 at block_m 64, 4 at 128). tails: at block_m 128, the tail
+    decode kernels (swap: the weights as the mma's A operand, 16 rows a warp; then block_m 8 too); 64 or 128: the
+    prefill (wgmma) kernels, 128 weight rows x 128-wide K steps on 8 warps (or 16, two weight tiles as one: the
+    gate/up GEMM, and the down GEMM where h is a multiple of 256), 3 or more stages that fit the shared memory
+    (gate/up: up to 6 at block_m 64, 4 at 128). tails: at block_m 128, the tail
     launches (`MoEConfig.wgmma_tails`: tiles of WGMMA_TAIL_BLOCK_MS tokens, largest first, their stages fitting)."""
     if block_m == 128 and tails is not None:
         why = _check_tails(h, tails)
@@ -144,5 +145,6 @@ def _check_tails(h: int, tails) -> str | None:
     return None
 
 
-__all__ = ["FRAGMENT_BLOCK_KS", "FRAGMENT_BLOCK_M", "SWAPPED_BLOCK_M", "WGMMA_BLOCK_MS", "WGMMA_SHARED_BYTES", "WGMMA_TAIL_BLOCK_MS",
-           "check_fragment_shapes", "fragment_order", "from_fragment_order", "grouped_gemm_args", "mma_position"]
+__all__ = ["FRAGMENT_BLOCK_KS", "FRAGMENT_BLOCK_M", "SWAPPED_BLOCK_M", "WGMMA_BLOCK_MS", "WGMMA_SHARED_BYTES",
+           "WGMMA_TAIL_BLOCK_MS", "check_fragment_shapes", "fragment_order", "from_fragment_order", "grouped_gemm_args",
+           "mma_position"]
