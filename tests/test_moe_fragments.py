@@ -220,7 +220,6 @@ def test_sm90_build_of_the_wgmma_kernel(gated, paired, block_m, stages):
     kernel), no spills, eight wgmmas (k16) per weight tile and K step taking A from registers (two tiles: gate/up,
     or the down GEMM's two 128-row tiles where paired), and ptxas keeps them asynchronous: the loop's waits leave
     the last chunk's wgmmas in flight (a serialised build waits for 0)."""
-    import re
 
     consts = dict(GATED=gated, PAIRED=paired, ACT=1, LINEAR_TANH=True, BM=block_m, STAGES=stages, ALIGN_M=128,
                   MIN_ROWS=1, NW=8)
@@ -267,7 +266,6 @@ def test_sm90_build_of_the_16_warp_wgmma_kernel(gated, loop_spills):
     LOP3) and copies, under 0.7 of its instructions (a program's warps issue 27% more in all, for twice the warps a
     scheduler). The gate/up build spills a few words inside the loop."""
     import collections
-    import re
 
     _benchmark_helpers()
     from moe_layer import _largest_loop
@@ -315,7 +313,6 @@ def test_decode_down_register_cap_only_where_it_makes_one_wave(monkeypatch):
 
 def _sass_ops(sass: str) -> list[str]:
     """The SASS instructions in order, predicates kept (`@!P1 LDG.E.128 ...` -> "@!P1 LDG.E.128")."""
-    import re
 
     ops = []
     for line in sass.splitlines():
@@ -517,14 +514,20 @@ def test_sm90_build_of_the_swapped_decode_kernel(gated):
     for gate/up at most 128 registers: four programs an SM against three."""
     import collections
 
+    _benchmark_helpers()
+    from moe_layer import _largest_loop
+    from sass_report import resource_usage, sass_of
+
     div16 = ["K", "s_am", "s_we", "s_wn", "s_se", "s_sn", "s_om"]
     mix, regs = {}, {}
     for swap, block_m in ((False, 16), (True, 8)):
         consts = dict(GATED=gated, ACT=1, LINEAR_TANH=True, BN=64, BK=256, OUT_BK=256, NUM_WARPS=4, PDL=False,
                       PF_STEPS=0, PF_RB=1, AHEAD=0, SWAP=swap, BM=block_m)
-        sass, ops, _ = _sm90_build("gluon_decode", "_fragment_gemm_kernel", "*u8", consts, 4, div16)
-        mix[swap] = collections.Counter(op.split(".")[0] for op in ops)
-        regs[swap] = max(int(r) for r in re.findall(r"\bR(\d+)\b", sass)) + 1
+        built = _sm90_compile("gluon_decode", "_fragment_gemm_kernel", "*u8", consts, dict(num_warps=4), div16)
+        usage = resource_usage(built)
+        assert usage["stack"] == 0
+        mix[swap] = collections.Counter(op.split(".")[0] for op in _largest_loop(sass_of(built)))
+        regs[swap] = usage["reg"]
     for op in ("HMMA", "LDSM"):
         assert 2 * mix[True][op] == mix[False][op], (op, mix[False][op], mix[True][op])
     assert sum(mix[True].values()) < 0.93 * sum(mix[False].values())
