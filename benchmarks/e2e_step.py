@@ -96,8 +96,9 @@ def use_moe_config(spec: str | None, regime: str = "decode") -> None:
         moe_triton.default_config = original
         return
 
-    def patched(num_tokens, top_k, num_experts, dtype, mxfp4, mxfp4_layout="checkpoint", dims=None, num_sms=None):
-        config = original(num_tokens, top_k, num_experts, dtype, mxfp4, mxfp4_layout, dims, num_sms)
+    def patched(num_tokens, top_k, num_experts, dtype, mxfp4, mxfp4_layout="checkpoint", dims=None, num_sms=None,
+                dependent_launch=False):
+        config = original(num_tokens, top_k, num_experts, dtype, mxfp4, mxfp4_layout, dims, num_sms, dependent_launch)
         rows = num_tokens * top_k / max(1, num_experts)
         tile = tiles.get("decode" if rows <= moe_triton.DECODE_MAX_ROWS else "prefill")
         if isinstance(tile, list):  # options onto the default

@@ -556,7 +556,8 @@ def _main(argv: list[str] | None, clocks: ClockLog) -> int:
         if spec == "default":
             return None
         def shift_default():
-            return tt.default_config(n, k, E, dtype, True, "shift", dims=(h, inter), num_sms=tt.sm_count(device))
+            return tt.default_config(n, k, E, dtype, True, "shift", dims=(h, inter), num_sms=tt.sm_count(device),
+                                     dependent_launch=tt.runs_dependent_launch(device))
 
         if spec == "default-shift":
             return shift_default()
@@ -602,7 +603,8 @@ def _main(argv: list[str] | None, clocks: ClockLog) -> int:
             workspace = 2 * n * k * (inter + h) * act_bytes
             flops = 6 * n * k * h * inter
             out = torch.empty_like(x)
-            default_cfg = tt.default_config(n, k, E, dtype, True, dims=(h, inter), num_sms=tt.sm_count(device))
+            default_cfg = tt.default_config(n, k, E, dtype, True, dims=(h, inter), num_sms=tt.sm_count(device),
+                                            dependent_launch=tt.runs_dependent_launch(device))
             row = dict(kind="moe_layer", routing=routing, tokens=n, experts_hit=hit, bytes=nbytes,
                        bytes_with_workspace=nbytes + workspace, roofline_ms=nbytes / (copy * 1e9) * 1e3,
                        flops=flops, flop_roofline_ms=flops / (mm * 1e12) * 1e3, default_config=config_spec(default_cfg))

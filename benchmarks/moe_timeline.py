@@ -152,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
             for spec in variants:
                 def default():
                     return tt.default_config(n, k, E, torch.bfloat16, True, "shift", dims=(h, inter),
-                                             num_sms=tt.sm_count("cuda"))
+                                             num_sms=tt.sm_count("cuda"),
+                                             dependent_launch=tt.runs_dependent_launch("cuda"))
 
                 cfg = default() if spec == "default" else (default_with_options(spec, "default", default)
                                                            or parse_variant(spec))

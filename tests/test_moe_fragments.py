@@ -1,6 +1,7 @@
 """The K order of the fragment MoE GEMMs (kimiserve/ops/moe/fragment_order.py) on the CPU, and the sm_90 builds of
 their Gluon kernels offline (when Triton is installed). The kernels themselves run against the reference on CUDA in
-tests/test_triton_moe.py (`test_fragment_gemms`, `test_wgmma_fragment_gemms`)."""
+tests/test_triton_moe.py (`test_fragment_gemms`, `test_wgmma_fragment_gemms`). Also `default_config`'s choice of
+them."""
 
 from __future__ import annotations
 
@@ -12,11 +13,69 @@ import re
 import pytest
 import torch
 
-from kimiserve.ops.moe.config import GemmTiles
+from kimiserve.ops.moe.config import GemmTiles, MoEConfig, default_config
 from kimiserve.ops.moe.fragment_order import (check_fragment_shapes, fragment_order, from_fragment_order,
                                               mma_position)
 from kimiserve.ops.moe.mxfp4_layout import to_shift_layout
 from kimiserve.ops.quant.reference import dequantize_mxfp4, quantize_mxfp4
+
+
+@pytest.fixture
+def gluon_importable(monkeypatch):
+    """`default_config` as on a CUDA machine whose Triton has Gluon: the fragment GEMMs' modules importable."""
+    from kimiserve.ops.moe import config
+
+    monkeypatch.setattr(config, "_gluon_kernels", lambda module: True)
+
+
+def test_default_config_takes_fragments(gluon_importable):
+    """The decode regime's default (<= DECODE_MAX_ROWS rows per expert) is the fragment GEMMs with 256-wide K steps
+    where those fit: the shift layout, bf16, dims given and multiples of 256 (kimi-demo's 128 x 128 experts keep the
+    Triton tiles); swapped on blocks of 8 pairs up to SWAPPED_DECODE_MAX_ROWS, chained with PDL where the device
+    runs it."""
+    bf16 = torch.bfloat16
+    for E, N, swapped in ((896, 1, True), (896, 256, True), (16, 32, False)):  # 0.02, 4.6 and 8 rows an expert
+        cfg = default_config(N, 16 if E == 896 else 4, E, bf16, True, "shift", dims=(3584, 3072))
+        assert cfg.fragments and (cfg.up.block_n, cfg.up.block_k, cfg.down.block_k) == (64, 256, 256)
+        assert (cfg.block_m, cfg.up.swap, cfg.down.swap) == ((8, True, True) if swapped else (16, False, False))
+        assert not cfg.dependent_launch
+        assert default_config(N, 16 if E == 896 else 4, E, bf16, True, "shift", dims=(3584, 3072),
+                              dependent_launch=True) == dataclasses.replace(cfg, dependent_launch=True)
+    one_wave = default_config(1, 16, 896, bf16, True, "shift", dims=(3584, 3072), num_sms=132)
+    assert one_wave.down.max_registers == 72 and one_wave.up.max_registers is None  # 896 swapped down programs
+    several_waves = default_config(64, 16, 896, bf16, True, "shift", dims=(3584, 3072), num_sms=132)
+    assert several_waves.down.max_registers is None
+    assert not default_config(16, 16, 896, bf16, True, "shift", dims=(384, 256)).fragments
+    assert not default_config(16, 2, 16, bf16, True, "shift", dims=(128, 128)).fragments
+    assert not default_config(512, 16, 896, bf16, True, "shift", dims=(3584, 3072)).fragments  # 9 rows/expert
+    assert not default_config(16, 16, 896, bf16, True, "checkpoint", dims=(3584, 3072)).fragments
+    assert not default_config(16, 16, 896, bf16, True, "shift", dims=(160, 256)).fragments
+    assert not default_config(16, 16, 896, bf16, True, "shift").fragments  # dims unknown
+    assert not default_config(16, 16, 896, torch.float32, True, "shift", dims=(3584, 3072)).fragments
+    assert not default_config(1024, 16, 896, bf16, True, "shift", dims=(3584, 3072),
+                              dependent_launch=True).dependent_launch  # the prefill GEMMs: no PDL
+
+
+def test_default_config_takes_wgmma_fragments(gluon_importable):
+    """Above WGMMA_MIN_ROWS rows per expert the default is the prefill fragment GEMMs where they fit (shift layout,
+    bf16, dims multiples of 256, the measured shapes): 128-row blocks; below 256 rows on 16 warps with 32-token
+    tails, 3 stages; from 256 rows on 8 warps with 64-token tails, 4 stages for the down GEMM."""
+    bf16 = torch.bfloat16
+    for N in (1024, 8192):  # 18 and 146 rows an expert
+        cfg = default_config(N, 16, 896, bf16, True, "shift", dims=(3584, 3072))
+        assert cfg.fragments and (cfg.block_m, cfg.up.num_stages, cfg.down.num_stages) == (128, 3, 3)
+        assert (cfg.up.num_warps, cfg.down.num_warps) == (16, 16)
+        assert [t.block_m for t in cfg.wgmma_tails] == [64, 32] and cfg.wgmma_tails[1].max_registers == 128
+    cfg = default_config(8192, 4, 16, bf16, True, "shift", dims=(3584, 3072))
+    assert cfg.fragments and (cfg.block_m, cfg.up.num_stages, cfg.down.num_stages) == (128, 3, 4)
+    assert (cfg.up.num_warps, cfg.wgmma_tails) == (8, MoEConfig.wgmma_tails)
+    assert default_config(2048, 16, 896, bf16, True, "shift", dims=(512, 768)).fragments
+    assert not default_config(2048, 16, 896, bf16, True, "shift", dims=(384, 640)).fragments
+    assert not default_config(512, 2, 16, bf16, True, "shift", dims=(128, 128)).fragments  # kimi-demo
+    assert default_config(512, 16, 896, bf16, True, "shift", dims=(3584, 3072)).block_m == 32  # 9 rows
+    assert not default_config(8192, 16, 896, bf16, True, "checkpoint", dims=(3584, 3072)).fragments
+    assert not default_config(8192, 16, 896, bf16, True, "shift", dims=(3584, 3000)).fragments
+    assert not default_config(8192, 16, 896, bf16, True, "shift").fragments
 
 
 @pytest.mark.parametrize("block_k", [128, 256])

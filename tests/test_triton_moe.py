@@ -422,41 +422,6 @@ def test_decode_chain_launch_and_prefetch_options(tt):
             want = call(want, ids, weights, off)
         assert torch.equal(graph_out, want)
 
-def test_default_config_takes_fragments(tt):
-    """The decode regime's default (<= DECODE_MAX_ROWS rows per expert) is the fragment GEMMs with 256-wide K steps
-    where those fit: the shift layout, bf16, dims given and multiples of 256 (kimi-demo's 128 x 128 experts keep the
-    Triton tiles)."""
-    bf16 = torch.bfloat16
-    for E, N in ((896, 1), (896, 256), (16, 32)):
-        cfg = tt.default_config(N, 16 if E == 896 else 4, E, bf16, True, "shift", dims=(3584, 3072))
-        assert cfg.fragments and (cfg.block_m, cfg.up.block_n, cfg.up.block_k, cfg.down.block_k) == (16, 64, 256, 256)
-    assert not tt.default_config(16, 16, 896, bf16, True, "shift", dims=(384, 256)).fragments
-    assert not tt.default_config(16, 2, 16, bf16, True, "shift", dims=(128, 128)).fragments
-    assert not tt.default_config(1024, 16, 896, bf16, True, "shift", dims=(3584, 3072)).fragments  # 18 rows/expert
-    assert not tt.default_config(16, 16, 896, bf16, True, "checkpoint", dims=(3584, 3072)).fragments
-    assert not tt.default_config(16, 16, 896, bf16, True, "shift", dims=(160, 256)).fragments
-    assert not tt.default_config(16, 16, 896, bf16, True, "shift").fragments  # dims unknown
-    assert not tt.default_config(16, 16, 896, torch.float32, True, "shift", dims=(3584, 3072)).fragments
-
-
-def test_default_config_takes_wgmma_fragments(tt):
-    """Above 24 rows per expert the default is the prefill fragment GEMMs where they fit (shift layout, bf16, dims
-    multiples of 256, the measured shapes): 128-row blocks (tails of <= 64 rows as 64-token tiles), 3 stages, 4 for
-    the down GEMM from 256 rows per expert."""
-    bf16 = torch.bfloat16
-    cfg = tt.default_config(8192, 16, 896, bf16, True, "shift", dims=(3584, 3072))
-    assert cfg.fragments and (cfg.block_m, cfg.up.num_stages, cfg.down.num_stages) == (128, 3, 3)
-    cfg = tt.default_config(8192, 4, 16, bf16, True, "shift", dims=(3584, 3072))
-    assert cfg.fragments and (cfg.block_m, cfg.up.num_stages, cfg.down.num_stages) == (128, 3, 4)
-    assert tt.default_config(2048, 16, 896, bf16, True, "shift", dims=(512, 768)).fragments
-    assert not tt.default_config(2048, 16, 896, bf16, True, "shift", dims=(384, 640)).fragments
-    assert not tt.default_config(512, 2, 16, bf16, True, "shift", dims=(128, 128)).fragments  # kimi-demo
-    assert not tt.default_config(1024, 16, 896, bf16, True, "shift", dims=(3584, 3072)).fragments  # 18 rows
-    assert not tt.default_config(8192, 16, 896, bf16, True, "checkpoint", dims=(3584, 3072)).fragments
-    assert not tt.default_config(8192, 16, 896, bf16, True, "shift", dims=(3584, 3000)).fragments
-    assert not tt.default_config(8192, 16, 896, bf16, True, "shift").fragments
-
-
 def test_fragment_config_errors(tt):
     """MoEConfig.fragments outside its scope is a ValueError that says what to change."""
     gen = torch.Generator().manual_seed(0)
@@ -682,6 +647,33 @@ def test_k31_shape_wgmma_fragments(tt, k31_experts, k31_shift, N, block_m, tails
     err = rel_rms(runs[0], want)
     print(f"K3.1 shape, {N} tokens, wgmma fragments, block_m {block_m}: rel RMS {err:.2e}")
     assert torch.isfinite(runs[0]).all() and err < 1e-2 and torch.equal(runs[0], runs[1])
+
+
+@pytest.mark.parametrize("N", [1, 16, 300, 1024])
+def test_k31_shape_shift_default(tt, k31_experts, k31_shift, N):
+    """The shift layout's default config at the K3.1 shape (fused_moe picks it: at 1 and 16 tokens the swapped
+    decode GEMMs chained with PDL, at 1 token with the down GEMM's one-wave register cap; at 300 the unswapped
+    16-row blocks; at 1024 the wgmma GEMMs on 16 warps with 32-token tails), zipf routing, against the reference;
+    a CUDA graph's replay bitwise equal to the eager call."""
+    from kimiserve.utils.cuda_timing import capture_graph
+
+    w = k31_shift
+    x, ids, weights = _k31_inputs(N, "zipf", 21 + N)
+    want = reference(x, k31_experts, ids, weights, "situ")
+
+    def call(out=None):
+        return tt.fused_moe(x, w["w1"], w["w2"], w["w3"], ids, weights, w1_scale=w["w1_scale"],
+                            w2_scale=w["w2_scale"], w3_scale=w["w3_scale"], mxfp4_layout="shift", out=out)
+
+    eager = call()
+    err = rel_rms(eager, want)
+    print(f"K3.1 shape, {N} tokens, shift default: rel RMS {err:.2e}")
+    assert torch.isfinite(eager).all() and err < 1e-2
+    out = torch.full_like(x, float("nan"))
+    graph = capture_graph(lambda: call(out))
+    out.fill_(float("nan"))
+    graph.replay()
+    assert torch.equal(out, eager)
 
 
 @pytest.mark.parametrize("N", [1, 33, 700])

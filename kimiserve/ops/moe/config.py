@@ -12,10 +12,12 @@ from dataclasses import dataclass, field
 import torch
 
 DECODE_MAX_ROWS = 8  # mean routed rows per expert up to which `default_config` takes its decode tiles
-# The decode down GEMM (`ops.moe.gluon_decode`, 64 x 256 tiles, 4 warps) builds to 94 registers, 5 programs an SM;
-# capped at 72 (a few spill) 7 fit. Where its grid fits one wave of 7 but not of 5 the cap pays: K3.1 at 1 token, 896
-# programs on the H200's 132 SMs, 0.041 -> 0.038 ms; over several waves the spills cost more (16 and 64 tokens 5-6%
-# slower; session 18).
+SWAPPED_DECODE_MAX_ROWS = 5  # ... and up to which the decode fragment GEMMs swap operands (blocks of 8 pairs)
+WGMMA_MIN_ROWS = 16  # above this many, the prefill (wgmma) fragment GEMMs
+# The decode down GEMM (`ops.moe.gluon_decode`, 64 x 256 tiles, 4 warps) builds to 94 registers (96 swapped), 5
+# programs an SM; capped at 72 (a few spill) 7 fit. Where its grid fits one wave of 7 but not of 5 the cap pays: K3.1
+# at 1 token, 896 programs on the H200's 132 SMs, 0.041 -> 0.038 ms (session 18; swapped, 0.105 -> 0.101 ms a layer,
+# session 21); over several waves the spills cost more (16 and 64 tokens 5-6% slower; session 18).
 DOWN_PROGRAMS_AN_SM = 5
 DOWN_CAPPED_PROGRAMS_AN_SM, DOWN_CAPPED_REGISTERS = 7, 72
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's CPU interpreter: no Gluon, no inline PTX
@@ -107,50 +109,61 @@ def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
 
 def default_config(num_tokens: int, top_k: int, num_experts: int, dtype: torch.dtype, mxfp4: bool,
                    mxfp4_layout: str = "checkpoint", dims: tuple[int, int] | None = None,
-                   num_sms: int | None = None) -> MoEConfig:
+                   num_sms: int | None = None, dependent_launch: bool = False) -> MoEConfig:
     """The launch config for a batch: BLOCK_M from the mean rows per expert, tiles by regime. dims: the experts'
     (hidden, intermediate) sizes, which decide whether the fragment GEMMs fit (None: they are not considered).
     num_sms: the GPU's SM count, for the decode down GEMM's one-wave register cap (None: no cap).
+    dependent_launch: the device runs programmatic dependent launch (CUDA sm_90+), which the decode fragment chain
+    then takes.
 
-    The MXFP4 choices are the fastest of benchmarks/moe_layer.py's H200 sweeps at the K3.1 shape: up to
-    DECODE_MAX_ROWS rows per expert (256 tokens) the Gluon fragment GEMMs (`ops.moe.gluon_decode`; shift layout,
-    compiled, dims multiples of 256) with 256-wide K steps (128-byte weight rows), 64 columns, 4 warps, the
-    activations through shared memory: 1.13-1.27x the Triton tile at 1-64 tokens (session 14), and
-    1.3-2.6% off the `small` preset's engine decode step at batch 1 and 8 (16 experts). Else in that regime
-    16-row blocks, unswapped (~15% under the swapped form); of 64 or more experts, 128 weight rows x 128 K per step
-    (3-6% under 64 x 256 at 1-256 tokens in sessions 8 and 13, at 16-64 in session 4), of fewer (the `small`
-    preset's 16) 64 x 256 (the 128-row tile was 0.6% slower in its engine's decode steps at batch 1 and 8,
-    session 13: half as many programs on a few experts); up to 24 (1024 tokens) 32-row blocks, 64 (gate/up) and
-    128 (down) columns x 128 K, unswapped (7% under the swapped 32-row tile); above, in the shift layout with dims
-    that are multiples of 256, the Gluon wgmma fragment GEMMs (`ops.moe.gluon_prefill`) on 128-row blocks, each
-    expert's tail of at most 64 rows as 64-token tiles, the down GEMM on two weight tiles a program (K3.1 at 8192
-    tokens 27.5 ms, 40.2% of the matmul rate, session 16, from 30.8-31.0 ms on session 15's 64-row blocks, which
-    were 1.2-1.35x the Triton tile at 2048-8192 tokens; the `small` preset's prefill chunks 1.4-1.8x the Triton
-    tile), 4 stages for the down GEMM from 256 rows per expert; else 64-row blocks on 4 warps (9% under 128-row
-    blocks on 8 at 8192 tokens: ~146 rows per expert pad less). bf16 weights keep the swapped form for decode (not
-    re-measured). The shift layout takes dequant "shift"."""
+    The MXFP4 choices are the fastest of benchmarks/moe_layer.py's H200 sweeps at the K3.1 shape (BENCHMARKS.md):
+    - up to DECODE_MAX_ROWS rows per expert (448 tokens), where the Gluon fragment GEMMs fit (shift layout,
+      compiled, dims multiples of 256): `ops.moe.gluon_decode`'s, 256-wide K steps, 64 columns, 4 warps, the
+      launches chained with PDL where the device has it; up to SWAPPED_DECODE_MAX_ROWS (K3.1: 280 tokens) with
+      swapped operands on blocks of 8 pairs (session 21: 0.115 -> 0.096 ms at 1 token, 1.24 -> 1.03 at 16, 3.44 ->
+      2.93 at 64, 5.09 -> 4.40 at 256; the `small` preset's engine step at batch 8 1.3% faster), above it 16-row
+      blocks unswapped (1.13-1.27x the Triton tile at 1-64 tokens, session 14);
+    - else in the decode regime 16-row Triton blocks, unswapped (~15% under the swapped form): of 64 or more
+      experts 128 weight rows x 128 K a step (3-6% under 64 x 256 at 1-256 tokens, sessions 8 and 13), of fewer 64 x
+      256 (the 128-row tile was 0.6% slower in the `small` preset's engine steps, session 13);
+    - above WGMMA_MIN_ROWS, where they fit, `ops.moe.gluon_prefill`'s wgmma fragment GEMMs on 128-row blocks: below
+      256 rows a program's two weight tiles as one on 16 warps, and each expert's last block as a 32-token tile (at
+      most 32 rows; two programs an SM at 128 registers) or a 64-token tile (session 21, K3.1: 28.82 -> 25.42 ms at
+      8192 tokens, 45.0% of the matmul rate, random routing; 24.10 -> 24.00 zipf; 9.41 -> 7.88 ms at 1024); from 256
+      rows 8 warps, 64-token tails and 4 stages for the down GEMM (the `small` preset's prefill chunks, 1.4-1.8x the
+      Triton tile, session 16);
+    - else up to 24 rows 32-row Triton blocks, 64 (gate/up) and 128 (down) columns x 128 K (7% under the swapped
+      32-row tile), and above 64-row blocks on 4 warps.
+    bf16 weights keep the swapped Triton form for decode (not re-measured). The shift layout takes dequant "shift"."""
     if dtype != torch.bfloat16:  # fp32 (the CPU-sized models) and fp16: exact dequant, IEEE or fp16 dots
         small = GemmTiles(block_n=32, block_k=32, num_warps=4, num_stages=2)
         return MoEConfig(block_m=16, up=small, down=small, dequant="exact")
     dequant = "exact" if not mxfp4 else "shift" if mxfp4_layout == "shift" else "lut"
     mean_rows = num_tokens * top_k / max(1, num_experts)
     if mean_rows <= DECODE_MAX_ROWS and dequant == "shift" and dims is not None and _fragments_fit(*dims):
-        tiles = GemmTiles(block_n=64, block_k=256, num_warps=4, num_stages=2)
+        swap = mean_rows <= SWAPPED_DECODE_MAX_ROWS
+        block_m = 8 if swap else 16
+        tiles = GemmTiles(block_n=64, block_k=256, num_warps=4, num_stages=2, swap=swap)
         down = tiles
-        down_programs = max_blocks(num_tokens * top_k, num_experts, 16) * -(-dims[0] // tiles.block_n)
+        down_programs = max_blocks(num_tokens * top_k, num_experts, block_m) * -(-dims[0] // tiles.block_n)
         if num_sms and DOWN_PROGRAMS_AN_SM * num_sms < down_programs <= DOWN_CAPPED_PROGRAMS_AN_SM * num_sms:
             down = dataclasses.replace(tiles, max_registers=DOWN_CAPPED_REGISTERS)  # one wave instead of two
-        return MoEConfig(block_m=16, up=tiles, down=down, dequant=dequant, fragments=True)
+        return MoEConfig(block_m=block_m, up=tiles, down=down, dequant=dequant, fragments=True,
+                         dependent_launch=dependent_launch)
     if mean_rows <= DECODE_MAX_ROWS and mxfp4 and num_experts >= 64:
         tiles = GemmTiles(block_n=128, block_k=128, num_warps=4, num_stages=3)
         return MoEConfig(block_m=16, up=tiles, down=tiles, dequant=dequant)
     if mean_rows <= DECODE_MAX_ROWS:  # bf16 weights: 128-wide K steps (shared memory: two weight tiles per stage)
         tiles = GemmTiles(block_n=64, block_k=256 if mxfp4 else 128, num_warps=4, num_stages=3, swap=not mxfp4)
         return MoEConfig(block_m=16, up=tiles, down=tiles, dequant=dequant)
-    if mean_rows > 24 and dequant == "shift" and dims is not None and _wgmma_fragments_fit(*dims):
-        up = GemmTiles(block_n=128, block_k=128, num_warps=8, num_stages=3)
-        down = dataclasses.replace(up, num_stages=4) if mean_rows >= 256 else up
-        return MoEConfig(block_m=128, up=up, down=down, dequant=dequant, fragments=True)
+    if mean_rows > WGMMA_MIN_ROWS and dequant == "shift" and dims is not None and _wgmma_fragments_fit(*dims):
+        if mean_rows >= 256:
+            up = GemmTiles(block_n=128, block_k=128, num_warps=8, num_stages=3)
+            return MoEConfig(block_m=128, up=up, down=dataclasses.replace(up, num_stages=4), dequant=dequant,
+                             fragments=True)
+        tiles = GemmTiles(block_n=128, block_k=128, num_warps=16, num_stages=3)
+        tails = (WgmmaTail(), WgmmaTail(block_m=32, num_stages=4, max_registers=128))
+        return MoEConfig(block_m=128, up=tiles, down=tiles, dequant=dequant, fragments=True, wgmma_tails=tails)
     if mean_rows <= 24 and not mxfp4:  # still one weight tile per block: the swapped form, wgmma N = 32
         tiles = GemmTiles(block_n=64, block_k=128, num_warps=4, num_stages=3, swap=True)
         return MoEConfig(block_m=32, up=tiles, down=tiles, dequant=dequant)
@@ -190,4 +203,5 @@ def _gluon_kernels(module: str) -> bool:
     return True
 
 
-__all__ = ["DECODE_MAX_ROWS", "GemmTiles", "MoEConfig", "WgmmaTail", "default_config", "max_blocks"]
+__all__ = ["DECODE_MAX_ROWS", "SWAPPED_DECODE_MAX_ROWS", "WGMMA_MIN_ROWS", "GemmTiles", "MoEConfig", "WgmmaTail",
+           "default_config", "max_blocks"]

@@ -100,6 +100,19 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+def runs_dependent_launch(device) -> bool:
+    """Whether a CUDA device launches with PDL (`default_config`'s dependent_launch): sm_90 or later, compiled."""
+    device = torch.device(device)
+    if device.type != "cuda" or _INTERPRET:
+        return False
+    return _pdl_runs(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _pdl_runs(index: int) -> bool:
+    return unsupported(torch.device("cuda", index)) is None
+
+
 # ------------------------------------------------------------------------------------------------
 # in-register dequantisation
 
@@ -539,8 +552,9 @@ def _check(x, w1, w2, w3, w1_scale, w2_scale, w3_scale, ids, weights, config: Mo
     for tiles in (config.up, config.down):
         if tiles.block_k < 32 or (mxfp4 and tiles.block_k % 32):
             raise ValueError(f"block_k must be a multiple of 32, got {tiles.block_k}")
-        if config.block_m < 16 or tiles.block_n < 16:
-            raise ValueError("block_m and block_n must be >= 16 (tl.dot)")
+        smallest_m = 8 if config.fragments and tiles.swap else 16  # swapped: the pairs are mma.sync's n8
+        if config.block_m < smallest_m or tiles.block_n < 16:
+            raise ValueError(f"block_m must be >= {smallest_m} and block_n >= 16 (tl.dot)")
         if not 1 <= tiles.split_k <= 16:
             raise ValueError(f"split_k must be 1..16, got {tiles.split_k}")
         if tiles.max_registers is not None and not 24 <= tiles.max_registers <= 255:
@@ -595,7 +609,7 @@ def fused_moe(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Ten
     if mxfp4_layout not in ("checkpoint", "shift"):
         raise ValueError(f"mxfp4_layout must be 'checkpoint' or 'shift', got {mxfp4_layout!r}")
     config = config or default_config(N, k, E, x.dtype, mxfp4, mxfp4_layout, dims=(h, inter),
-                                      num_sms=sm_count(x.device))
+                                      num_sms=sm_count(x.device), dependent_launch=runs_dependent_launch(x.device))
     _check(x, w1, w2, w3, w1_scale, w2_scale, w3_scale, ids, weights, config, mxfp4_layout)
     x = x if x.stride(-1) == 1 else x.contiguous()
     out = torch.empty_like(x) if out is None else out
@@ -680,6 +694,6 @@ def down_combine(act, w2, w2_scale, y, weights, out, align, config: MoEConfig):
                                               **launch_options(config.dependent_launch))
 
 
-__all__ = ["DECODE_MAX_ROWS", "GemmTiles", "MoEConfig", "WgmmaTail", "align_blocks",
+__all__ = ["DECODE_MAX_ROWS", "GemmTiles", "MoEConfig", "WgmmaTail", "align_blocks", "runs_dependent_launch",
            "default_config", "dequantize_weights", "down_combine", "down_gemm", "fused_moe", "gate_up", "max_blocks",
            "sm_count"]
