@@ -53,13 +53,13 @@ Opt-in, built in session 19 without a GPU and not yet timed (each is a benchmark
   register loads: more bytes in flight without registers or shared memory (the cp.async ring and the weights two
   steps ahead in registers, both slower, cost both).
 
-Swapped operands (`GemmTiles.swap`, opt-in, built in session 20 without a GPU, not yet timed): the decoded weights
-as mma.sync's A operand (16 weight rows a warp: block_n = 16 num_warps; the loads put row (BN / 2) rep + 8 w + g
-where the A operand's row 16 w + 8 rep + g is) and the block's pairs as N, so blocks of 8 pairs fill an n8 MMA. At
-block_m 8 the gate/up loop takes half the HMMAs and activation fragment loads (1182 instructions for two K steps
-against 1285) and 126 registers, four programs an SM against three (sm_90 builds). Why it may pay, a reading and
-not a measurement: at 1 token a K step of a program takes ~2.4 us against ~1 us of DRAM latency, so the issue rate
-(~0.5 a scheduler-cycle at three warps a scheduler), not the bytes in flight, seems to hold the kernel.
+Swapped operands (`GemmTiles.swap`; `default_config`'s form up to 5 rows an expert since session 21): the decoded
+weights as mma.sync's A operand (16 weight rows a warp: block_n = 16 num_warps; the loads put row (BN / 2) rep +
+8 w + g where the A operand's row 16 w + 8 rep + g is) and the block's pairs as N, so blocks of 8 pairs fill an n8
+MMA. At block_m 8 the gate/up loop takes half the HMMAs and activation fragment loads (1182 instructions for two K
+steps against 1285) and 126 registers, four programs an SM against three (sm_90 builds). At 1 token a K step of a
+program takes ~2.4 us against ~1 us of DRAM latency, so the issue rate, not the bytes in flight, holds the kernel:
+on the H200 the swapped form is 1.09-1.19x the unswapped one at 1-256 tokens (BENCHMARKS.md, session 21).
 
 `ops.moe.triton` runs these when `MoEConfig.fragments` is set (`ops.moe.config.default_config` sets it for decode
 batches where they fit); its module doc has the rest of the contract.

@@ -24,21 +24,25 @@ through a layout conversion so that each thread stores 16 contiguous bytes.
 Two tiles a program. The gate/up program decodes two weight tiles (gate and up rows) for each token tile it loads;
 the down program does the same with two 128-row tiles of W where N is a multiple of 256 (PAIRED), so both GEMMs
 spend one token copy, one barrier and one set of address arithmetic on 256 weight rows a step. On 16 warps
-(opt-in, `GemmTiles.num_warps`) the two tiles are one 256-row tile on four warpgroups: the same work a program on
-twice the warps, for a loop that two warps a scheduler leave latency-bound.
+(`GemmTiles.num_warps`; `default_config`'s form below 256 rows an expert) the two tiles are one 256-row tile on
+four warpgroups: the same work a program on twice the warps, for a loop that two warps a scheduler leave
+latency-bound.
 
 Tails. On 128-row blocks a 128-token tile costs ~1.5x a 64-token one (the decode, per weight, is paid once for
 either), but an expert's last block is often short (K3.1 at 8192 tokens: ~146 rows an expert). `wgmma_gemm_tails`
 runs the blocks of more than 64 rows as 128-token tiles and the rest as 64-token tiles in a second launch (or in
-launches of smaller tiles, register caps or warps of their own: `MoEConfig.wgmma_tails`, opt-in).
+launches of smaller tiles, register caps or warps of their own: `MoEConfig.wgmma_tails`; `default_config` runs
+the tails of at most 32 rows as 32-token tiles capped at 128 registers, two programs an SM, below 256 rows an
+expert: K3.1 at 8192 tokens 28.8 -> 25.4 ms with random routing, BENCHMARKS.md, session 21).
 
 Scope: bf16 activations, MXFP4 weights in the shift layout, K and N multiples of 128, 8 warps (16 where a program
-has two weight tiles). The opt-in forms of session 20 (16 warps, the tails' options, register caps) were built
-without a GPU and are not yet timed (BENCHMARKS.md, "Session 20, no device"). `ops.moe.triton`
-runs these when `MoEConfig.fragments` is set with block_m 64 or 128 (`ops.moe.config.default_config` sets it for
-prefill batches where they fit: 128). On the H200 (BENCHMARKS.md, sessions 15-16): 1.2-1.6x the Triton prefill
-tiles at 2048-32768 tokens; the K3.1 layer at 8192 tokens 40.2% of the measured bf16 matmul rate (the loop is
-latency-bound: two warps a scheduler, the tensor pipe ~40% busy).
+has two weight tiles). Of session 20's forms, 16 warps with 32-token tails became the default below 256 rows an
+expert; the others (register caps, 64-token tails capped or on 16 warps) stay opt-in (BENCHMARKS.md, session 21).
+`ops.moe.triton` runs these when `MoEConfig.fragments` is set with block_m 64 or 128
+(`ops.moe.config.default_config` sets it for prefill batches where they fit: 128). On the H200: 1.2-1.6x the
+Triton prefill tiles at 2048-32768 tokens (sessions 15-16); the K3.1 layer at 8192 tokens 43.8-45.0% of the
+measured bf16 matmul rate with random routing, 46.4-47.7% zipf (session 21; 40.2% in session 16 on 8 warps, whose
+loop is latency-bound: two warps a scheduler, the tensor pipe ~40% busy).
 """
 
 from __future__ import annotations
