@@ -123,8 +123,8 @@ DRY_VARIANTS = ["lut-m16-n32-k64-w4-s2-swap", "shift-m16-n32-k64-w4-s2", "exact-
 def variants_for(arg: str, dry: bool) -> list[str]:
     if dry:
         return DRY_VARIANTS
-    named = {"default": [], "decode": DECODE_VARIANTS, "prefill": PREFILL_VARIANTS, "split": SPLIT_VARIANTS,
-             "all": DECODE_VARIANTS + PREFILL_VARIANTS}
+    named = {"default": [], "default-shift": [], "decode": DECODE_VARIANTS, "prefill": PREFILL_VARIANTS,
+             "split": SPLIT_VARIANTS, "all": DECODE_VARIANTS + PREFILL_VARIANTS}  # both defaults are always timed
     out = []
     for item in arg.split(","):
         out += named[item] if item in named else [item]
@@ -466,7 +466,8 @@ def _main(argv: list[str] | None, clocks: ClockLog) -> int:
     parser.add_argument("--tokens", default="1,16,64,256,1024,8192")
     parser.add_argument("--routings", default="random,zipf")
     parser.add_argument("--variants", default="decode,prefill",
-                        help="default (none), decode, prefill, split, all, or SPECs (module doc), comma-separated")
+                        help="default or default-shift (none beyond the two defaults), decode, prefill, split, all, "
+                             "or SPECs (module doc), comma-separated")
     parser.add_argument("--check", action="store_true", help="check the kernel and every variant first")
     parser.add_argument("--check-tokens", default="1,64,300")
     parser.add_argument("--today-tokens", default="1,16,64,256,1024",
@@ -521,7 +522,8 @@ def _main(argv: list[str] | None, clocks: ClockLog) -> int:
         copy = copy_gbps(device, 2**32, timer)
         mm = matmul_tflops(device, 8192, torch.bfloat16, timer)
     variants = variants_for(args.variants, dry)
-    explicit = dry or any(v not in ("default", "decode", "prefill", "split", "all") for v in args.variants.split(","))
+    explicit = dry or any(v not in ("default", "default-shift", "decode", "prefill", "split", "all")
+                          for v in args.variants.split(","))
     routings = args.routings.split(",")
 
     def fast_time(fn, n: int) -> tuple[float, str]:

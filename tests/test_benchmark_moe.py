@@ -75,9 +75,11 @@ def test_variant_specs_carry_the_down_gemm_and_register_caps():
     """moe_layer.py SPECs: dn/dk/dw/ds set the down GEMM's tile, warps and stages apart, r/dr cap the registers
     (GemmTiles.max_registers), pa/dpa set GemmTiles.prefetch_ahead, pf MoEConfig.down_prefetch_steps, pdl
     MoEConfig.dependent_launch, tNAME MoEConfig.wgmma_tails by moe_specs.TAILS' names; config_spec writes back the
-    same SPEC; unknown parts are refused."""
+    same SPEC; unknown parts are refused; the two defaults' names add no variant (both are always timed)."""
     sys.path.insert(0, str(REPO / "benchmarks"))
-    from moe_layer import config_spec, parse_variant, with_options
+    from moe_layer import config_spec, parse_variant, variants_for, with_options
+
+    assert variants_for("default-shift,default", False) == []
 
     spec = "shift-m16-n128-k128-w4-s3-dn256-dk64-dw8-ds4-r128-dr96"
     cfg = parse_variant(spec)

@@ -120,9 +120,10 @@ def default_config(num_tokens: int, top_k: int, num_experts: int, dtype: torch.d
     - up to DECODE_MAX_ROWS rows per expert (448 tokens), where the Gluon fragment GEMMs fit (shift layout,
       compiled, dims multiples of 256): `ops.moe.gluon_decode`'s, 256-wide K steps, 64 columns, 4 warps, the
       launches chained with PDL where the device has it; up to SWAPPED_DECODE_MAX_ROWS (K3.1: 280 tokens) with
-      swapped operands on blocks of 8 pairs (session 21: 0.115 -> 0.096 ms at 1 token, 1.24 -> 1.03 at 16, 3.44 ->
-      2.93 at 64, 5.09 -> 4.40 at 256; the `small` preset's engine step at batch 8 1.3% faster), above it 16-row
-      blocks unswapped (1.13-1.27x the Triton tile at 1-64 tokens, session 14);
+      swapped operands on blocks of 8 pairs (session 21, one call a replay in two runs: 0.115 -> 0.096-0.107 ms
+      at 1 token, 1.24 -> 1.03-1.08 at 16, 3.44 -> 2.90-2.93 at 64, 5.09 -> 4.40-4.87 at 256, random routing;
+      the `small` preset's engine step at batch 8 1.3% faster without PDL), above it 16-row blocks unswapped
+      (1.13-1.27x the Triton tile at 1-64 tokens, session 14; PDL there not timed);
     - else in the decode regime 16-row Triton blocks, unswapped (~15% under the swapped form): of 64 or more
       experts 128 weight rows x 128 K a step (3-6% under 64 x 256 at 1-256 tokens, sessions 8 and 13), of fewer 64 x
       256 (the 128-row tile was 0.6% slower in the `small` preset's engine steps, session 13);
