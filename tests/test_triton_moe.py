@@ -422,6 +422,7 @@ def test_decode_chain_launch_and_prefetch_options(tt):
             want = call(want, ids, weights, off)
         assert torch.equal(graph_out, want)
 
+
 def test_fragment_config_errors(tt):
     """MoEConfig.fragments outside its scope is a ValueError that says what to change."""
     gen = torch.Generator().manual_seed(0)
@@ -652,8 +653,8 @@ def test_k31_shape_wgmma_fragments(tt, k31_experts, k31_shift, N, block_m, tails
 @pytest.mark.parametrize("N", [1, 16, 300, 1024])
 def test_k31_shape_shift_default(tt, k31_experts, k31_shift, N):
     """The shift layout's default config at the K3.1 shape (fused_moe picks it: at 1 and 16 tokens the swapped
-    decode GEMMs chained with PDL, at 1 token with the down GEMM's one-wave register cap; at 300 the unswapped
-    16-row blocks; at 1024 the wgmma GEMMs on 16 warps with 32-token tails), zipf routing, against the reference;
+    decode GEMMs, at 1 token with the down GEMM's one-wave register cap; at 300 the unswapped 16-row blocks; all
+    three chained with PDL on sm_90+; at 1024 the wgmma GEMMs on 16 warps with 32-token tails), zipf routing, against the reference;
     a CUDA graph's replay bitwise equal to the eager call."""
     from kimiserve.utils.cuda_timing import capture_graph
 
