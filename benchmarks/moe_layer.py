@@ -558,8 +558,7 @@ def _main(argv: list[str] | None, clocks: ClockLog) -> int:
         if spec == "default":
             return None
         def shift_default():
-            return tt.default_config(n, k, E, dtype, True, "shift", dims=(h, inter), num_sms=tt.sm_count(device),
-                                     dependent_launch=tt.runs_dependent_launch(device))
+            return tt.device_default_config(n, k, E, dtype, True, "shift", (h, inter), device)
 
         if spec == "default-shift":
             return shift_default()
@@ -605,8 +604,7 @@ def _main(argv: list[str] | None, clocks: ClockLog) -> int:
             workspace = 2 * n * k * (inter + h) * act_bytes
             flops = 6 * n * k * h * inter
             out = torch.empty_like(x)
-            default_cfg = tt.default_config(n, k, E, dtype, True, dims=(h, inter), num_sms=tt.sm_count(device),
-                                            dependent_launch=tt.runs_dependent_launch(device))
+            default_cfg = tt.device_default_config(n, k, E, dtype, True, "checkpoint", (h, inter), device)
             row = dict(kind="moe_layer", routing=routing, tokens=n, experts_hit=hit, bytes=nbytes,
                        bytes_with_workspace=nbytes + workspace, roofline_ms=nbytes / (copy * 1e9) * 1e3,
                        flops=flops, flop_roofline_ms=flops / (mm * 1e12) * 1e3, default_config=config_spec(default_cfg))

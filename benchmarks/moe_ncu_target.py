@@ -41,8 +41,8 @@ def main() -> int:
     w = shift_layout(packed_experts(E, h, inter, "cuda"), True)
     x = torch.randn(N, h, device="cuda").bfloat16()
     ids, weights = route(N, E, k, args.routing, "cuda", 0)
-    config = parse_variant(args.variant) if args.variant else tt.default_config(
-        N, k, E, torch.bfloat16, True, "shift", dims=(h, inter), num_sms=tt.sm_count("cuda"))
+    config = parse_variant(args.variant) if args.variant else tt.device_default_config(
+        N, k, E, torch.bfloat16, True, "shift", (h, inter), "cuda")
     if config.dequant != "shift":
         raise SystemExit(f"--variant {args.variant!r}: the weights here are in the shift layout (dequant 'shift')")
     for _ in range(args.calls):

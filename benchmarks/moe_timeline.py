@@ -151,9 +151,7 @@ def main(argv: list[str] | None = None) -> int:
                       for ids, _ in draws]
             for spec in variants:
                 def default():
-                    return tt.default_config(n, k, E, torch.bfloat16, True, "shift", dims=(h, inter),
-                                             num_sms=tt.sm_count("cuda"),
-                                             dependent_launch=tt.runs_dependent_launch("cuda"))
+                    return tt.device_default_config(n, k, E, torch.bfloat16, True, "shift", (h, inter), "cuda")
 
                 cfg = default() if spec == "default" else (default_with_options(spec, "default", default)
                                                            or parse_variant(spec))

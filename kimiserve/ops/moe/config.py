@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kimiserve.ops.moe.fragment_order import FRAGMENT_BLOCK_M, SWAPPED_BLOCK_M
+
 DECODE_MAX_ROWS = 8  # mean routed rows per expert up to which `default_config` takes its decode tiles
 SWAPPED_DECODE_MAX_ROWS = 5  # ... and up to which the decode fragment GEMMs swap operands (blocks of 8 pairs)
 WGMMA_MIN_ROWS = 16  # above this many, the prefill (wgmma) fragment GEMMs
@@ -143,7 +145,7 @@ def default_config(num_tokens: int, top_k: int, num_experts: int, dtype: torch.d
     mean_rows = num_tokens * top_k / max(1, num_experts)
     if mean_rows <= DECODE_MAX_ROWS and dequant == "shift" and dims is not None and _fragments_fit(*dims):
         swap = mean_rows <= SWAPPED_DECODE_MAX_ROWS
-        block_m = 8 if swap else 16
+        block_m = SWAPPED_BLOCK_M if swap else FRAGMENT_BLOCK_M
         tiles = GemmTiles(block_n=64, block_k=256, num_warps=4, num_stages=2, swap=swap)
         down = tiles
         down_programs = max_blocks(num_tokens * top_k, num_experts, block_m) * -(-dims[0] // tiles.block_n)

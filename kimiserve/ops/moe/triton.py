@@ -100,6 +100,14 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+def device_default_config(num_tokens: int, top_k: int, num_experts: int, dtype: torch.dtype, mxfp4: bool,
+                          mxfp4_layout: str, dims: tuple[int, int], device) -> MoEConfig:
+    """`default_config` for experts of these (hidden, intermediate) dims on this device (its SM count, whether it
+    runs PDL): what `fused_moe` runs when given no config."""
+    return default_config(num_tokens, top_k, num_experts, dtype, mxfp4, mxfp4_layout, dims=dims,
+                          num_sms=sm_count(device), dependent_launch=runs_dependent_launch(device))
+
+
 def runs_dependent_launch(device) -> bool:
     """Whether a CUDA device launches with PDL (`default_config`'s dependent_launch): sm_90 or later, compiled."""
     device = torch.device(device)
@@ -552,9 +560,8 @@ def _check(x, w1, w2, w3, w1_scale, w2_scale, w3_scale, ids, weights, config: Mo
     for tiles in (config.up, config.down):
         if tiles.block_k < 32 or (mxfp4 and tiles.block_k % 32):
             raise ValueError(f"block_k must be a multiple of 32, got {tiles.block_k}")
-        smallest_m = 8 if config.fragments and tiles.swap else 16  # swapped: the pairs are mma.sync's n8
-        if config.block_m < smallest_m or tiles.block_n < 16:
-            raise ValueError(f"block_m must be >= {smallest_m} and block_n >= 16 (tl.dot)")
+        if (config.block_m < 16 and not config.fragments) or tiles.block_n < 16:  # fragments: check_fragment_shapes
+            raise ValueError("block_m and block_n must be >= 16 (tl.dot)")
         if not 1 <= tiles.split_k <= 16:
             raise ValueError(f"split_k must be 1..16, got {tiles.split_k}")
         if tiles.max_registers is not None and not 24 <= tiles.max_registers <= 255:
@@ -608,8 +615,7 @@ def fused_moe(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Ten
     mxfp4 = w1.dtype == torch.uint8
     if mxfp4_layout not in ("checkpoint", "shift"):
         raise ValueError(f"mxfp4_layout must be 'checkpoint' or 'shift', got {mxfp4_layout!r}")
-    config = config or default_config(N, k, E, x.dtype, mxfp4, mxfp4_layout, dims=(h, inter),
-                                      num_sms=sm_count(x.device), dependent_launch=runs_dependent_launch(x.device))
+    config = config or device_default_config(N, k, E, x.dtype, mxfp4, mxfp4_layout, (h, inter), x.device)
     _check(x, w1, w2, w3, w1_scale, w2_scale, w3_scale, ids, weights, config, mxfp4_layout)
     x = x if x.stride(-1) == 1 else x.contiguous()
     out = torch.empty_like(x) if out is None else out
@@ -695,5 +701,5 @@ def down_combine(act, w2, w2_scale, y, weights, out, align, config: MoEConfig):
 
 
 __all__ = ["DECODE_MAX_ROWS", "GemmTiles", "MoEConfig", "WgmmaTail", "align_blocks", "runs_dependent_launch",
-           "default_config", "dequantize_weights", "down_combine", "down_gemm", "fused_moe", "gate_up", "max_blocks",
+           "default_config", "device_default_config", "dequantize_weights", "down_combine", "down_gemm", "fused_moe", "gate_up", "max_blocks",
            "sm_count"]
