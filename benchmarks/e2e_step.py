@@ -72,7 +72,7 @@ def use_moe_config(spec: str | None, regime: str = "decode") -> None:
     """The fused MoE's config for one regime (bf16, MXFP4) from now on: "decode" (<= `DECODE_MAX_ROWS` routed rows
     per expert) or "prefill" (more): `spec` (a moe_layer.py variant) where its dequant matches the one the default
     picks for the experts' layout, else the default; "default+OPT+...": the default with moe_layer.py's options
-    (`moe_specs.with_options`: pdl, pfP, paA, dpaA for decode, the `moe_specs.TAILS` names for prefill). Patches
+    (`moe_specs.with_options`: pdl, skS, dskS for decode, the `moe_specs.TAILS` names for prefill). Patches
     this process's `ops.moe.triton.default_config` (a benchmark's A/B, not a library setting; the other regime keeps
     what it had)."""
     from kimiserve.ops.moe import triton as moe_triton
@@ -356,8 +356,8 @@ def main() -> int:
                         "(kimiserve.ops.backend.shared_expert_overlap_ops) ('': the engine's choice)")
     p.add_argument("--moe-decode-tiles", default="",
                    help="comma-separated fused-MoE configs for the decode regime (<= 8 routed rows per expert), each "
-                        "'default', 'default+OPT+...' (the default with moe_layer.py's options: pdl, pfP, paA, "
-                        "dpaA) or a benchmarks/moe_layer.py variant SPEC (e.g. shift-m16-n128-k128-w4-s3): the "
+                        "'default', 'default+OPT+...' (the default with moe_layer.py's options: pdl, skS, "
+                        "dskS) or a benchmarks/moe_layer.py variant SPEC (e.g. shift-m16-n128-k128-w4-s3): the "
                         "decode rows run for each, graphs captured again between them (an A/B of a default change; "
                         "a SPEC whose dequant does not match the experts' layout leaves the default)")
     p.add_argument("--moe-prefill-tiles", default="",

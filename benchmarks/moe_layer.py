@@ -29,18 +29,16 @@ at the same shape for --check-tokens (relative RMS error, bound 1e-2), and the p
                                                             # spills, shared memory, SASS per K step)
 
 A variant SPEC is DEQUANT-mBM-nBN-kBK-wWARPS-sSTAGES[-dnBN][-dkBK][-dwWARPS][-dsSTAGES][-rREGS][-drREGS]
-[-skS][-dskS][-paA][-dpaA][-pfP][-tNAME][-swap][-frag][-pdl] (dn/dk/dw/ds: the down GEMM's column tile, K step, warps
-and stages when they differ from the gate/up GEMM's; frag: MoEConfig.fragments; r/dr: a register cap (maxnreg) per
-GEMM; sk/dsk: split-K of the gate/up and down GEMMs, fp32 partials reduced in a fixed order; pa/dpa:
-GemmTiles.prefetch_ahead of each decode fragment GEMM, its weight lines prefetched into L2 A K steps ahead; pf:
-MoEConfig.down_prefetch_steps, the down weights' first P lines a row prefetched into L2 by the gate/up GEMM; pdl:
-MoEConfig.dependent_launch, the decode chain's programmatic dependent launch; tNAME: MoEConfig.wgmma_tails by the
-names of `moe_specs.TAILS`, e.g. t32: the wgmma GEMMs' tails of at most 32 rows as 32-token tiles, two programs an SM),
-e.g. lut-m16-n64-k256-w4-s3-swap, shift-m16-n64-k128-w4-s4-sk4-dsk4, shift-m16-n64-k256-w4-s2-dr72-frag-pdl. A
-variant default-shift+OPT[+OPT...] is the shift layout's default config with options (`with_options`: pdl, pfP, paA,
-dpaA, the TAILS names), e.g. default-shift+pdl+pa2+dpa2 or default-shift+t32. An option that does not apply to a
-size's default config (t32 where it is not the wgmma GEMMs, at K3.1 up to 1344 tokens; pf4 above 256) raises there:
-that size is not timed for the variant, and a --check at such a size drops the variant at every size.
+[-skS][-dskS][-tNAME][-swap][-frag][-pdl] (dn/dk/dw/ds: the down GEMM's column tile, K step, warps and stages when
+they differ from the gate/up GEMM's; frag: MoEConfig.fragments; r/dr: a register cap (maxnreg) per GEMM; sk/dsk:
+split-K of the gate/up and down GEMMs, fp32 partials reduced in a fixed order; pdl: MoEConfig.dependent_launch, the
+decode chain's programmatic dependent launch; tNAME: MoEConfig.wgmma_tails by the names of `moe_specs.TAILS`, e.g.
+t32: the wgmma GEMMs' tails of at most 32 rows as 32-token tiles, two programs an SM), e.g.
+lut-m16-n64-k256-w4-s3-swap, shift-m16-n64-k128-w4-s4-sk4-dsk4, shift-m8-n64-k256-w4-s2-dr72-sk2-swap-frag-pdl. A
+variant default-shift+OPT[+OPT...] is the shift layout's default config with options (`with_options`: pdl, skS,
+dskS, the TAILS names), e.g. default-shift+sk1 or default-shift+t32. An option that does not apply to a size's
+default config (t32 where it is not the wgmma GEMMs, at K3.1 up to 1344 tokens) raises there: that size is not timed
+for the variant, and a --check at such a size drops the variant at every size.
 --stages-each times every variant's stages apart (gate/up, down): the best gate/up and the best down tiling of
 a sweep can then be paired.
 Writes the JSON after every row (device, date, commit, copy_gbps, matmul_tflops, rows) and prints a
@@ -212,8 +210,7 @@ def stage_fns(x, w, ids, weights, cfg: tt.MoEConfig) -> dict:
     BH = min(cfg.combine_block, triton.next_power_of_2(h))
 
     def up():  # with split-K: the partials' GEMM and their reduce
-        tt.gate_up(x, w["w1"], w["w1_scale"], w["w3"], w["w3_scale"], act, align, cfg, "situ", 4.0, 25.0,
-                   down=(w["w2"], w["w2_scale"]))
+        tt.gate_up(x, w["w1"], w["w1_scale"], w["w3"], w["w3_scale"], act, align, cfg, "situ", 4.0, 25.0)
 
     def down():
         tt.down_gemm(act, w["w2"], w["w2_scale"], y, align, cfg)
@@ -388,13 +385,11 @@ def sass_report(specs: list[str], h: int, inter: int) -> int:
                 fn = gluon_decode._fragment_gemm_kernel
                 consts = dict(GATED=gated, ACT=1, LINEAR_TANH=True, BN=tiles.block_n, BK=tiles.block_k,
                               OUT_BK=cfg.down.block_k, NUM_WARPS=tiles.num_warps, PDL=cfg.dependent_launch,
-                              PF_STEPS=cfg.down_prefetch_steps if gated else 0,
-                              PF_RB=128 if gated and cfg.down_prefetch_steps else 1, AHEAD=tiles.prefetch_ahead,
-                              SWAP=tiles.swap, BM=cfg.block_m)
+                              SWAP=tiles.swap, BM=cfg.block_m, SPLIT=tiles.split_k)
                 launches = [(name, consts, gluon_decode.compile_options(tiles), tiles.num_warps)]
-                types.update(pf_ptr="*u8", pfs_ptr="*u8", PF_N="i32", s_pfe="i64", s_pfn="i32", s_pfse="i64",
-                             s_pfsn="i32")
-                types.update(s_we="i64", s_se="i64")
+                types.update(s_we="i64", s_se="i64", s_ps="i32")
+                if tiles.split_k > 1:
+                    types.update(out_ptr="*fp32")
             for label, consts, options, warps in launches:
                 try:
                     div16 = [n for n in _GEMM_INTS if n != "A_ROW_DIV"] + ["s_ps"]

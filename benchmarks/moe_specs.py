@@ -16,10 +16,9 @@ TAILS = {"t64": (_T(),), "t32": (_T(), _T(32, 4, 128)), "t64r": (_T(64, 3, 128),
 
 
 def parse_variant(spec: str) -> tt.MoEConfig:
-    """DEQUANT-mBM-nBN-kBK-wW-sS[-dnBN][-dkBK][-dwW][-dsS][-rR][-drR][-skS][-dskS][-paA][-dpaA][-pfP][-tNAME][-swap]
-    [-frag][-pdl] -> MoEConfig (frag: MoEConfig.fragments, the Gluon fragment GEMMs; pdl: MoEConfig.dependent_launch;
-    pa / dpa: GemmTiles.prefetch_ahead of gate/up / down; pf: MoEConfig.down_prefetch_steps; -tNAME:
-    MoEConfig.wgmma_tails, one of TAILS)."""
+    """DEQUANT-mBM-nBN-kBK-wW-sS[-dnBN][-dkBK][-dwW][-dsS][-rR][-drR][-skS][-dskS][-tNAME][-swap][-frag][-pdl]
+    -> MoEConfig (frag: MoEConfig.fragments, the Gluon fragment GEMMs; pdl: MoEConfig.dependent_launch; sk / dsk:
+    GemmTiles.split_k of gate/up / down; -tNAME: MoEConfig.wgmma_tails, one of TAILS)."""
     dequant, *parts = spec.split("-")
     if dequant not in tt._DEQUANT:
         raise ValueError(f"variant {spec!r}: dequant must be one of {list(tt._DEQUANT)}")
@@ -31,9 +30,8 @@ def parse_variant(spec: str) -> tt.MoEConfig:
         if p in TAILS:
             vals["t"] = p
             continue
-        key = next((pre for pre in ("dsk", "dpa", "dn", "dk", "dw", "ds", "dr", "sk", "pf", "pa")
-                    if p.startswith(pre)), p[:1])
-        if key not in ("m", "n", "k", "w", "s", "r", "dn", "dk", "dw", "ds", "dr", "sk", "dsk", "pf", "pa", "dpa") \
+        key = next((pre for pre in ("dsk", "dn", "dk", "dw", "ds", "dr", "sk") if p.startswith(pre)), p[:1])
+        if key not in ("m", "n", "k", "w", "s", "r", "dn", "dk", "dw", "ds", "dr", "sk", "dsk") \
                 or not p[len(key):].isdigit():
             raise ValueError(f"variant {spec!r}: cannot read {p!r}")
         vals[key] = int(p[len(key):])
@@ -42,14 +40,12 @@ def parse_variant(spec: str) -> tt.MoEConfig:
         raise ValueError(f"variant {spec!r} lacks {sorted(missing)}")
     swap = "swap" in flags
     up = tt.GemmTiles(block_n=vals["n"], block_k=vals["k"], num_warps=vals["w"], num_stages=vals["s"], swap=swap,
-                      split_k=vals.get("sk", 1), max_registers=vals.get("r"), prefetch_ahead=vals.get("pa", 0))
+                      split_k=vals.get("sk", 1), max_registers=vals.get("r"))
     down = tt.GemmTiles(block_n=vals.get("dn", vals["n"]), block_k=vals.get("dk", vals["k"]),
                         num_warps=vals.get("dw", vals["w"]), num_stages=vals.get("ds", vals["s"]), swap=swap,
-                        split_k=vals.get("dsk", 1), max_registers=vals.get("dr"),
-                        prefetch_ahead=vals.get("dpa", 0))
+                        split_k=vals.get("dsk", 1), max_registers=vals.get("dr"))
     return tt.MoEConfig(block_m=vals["m"], up=up, down=down, dequant=dequant, fragments="frag" in flags,
-                        dependent_launch="pdl" in flags, down_prefetch_steps=vals.get("pf", 0),
-                        wgmma_tails=TAILS[vals.get("t", "t64")])
+                        dependent_launch="pdl" in flags, wgmma_tails=TAILS[vals.get("t", "t64")])
 
 
 def config_spec(cfg: tt.MoEConfig) -> str:
@@ -63,9 +59,6 @@ def config_spec(cfg: tt.MoEConfig) -> str:
     spec += f"-dr{d.max_registers}" if d.max_registers else ""
     spec += f"-sk{u.split_k}" if u.split_k > 1 else ""
     spec += f"-dsk{d.split_k}" if d.split_k > 1 else ""
-    spec += f"-pa{u.prefetch_ahead}" if u.prefetch_ahead else ""
-    spec += f"-dpa{d.prefetch_ahead}" if d.prefetch_ahead else ""
-    spec += f"-pf{cfg.down_prefetch_steps}" if cfg.down_prefetch_steps else ""
     if cfg.wgmma_tails != tt.MoEConfig.wgmma_tails:
         unnamed = "tails" + ".".join(f"{t.block_m}s{t.num_stages}r{t.max_registers or 0}w{t.num_warps}"
                                      for t in cfg.wgmma_tails)
@@ -75,24 +68,21 @@ def config_spec(cfg: tt.MoEConfig) -> str:
 
 
 def with_options(cfg: tt.MoEConfig, options: list[str]) -> tt.MoEConfig:
-    """cfg with SPEC-style options: pdl (MoEConfig.dependent_launch), pfP (down_prefetch_steps), paA / dpaA
-    (GemmTiles.prefetch_ahead of the gate/up / down GEMM), a name of TAILS (MoEConfig.wgmma_tails): "default+pdl+pa2"
-    applies them to a default config."""
+    """cfg with SPEC-style options: pdl (MoEConfig.dependent_launch), skS / dskS (GemmTiles.split_k of the gate/up /
+    down GEMM), a name of TAILS (MoEConfig.wgmma_tails): "default+pdl+sk2" applies them to a default config."""
     for opt in options:
         if opt in TAILS:
             cfg = dataclasses.replace(cfg, wgmma_tails=TAILS[opt])
             continue
-        key = next((pre for pre in ("pdl", "dpa", "pa", "pf") if opt.startswith(pre)), None)
+        key = next((pre for pre in ("pdl", "dsk", "sk") if opt.startswith(pre)), None)
         value = opt[len(key):] if key else ""
         if key is None or (key == "pdl") != (value == "") or (value and not value.isdigit()):
-            raise ValueError(f"option {opt!r}: one of pdl, pfP, paA, dpaA, {', '.join(TAILS)}")
+            raise ValueError(f"option {opt!r}: one of pdl, skS, dskS, {', '.join(TAILS)}")
         if key == "pdl":
             cfg = dataclasses.replace(cfg, dependent_launch=True)
-        elif key == "pf":
-            cfg = dataclasses.replace(cfg, down_prefetch_steps=int(value))
         else:
-            gemm = "up" if key == "pa" else "down"
-            cfg = dataclasses.replace(cfg, **{gemm: dataclasses.replace(getattr(cfg, gemm), prefetch_ahead=int(value))})
+            gemm = "up" if key == "sk" else "down"
+            cfg = dataclasses.replace(cfg, **{gemm: dataclasses.replace(getattr(cfg, gemm), split_k=int(value))})
     return cfg
 
 

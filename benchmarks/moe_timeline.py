@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--same-routing", action="store_true", help="every layer of a graph with the first draw")
     parser.add_argument("--variants", default="default",
                         help="'default' (the shift layout's default config), 'default+OPT+...' (the same with "
-                             "moe_layer.py's options: pdl, pfP, paA, dpaA) and moe_layer.py variant specs")
+                             "moe_layer.py's options: pdl, skS, dskS) and moe_layer.py variant specs")
     parser.add_argument("--shape", default="896,16,3584,3072", help="experts,top_k,hidden,intermediate")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                                       "moe_timeline.json"))

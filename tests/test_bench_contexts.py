@@ -212,9 +212,9 @@ def test_e2e_moe_configs_patch_one_regime_and_restore():
         prefill = tt.default_config(1024, 16, 896, torch.bfloat16, True, "shift")
         assert (prefill.block_m, prefill.down.block_n, prefill.fragments) == (64, 128, False)
         assert tt.default_config(1, 16, 896, torch.bfloat16, True, "shift").up.block_n == 16  # decode kept
-        use_moe_config("default+pdl+pa2")  # the decode default with options
+        use_moe_config("default+pdl+sk2")  # the decode default with options
         assert tt.default_config(1, 16, 896, torch.bfloat16, True, "shift") == dataclasses.replace(
-            before[0], dependent_launch=True, up=dataclasses.replace(before[0].up, prefetch_ahead=2))
+            before[0], dependent_launch=True, up=dataclasses.replace(before[0].up, split_k=2))
         with pytest.raises(ValueError, match="option 'pdl2'"):
             use_moe_config("default+pdl2")
         use_moe_config("default")  # the decode regime's default again, the prefill patch kept

@@ -189,14 +189,15 @@ def test_grouped_gemm_args_are_the_kernels_leading_arguments():
             assert kernel.arg_names[:len(names)] == names
 
 
-def _sm90_build(module: str, kernel: str, scale_type: str, consts: dict, num_warps: int, div16: list[str]):
+def _sm90_build(module: str, kernel: str, scale_type: str, consts: dict, num_warps: int, div16: list[str],
+                out_type: str = "*bf16"):
     """Kernel `kernel` of `kimiserve.ops.moe.<module>` built for sm_90 (Triton's ptxas, offline; skips without
     Triton), asserted spill-free -> (its SASS, the opcodes of its K loop, benchmarks/moe_layer.py's loop_mix)."""
     _benchmark_helpers()
     from moe_layer import _largest_loop, loop_mix
     from sass_report import resource_usage, sass_of
 
-    built = _sm90_compile(module, kernel, scale_type, consts, dict(num_warps=num_warps), div16)
+    built = _sm90_compile(module, kernel, scale_type, consts, dict(num_warps=num_warps), div16, out_type)
     assert resource_usage(built)["stack"] == 0
     sass = sass_of(built)
     return sass, _largest_loop(sass), loop_mix
@@ -211,7 +212,8 @@ def _benchmark_helpers():
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 
 
-def _sm90_compile(module: str, kernel: str, scale_type: str, consts: dict, options: dict, div16: list[str]):
+def _sm90_compile(module: str, kernel: str, scale_type: str, consts: dict, options: dict, div16: list[str],
+                  out_type: str = "*bf16"):
     """The sm_90 build of a kernel of `kimiserve.ops.moe.<module>` with Triton's compile options (skips without
     Triton)."""
     _benchmark_helpers()
@@ -219,13 +221,14 @@ def _sm90_compile(module: str, kernel: str, scale_type: str, consts: dict, optio
 
     from sass_report import compile_sm90
 
-    types = dict(a_ptr="*bf16", w_ptr="*i32", ws_ptr=scale_type, v_ptr="*i32", vs_ptr=scale_type, out_ptr="*bf16",
+    types = dict(a_ptr="*bf16", w_ptr="*i32", ws_ptr=scale_type, v_ptr="*i32", vs_ptr=scale_type, out_ptr=out_type,
                  sorted_ptr="*i32", bexp_ptr="*i32", brows_ptr="*i32", nblk_ptr="*i32", N_OUT="i32", K="i32",
                  A_ROW_DIV="i32", s_am="i32", s_we="i64", s_wn="i32", s_se="i64", s_sn="i32", s_om="i32",
-                 beta="fp32", linear_beta="fp32", pf_ptr="*u8", pfs_ptr="*u8", PF_N="i32", s_pfe="i64", s_pfn="i32",
-                 s_pfse="i64", s_pfsn="i32")
+                 beta="fp32", linear_beta="fp32", s_ps="i32")
     fn = getattr(importlib.import_module(f"kimiserve.ops.moe.{module}"), kernel)
     types = {n: t for n, t in types.items() if n in fn.arg_names}
+    if "SPLIT" in fn.arg_names:  # gluon_decode's split-K, off unless a test sets it
+        consts = {"SPLIT": 1, **consts}
     return compile_sm90(fn, types, consts, options, div16)
 
 
@@ -262,7 +265,7 @@ def test_sm90_build_has_no_fragment_moves(gated):
     (the kernel asserts it), no spills, and the K loop has almost no register moves (Triton's own decode GEMM:
     0.89 a weight for gate/up) and two K steps of mma.sync per iteration."""
     consts = dict(GATED=gated, ACT=1, LINEAR_TANH=True, BN=128, BK=128, OUT_BK=128, NUM_WARPS=4, PDL=False,
-                  PF_STEPS=0, PF_RB=1, AHEAD=0, SWAP=False, BM=16)
+                  SWAP=False, BM=16)
     sass, ops, loop_mix = _sm90_build("gluon_decode", "_fragment_gemm_kernel", "*u8", consts, 4,
                                       ["K", "s_am", "s_we", "s_wn", "s_se", "s_sn", "s_om"])
     weights = 2 * (2 if gated else 1) * 128 * 128 / 128  # per thread: two K steps of one or two weight tiles
@@ -370,6 +373,31 @@ def test_decode_down_register_cap_only_where_it_makes_one_wave(monkeypatch):
     assert config.max_blocks(16, 896, 16) == 16 and config.max_blocks(1024, 896, 16) == 904
 
 
+def test_decode_gate_up_split_where_its_grid_is_under_two_waves(monkeypatch):
+    """The swapped decode gate/up GEMM (4 programs an SM) is split along K where its grid makes fewer than
+    UP_SPLIT_WAVES waves, into as many splits as bring it to that (at most UP_MAX_SPLIT, at most its K steps); the
+    down GEMM is not split."""
+    from kimiserve.ops.moe import config
+
+    monkeypatch.setattr(config, "_fragments_fit", lambda h, inter: True)
+
+    def split(tokens, top_k=16, experts=896, num_sms=132, dims=(3584, 3072)):
+        cfg = config.default_config(tokens, top_k, experts, torch.bfloat16, True, "shift", dims=dims,
+                                    num_sms=num_sms)
+        assert cfg.fragments and cfg.down.split_k == 1
+        return cfg.up.split_k
+
+    assert split(1) == 2  # 16 blocks x 48 tiles = 768 programs, 528 a wave
+    assert split(2) == 1  # 1536: 2.9 waves
+    assert split(1, num_sms=None) == 1  # SM count unknown
+    assert split(1, top_k=4, experts=16) == config.UP_MAX_SPLIT  # the small preset at batch 1: 192 programs
+    assert split(8, top_k=4, experts=16) == 2  # 18 blocks: 864 programs
+    assert split(2, top_k=4, experts=16) == 3  # 8 blocks: 384 programs
+    assert split(1, dims=(512, 3072)) == 2  # K = 512: two steps of 256, two splits at most
+    assert split(1, top_k=4, experts=16, dims=(256, 3072)) == 1
+    assert split(96, top_k=4, experts=16, num_sms=1000) == 1  # 6 rows an expert: unswapped, 3 programs an SM
+
+
 def _sass_ops(sass: str) -> list[str]:
     """The SASS instructions in order, predicates kept (`@!P1 LDG.E.128 ...` -> "@!P1 LDG.E.128")."""
 
@@ -381,50 +409,31 @@ def _sass_ops(sass: str) -> list[str]:
     return ops
 
 
-@pytest.mark.parametrize("gated,prefetch", [(True, 0), (False, 0), (True, 4)])
-def test_sm90_build_with_dependent_launch(gated, prefetch):
+@pytest.mark.parametrize("gated,split", [(True, 1), (False, 1), (True, 2), (False, 3)])
+def test_sm90_build_with_dependent_launch(gated, split):
     """The decode fragment kernel with PDL (MoEConfig.dependent_launch, offline sm_90 build): one wait
     (griddepcontrol.wait: ACQBULK) and after it the trigger of the next launch (PREEXIT); before the wait the first
     K step's weights (64 rows x 128 bytes of each weight tile a step: 4 unpredicated 16-byte loads a thread a tile)
     and nothing written; every activation load (predicated on the block's real rows) after it; without PDL neither
-    instruction. With the down weights' prefetch (MoEConfig.down_prefetch_steps = 4, 128 rows a program: a row a
-    thread) each thread prefetches 4 lines of codes and 1 of scales with evict_last (CCTL.E.PML2) before the wait,
-    and every weight load of the gate/up GEMM is evict_first (LDG.E.EF), the activation loads not."""
+    instruction. Split along K (GemmTiles.split_k) the same, and the split's fp32 sums stored unrounded (no F2FP)."""
     consts = dict(GATED=gated, ACT=1, LINEAR_TANH=True, BN=64, BK=256, OUT_BK=256, NUM_WARPS=4, PDL=True,
-                  PF_STEPS=prefetch, PF_RB=128 if prefetch else 1, AHEAD=0, SWAP=False,
-                  BM=16)
+                  SWAP=False, BM=16, SPLIT=split)
     div16 = ["K", "s_am", "s_we", "s_wn", "s_se", "s_sn", "s_om"]
-    sass, _, _ = _sm90_build("gluon_decode", "_fragment_gemm_kernel", "*u8", consts, 4, div16)
+    sass, _, _ = _sm90_build("gluon_decode", "_fragment_gemm_kernel", "*u8", consts, 4, div16,
+                             out_type="*fp32" if split > 1 else "*bf16")
     ops = _sass_ops(sass)
     assert ops.count("ACQBULK") == 1 and ops.count("PREEXIT") == 1
     wait = ops.index("ACQBULK")
     assert ops.index("PREEXIT") > wait
     before, after = ops[:wait], ops[wait:]
-    weight_load = "LDG.E.EF.128" if prefetch else "LDG.E.128"
-    assert before.count(weight_load) == 4 * (2 if gated else 1)
-    assert before.count("CCTL.E.PML2") == (prefetch + 1 if prefetch else 0) and "CCTL.E.PML2" not in after
-    if prefetch:
-        assert "LDG.E.128" not in ops and ops.count("LDG.E.EF.128") > 8  # the loop's weight loads too
-        assert any(op.startswith("@") and op.endswith(" LDG.E.128") for op in after)  # activations: normal
+    assert before.count("LDG.E.128") == 4 * (2 if gated else 1)
     assert not any(op.split()[-1].startswith(("STG", "STS", "LDSM", "RED", "ATOM")) for op in before)
     activation = [op for op in after if op.startswith("@") and op.endswith("LDG.E.128")]
     assert len(activation) >= 4 and not any(op.startswith("@") and op.endswith("LDG.E.128") for op in before)
-    sass, _, _ = _sm90_build("gluon_decode", "_fragment_gemm_kernel", "*u8", dict(consts, PDL=False), 4, div16)
+    assert (split > 1) != any(op.startswith("F2FP") for op in ops)
+    sass, _, _ = _sm90_build("gluon_decode", "_fragment_gemm_kernel", "*u8", dict(consts, PDL=False), 4, div16,
+                             out_type="*fp32" if split > 1 else "*bf16")
     assert not {"ACQBULK", "PREEXIT"} & set(_sass_ops(sass))
-
-
-@pytest.mark.parametrize("gated", [True, False])
-def test_sm90_build_prefetching_ahead(gated):
-    """GemmTiles.prefetch_ahead = 2 (offline sm_90 build): 2 lines a thread prefetched into L2 before the loop (K
-    steps 1 and 2) and one in each of the loop's two K steps (CCTL.E.PF2: normal eviction priority), the loop
-    otherwise as long within a few instructions and no registers more."""
-    div16 = ["K", "s_am", "s_we", "s_wn", "s_se", "s_sn", "s_om"]
-    consts = dict(GATED=gated, ACT=1, LINEAR_TANH=True, BN=64, BK=256, OUT_BK=256, NUM_WARPS=4, PDL=False,
-                  PF_STEPS=0, PF_RB=1, AHEAD=0, SWAP=False, BM=16)
-    base, base_loop, _ = _sm90_build("gluon_decode", "_fragment_gemm_kernel", "*u8", consts, 4, div16)
-    sass, loop, _ = _sm90_build("gluon_decode", "_fragment_gemm_kernel", "*u8", dict(consts, AHEAD=2), 4, div16)
-    assert _sass_ops(sass).count("CCTL.E.PF2") == 4 and loop.count("CCTL.E.PF2") == 2
-    assert "CCTL.E.PF2" not in _sass_ops(base) and len(loop) - len(base_loop) <= 16
 
 
 def test_sm90_builds_of_the_chain_wait_before_reading_what_the_last_launch_wrote():
@@ -457,8 +466,7 @@ def test_sm90_builds_of_the_chain_wait_before_reading_what_the_last_launch_wrote
 
 def test_decode_chain_options_are_checked():
     """MoEConfig.dependent_launch on the CPU (or under the interpreter) is a ValueError that says to leave it off;
-    down_prefetch_steps off the decode fragment GEMMs, or not a power of two, and wgmma_tails off the wgmma GEMMs, a
-    ValueError that says what they take."""
+    wgmma_tails off the wgmma GEMMs, a ValueError that says what they take."""
     pytest.importorskip("triton")
     import dataclasses
 
@@ -472,10 +480,6 @@ def test_decode_chain_options_are_checked():
     config = dataclasses.replace(tt.default_config(2, 2, E, torch.float32, False), dependent_launch=True)
     with pytest.raises(ValueError, match="dependent_launch.*leave it off"):
         tt.fused_moe(x, w1, w2, w3, ids, weights, config=config)
-    for steps in (4, 3):
-        config = dataclasses.replace(tt.default_config(2, 2, E, torch.float32, False), down_prefetch_steps=steps)
-        with pytest.raises(ValueError, match="down_prefetch_steps takes 0 or a power of two"):
-            tt.fused_moe(x, w1, w2, w3, ids, weights, config=config)
     config = dataclasses.replace(tt.default_config(2, 2, E, torch.float32, False),
                                  wgmma_tails=(tt.WgmmaTail(), tt.WgmmaTail(32)))  # off the wgmma GEMMs
     with pytest.raises(ValueError, match="wgmma_tails applies to the wgmma fragment GEMMs on 128-row blocks"):
@@ -563,6 +567,11 @@ def test_swapped_fragment_shape_checks():
     assert "both GEMMs' operands or neither" in check_fragment_shapes(3584, 3072, 16, tiles(), tiles(swap=False))
     assert "8 with swapped tiles" in check_fragment_shapes(3584, 3072, 8, tiles(swap=False), tiles(swap=False))
     assert "8 with swapped tiles" in check_fragment_shapes(3584, 3072, 32, tiles(), tiles())
+    split = dataclasses.replace(tiles(), split_k=14)  # K = 3584: 14 steps of 256
+    assert check_fragment_shapes(3584, 3072, 8, split, dataclasses.replace(tiles(), split_k=12)) is None
+    assert "take at most that many" in check_fragment_shapes(3584, 3072, 8, dataclasses.replace(split, split_k=15),
+                                                             tiles())
+    assert "12 steps of 256" in check_fragment_shapes(3584, 3072, 8, tiles(), dataclasses.replace(split, split_k=13))
 
 
 @pytest.mark.parametrize("gated", [True, False])
@@ -581,7 +590,7 @@ def test_sm90_build_of_the_swapped_decode_kernel(gated):
     mix, regs = {}, {}
     for swap, block_m in ((False, 16), (True, 8)):
         consts = dict(GATED=gated, ACT=1, LINEAR_TANH=True, BN=64, BK=256, OUT_BK=256, NUM_WARPS=4, PDL=False,
-                      PF_STEPS=0, PF_RB=1, AHEAD=0, SWAP=swap, BM=block_m)
+                      SWAP=swap, BM=block_m)
         built = _sm90_compile("gluon_decode", "_fragment_gemm_kernel", "*u8", consts, dict(num_warps=4), div16)
         usage = resource_usage(built)
         assert usage["stack"] == 0

@@ -361,24 +361,33 @@ def test_mma_order_kernel(N, K, block_k):
         assert torch.equal(mma_order(x, block_k, pdl), fragment_order(x, block_k))
 
 
-def test_decode_chain_launch_and_prefetch_options(tt):
-    """The decode chain launched with PDL (MoEConfig.dependent_launch), the down weights prefetched into L2 by the
-    gate/up GEMM (down_prefetch_steps 2: 2 of the down rows' 3 K steps) and both GEMMs prefetching 2 K steps ahead
-    (GemmTiles.prefetch_ahead; 2 steps of gate/up's 2, past the end): every size regime of the align (pairwise,
-    one program, chunks) and the fragment GEMMs against the reference, and bit for bit the same as without them;
-    three MoE calls back to back in one CUDA graph (each call's kernels may start before the last one's finish)
-    replay other routings as eager calls compute them."""
+def test_decode_chain_launch_and_split_options(tt):
+    """The decode chain launched with PDL (MoEConfig.dependent_launch) and the fragment GEMMs split along K
+    (GemmTiles.split_k: gate/up in 2 of its 2 K steps, down in 3 of 3, then 2 of 3, fp32 partials reduced by the
+    activation's reduce and by the combine): every size regime of the align (pairwise, one program, chunks), unswapped
+    and swapped, against the reference; PDL alone bit for bit the same as without it, a split config bit for bit the
+    same run to run; three MoE calls back to back in one CUDA graph (each call's kernels may start before the last
+    one's finish) replay other routings as eager calls compute them."""
     import dataclasses
 
     from kimiserve.utils.cuda_timing import capture_graph
 
+    def split(config, up, down):
+        return dataclasses.replace(config, up=dataclasses.replace(config.up, split_k=up),
+                                   down=dataclasses.replace(config.down, split_k=down))
+
     off = fragment_config(tt, 64, 4, 256, 256)
-    on = dataclasses.replace(off, up=dataclasses.replace(off.up, prefetch_ahead=2),
-                             down=dataclasses.replace(off.down, prefetch_ahead=2), dependent_launch=True,
-                             down_prefetch_steps=2)
+    pdl = dataclasses.replace(off, dependent_launch=True)
+    on = split(pdl, 2, 3)
+    swapped_on = split(dataclasses.replace(fragment_config(tt, 64, 4, 256, 256, 8, swap=True), dependent_launch=True),
+                       2, 2)
     # 1-135 pairs: the pairwise align; 900: one program; 2100: chunks
     for N, routing in ((1, "random"), (7, "same"), (45, "subset"), (300, "zipf"), (700, "random")):
         check_case(tt, N, 512, 768, 9, 3, torch.bfloat16, True, "situ", routing, "cuda", on, seed=N)
+    for N in (1, 45):
+        check_case(tt, N, 512, 768, 9, 3, torch.bfloat16, True, "situ", "random", "cuda", swapped_on, seed=N)
+        check_case(tt, N, 512, 768, 9, 3, torch.bfloat16, True, "silu", "random", "cuda", split(swapped_on, 2, 1),
+                   seed=N)
     gen = torch.Generator().manual_seed(5)
     w = shift_layout({n: t.cuda() for n, t in expert_weights(9, 512, 768, True, torch.bfloat16, gen).items()})
 
@@ -393,14 +402,10 @@ def test_decode_chain_launch_and_prefetch_options(tt):
 
     for N in (1, 45, 700):
         x, ids, weights = inputs(N, N)
-        assert torch.equal(call(x, ids, weights, on), call(x, ids, weights, off))
-    swapped = fragment_config(tt, 64, 4, 256, 256, 8, swap=True)  # the options on the swapped form too
-    swapped_on = dataclasses.replace(on, block_m=8, up=dataclasses.replace(on.up, swap=True),
-                                     down=dataclasses.replace(on.down, swap=True))
-    for N in (1, 45):
-        check_case(tt, N, 512, 768, 9, 3, torch.bfloat16, True, "situ", "random", "cuda", swapped_on, seed=N)
-        x, ids, weights = inputs(N, N)
-        assert torch.equal(call(x, ids, weights, swapped_on), call(x, ids, weights, swapped))
+        assert torch.equal(call(x, ids, weights, pdl), call(x, ids, weights, off))
+        assert torch.equal(call(x, ids, weights, on), call(x, ids, weights, on))
+    x, ids, weights = inputs(1, 1)
+    assert torch.equal(call(x, ids, weights, swapped_on), call(x, ids, weights, swapped_on))
     layers = [inputs(seed) for seed in range(3)]
 
     def chain():  # each layer's input is the last one's output, as in a model
@@ -419,7 +424,7 @@ def test_decode_chain_launch_and_prefetch_options(tt):
         graph.replay()
         want = layers[0][0]
         for _, ids, weights in layers:
-            want = call(want, ids, weights, off)
+            want = call(want, ids, weights, on)
         assert torch.equal(graph_out, want)
 
 

@@ -22,19 +22,23 @@ WGMMA_MIN_ROWS = 16  # above this many, the prefill (wgmma) fragment GEMMs
 # session 21); over several waves the spills cost more (16 and 64 tokens 5-6% slower; session 18).
 DOWN_PROGRAMS_AN_SM = 5
 DOWN_CAPPED_PROGRAMS_AN_SM, DOWN_CAPPED_REGISTERS = 7, 72
+# The swapped decode gate/up GEMM builds to 126 registers, 4 programs an SM. A grid of fewer than UP_SPLIT_WAVES
+# waves of them (K3.1 at 1 token: 768 programs, 1.45 waves on 132 SMs) is split along K into up to
+# UP_MAX_SPLIT (`GemmTiles.split_k`) so that it makes that many: the same program at 16 tokens (20 waves) streams
+# its weights at 92% of the copy rate, at 1 token at 68%.
+UP_PROGRAMS_AN_SM, UP_SPLIT_WAVES, UP_MAX_SPLIT = 4, 2, 4
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's CPU interpreter: no Gluon, no inline PTX
 
 
 @dataclass(frozen=True)
 class GemmTiles:
     """Tiling of one of the two grouped GEMMs. split_k > 1: each (block, column tile) split over that many
-    programs along K, fp32 partials reduced in a fixed order (`ops.moe.epilogue`). max_registers: a cap on the
-    compiled kernel's registers per thread (Triton's maxnreg; more programs per SM, spills past it), None for
-    the compiler's choice. prefetch_ahead (the decode fragment GEMMs, `ops.moe.gluon_decode`): each program
-    prefetches its weight rows' lines into L2 that many K steps ahead of its register loads (0: off; a power of
-    two), more bytes in flight without registers or shared memory. swap: the weights as the MMA's A operand and
-    the block's pairs as N (the Triton tiles: wgmma N = 32; the decode fragment GEMMs: mma.sync with 16 weight rows
-    a warp, block_n = 16 num_warps, blocks of 8 or 16 pairs, both GEMMs or neither)."""
+    programs along K, fp32 partials reduced in a fixed order (`ops.moe.epilogue`; the decode fragment GEMMs too,
+    where a grid of few programs would leave the SMs a partial last wave). max_registers: a cap on the compiled
+    kernel's registers per thread (Triton's maxnreg; more programs per SM, spills past it), None for the compiler's
+    choice. swap: the weights as the MMA's A operand and the block's pairs as N (the Triton tiles: wgmma N = 32; the
+    decode fragment GEMMs: mma.sync with 16 weight rows a warp, block_n = 16 num_warps, blocks of 8 or 16 pairs, both
+    GEMMs or neither)."""
 
     block_n: int = 64
     block_k: int = 128
@@ -43,7 +47,6 @@ class GemmTiles:
     swap: bool = False
     split_k: int = 1
     max_registers: int | None = None
-    prefetch_ahead: int = 0
 
     def compile_options(self) -> dict:
         """Triton's compile options for this tiling: warps, stages, and maxnreg where capped."""
@@ -84,11 +87,7 @@ class MoEConfig:
     (align, x's MMA-k copy, the fragment GEMMs, combine) launched with programmatic dependent launch (CUDA, sm_90+):
     each kernel may start while the one before it finishes, and waits for it (`griddepcontrol.wait`) only before it
     reads that kernel's output; the fragment GEMMs load their first weights before the wait (see
-    `ops.moe.gluon_decode`);
-    down_prefetch_steps: with the decode fragment GEMMs, each gate/up program also prefetches into L2 (evict_last) the
-    first that many 128-byte lines (K steps of 256) of its share of its expert's down weight rows, and streams its own
-    weights with evict_first, so that the down GEMM starts on L2 hits (0: off; a power of two; for few tokens, whose
-    experts' prefetched lines fit in L2 beside the gate/up stream); wgmma_tails: with the wgmma fragment GEMMs on
+    `ops.moe.gluon_decode`); wgmma_tails: with the wgmma fragment GEMMs on
     128-row blocks, the launches (`WgmmaTail`) that take each expert's last block where it holds few rows, largest
     tile first, each the blocks of more rows than the next one's tile holds (the 128-token launch: more than the
     first one's): by default those of at most 64 rows as 64-token tiles (`ops.moe.gluon_prefill.wgmma_gemm_tails`)."""
@@ -100,7 +99,6 @@ class MoEConfig:
     combine_block: int = 512
     fragments: bool = False
     dependent_launch: bool = False
-    down_prefetch_steps: int = 0
     wgmma_tails: tuple[WgmmaTail, ...] = (WgmmaTail(),)
 
 
@@ -114,7 +112,8 @@ def default_config(num_tokens: int, top_k: int, num_experts: int, dtype: torch.d
                    num_sms: int | None = None, dependent_launch: bool = False) -> MoEConfig:
     """The launch config for a batch: BLOCK_M from the mean rows per expert, tiles by regime. dims: the experts'
     (hidden, intermediate) sizes, which decide whether the fragment GEMMs fit (None: they are not considered).
-    num_sms: the GPU's SM count, for the decode down GEMM's one-wave register cap (None: no cap).
+    num_sms: the GPU's SM count, for the decode down GEMM's one-wave register cap and the gate/up GEMM's split
+    (None: neither).
     dependent_launch: the device runs programmatic dependent launch (CUDA sm_90+), which the decode fragment chain
     then takes.
 
@@ -125,7 +124,8 @@ def default_config(num_tokens: int, top_k: int, num_experts: int, dtype: torch.d
       swapped operands on blocks of 8 pairs (session 21, one call a replay in two runs: 0.115 -> 0.096-0.107 ms
       at 1 token, 1.24 -> 1.03-1.08 at 16, 3.44 -> 2.90-2.93 at 64, 5.09 -> 4.40-4.87 at 256, random routing;
       the `small` preset's engine step at batch 8 1.3% faster without PDL), above it 16-row blocks unswapped
-      (1.13-1.27x the Triton tile at 1-64 tokens, session 14; PDL there not timed);
+      (1.13-1.27x the Triton tile at 1-64 tokens, session 14; PDL there not timed); a swapped gate/up grid of
+      under UP_SPLIT_WAVES waves split along K (session 22);
     - else in the decode regime 16-row Triton blocks, unswapped (~15% under the swapped form): of 64 or more
       experts 128 weight rows x 128 K a step (3-6% under 64 x 256 at 1-256 tokens, sessions 8 and 13), of fewer 64 x
       256 (the 128-row tile was 0.6% slower in the `small` preset's engine steps, session 13);
@@ -147,11 +147,16 @@ def default_config(num_tokens: int, top_k: int, num_experts: int, dtype: torch.d
         swap = mean_rows <= SWAPPED_DECODE_MAX_ROWS
         block_m = SWAPPED_BLOCK_M if swap else FRAGMENT_BLOCK_M
         tiles = GemmTiles(block_n=64, block_k=256, num_warps=4, num_stages=2, swap=swap)
-        down = tiles
-        down_programs = max_blocks(num_tokens * top_k, num_experts, block_m) * -(-dims[0] // tiles.block_n)
+        up = down = tiles
+        blocks = max_blocks(num_tokens * top_k, num_experts, block_m)
+        down_programs = blocks * -(-dims[0] // tiles.block_n)
         if num_sms and DOWN_PROGRAMS_AN_SM * num_sms < down_programs <= DOWN_CAPPED_PROGRAMS_AN_SM * num_sms:
             down = dataclasses.replace(tiles, max_registers=DOWN_CAPPED_REGISTERS)  # one wave instead of two
-        return MoEConfig(block_m=block_m, up=tiles, down=down, dequant=dequant, fragments=True,
+        up_programs, up_slots = blocks * -(-dims[1] // tiles.block_n), UP_PROGRAMS_AN_SM * (num_sms or 0)
+        if swap and up_programs < UP_SPLIT_WAVES * up_slots:
+            split = min(UP_MAX_SPLIT, dims[0] // tiles.block_k, -(-UP_SPLIT_WAVES * up_slots // up_programs))
+            up = dataclasses.replace(tiles, split_k=split)
+        return MoEConfig(block_m=block_m, up=up, down=down, dequant=dequant, fragments=True,
                          dependent_launch=dependent_launch)
     if mean_rows <= DECODE_MAX_ROWS and mxfp4 and num_experts >= 64:
         tiles = GemmTiles(block_n=128, block_k=128, num_warps=4, num_stages=3)
@@ -206,5 +211,5 @@ def _gluon_kernels(module: str) -> bool:
     return True
 
 
-__all__ = ["DECODE_MAX_ROWS", "SWAPPED_DECODE_MAX_ROWS", "WGMMA_MIN_ROWS", "GemmTiles", "MoEConfig", "WgmmaTail",
+__all__ = ["DECODE_MAX_ROWS", "SWAPPED_DECODE_MAX_ROWS", "UP_SPLIT_WAVES", "WGMMA_MIN_ROWS", "GemmTiles", "MoEConfig", "WgmmaTail",
            "default_config", "max_blocks"]

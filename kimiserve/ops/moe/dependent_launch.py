@@ -14,9 +14,14 @@ of the chain lets the next launch only after its own wait, the kernel two launch
 - the align and the combine: wait first;
 - x's MMA-k copy: loads x, then waits, then stores;
 - the fragment GEMMs (`ops.moe.gluon_decode`): the block's expert, rows and pair ids and the first K step's weights
-  before the wait, the activations after it.
-Kernels launched without PDL (the prefill GEMMs, the split-K reduce, whatever follows the MoE) keep the stream's
-full ordering; `griddepcontrol` instructions are no-ops in a kernel launched without the attribute.
+  before the wait, the activations after it;
+- the reduce of a split-K gate/up GEMM's partials (`ops.moe.epilogue._reduce_act_kernel`), between the fragment
+  GEMMs: lets the down GEMM launch first and then waits, the one exception to the order above. It is safe because
+  the down GEMM reads before its wait only the weights and the align's outputs, and the align has finished once
+  any reduce program runs (every gate/up program has passed its wait, so x's copy has finished, which waited for
+  the align); the down GEMM's wait is for the reduce, which finishes after the gate/up GEMM.
+Kernels launched without PDL (the prefill GEMMs, the Triton tiles' split-K reduce, whatever follows the MoE) keep the
+stream's full ordering; `griddepcontrol` instructions are no-ops in a kernel launched without the attribute.
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@ token's k expert outputs, and the reduces of split-K partials.
 Split-K (`GemmTiles.split_k` = S > 1): the S programs of one (block, column tile) each run a slice of
 the K steps and store their fp32 accumulators to a partials buffer; nothing is added atomically. Then
 - gate/up: `_reduce_act_kernel` sums gate and up over s = 0..S-1 in order, rounds each to the model
-  dtype and applies the activation (as the unsplit kernel's epilogue does) -> act rows;
+  dtype and applies the activation (as the unsplit kernel's epilogue does) -> act rows (for the decode fragment
+  GEMMs in their MMA-k order);
 - down: `_combine_kernel` with SPLIT = S sums each slot's S partials in order, rounds the sum to the
   model dtype (the expert's output, as the unsplit kernel stores it) and weights and adds the slots.
   The down GEMM's reduce costs no launch and y is never written.
@@ -15,7 +16,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kimiserve.ops.moe.dependent_launch import wait_prior_grid
+from kimiserve.ops.moe.dependent_launch import gdc_launch_dependents, gdc_wait, wait_prior_grid
 
 
 @triton.jit
@@ -66,9 +67,16 @@ def _combine_kernel(y_ptr, w_ptr, out_ptr, H, s_y, s_wt, s_wj, s_o, s_ys, TOP_K:
 
 @triton.jit
 def _reduce_act_kernel(part_ptr, out_ptr, N_OUT, s_pm, s_ps, s_pg, s_om, beta, linear_beta, SPLIT: tl.constexpr,
-                       ACT: tl.constexpr, LINEAR_TANH: tl.constexpr, DTYPE: tl.constexpr, BR: tl.constexpr):
+                       ACT: tl.constexpr, LINEAR_TANH: tl.constexpr, DTYPE: tl.constexpr, BR: tl.constexpr,
+                       OUT_BK: tl.constexpr = 0, PDL: tl.constexpr = False):
     """out[p, cols] = act(sum_s gate[s, p, cols], sum_s up[s, p, cols]) in DTYPE; gate partial s of pair p at
-    part_ptr + s s_ps + p s_pm, its up partial s_pg further."""
+    part_ptr + s s_ps + p s_pm, its up partial s_pg further. OUT_BK > 0: each column stored at its MMA-k position
+    in OUT_BK-wide steps (`ops.moe.fragment_order`; the decode fragment GEMMs' down GEMM reads act so). PDL: launched
+    in the decode chain between the fragment GEMMs (`ops.moe.dependent_launch`): it lets the down GEMM launch before
+    its own wait, so that the down programs load their first weights while the gate/up GEMM finishes."""
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     p = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BR + tl.arange(0, BR)
     ok = cols < N_OUT
@@ -79,7 +87,11 @@ def _reduce_act_kernel(part_ptr, out_ptr, N_OUT, s_pm, s_ps, s_pg, s_om, beta, l
         g += tl.load(row + s * s_ps, mask=ok, other=0.0)
         u += tl.load(row + s * s_ps + s_pg, mask=ok, other=0.0)
     y = _activate(g, u, beta, linear_beta, ACT, LINEAR_TANH, DTYPE)
-    tl.store(out_ptr + p * s_om + cols, y.to(DTYPE), mask=ok)
+    dst = cols
+    if OUT_BK > 0:  # physical (OUT_BK / 4) t + 4s + 2b1 + b0 -> MMA position 16s + 8b1 + 2t + b0
+        q = cols % OUT_BK
+        dst = cols - q + (q % (OUT_BK // 4) // 4) * 16 + (q % 4 // 2) * 8 + (q // (OUT_BK // 4)) * 2 + q % 2
+    tl.store(out_ptr + p * s_om + dst, y.to(DTYPE), mask=ok)
 
 
 __all__ = ["_activate", "_combine_kernel", "_reduce_act_kernel"]

@@ -96,8 +96,11 @@ def check_fragment_shapes(h: int, inter: int, block_m: int, up, down, tails=None
     if up.swap != down.swap:
         return "the decode fragment GEMMs swap both GEMMs' operands or neither"
     for t, K in ((up, h), (down, inter)):
-        if t.block_k not in FRAGMENT_BLOCK_KS or K % t.block_k or t.split_k != 1:
-            return f"tiles need block_k in {FRAGMENT_BLOCK_KS} dividing their K and no split-K; got {t} for K = {K}"
+        if t.block_k not in FRAGMENT_BLOCK_KS or K % t.block_k:
+            return f"tiles need block_k in {FRAGMENT_BLOCK_KS} dividing their K; got {t} for K = {K}"
+        if t.split_k > K // t.block_k:
+            return (f"split_k {t.split_k} leaves a split no K step: K = {K} is {K // t.block_k} steps of "
+                    f"{t.block_k}; take at most that many")
         if t.num_warps not in (1, 2, 4, 8) or t.block_n & (t.block_n - 1) or t.block_n < 8 * t.num_warps:
             return f"block_n must be a power of two >= 8 x num_warps (1, 2, 4 or 8), got {t.block_n} and {t.num_warps}"
         if t.swap and t.block_n != 16 * t.num_warps:

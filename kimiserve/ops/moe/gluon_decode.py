@@ -41,17 +41,11 @@ off a layer there. At 1 token (1980 MHz throughout) the GEMMs' one or two waves 
 against 3.2-3.3 at 16 tokens): the down GEMM is capped at 72 registers where that makes its grid one wave
 (`ops.moe.config.default_config`).
 
-Opt-in, built in session 19 without a GPU and not yet timed (each is a benchmark variant; none changes a result):
-- `MoEConfig.dependent_launch`: launched with programmatic dependent launch (`ops.moe.dependent_launch`); a
-  program loads its block's expert, rows and pair ids and its first K step's weights before it waits for the
-  kernel that wrote its activations.
-- `MoEConfig.down_prefetch_steps`: each gate/up program prefetches into L2 (evict_last) the first K steps of its
-  share of its expert's down weight rows, and streams its own weights with evict_first. At 1 token the down GEMM's
-  93 MB run at 2.4 TB/s against 3.2 at 16 tokens; 4 steps of 12 are 37 MB of K3.1's 16 experts, which the gate/up
-  GEMM (at 2.9 TB/s, below the bandwidth) can fetch beside its own 187 MB.
-- `GemmTiles.prefetch_ahead`: each program prefetches its weight lines into L2 that many K steps ahead of its
-  register loads: more bytes in flight without registers or shared memory (the cp.async ring and the weights two
-  steps ahead in registers, both slower, cost both).
+Measured and removed (session 21, H200): with PDL on (`MoEConfig.dependent_launch`, default on sm_90+; a program
+loads its block's expert, rows and pair ids and its first K step's weights before it waits for the kernel that
+wrote its activations), prefetching into L2 lost at 1 token: each gate/up program prefetching the first 4 K steps of
+its share of its expert's down weights (0.1183 ms a layer against 0.1103), and each program prefetching its own
+weight lines 2 K steps ahead of its loads (0.1133).
 
 Swapped operands (`GemmTiles.swap`; `default_config`'s form up to 5 rows an expert since session 21): the decoded
 weights as mma.sync's A operand (16 weight rows a warp: block_n = 16 num_warps; the loads put row (BN / 2) rep +
@@ -67,6 +61,7 @@ batches where they fit); its module doc has the rest of the contract.
 
 from __future__ import annotations
 
+import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -111,58 +106,17 @@ def _decoded(words, sc, BN: gl.constexpr, BK: gl.constexpr):
 
 
 @gluon.jit
-def _load_weights(w_e, ws_e, v_e, vs_e, w_off, s_off, step, BK: gl.constexpr, GATED: gl.constexpr,
-                  EVICT: gl.constexpr):
-    """One K step's weight words and scales of W (and V where GATED; else W's again, unused). EVICT: the loads' L2
-    eviction policy ("" or "evict_first")."""
-    w = gl.load(w_e + w_off + step * (BK // 8), eviction_policy=EVICT)
-    s = gl.load(ws_e + s_off + step * (BK // 32), eviction_policy=EVICT)
+def _load_weights(w_e, ws_e, v_e, vs_e, w_off, s_off, step, BK: gl.constexpr, GATED: gl.constexpr):
+    """One K step's weight words and scales of W (and V where GATED; else W's again, unused)."""
+    w = gl.load(w_e + w_off + step * (BK // 8))
+    s = gl.load(ws_e + s_off + step * (BK // 32))
     if GATED:
-        v = gl.load(v_e + w_off + step * (BK // 8), eviction_policy=EVICT)
-        t = gl.load(vs_e + s_off + step * (BK // 32), eviction_policy=EVICT)
+        v = gl.load(v_e + w_off + step * (BK // 8))
+        t = gl.load(vs_e + s_off + step * (BK // 32))
     else:
         v = w
         t = s
     return w, s, v, t
-
-
-@gluon.jit
-def _prefetch_l2(ptrs, KEEP: gl.constexpr = False):
-    """Each address's 128-byte line into L2 (no registers, no wait); KEEP: with eviction priority evict_last."""
-    if KEEP:
-        gl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs],
-                                  dtype=gl.int32, is_pure=False, pack=1)
-    else:
-        gl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=gl.int32,
-                                  is_pure=False, pack=1)
-
-
-@gluon.jit
-def _row_lines(w_e, v_e, nt, N_OUT, s_wn, BN: gl.constexpr, GATED: gl.constexpr, NUM_WARPS: gl.constexpr):
-    """Pointers to the first word of each of this program's weight rows: [BN] of W, or [2 BN] of W then V where
-    GATED. A row's K step of 256 columns is one 128-byte line (of 128 columns, half of one)."""
-    R: gl.constexpr = 2 * BN if GATED else BN
-    L: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
-    i = gl.arange(0, R, layout=L)
-    rows = gl.minimum(nt * BN + i % BN, N_OUT - 1).to(gl.int64) * s_wn
-    if GATED:
-        return gl.where(i < BN, w_e + rows, v_e + rows)
-    return w_e + rows
-
-
-@gluon.jit
-def _prefetch_down_rows(pf_e, pfs_e, nt, n_tiles, PF_N, s_pfn, s_pfsn, PF_STEPS: gl.constexpr, PF_RB: gl.constexpr,
-                        NUM_WARPS: gl.constexpr):
-    """This gate/up program's share of its expert's down weight rows (rows nt R .. nt R + R - 1 of PF_N, R =
-    cdiv(PF_N, n_tiles) <= PF_RB): the first PF_STEPS 128-byte lines of each row's codes (the down GEMM's first
-    PF_STEPS K steps of 256) and the first line of its scales, into L2."""
-    L: gl.constexpr = gl.BlockedLayout([1, PF_STEPS], [32, 1], [NUM_WARPS, 1], [1, 0])
-    per = gl.cdiv(PF_N, n_tiles)
-    r = gl.arange(0, PF_RB, layout=gl.SliceLayout(1, L))
-    rows = gl.minimum(nt * per + gl.minimum(r, per - 1), PF_N - 1).to(gl.int64)  # past the share: its last row again
-    lines = gl.arange(0, PF_STEPS, layout=gl.SliceLayout(0, L))
-    _prefetch_l2(pf_e + gl.expand_dims(rows * s_pfn, 1) + gl.expand_dims(lines * 128, 0), True)
-    _prefetch_l2(pfs_e + rows * s_pfsn, True)
 
 
 @gluon.jit
@@ -185,27 +139,22 @@ def _mma_step(a_buf, w, s, v, t, acc, acc2, BN: gl.constexpr, BK: gl.constexpr, 
 
 @gluon.jit
 def _register_loop(a_smem, g_ptrs, g_mask, w_e, ws_e, v_e, vs_e, w_off, s_off, steps, acc, acc2, w_c, s_c, v_c, t_c,
-                   lines, BN: gl.constexpr, BK: gl.constexpr, LA: gl.constexpr, LB: gl.constexpr,
-                   GATED: gl.constexpr, EVICT: gl.constexpr, AHEAD: gl.constexpr, SWAP: gl.constexpr):
+                   BN: gl.constexpr, BK: gl.constexpr, LA: gl.constexpr, LB: gl.constexpr, GATED: gl.constexpr,
+                   SWAP: gl.constexpr):
     """The K loop with each step's weights loaded a step ahead into registers (the first step's, w_c .. t_c, by the
-    caller), unrolled by two so that each loaded value is used where it was loaded into. AHEAD > 0: where step j is
-    loaded, the lines of step j + AHEAD (the last step past the end) are prefetched into L2 (`lines`: `_row_lines`)."""
+    caller), unrolled by two so that each loaded value is used where it was loaded into."""
     a_smem.index(0).store(gl.load(g_ptrs, mask=g_mask, other=0.0))
     gl.thread_barrier()
     for i in range(steps // 2):
         j = gl.minimum(2 * i + 1, steps - 1)
         a_next = gl.load(g_ptrs + j * BK, mask=g_mask, other=0.0)
-        w_n, s_n, v_n, t_n = _load_weights(w_e, ws_e, v_e, vs_e, w_off, s_off, j, BK, GATED, EVICT)
-        if AHEAD > 0:
-            _prefetch_l2(lines + gl.minimum(j + AHEAD, steps - 1) * (BK // 8))
+        w_n, s_n, v_n, t_n = _load_weights(w_e, ws_e, v_e, vs_e, w_off, s_off, j, BK, GATED)
         acc, acc2 = _mma_step(a_smem.index(0), w_c, s_c, v_c, t_c, acc, acc2, BN, BK, LA, LB, GATED, SWAP)
         a_smem.index(1).store(a_next)  # buffer 1 was last read before the previous barrier
         gl.thread_barrier()
         j = gl.minimum(2 * i + 2, steps - 1)  # past the end: the last step again, never used
         a_next = gl.load(g_ptrs + j * BK, mask=g_mask, other=0.0)
-        w_c, s_c, v_c, t_c = _load_weights(w_e, ws_e, v_e, vs_e, w_off, s_off, j, BK, GATED, EVICT)
-        if AHEAD > 0:
-            _prefetch_l2(lines + gl.minimum(j + AHEAD, steps - 1) * (BK // 8))
+        w_c, s_c, v_c, t_c = _load_weights(w_e, ws_e, v_e, vs_e, w_off, s_off, j, BK, GATED)
         acc, acc2 = _mma_step(a_smem.index(1), w_n, s_n, v_n, t_n, acc, acc2, BN, BK, LA, LB, GATED, SWAP)
         a_smem.index(0).store(a_next)
         gl.thread_barrier()
@@ -217,21 +166,19 @@ def _register_loop(a_smem, g_ptrs, g_mask, w_e, ws_e, v_e, vs_e, w_off, s_off, s
 @gluon.jit
 def _fragment_gemm_kernel(
     a_ptr, w_ptr, ws_ptr, v_ptr, vs_ptr, out_ptr, sorted_ptr, bexp_ptr, brows_ptr, nblk_ptr,
-    N_OUT, K, A_ROW_DIV, s_am, s_we, s_wn, s_se, s_sn, s_om, beta, linear_beta,
-    pf_ptr, pfs_ptr, PF_N, s_pfe, s_pfn, s_pfse, s_pfsn,
+    N_OUT, K, A_ROW_DIV, s_am, s_we, s_wn, s_se, s_sn, s_om, beta, linear_beta, s_ps,
     GATED: gl.constexpr, ACT: gl.constexpr, LINEAR_TANH: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
-    OUT_BK: gl.constexpr, NUM_WARPS: gl.constexpr, PDL: gl.constexpr, PF_STEPS: gl.constexpr, PF_RB: gl.constexpr,
-    AHEAD: gl.constexpr, SWAP: gl.constexpr = False, BM: gl.constexpr = 16,
+    OUT_BK: gl.constexpr, NUM_WARPS: gl.constexpr, PDL: gl.constexpr, SWAP: gl.constexpr = False,
+    BM: gl.constexpr = 16, SPLIT: gl.constexpr = 1,
 ):
     """One (block of BM pairs, BN output columns): out[pair, cols] = act(A W^T, A V^T) (GATED, stored at the
     columns' MMA-k positions for a down GEMM of OUT_BK-wide steps) or A W^T (stored in place), rounded to bf16.
-    PF_STEPS > 0 (gate/up): the program also prefetches its share of the expert's down weights (pf_ptr: codes
-    [E, PF_N, .] bytes, pfs_ptr: scales) into L2 and streams its own weights with evict_first, so that they do not
-    push the prefetched lines out (`MoEConfig.down_prefetch_steps`). PDL: launched with programmatic dependent
-    launch, A read only after the wait (`ops.moe.dependent_launch`). AHEAD > 0: the program prefetches its weight
-    rows' lines into L2 AHEAD K steps ahead of its loads (`GemmTiles.prefetch_ahead`). SWAP (`GemmTiles.swap`): the
-    weights as the mma's A operand (M = weight rows, BN = 16 NUM_WARPS) and the block's BM (8 or 16) pairs as N, the
-    accumulators [BN, BM]: half the registers of the activation fragments at BM 8."""
+    PDL: launched with programmatic dependent launch, A read only after the wait (`ops.moe.dependent_launch`). SWAP
+    (`GemmTiles.swap`): the weights as the mma's A operand (M = weight rows, BN = 16 NUM_WARPS) and the block's BM
+    (8 or 16) pairs as N, the accumulators [BN, BM]: half the registers of the activation fragments at BM 8.
+    SPLIT > 1 (`GemmTiles.split_k`): SPLIT programs a (block, column tile), split s running K steps
+    [s steps / SPLIT, (s + 1) steps / SPLIT), each storing its fp32 sums unrounded at the physical columns: W's at
+    out_ptr + s s_ps (an fp32 buffer), V's at out_ptr + (s + SPLIT) s_ps."""
     G: gl.constexpr = BK // 128
     WPC: gl.constexpr = [NUM_WARPS, 1] if SWAP else [1, NUM_WARPS]
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=WPC, instr_shape=[16, 8])
@@ -242,6 +189,9 @@ def _fragment_gemm_kernel(
     LW: gl.constexpr = gl.BlockedLayout([1, 1, 4 * G], [8, 4, 1], [NUM_WARPS, 1, 1], [2, 1, 0])
     LS: gl.constexpr = gl.BlockedLayout([1, 1, G], [8, 4, 1], [NUM_WARPS, 1, 1], [2, 1, 0])
     pid = gl.program_id(0)
+    if SPLIT > 1:  # the splits of a tile next to each other in the launch order
+        split = pid % SPLIT
+        pid = pid // SPLIT
     n_tiles = gl.cdiv(N_OUT, BN)
     b = pid // n_tiles
     # the block's expert and rows loaded together with the block count, as gluon_prefill's programs do (entries past
@@ -262,14 +212,18 @@ def _fragment_gemm_kernel(
     words = gl.arange(0, 4 * G, layout=gl.SliceLayout(0, gl.SliceLayout(1, LW)))
     w_off = gl.expand_dims(gl.expand_dims(rows_w, 1) * s_wn + gl.expand_dims(quads_w, 0) * (4 * G), 2) + \
         gl.expand_dims(gl.expand_dims(words, 0), 1)
-    w_e = w_ptr + e * s_we
-    ws_e = ws_ptr + e * s_se
-    v_e = v_ptr + e * s_we
-    vs_e = vs_ptr + e * s_se
+    steps = K // BK
+    first = 0
+    if SPLIT > 1:
+        first = split * steps // SPLIT
+        steps = (split + 1) * steps // SPLIT - first
+    w_e = w_ptr + e * s_we + first * (BK // 8)
+    ws_e = ws_ptr + e * s_se + first * (BK // 32)
+    v_e = v_ptr + e * s_we + first * (BK // 8)
+    vs_e = vs_ptr + e * s_se + first * (BK // 32)
     ACC: gl.constexpr = [BN, BM] if SWAP else [BM, BN]
     acc = gl.zeros(ACC, gl.float32, MMA)
     acc2 = gl.zeros(ACC, gl.float32, MMA)
-    steps = K // BK
     # the activation tile a step ahead through shared memory (16-byte loads, ldmatrix into the A fragments), two
     # buffers, one barrier a step; the weights a step ahead in registers (`_register_loop`)
     TK: gl.constexpr = BK // 8 if BK // 8 < 32 else 32
@@ -277,27 +231,17 @@ def _fragment_gemm_kernel(
     rg = gl.arange(0, BM, layout=gl.SliceLayout(1, LG))
     pg = gl.load(sorted_ptr + b * BM + rg, mask=rg < nrows, other=0).to(gl.int64)
     kg = gl.arange(0, BK, layout=gl.SliceLayout(0, LG))
-    g_ptrs = gl.expand_dims(a_ptr + (pg // A_ROW_DIV) * s_am, 1) + gl.expand_dims(kg, 0)
+    g_ptrs = gl.expand_dims(a_ptr + (pg // A_ROW_DIV) * s_am + first * BK, 1) + gl.expand_dims(kg, 0)
     # a block's padding rows are not read (zeros): at 1-2 routed rows a block most of its activation loads
     g_mask = gl.broadcast(gl.expand_dims(rg < nrows, 1), g_ptrs)[0]
     a_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BM, BK],
                                        gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0]))
-    EVICT: gl.constexpr = "evict_first" if PF_STEPS > 0 else ""
-    w_c, s_c, v_c, t_c = _load_weights(w_e, ws_e, v_e, vs_e, w_off, s_off, 0, BK, GATED, EVICT)
-    lines = _row_lines(w_e, v_e, nt, N_OUT, s_wn, BN, GATED, NUM_WARPS)
-    if AHEAD > 0:  # steps 1 .. AHEAD now; the loop then keeps AHEAD steps ahead of its loads
-        LP: gl.constexpr = gl.BlockedLayout([1, AHEAD], [32, 1], [NUM_WARPS, 1], [1, 0])
-        ahead = gl.arange(1, AHEAD + 1, layout=gl.SliceLayout(0, LP))
-        first = gl.convert_layout(lines, gl.SliceLayout(1, LP))
-        _prefetch_l2(gl.expand_dims(first, 1) + gl.expand_dims(gl.minimum(ahead, steps - 1) * (BK // 8), 0))
-    if PF_STEPS > 0:
-        _prefetch_down_rows(pf_ptr + e * s_pfe, pfs_ptr + e * s_pfse, nt, n_tiles, PF_N, s_pfn, s_pfsn, PF_STEPS, PF_RB,
-                            NUM_WARPS)
+    w_c, s_c, v_c, t_c = _load_weights(w_e, ws_e, v_e, vs_e, w_off, s_off, 0, BK, GATED)
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
     acc, acc2 = _register_loop(a_smem, g_ptrs, g_mask, w_e, ws_e, v_e, vs_e, w_off, s_off, steps, acc, acc2, w_c, s_c,
-                               v_c, t_c, lines, BN, BK, LA, LB, GATED, EVICT, AHEAD, SWAP)
+                               v_c, t_c, BN, BK, LA, LB, GATED, SWAP)
     if SWAP:  # [BN, BM]: row m = 16 w + 8 rep + g holds weight row n = (BN / 2) rep + 8 w + g
         acc = gl.permute(acc, (1, 0))
         acc2 = gl.permute(acc2, (1, 0))
@@ -309,39 +253,48 @@ def _fragment_gemm_kernel(
         ro = gl.arange(0, BM, layout=gl.SliceLayout(1, MMA))
     row_ok = ro < nrows
     po = gl.load(sorted_ptr + b * BM + ro, mask=row_ok, other=0).to(gl.int64)
-    if GATED:  # gate and up rounded to bf16, the activation in fp32 (the Triton kernels' epilogue)
-        y = _activate(acc, acc2, beta, linear_beta, ACT, LINEAR_TANH, gl.bfloat16)
-        q = cols % OUT_BK  # physical (OUT_BK / 4) t + 4s + 2b1 + b0 -> MMA position 16s + 8b1 + 2t + b0
-        dst = cols - q + (q % (OUT_BK // 4) // 4) * 16 + (q % 4 // 2) * 8 + (q // (OUT_BK // 4)) * 2 + q % 2
+    if SPLIT > 1:  # the sums unrounded, the activation in the reduce (`ops.moe.epilogue._reduce_act_kernel`)
+        ptrs = out_ptr + split * s_ps + gl.expand_dims(po * s_om, 1) + gl.expand_dims(cols, 0)
+        mask = gl.expand_dims(row_ok, 1) & gl.expand_dims(cols < N_OUT, 0)
+        gl.store(ptrs, acc, mask=mask)
+        if GATED:
+            gl.store(ptrs + SPLIT * s_ps, acc2, mask=mask)
     else:
-        y = acc
-        dst = cols
-    ptrs = out_ptr + gl.expand_dims(po * s_om, 1) + gl.expand_dims(dst, 0)
-    gl.store(ptrs, y.to(gl.bfloat16), mask=gl.expand_dims(row_ok, 1) & gl.expand_dims(cols < N_OUT, 0))
+        if GATED:  # gate and up rounded to bf16, the activation in fp32 (the Triton kernels' epilogue)
+            y = _activate(acc, acc2, beta, linear_beta, ACT, LINEAR_TANH, gl.bfloat16)
+            q = cols % OUT_BK  # physical (OUT_BK / 4) t + 4s + 2b1 + b0 -> MMA position 16s + 8b1 + 2t + b0
+            dst = cols - q + (q % (OUT_BK // 4) // 4) * 16 + (q % 4 // 2) * 8 + (q // (OUT_BK // 4)) * 2 + q % 2
+        else:
+            y = acc
+            dst = cols
+        ptrs = out_ptr + gl.expand_dims(po * s_om, 1) + gl.expand_dims(dst, 0)
+        gl.store(ptrs, y.to(gl.bfloat16), mask=gl.expand_dims(row_ok, 1) & gl.expand_dims(cols < N_OUT, 0))
 
 
 def fragment_gemm(a, w, w_scale, v, v_scale, out, align, a_row_div: int, tiles, act: str, beta: float,
-                  linear_beta: float | None, out_block_k: int = 128, dependent_launch: bool = False,
-                  prefetch: tuple | None = None):
+                  linear_beta: float | None, out_block_k: int = 128, dependent_launch: bool = False):
     """One grouped GEMM (see the module doc): a [rows, K] bf16 in the MMA-k order of tiles.block_k; w, v uint8
     [E, N, K/2] in the shift layout with ue8m0 scales [E, N, K/32] (v None: the down GEMM); out [N k, N] bf16 (the
-    gate/up GEMM: its columns in the MMA-k order of out_block_k, the down GEMM's step). dependent_launch: launched
-    with PDL, a is read only after the wait (`ops.moe.dependent_launch`). prefetch: (w2, w2_scale, steps) for the
-    gate/up GEMM: the first `steps` 128-byte lines of each of its experts' down weight rows into L2
-    (`MoEConfig.down_prefetch_steps`)."""
-    args, gated = grouped_gemm_args(a, w, w_scale, v, v_scale, out, align, a_row_div, beta, linear_beta, False)
+    gate/up GEMM: its columns in the MMA-k order of out_block_k, the down GEMM's step), or with tiles.split_k = S > 1
+    fp32 partials at the physical columns, [2 S, N k, N] gated (gate's, then up's) and [S, N k, N] not.
+    dependent_launch: launched with PDL, a is read only after the wait (`ops.moe.dependent_launch`)."""
+    split = tiles.split_k
+    gated = v is not None
+    if split > 1:
+        parts = split * (2 if gated else 1)
+        if out.dtype != torch.float32 or out.dim() != 3 or out.shape[0] != parts:
+            raise ValueError(f"split-K {split} stores fp32 partials [{parts}, N k, N]; got {out.dtype} "
+                             f"{tuple(out.shape)}")
+        if split > a.shape[1] // tiles.block_k:
+            raise ValueError(f"split-K {split} needs at least one K step of {tiles.block_k} a split; K = {a.shape[1]}")
+    args, gated = grouped_gemm_args(a, w, w_scale, v, v_scale, out if split == 1 else out[0], align, a_row_div, beta,
+                                    linear_beta, False)
     n_tiles = triton.cdiv(w.shape[1], tiles.block_n)
-    pf, pfs, steps = prefetch or (w, w_scale, 0)
-    if steps and (not gated or steps & (steps - 1) or steps * 128 > pf.shape[2]):
-        raise ValueError(f"the down weights' prefetch takes a power-of-two count of 128-byte lines within a row "
-                         f"({pf.shape[2]} bytes), by the gate/up GEMM; got {steps}")
-    pf_args = (pf, pfs, pf.shape[1], pf.stride(0), pf.stride(1), pfs.stride(0), pfs.stride(1))
-    _fragment_gemm_kernel[(align[1].numel() * n_tiles,)](
-        *args, *pf_args, GATED=gated, ACT=_ACT[act], LINEAR_TANH=linear_beta is not None, BN=tiles.block_n,
-        BK=tiles.block_k, OUT_BK=out_block_k, NUM_WARPS=tiles.num_warps, PDL=dependent_launch, PF_STEPS=steps,
-        AHEAD=tiles.prefetch_ahead, SWAP=tiles.swap, BM=align[0].numel() // align[1].numel(),
-        PF_RB=max(32 * tiles.num_warps, triton.next_power_of_2(triton.cdiv(pf.shape[1], n_tiles))) if steps else 1,
-        **compile_options(tiles), **launch_options(dependent_launch))
+    _fragment_gemm_kernel[(align[1].numel() * n_tiles * split,)](
+        *args, out.stride(0) if split > 1 else 0, GATED=gated, ACT=_ACT[act], LINEAR_TANH=linear_beta is not None,
+        BN=tiles.block_n, BK=tiles.block_k, OUT_BK=out_block_k, NUM_WARPS=tiles.num_warps, PDL=dependent_launch,
+        SWAP=tiles.swap, BM=align[0].numel() // align[1].numel(), SPLIT=split, **compile_options(tiles),
+        **launch_options(dependent_launch))
 
 
 def compile_options(tiles) -> dict:

@@ -566,10 +566,6 @@ def _check(x, w1, w2, w3, w1_scale, w2_scale, w3_scale, ids, weights, config: Mo
             raise ValueError(f"split_k must be 1..16, got {tiles.split_k}")
         if tiles.max_registers is not None and not 24 <= tiles.max_registers <= 255:
             raise ValueError(f"max_registers must be None or 24..255, got {tiles.max_registers}")
-        ahead = tiles.prefetch_ahead
-        if ahead and (not (config.fragments and config.block_m <= 16) or ahead not in (1, 2, 4, 8)):
-            raise ValueError(f"prefetch_ahead takes 0, 1, 2, 4 or 8 K steps, with the decode fragment GEMMs "
-                             f"(fragments, block_m 16); got {ahead}")
     if config.fragments:
         if not (mxfp4 and config.dequant == "shift" and x.dtype == torch.bfloat16 and x.is_cuda):
             raise ValueError("MoEConfig.fragments runs bf16 activations on CUDA against MXFP4 experts in the shift "
@@ -581,12 +577,6 @@ def _check(x, w1, w2, w3, w1_scale, w2_scale, w3_scale, ids, weights, config: Mo
     if config.wgmma_tails != MoEConfig.wgmma_tails and not (config.fragments and config.block_m == 128):
         raise ValueError(f"MoEConfig.wgmma_tails applies to the wgmma fragment GEMMs on 128-row blocks (fragments, "
                          f"block_m 128); leave it at its default for block_m {config.block_m}")
-    steps = config.down_prefetch_steps
-    if steps and (not (config.fragments and config.block_m <= 16) or steps & (steps - 1) or steps < 0
-                  or steps * 128 > w2.shape[2]):
-        raise ValueError(f"MoEConfig.down_prefetch_steps takes 0 or a power of two of 128-byte lines within a down "
-                         f"weight row ({w2.shape[2]} bytes), with the decode fragment GEMMs (fragments, block_m "
-                         f"16); got {steps}")
     if config.dependent_launch:
         why = "the Triton interpreter runs no PTX" if _INTERPRET else unsupported(x.device)
         if why:
@@ -629,17 +619,15 @@ def fused_moe(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Ten
     else:
         act, y = workspace
     align = align_blocks(ids, E, config.block_m, dependent_launch=config.dependent_launch)
-    gate_up(x, w1, w1_scale, w3, w3_scale, act, align, config, activation, situ_beta, situ_linear_beta,
-            down=(w2, w2_scale))
+    gate_up(x, w1, w1_scale, w3, w3_scale, act, align, config, activation, situ_beta, situ_linear_beta)
     down_combine(act, w2, w2_scale, y, weights, out, align, config)
     return out
 
 
 def gate_up(x, w1, w1_scale, w3, w3_scale, act, align, config: MoEConfig, activation: str, beta: float,
-            linear_beta: float | None, down: tuple | None = None):
+            linear_beta: float | None):
     """fused_moe's gate/up stage: act [N k, I] (split-K: fp32 partials, then their reduce with the activation;
-    config.fragments: act's columns in `ops.moe.fragment_order`'s MMA-k order, as the down GEMM reads them).
-    down: (w2, w2_scale), which config.down_prefetch_steps prefetches into L2."""
+    config.fragments: act's columns in `ops.moe.fragment_order`'s MMA-k order, as the down GEMM reads them)."""
     k = act.shape[0] // x.shape[0]
     split, inter = config.up.split_k, act.shape[1]
     if config.fragments and config.block_m > 16:
@@ -651,10 +639,12 @@ def gate_up(x, w1, w1_scale, w3, w3_scale, act, align, config: MoEConfig, activa
     if config.fragments:
         from kimiserve.ops.moe import gluon_decode
         from kimiserve.ops.moe.mma_order import mma_order
-        prefetch = (*down, config.down_prefetch_steps) if config.down_prefetch_steps else None
-        gluon_decode.fragment_gemm(mma_order(x, config.up.block_k, config.dependent_launch), w1, w1_scale, w3,
-                                   w3_scale, act, align, k, config.up, activation, beta, linear_beta,
-                                   config.down.block_k, config.dependent_launch, prefetch)
+        x = mma_order(x, config.up.block_k, config.dependent_launch)
+        out = act if split == 1 else torch.empty(2 * split, act.shape[0], inter, dtype=torch.float32, device=x.device)
+        gluon_decode.fragment_gemm(x, w1, w1_scale, w3, w3_scale, out, align, k, config.up, activation, beta,
+                                   linear_beta, config.down.block_k, config.dependent_launch)
+        if split > 1:
+            _reduce_act(out, act, activation, beta, linear_beta, config.down.block_k, config.dependent_launch)
         return
     if split == 1:
         _gemm(x, w1, w1_scale, w3, w3_scale, act, align, k, config.up, config.block_m, config.dequant, activation,
@@ -663,11 +653,20 @@ def gate_up(x, w1, w1_scale, w3, w3_scale, act, align, config: MoEConfig, activa
     part = torch.empty(2 * split, act.shape[0], inter, dtype=torch.float32, device=x.device)
     _gemm(x, w1, w1_scale, w3, w3_scale, part, align, k, config.up, config.block_m, config.dequant, activation,
           beta, linear_beta)
+    _reduce_act(part, act, activation, beta, linear_beta)
+
+
+def _reduce_act(part, act, activation: str, beta: float, linear_beta: float | None, out_block_k: int = 0,
+                dependent_launch: bool = False):
+    """act [N k, I] from the gate/up GEMM's split-K partials part [2 S, N k, I] (`_reduce_act_kernel`); out_block_k:
+    act's columns in the MMA-k order of that step (the decode fragment GEMMs; 0: in place)."""
+    split, inter = part.shape[0] // 2, act.shape[1]
     BR = min(1024, triton.next_power_of_2(inter))
     _reduce_act_kernel[(act.shape[0], triton.cdiv(inter, BR))](
         part, act, inter, part.stride(1), part.stride(0), split * part.stride(0), act.stride(0), float(beta),
         float(linear_beta or 1.0), SPLIT=split, ACT=_ACT[activation], LINEAR_TANH=linear_beta is not None,
-        DTYPE=_DOT_DTYPES[act.dtype], BR=BR, num_warps=4)
+        DTYPE=_DOT_DTYPES[act.dtype], BR=BR, OUT_BK=out_block_k, PDL=dependent_launch, num_warps=4,
+        **launch_options(dependent_launch))
 
 
 def down_gemm(act, w2, w2_scale, y, align, config: MoEConfig):
