@@ -373,10 +373,10 @@ def test_decode_down_register_cap_only_where_it_makes_one_wave(monkeypatch):
     assert config.max_blocks(16, 896, 16) == 16 and config.max_blocks(1024, 896, 16) == 904
 
 
-def test_decode_gate_up_split_where_its_grid_is_under_two_waves(monkeypatch):
-    """The swapped decode gate/up GEMM (4 programs an SM) is split along K where its grid makes fewer than
-    UP_SPLIT_WAVES waves, into as many splits as bring it to that (at most UP_MAX_SPLIT, at most its K steps); the
-    down GEMM is not split."""
+def test_decode_gate_up_split_where_its_grid_makes_one_to_two_waves(monkeypatch):
+    """The swapped decode gate/up GEMM (4 programs an SM) is split along K in two where its grid makes more than one
+    wave and under two (the last wave then about as full as the first); at one wave or under, at two or more,
+    unswapped, with the SM count unknown or K one step, not. The down GEMM is not split."""
     from kimiserve.ops.moe import config
 
     monkeypatch.setattr(config, "_fragments_fit", lambda h, inter: True)
@@ -390,12 +390,12 @@ def test_decode_gate_up_split_where_its_grid_is_under_two_waves(monkeypatch):
     assert split(1) == 2  # 16 blocks x 48 tiles = 768 programs, 528 a wave
     assert split(2) == 1  # 1536: 2.9 waves
     assert split(1, num_sms=None) == 1  # SM count unknown
-    assert split(1, top_k=4, experts=16) == config.UP_MAX_SPLIT  # the small preset at batch 1: 192 programs
+    assert split(1, num_sms=192) == 1  # 768 = 1 wave of 4 x 192: none to even out
+    assert split(1, num_sms=191) == 2
+    assert split(1, top_k=4, experts=16) == 1  # the small preset at batch 1: 192 programs, under a wave
     assert split(8, top_k=4, experts=16) == 2  # 18 blocks: 864 programs
-    assert split(2, top_k=4, experts=16) == 3  # 8 blocks: 384 programs
-    assert split(1, dims=(512, 3072)) == 2  # K = 512: two steps of 256, two splits at most
-    assert split(1, top_k=4, experts=16, dims=(256, 3072)) == 1
-    assert split(96, top_k=4, experts=16, num_sms=1000) == 1  # 6 rows an expert: unswapped, 3 programs an SM
+    assert split(1, dims=(256, 3072)) == 1  # K = 256: one step
+    assert split(96, top_k=4, experts=16, num_sms=100) == 1  # 6 rows an expert: unswapped, 3 programs an SM
 
 
 def _sass_ops(sass: str) -> list[str]:

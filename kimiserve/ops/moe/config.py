@@ -22,11 +22,13 @@ WGMMA_MIN_ROWS = 16  # above this many, the prefill (wgmma) fragment GEMMs
 # session 21); over several waves the spills cost more (16 and 64 tokens 5-6% slower; session 18).
 DOWN_PROGRAMS_AN_SM = 5
 DOWN_CAPPED_PROGRAMS_AN_SM, DOWN_CAPPED_REGISTERS = 7, 72
-# The swapped decode gate/up GEMM builds to 126 registers, 4 programs an SM. A grid of fewer than UP_SPLIT_WAVES
-# waves of them (K3.1 at 1 token: 768 programs, 1.45 waves on 132 SMs) is split along K into up to
-# UP_MAX_SPLIT (`GemmTiles.split_k`) so that it makes that many: the same program at 16 tokens (20 waves) streams
-# its weights at 92% of the copy rate, at 1 token at 68%.
-UP_PROGRAMS_AN_SM, UP_SPLIT_WAVES, UP_MAX_SPLIT = 4, 2, 4
+# The swapped decode gate/up GEMM builds to 126 registers, 4 programs an SM. A grid of over one wave and under two
+# (K3.1 at 1 token: 768 programs, 1.45 waves on 132 SMs) is split along K in two (`GemmTiles.split_k`), so that its
+# last wave is about as full as its first: on the H200 the same program streams its weights at 92% of the copy rate
+# at 16 tokens (20 waves) and at 68% at 1 token (session 21); split, 0.1245 -> 0.1143-0.1180 ms a layer in graphs of
+# 8 on an H100 (session 22). At one wave or under (all programs resident at once) splitting did not pay: the `small`
+# preset's MoE at 1 and 2 tokens (192 and 384 programs) -1 to -3%, at 8 tokens (864) +6%.
+UP_PROGRAMS_AN_SM = 4
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's CPU interpreter: no Gluon, no inline PTX
 
 
@@ -125,7 +127,7 @@ def default_config(num_tokens: int, top_k: int, num_experts: int, dtype: torch.d
       at 1 token, 1.24 -> 1.03-1.08 at 16, 3.44 -> 2.90-2.93 at 64, 5.09 -> 4.40-4.87 at 256, random routing;
       the `small` preset's engine step at batch 8 1.3% faster without PDL), above it 16-row blocks unswapped
       (1.13-1.27x the Triton tile at 1-64 tokens, session 14; PDL there not timed); a swapped gate/up grid of
-      under UP_SPLIT_WAVES waves split along K (session 22);
+      one to two waves split along K in two (session 22);
     - else in the decode regime 16-row Triton blocks, unswapped (~15% under the swapped form): of 64 or more
       experts 128 weight rows x 128 K a step (3-6% under 64 x 256 at 1-256 tokens, sessions 8 and 13), of fewer 64 x
       256 (the 128-row tile was 0.6% slower in the `small` preset's engine steps, session 13);
@@ -152,10 +154,9 @@ def default_config(num_tokens: int, top_k: int, num_experts: int, dtype: torch.d
         down_programs = blocks * -(-dims[0] // tiles.block_n)
         if num_sms and DOWN_PROGRAMS_AN_SM * num_sms < down_programs <= DOWN_CAPPED_PROGRAMS_AN_SM * num_sms:
             down = dataclasses.replace(tiles, max_registers=DOWN_CAPPED_REGISTERS)  # one wave instead of two
-        up_programs, up_slots = blocks * -(-dims[1] // tiles.block_n), UP_PROGRAMS_AN_SM * (num_sms or 0)
-        if swap and up_programs < UP_SPLIT_WAVES * up_slots:
-            split = min(UP_MAX_SPLIT, dims[0] // tiles.block_k, -(-UP_SPLIT_WAVES * up_slots // up_programs))
-            up = dataclasses.replace(tiles, split_k=split)
+        up_slots = UP_PROGRAMS_AN_SM * (num_sms or 0)
+        if swap and up_slots < blocks * -(-dims[1] // tiles.block_n) < 2 * up_slots and dims[0] >= 2 * tiles.block_k:
+            up = dataclasses.replace(tiles, split_k=2)  # a last wave as full as the first
         return MoEConfig(block_m=block_m, up=up, down=down, dequant=dequant, fragments=True,
                          dependent_launch=dependent_launch)
     if mean_rows <= DECODE_MAX_ROWS and mxfp4 and num_experts >= 64:
@@ -211,5 +212,5 @@ def _gluon_kernels(module: str) -> bool:
     return True
 
 
-__all__ = ["DECODE_MAX_ROWS", "SWAPPED_DECODE_MAX_ROWS", "UP_SPLIT_WAVES", "WGMMA_MIN_ROWS", "GemmTiles", "MoEConfig", "WgmmaTail",
+__all__ = ["DECODE_MAX_ROWS", "SWAPPED_DECODE_MAX_ROWS", "WGMMA_MIN_ROWS", "GemmTiles", "MoEConfig", "WgmmaTail",
            "default_config", "max_blocks"]
