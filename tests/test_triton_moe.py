@@ -384,10 +384,8 @@ def test_decode_chain_launch_and_split_options(tt):
     # 1-135 pairs: the pairwise align; 900: one program; 2100: chunks
     for N, routing in ((1, "random"), (7, "same"), (45, "subset"), (300, "zipf"), (700, "random")):
         check_case(tt, N, 512, 768, 9, 3, torch.bfloat16, True, "situ", routing, "cuda", on, seed=N)
-    for N in (1, 45):
-        check_case(tt, N, 512, 768, 9, 3, torch.bfloat16, True, "situ", "random", "cuda", swapped_on, seed=N)
-        check_case(tt, N, 512, 768, 9, 3, torch.bfloat16, True, "silu", "random", "cuda", split(swapped_on, 2, 1),
-                   seed=N)
+    for N, act, config in ((1, "situ", swapped_on), (45, "situ", swapped_on), (45, "silu", split(swapped_on, 2, 1))):
+        check_case(tt, N, 512, 768, 9, 3, torch.bfloat16, True, act, "random", "cuda", config, seed=N)
     gen = torch.Generator().manual_seed(5)
     w = shift_layout({n: t.cuda() for n, t in expert_weights(9, 512, 768, True, torch.bfloat16, gen).items()})
 
@@ -403,9 +401,8 @@ def test_decode_chain_launch_and_split_options(tt):
     for N in (1, 45, 700):
         x, ids, weights = inputs(N, N)
         assert torch.equal(call(x, ids, weights, pdl), call(x, ids, weights, off))
-        assert torch.equal(call(x, ids, weights, on), call(x, ids, weights, on))
-    x, ids, weights = inputs(1, 1)
-    assert torch.equal(call(x, ids, weights, swapped_on), call(x, ids, weights, swapped_on))
+        for config in (on, swapped_on):
+            assert torch.equal(call(x, ids, weights, config), call(x, ids, weights, config))
     layers = [inputs(seed) for seed in range(3)]
 
     def chain():  # each layer's input is the last one's output, as in a model

@@ -127,7 +127,7 @@ def default_config(num_tokens: int, top_k: int, num_experts: int, dtype: torch.d
       at 1 token, 1.24 -> 1.03-1.08 at 16, 3.44 -> 2.90-2.93 at 64, 5.09 -> 4.40-4.87 at 256, random routing;
       the `small` preset's engine step at batch 8 1.3% faster without PDL), above it 16-row blocks unswapped
       (1.13-1.27x the Triton tile at 1-64 tokens, session 14; PDL there not timed); a swapped gate/up grid of
-      one to two waves split along K in two (session 22);
+      over one wave and under two split along K in two (session 22: 5-9% off K3.1's 1-token layer on an H100);
     - else in the decode regime 16-row Triton blocks, unswapped (~15% under the swapped form): of 64 or more
       experts 128 weight rows x 128 K a step (3-6% under 64 x 256 at 1-256 tokens, sessions 8 and 13), of fewer 64 x
       256 (the 128-row tile was 0.6% slower in the `small` preset's engine steps, session 13);

@@ -25,7 +25,9 @@ Scope: bf16 activations, MXFP4 weights in the shift layout, 16-row blocks (the d
 256 columns dividing K, block_n a power of two >= 8 x num_warps (num_stages is not used). Each step's weights and
 activation tile are loaded a step ahead (the loop unrolled by two, so that no prefetched register is copied). The
 tail tile's extra weight rows read the last row (clamped) and are not stored; a block's padding rows are zeros
-(their loads masked off) and not stored.
+(their loads masked off) and not stored. Split along K (`GemmTiles.split_k`, up to one split a K step), each
+program stores its fp32 sums and a reduce finishes the GEMM (`ops.moe.epilogue`): `default_config` splits the gate/up
+GEMM in two where its grid makes over one wave and under two, so that its last wave is about as full as its first.
 
 Measured and removed (session 17, H200, K3.1 shape; BENCHMARKS.md "Session 17"): the weight words through a
 cp.async ring of 3-4 slots (12-35% slower at 1-256 tokens), the weights two steps ahead in registers (11-34%
