@@ -337,7 +337,9 @@ def main() -> int:
     p.add_argument("--source-tokens", type=int, default=16384,
                    help="longest real prefill the seeded contexts are copied from")
     p.add_argument("--kv-cache-dtype", default="fp8")
-    p.add_argument("--cache-gib", type=float, default=90.0)
+    p.add_argument("--cache-gib", type=float, default=None,
+                   help="the cache pool in GiB (default: what leaves 20%% of the GPU's memory free once the model is "
+                        "loaded, about 90 GiB on an H200 and what an 80 GB card can hold)")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--prefill-warmups", type=int, default=1,
                    help="untimed prompts of each prefill row's length run before the timed one")
@@ -388,7 +390,8 @@ def main() -> int:
         model=args.preset, dtype="float32" if args.dry_run else "bfloat16", kv_cache_dtype=args.kv_cache_dtype,
         device=device.type, max_model_len=longest + args.steps + count_steps + 16, max_num_seqs=max(batches, default=1),
         enable_prefix_caching=True, max_num_batched_tokens=args.max_num_batched_tokens, seed=0,
-        **({"num_pages": 3000} if args.dry_run else {"kv_cache_memory_gib": args.cache_gib})))
+        **({"num_pages": 3000} if args.dry_run
+           else {"kv_cache_memory_gib": args.cache_gib, "gpu_memory_utilization": 0.8})))
     layouts = [x for x in args.moe_layout.split(",") if x] or [None]
     if any(x not in (None, "checkpoint", "shift") for x in layouts):
         p.error(f"--moe-layout takes 'checkpoint' and/or 'shift', got {args.moe_layout!r}")
