@@ -385,9 +385,10 @@ def sass_report(specs: list[str], h: int, inter: int) -> int:
                 fn = gluon_decode._fragment_gemm_kernel
                 consts = dict(GATED=gated, ACT=1, LINEAR_TANH=True, BN=tiles.block_n, BK=tiles.block_k,
                               OUT_BK=cfg.down.block_k, NUM_WARPS=tiles.num_warps, PDL=cfg.dependent_launch,
-                              SWAP=tiles.swap, BM=cfg.block_m, SPLIT=tiles.split_k)
+                              SWAP=tiles.swap, BM=cfg.block_m, SPLIT=tiles.split_k,
+                              LAST_REDUCES=gated and cfg.last_split_reduces)
                 launches = [(name, consts, gluon_decode.compile_options(tiles), tiles.num_warps)]
-                types.update(s_we="i64", s_se="i64", s_ps="i32")
+                types.update(s_we="i64", s_se="i64", s_ps="i32", act_ptr="*bf16", s_actm="i32", count_ptr="*i32")
                 if tiles.split_k > 1:
                     types.update(out_ptr="*fp32")
             for label, consts, options, warps in launches:

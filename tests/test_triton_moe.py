@@ -364,10 +364,11 @@ def test_mma_order_kernel(N, K, block_k):
 def test_decode_chain_launch_and_split_options(tt):
     """The decode chain launched with PDL (MoEConfig.dependent_launch) and the fragment GEMMs split along K
     (GemmTiles.split_k: gate/up in 2 of its 2 K steps, down in 3 of 3, then 2 of 3, fp32 partials reduced by the
-    activation's reduce and by the combine): every size regime of the align (pairwise, one program, chunks), unswapped
-    and swapped, against the reference; PDL alone bit for bit the same as without it, a split config bit for bit the
-    same run to run; three MoE calls back to back in one CUDA graph (each call's kernels may start before the last
-    one's finish) replay other routings as eager calls compute them."""
+    combine and, for gate/up, by the last split of each tile (MoEConfig.last_split_reduces; unswapped) or by a reduce
+    launch (swapped)): every size regime of the align (pairwise, one program, chunks) against the reference; PDL alone
+    bit for bit the same as without it, a split config bit for bit the same run to run; three MoE calls back to back
+    in one CUDA graph (each call's kernels may start before the last one's finish) replay other routings as eager
+    calls compute them."""
     import dataclasses
 
     from kimiserve.utils.cuda_timing import capture_graph
@@ -378,7 +379,7 @@ def test_decode_chain_launch_and_split_options(tt):
 
     off = fragment_config(tt, 64, 4, 256, 256)
     pdl = dataclasses.replace(off, dependent_launch=True)
-    on = split(pdl, 2, 3)
+    on = dataclasses.replace(split(pdl, 2, 3), last_split_reduces=True)
     swapped_on = split(dataclasses.replace(fragment_config(tt, 64, 4, 256, 256, 8, swap=True), dependent_launch=True),
                        2, 2)
     # 1-135 pairs: the pairwise align; 900: one program; 2100: chunks

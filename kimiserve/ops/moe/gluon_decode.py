@@ -28,6 +28,9 @@ tail tile's extra weight rows read the last row (clamped) and are not stored; a 
 (their loads masked off) and not stored. Split along K (`GemmTiles.split_k`, up to one split a K step), each
 program stores its fp32 sums and a reduce finishes the GEMM (`ops.moe.epilogue`): `default_config` splits the gate/up
 GEMM in two where its grid makes over one wave and under two, so that its last wave is about as full as its first.
+With `MoEConfig.last_split_reduces` (opt-in, session 22, not yet run on a GPU) the last split of each tile to finish
+(a count a tile, zeroed by x's MMA-k copy, added to with acquire-release semantics after a GPU-scope fence in every
+thread) adds the tile's sums in split order and stores its act rows itself: one launch fewer in the decode chain.
 
 Measured and removed (session 17, H200, K3.1 shape; BENCHMARKS.md "Session 17"): the weight words through a
 cp.async ring of 3-4 slots (12-35% slower at 1-256 tokens), the weights two steps ahead in registers (11-34%
@@ -122,6 +125,21 @@ def _load_weights(w_e, ws_e, v_e, vs_e, w_off, s_off, step, BK: gl.constexpr, GA
 
 
 @gluon.jit
+def _mma_k(cols, OUT_BK: gl.constexpr):
+    """Physical column (OUT_BK / 4) t + 4s + 2b1 + b0 of an OUT_BK-wide step -> its MMA position 16s + 8b1 + 2t + b0
+    (`fragment_order.mma_position`)."""
+    q = cols % OUT_BK
+    return cols - q + (q % (OUT_BK // 4) // 4) * 16 + (q % 4 // 2) * 8 + (q // (OUT_BK // 4)) * 2 + q % 2
+
+
+@gluon.jit
+def _release_fence(like):
+    """fence.acq_rel.gpu in every thread (`like`: any scalar; the asm needs an operand)."""
+    gl.inline_asm_elementwise("fence.acq_rel.gpu;\n\tmov.u32 $0, 0;", "=r,r", [like], dtype=gl.int32, is_pure=False,
+                              pack=1)
+
+
+@gluon.jit
 def _mma_step(a_buf, w, s, v, t, acc, acc2, BN: gl.constexpr, BK: gl.constexpr, LA: gl.constexpr,
               LB: gl.constexpr, GATED: gl.constexpr, SWAP: gl.constexpr):
     """acc (+ acc2) += the activation tile in shared memory times one K step of W (and V); SWAP: the weights as the
@@ -168,10 +186,10 @@ def _register_loop(a_smem, g_ptrs, g_mask, w_e, ws_e, v_e, vs_e, w_off, s_off, s
 @gluon.jit
 def _fragment_gemm_kernel(
     a_ptr, w_ptr, ws_ptr, v_ptr, vs_ptr, out_ptr, sorted_ptr, bexp_ptr, brows_ptr, nblk_ptr,
-    N_OUT, K, A_ROW_DIV, s_am, s_we, s_wn, s_se, s_sn, s_om, beta, linear_beta, s_ps,
+    N_OUT, K, A_ROW_DIV, s_am, s_we, s_wn, s_se, s_sn, s_om, beta, linear_beta, s_ps, act_ptr, s_actm, count_ptr,
     GATED: gl.constexpr, ACT: gl.constexpr, LINEAR_TANH: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
     OUT_BK: gl.constexpr, NUM_WARPS: gl.constexpr, PDL: gl.constexpr, SWAP: gl.constexpr = False,
-    BM: gl.constexpr = 16, SPLIT: gl.constexpr = 1,
+    BM: gl.constexpr = 16, SPLIT: gl.constexpr = 1, LAST_REDUCES: gl.constexpr = False,
 ):
     """One (block of BM pairs, BN output columns): out[pair, cols] = act(A W^T, A V^T) (GATED, stored at the
     columns' MMA-k positions for a down GEMM of OUT_BK-wide steps) or A W^T (stored in place), rounded to bf16.
@@ -180,7 +198,10 @@ def _fragment_gemm_kernel(
     (8 or 16) pairs as N, the accumulators [BN, BM]: half the registers of the activation fragments at BM 8.
     SPLIT > 1 (`GemmTiles.split_k`): SPLIT programs a (block, column tile), split s running K steps
     [s steps / SPLIT, (s + 1) steps / SPLIT), each storing its fp32 sums unrounded at the physical columns: W's at
-    out_ptr + s s_ps (an fp32 buffer), V's at out_ptr + (s + SPLIT) s_ps."""
+    out_ptr + s s_ps (an fp32 buffer), V's at out_ptr + (s + SPLIT) s_ps. LAST_REDUCES (GATED, SPLIT > 1;
+    `MoEConfig.last_split_reduces`): the tile's last split to finish (count_ptr: a count a tile, zeroed by x's MMA-k
+    copy) adds the SPLIT sums in order, applies the activation and stores the act rows (act_ptr, row stride s_actm)
+    at the down GEMM's MMA-k positions, as `ops.moe.epilogue._reduce_act_kernel` does in a launch of its own."""
     G: gl.constexpr = BK // 128
     WPC: gl.constexpr = [NUM_WARPS, 1] if SWAP else [1, NUM_WARPS]
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=WPC, instr_shape=[16, 8])
@@ -261,11 +282,23 @@ def _fragment_gemm_kernel(
         gl.store(ptrs, acc, mask=mask)
         if GATED:
             gl.store(ptrs + SPLIT * s_ps, acc2, mask=mask)
+        if LAST_REDUCES:
+            _release_fence(pid)  # every thread's sums visible GPU-wide before the count says they are there
+            gl.thread_barrier()
+            if gl.atomic_add(count_ptr + pid, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:
+                rows = out_ptr + gl.expand_dims(po * s_om, 1) + gl.expand_dims(cols, 0)
+                g = gl.load(rows, mask=mask, other=0.0, cache_modifier=".cg")
+                u = gl.load(rows + SPLIT * s_ps, mask=mask, other=0.0, cache_modifier=".cg")
+                for t in gl.static_range(1, SPLIT):
+                    g += gl.load(rows + t * s_ps, mask=mask, other=0.0, cache_modifier=".cg")
+                    u += gl.load(rows + (t + SPLIT) * s_ps, mask=mask, other=0.0, cache_modifier=".cg")
+                y = _activate(g, u, beta, linear_beta, ACT, LINEAR_TANH, gl.bfloat16)
+                gl.store(act_ptr + gl.expand_dims(po * s_actm, 1) + gl.expand_dims(_mma_k(cols, OUT_BK), 0),
+                         y.to(gl.bfloat16), mask=mask)
     else:
         if GATED:  # gate and up rounded to bf16, the activation in fp32 (the Triton kernels' epilogue)
             y = _activate(acc, acc2, beta, linear_beta, ACT, LINEAR_TANH, gl.bfloat16)
-            q = cols % OUT_BK  # physical (OUT_BK / 4) t + 4s + 2b1 + b0 -> MMA position 16s + 8b1 + 2t + b0
-            dst = cols - q + (q % (OUT_BK // 4) // 4) * 16 + (q % 4 // 2) * 8 + (q // (OUT_BK // 4)) * 2 + q % 2
+            dst = _mma_k(cols, OUT_BK)
         else:
             y = acc
             dst = cols
@@ -274,12 +307,15 @@ def _fragment_gemm_kernel(
 
 
 def fragment_gemm(a, w, w_scale, v, v_scale, out, align, a_row_div: int, tiles, act: str, beta: float,
-                  linear_beta: float | None, out_block_k: int = 128, dependent_launch: bool = False):
+                  linear_beta: float | None, out_block_k: int = 128, dependent_launch: bool = False,
+                  last_reduces: tuple | None = None):
     """One grouped GEMM (see the module doc): a [rows, K] bf16 in the MMA-k order of tiles.block_k; w, v uint8
     [E, N, K/2] in the shift layout with ue8m0 scales [E, N, K/32] (v None: the down GEMM); out [N k, N] bf16 (the
     gate/up GEMM: its columns in the MMA-k order of out_block_k, the down GEMM's step), or with tiles.split_k = S > 1
     fp32 partials at the physical columns, [2 S, N k, N] gated (gate's, then up's) and [S, N k, N] not.
-    dependent_launch: launched with PDL, a is read only after the wait (`ops.moe.dependent_launch`)."""
+    dependent_launch: launched with PDL, a is read only after the wait (`ops.moe.dependent_launch`). last_reduces:
+    (act [N k, N] bf16, counts int32 [blocks x column tiles], zero) for a split gate/up GEMM: the last split of each
+    tile reduces the partials into act (`MoEConfig.last_split_reduces`)."""
     split = tiles.split_k
     gated = v is not None
     if split > 1:
@@ -289,13 +325,17 @@ def fragment_gemm(a, w, w_scale, v, v_scale, out, align, a_row_div: int, tiles, 
                              f"{tuple(out.shape)}")
         if split > a.shape[1] // tiles.block_k:
             raise ValueError(f"split-K {split} needs at least one K step of {tiles.block_k} a split; K = {a.shape[1]}")
+    n_tiles = triton.cdiv(w.shape[1], tiles.block_n)
+    if last_reduces is not None and (split == 1 or not gated or last_reduces[1].numel() < align[1].numel() * n_tiles):
+        raise ValueError("last_reduces takes a split gate/up GEMM and a count for each of its (block, column tile)")
     args, gated = grouped_gemm_args(a, w, w_scale, v, v_scale, out if split == 1 else out[0], align, a_row_div, beta,
                                     linear_beta, False)
-    n_tiles = triton.cdiv(w.shape[1], tiles.block_n)
+    act_out, counts = last_reduces or (out, out)
     _fragment_gemm_kernel[(align[1].numel() * n_tiles * split,)](
-        *args, out.stride(0) if split > 1 else 0, GATED=gated, ACT=_ACT[act], LINEAR_TANH=linear_beta is not None,
-        BN=tiles.block_n, BK=tiles.block_k, OUT_BK=out_block_k, NUM_WARPS=tiles.num_warps, PDL=dependent_launch,
-        SWAP=tiles.swap, BM=align[0].numel() // align[1].numel(), SPLIT=split, **compile_options(tiles),
+        *args, out.stride(0) if split > 1 else 0, act_out, act_out.stride(0), counts, GATED=gated, ACT=_ACT[act],
+        LINEAR_TANH=linear_beta is not None, BN=tiles.block_n, BK=tiles.block_k, OUT_BK=out_block_k,
+        NUM_WARPS=tiles.num_warps, PDL=dependent_launch, SWAP=tiles.swap, BM=align[0].numel() // align[1].numel(),
+        SPLIT=split, LAST_REDUCES=last_reduces is not None, **compile_options(tiles),
         **launch_options(dependent_launch))
 
 

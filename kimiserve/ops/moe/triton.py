@@ -574,6 +574,10 @@ def _check(x, w1, w2, w3, w1_scale, w2_scale, w3_scale, ids, weights, config: Mo
         why = check_fragment_shapes(h, inter, config.block_m, config.up, config.down, config.wgmma_tails)
         if why:
             raise ValueError(f"MoEConfig.fragments: {why}")
+    if config.last_split_reduces and not (config.fragments and config.block_m <= 16 and config.up.split_k > 1):
+        raise ValueError("MoEConfig.last_split_reduces applies to a split gate/up GEMM of the decode fragment GEMMs "
+                         f"(fragments, block_m 8 or 16, up.split_k > 1); got block_m {config.block_m}, fragments "
+                         f"{config.fragments}, up.split_k {config.up.split_k}")
     if config.wgmma_tails != MoEConfig.wgmma_tails and not (config.fragments and config.block_m == 128):
         raise ValueError(f"MoEConfig.wgmma_tails applies to the wgmma fragment GEMMs on 128-row blocks (fragments, "
                          f"block_m 128); leave it at its default for block_m {config.block_m}")
@@ -639,11 +643,15 @@ def gate_up(x, w1, w1_scale, w3, w3_scale, act, align, config: MoEConfig, activa
     if config.fragments:
         from kimiserve.ops.moe import gluon_decode
         from kimiserve.ops.moe.mma_order import mma_order
-        x = mma_order(x, config.up.block_k, config.dependent_launch)
+        last = None
+        if config.last_split_reduces:  # a count a (block, column tile), zeroed by x's MMA-k copy
+            last = (act, torch.empty(align[1].numel() * triton.cdiv(inter, config.up.block_n), dtype=torch.int32,
+                                     device=x.device))
+        x = mma_order(x, config.up.block_k, config.dependent_launch, last and last[1])
         out = act if split == 1 else torch.empty(2 * split, act.shape[0], inter, dtype=torch.float32, device=x.device)
         gluon_decode.fragment_gemm(x, w1, w1_scale, w3, w3_scale, out, align, k, config.up, activation, beta,
-                                   linear_beta, config.down.block_k, config.dependent_launch)
-        if split > 1:
+                                   linear_beta, config.down.block_k, config.dependent_launch, last)
+        if split > 1 and last is None:
             _reduce_act(out, act, activation, beta, linear_beta, config.down.block_k, config.dependent_launch)
         return
     if split == 1:
