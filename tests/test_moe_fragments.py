@@ -395,7 +395,7 @@ def test_decode_gate_up_split_where_its_grid_makes_one_to_two_waves(monkeypatch)
     assert split(1, top_k=4, experts=16) == 1  # the small preset at batch 1: 192 programs, under a wave
     assert split(8, top_k=4, experts=16) == 2  # 18 blocks: 864 programs
     assert split(1, dims=(256, 3072)) == 1  # K = 256: one step
-    assert split(96, top_k=4, experts=16, num_sms=100) == 1  # 6 rows an expert: unswapped, 3 programs an SM
+    assert split(24, top_k=4, experts=16, num_sms=130) == 1  # 6 rows an expert: unswapped (1008 programs)
 
 
 def _sass_ops(sass: str) -> list[str]:
