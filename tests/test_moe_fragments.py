@@ -225,11 +225,12 @@ def _sm90_compile(module: str, kernel: str, scale_type: str, consts: dict, optio
     types = dict(a_ptr="*bf16", w_ptr="*i32", ws_ptr=scale_type, v_ptr="*i32", vs_ptr=scale_type, out_ptr=out_type,
                  sorted_ptr="*i32", bexp_ptr="*i32", brows_ptr="*i32", nblk_ptr="*i32", N_OUT="i32", K="i32",
                  A_ROW_DIV="i32", s_am="i32", s_we="i64", s_wn="i32", s_se="i64", s_sn="i32", s_om="i32",
-                 beta="fp32", linear_beta="fp32", s_ps="i32", act_ptr="*bf16", s_actm="i32", count_ptr="*i32")
+                 beta="fp32", linear_beta="fp32", s_ps="i32", act_ptr="*bf16", s_actm="i32", count_ptr="*i32",
+                 rw_ptr="*fp32", s_rwt="i32", s_rwj="i32")
     fn = getattr(importlib.import_module(f"kimiserve.ops.moe.{module}"), kernel)
     types = {n: t for n, t in types.items() if n in fn.arg_names}
     if "SPLIT" in fn.arg_names:  # gluon_decode's split-K, off unless a test sets it
-        consts = {"SPLIT": 1, "LAST_REDUCES": False, **consts}
+        consts = {"SPLIT": 1, "LAST_REDUCES": False, "COMBINE_K": 0, **consts}
     return compile_sm90(fn, types, consts, options, div16)
 
 
@@ -463,6 +464,29 @@ def test_sm90_build_where_the_last_split_reduces():
     assert not any("ATOM" in op or "STRONG.GPU" in op for op in _sass_ops(plain))
 
 
+def test_sm90_build_where_the_last_pair_combines():
+    """MoEConfig.last_pair_combines (offline sm_90 build of the swapped down kernel, top-16): the K loop of the
+    kernel without it within a few instructions, no spills; after the rows' stores a GPU-scope fence in every thread
+    and a barrier, then the counts' acquire-release adds (ATOMG.E.ADD.STRONG.GPU, branched around where masked: one
+    a row), a barrier,
+    and only then the loads of the other pairs' rows, past L1 (LDG.E.U16.STRONG.GPU): 16 slots."""
+    consts = dict(GATED=False, ACT=1, LINEAR_TANH=True, BN=64, BK=256, OUT_BK=256, NUM_WARPS=4, PDL=True, SWAP=True,
+                  BM=8)
+    div16 = ["K", "s_am", "s_we", "s_wn", "s_se", "s_sn", "s_om"]
+    _, plain_loop, _ = _sm90_build("gluon_decode", "_fragment_gemm_kernel", "*u8", consts, 4, div16)
+    sass, loop, _ = _sm90_build("gluon_decode", "_fragment_gemm_kernel", "*u8", dict(consts, COMBINE_K=16), 4, div16)
+    assert abs(len(loop) - len(plain_loop)) <= 8
+    ops = _sass_ops(sass)
+    atomics = [i for i, op in enumerate(ops) if "ATOM" in op or op.split()[-1].startswith("RED")]
+    assert atomics and all(op == "ATOMG.E.ADD.STRONG.GPU" for op in (ops[i] for i in atomics))
+    assert all(any(op.startswith("@") and op.endswith("BRA") for op in ops[i - 6:i]) for i in atomics)  # masked
+    bar = max(i for i, op in enumerate(ops[:atomics[0]]) if op.startswith("BAR.SYNC"))
+    assert "MEMBAR.ALL.GPU" in ops[bar - 6:bar]  # every thread's fence, then the barrier
+    strong = [i for i, op in enumerate(ops) if "STRONG.GPU" in op and "LDG" in op]
+    assert len(strong) >= 16 and min(strong) > max(atomics)
+    assert any(op.startswith("BAR.SYNC") for op in ops[max(atomics):min(strong)])
+
+
 def test_sm90_builds_of_the_chain_wait_before_reading_what_the_last_launch_wrote():
     """The chain's Triton kernels with PDL (offline sm_90 builds): the align and the combine wait before any load;
     x's MMA-k copy loads x (the MoE's input) first and waits before its stores (its own and the counts' zeros); the
@@ -500,8 +524,8 @@ def test_sm90_builds_of_the_chain_wait_before_reading_what_the_last_launch_wrote
 
 def test_decode_chain_options_are_checked():
     """MoEConfig.dependent_launch on the CPU (or under the interpreter) is a ValueError that says to leave it off;
-    last_split_reduces off a split decode fragment GEMM and wgmma_tails off the wgmma GEMMs, a ValueError that says
-    what they take."""
+    last_split_reduces / last_pair_combines off a split / an unsplit decode fragment GEMM and wgmma_tails off the
+    wgmma GEMMs, a ValueError that says what they take."""
     pytest.importorskip("triton")
     import dataclasses
 
@@ -517,6 +541,9 @@ def test_decode_chain_options_are_checked():
         tt.fused_moe(x, w1, w2, w3, ids, weights, config=config)
     config = dataclasses.replace(tt.default_config(2, 2, E, torch.float32, False), last_split_reduces=True)
     with pytest.raises(ValueError, match="last_split_reduces applies to a split gate/up GEMM of the decode fragment"):
+        tt.fused_moe(x, w1, w2, w3, ids, weights, config=config)
+    config = dataclasses.replace(tt.default_config(2, 2, E, torch.float32, False), last_pair_combines=True)
+    with pytest.raises(ValueError, match="last_pair_combines applies to an unsplit down GEMM of the decode fragment"):
         tt.fused_moe(x, w1, w2, w3, ids, weights, config=config)
     config = dataclasses.replace(tt.default_config(2, 2, E, torch.float32, False),
                                  wgmma_tails=(tt.WgmmaTail(), tt.WgmmaTail(32)))  # off the wgmma GEMMs
