@@ -19,8 +19,8 @@ def _mma_order_kernel(x_ptr, out_ptr, K, s_x, s_o, count_ptr, num_counts, BK: tl
                       PDL: tl.constexpr, COUNTS: tl.constexpr = False):
     """Row program_id(0), columns program_id(1) CH onwards: physical k of each BK-wide step to its MMA position
     (`fragment_order.mma_position`). x is the MoE's input: loaded before the wait (see `ops.moe.dependent_launch`).
-    COUNTS: the programs also zero the num_counts int32 at count_ptr, after the wait (the split gate/up GEMM's
-    counts, `MoEConfig.last_split_reduces`)."""
+    COUNTS: the programs also zero the num_counts int32 at count_ptr, after the wait (the counts of the decode chain's
+    last-arriver options, `ops.moe.triton.chain_counts`)."""
     n = tl.program_id(0).to(tl.int64)
     k = tl.program_id(1) * CH + tl.arange(0, CH)
     ok = k < K
