@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from kimiserve.ops.moe.dependent_launch import gdc_launch_dependents, gdc_wait, wait_prior_grid
+from kimiserve.ops.moe.mma_order import mma_k_position
 
 
 @triton.jit
@@ -88,9 +89,8 @@ def _reduce_act_kernel(part_ptr, out_ptr, N_OUT, s_pm, s_ps, s_pg, s_om, beta, l
         u += tl.load(row + s * s_ps + s_pg, mask=ok, other=0.0)
     y = _activate(g, u, beta, linear_beta, ACT, LINEAR_TANH, DTYPE)
     dst = cols
-    if OUT_BK > 0:  # physical (OUT_BK / 4) t + 4s + 2b1 + b0 -> MMA position 16s + 8b1 + 2t + b0
-        q = cols % OUT_BK
-        dst = cols - q + (q % (OUT_BK // 4) // 4) * 16 + (q % 4 // 2) * 8 + (q // (OUT_BK // 4)) * 2 + q % 2
+    if OUT_BK > 0:
+        dst = mma_k_position(cols, OUT_BK)
     tl.store(out_ptr + p * s_om + dst, y.to(DTYPE), mask=ok)
 
 

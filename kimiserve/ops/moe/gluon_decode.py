@@ -78,6 +78,7 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from kimiserve.ops.moe.dependent_launch import gdc_launch_dependents, gdc_wait, launch_options
 from kimiserve.ops.moe.epilogue import _activate
 from kimiserve.ops.moe.fragment_order import fragment_order, grouped_gemm_args
+from kimiserve.ops.moe.mma_order import mma_k_position
 from kimiserve.ops.moe.triton import _ACT, _LUT_CONSTRAINTS, _SHIFT_ASM_C
 
 
@@ -125,14 +126,6 @@ def _load_weights(w_e, ws_e, v_e, vs_e, w_off, s_off, step, BK: gl.constexpr, GA
         v = w
         t = s
     return w, s, v, t
-
-
-@gluon.jit
-def _mma_k(cols, OUT_BK: gl.constexpr):
-    """Physical column (OUT_BK / 4) t + 4s + 2b1 + b0 of an OUT_BK-wide step -> its MMA position 16s + 8b1 + 2t + b0
-    (`fragment_order.mma_position`)."""
-    q = cols % OUT_BK
-    return cols - q + (q % (OUT_BK // 4) // 4) * 16 + (q % 4 // 2) * 8 + (q // (OUT_BK // 4)) * 2 + q % 2
 
 
 @gluon.jit
@@ -331,12 +324,12 @@ def _fragment_gemm_kernel(
                     g += gl.load(rows + t * s_ps, mask=mask, other=0.0, cache_modifier=".cg")
                     u += gl.load(rows + (t + SPLIT) * s_ps, mask=mask, other=0.0, cache_modifier=".cg")
                 y = _activate(g, u, beta, linear_beta, ACT, LINEAR_TANH, gl.bfloat16)
-                gl.store(act_ptr + gl.expand_dims(po * s_actm, 1) + gl.expand_dims(_mma_k(cols, OUT_BK), 0),
+                gl.store(act_ptr + gl.expand_dims(po * s_actm, 1) + gl.expand_dims(mma_k_position(cols, OUT_BK), 0),
                          y.to(gl.bfloat16), mask=mask)
     else:
         if GATED:  # gate and up rounded to bf16, the activation in fp32 (the Triton kernels' epilogue)
             y = _activate(acc, acc2, beta, linear_beta, ACT, LINEAR_TANH, gl.bfloat16)
-            dst = _mma_k(cols, OUT_BK)
+            dst = mma_k_position(cols, OUT_BK)
         else:
             y = acc
             dst = cols

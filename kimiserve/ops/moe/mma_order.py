@@ -15,6 +15,14 @@ COLUMNS_A_PROGRAM = 2048
 
 
 @triton.jit
+def mma_k_position(k, BK: tl.constexpr):
+    """Physical column(s) k -> their MMA-k positions within BK-wide steps (`fragment_order.mma_position`, the torch
+    reference): physical (BK / 4) t + 4s + 2b1 + b0 -> 16s + 8b1 + 2t + b0. For the Triton and Gluon kernels."""
+    q = k % BK
+    return k - q + (q % (BK // 4) // 4) * 16 + (q % 4 // 2) * 8 + (q // (BK // 4)) * 2 + q % 2
+
+
+@triton.jit
 def _mma_order_kernel(x_ptr, out_ptr, K, s_x, s_o, count_ptr, num_counts, BK: tl.constexpr, CH: tl.constexpr,
                       PDL: tl.constexpr, COUNTS: tl.constexpr = False):
     """Row program_id(0), columns program_id(1) CH onwards: physical k of each BK-wide step to its MMA position
@@ -26,9 +34,7 @@ def _mma_order_kernel(x_ptr, out_ptr, K, s_x, s_o, count_ptr, num_counts, BK: tl
     ok = k < K
     v = tl.load(x_ptr + n * s_x + k, mask=ok)
     wait_prior_grid(PDL)
-    q = k % BK
-    dst = k - q + (q % (BK // 4) // 4) * 16 + (q % 4 // 2) * 8 + (q // (BK // 4)) * 2 + q % 2
-    tl.store(out_ptr + n * s_o + dst, v, mask=ok)
+    tl.store(out_ptr + n * s_o + mma_k_position(k, BK), v, mask=ok)
     if COUNTS:
         programs = tl.num_programs(0) * tl.num_programs(1)
         for start in range((tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * CH, num_counts,
@@ -56,4 +62,4 @@ def mma_order(x: torch.Tensor, block_k: int, dependent_launch: bool = False,
     return out
 
 
-__all__ = ["mma_order"]
+__all__ = ["mma_k_position", "mma_order"]
