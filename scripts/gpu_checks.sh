@@ -23,7 +23,8 @@ export PYTHONUNBUFFERED=1
 case "$stage" in
   tests)
     for f in tests/test_triton_cache_write.py tests/test_gpu.py tests/test_triton_indexer.py tests/test_triton_mla.py \
-             tests/test_triton_topk.py tests/test_triton_moe.py tests/test_fla_kda.py tests/test_glue_ops.py; do
+             tests/test_triton_topk.py tests/test_triton_moe.py \
+             tests/test_triton_moe_shapes.py tests/test_fla_kda.py tests/test_glue_ops.py; do
       timeout "${GPU_TEST_FILE_SECONDS:-240}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider \
         -m "gpu and not timing" "$f" 2>&1 | tee -a "$out/gpu_tests.txt" | tail -15 || true
     done ;;
