@@ -353,8 +353,11 @@ def sass_report(specs: list[str], h: int, inter: int, top_k: int = 16) -> int:
     from sass_report import compile_sm90, instruction_mix, sass_of
 
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    print("variant                                  gemm    regs stack  smem KB  loop instr  per weight  moves   alu"
-          "   fma  MMA   (moves, alu, fma: per weight; gemm/BM: a wgmma tail launch)")
+    from kimiserve.ops.moe.config import hopper_programs_an_sm
+
+    print("variant                                  gemm    regs stack  smem KB  an SM  loop instr  per weight  moves"
+          "   alu   fma  MMA   (moves, alu, fma: per weight; an SM: programs resident on one sm_90 SM; gemm/BM: a "
+          "wgmma tail launch)")
     for spec in specs:
         cfg = parse_variant(spec)
         dq = tt._DEQUANT[cfg.dequant]
@@ -411,8 +414,9 @@ def sass_report(specs: list[str], h: int, inter: int, top_k: int = 16) -> int:
                 weights = (2 if gated or consts.get("PAIRED") else 1) * tiles.block_n * tiles.block_k / (32 * warps)
                 weights *= 2 if cfg.fragments and cfg.block_m <= 16 else 1  # the decode fragment loop: 2 steps
                 mma = ",".join(sorted(op for op in instruction_mix(sass) if "MMA" in op))
+                per_sm = hopper_programs_an_sm(int(m.group(1)), warps, kernel.metadata.shared)
                 print(f"{spec:<40} {label:<7} {m.group(1):>4} {m.group(2):>5} {kernel.metadata.shared / 1024:8.1f} "
-                      f"{len(ops):11d} {len(ops) / weights:11.2f} {mix['moves'] / weights:6.2f} "
+                      f"{per_sm:6d} {len(ops):11d} {len(ops) / weights:11.2f} {mix['moves'] / weights:6.2f} "
                       f"{mix['alu'] / weights:5.2f} {mix['fma'] / weights:5.2f}  {mma}")
     return 0
 

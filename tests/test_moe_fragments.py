@@ -14,7 +14,8 @@ import re
 import pytest
 import torch
 
-from kimiserve.ops.moe.config import GemmTiles, MoEConfig, default_config
+from kimiserve.ops.moe import config
+from kimiserve.ops.moe.config import GemmTiles, MoEConfig, default_config, hopper_programs_an_sm
 from kimiserve.ops.moe.fragment_order import (check_fragment_shapes, fragment_order, from_fragment_order,
                                               mma_position)
 from kimiserve.ops.moe.mxfp4_layout import to_shift_layout
@@ -24,8 +25,6 @@ from kimiserve.ops.quant.reference import dequantize_mxfp4, quantize_mxfp4
 @pytest.fixture
 def gluon_importable(monkeypatch):
     """`default_config` as on a CUDA machine whose Triton has Gluon: the fragment GEMMs' modules importable."""
-    from kimiserve.ops.moe import config
-
     monkeypatch.setattr(config, "_gluon_kernels", lambda module: True)
 
 
@@ -356,8 +355,6 @@ def test_sm90_build_of_the_16_warp_wgmma_kernel(gated, loop_spills):
 def test_decode_down_register_cap_only_where_it_makes_one_wave(monkeypatch):
     """The decode down GEMM is capped at DOWN_CAPPED_REGISTERS only where that turns two waves into one: K3.1 at 1
     token is 16 blocks x 56 column tiles = 896 programs, 5 an SM uncapped, 7 capped."""
-    from kimiserve.ops.moe import config
-
     monkeypatch.setattr(config, "_fragments_fit", lambda h, inter: True)  # the Gluon kernels' check (CUDA builds)
 
     def tiles(tokens, num_sms):
@@ -378,8 +375,6 @@ def test_decode_gate_up_split_where_its_grid_makes_one_to_two_waves(monkeypatch)
     """The swapped decode gate/up GEMM (4 programs an SM) is split along K in two where its grid makes more than one
     wave and under two (the last wave then about as full as the first); at one wave or under, at two or more,
     unswapped, with the SM count unknown or K one step, not. The down GEMM is not split."""
-    from kimiserve.ops.moe import config
-
     monkeypatch.setattr(config, "_fragments_fit", lambda h, inter: True)
 
     def split(tokens, top_k=16, experts=896, num_sms=132, dims=(3584, 3072)):
@@ -659,8 +654,33 @@ def test_sm90_build_of_the_swapped_decode_kernel(gated):
         assert usage["stack"] == 0
         mix[swap] = collections.Counter(op.split(".")[0] for op in _largest_loop(sass_of(built)))
         regs[swap] = usage["reg"]
+        if swap:
+            per_sm = hopper_programs_an_sm(usage["reg"], 4, built.metadata.shared)
+            assert per_sm == (config.UP_PROGRAMS_AN_SM if gated else config.DOWN_PROGRAMS_AN_SM), (usage, per_sm)
     for op in ("HMMA", "LDSM"):
         assert 2 * mix[True][op] == mix[False][op], (op, mix[False][op], mix[True][op])
     assert sum(mix[True].values()) < 0.93 * sum(mix[False].values())
     if gated:
         assert regs[True] <= 128 < regs[False]
+    # capped as default_config caps the down GEMM (and as the one-wave gate/up candidate of DEVICE_PLAN, 80: at 84
+    # or 88 it would still be 5 an SM, 660 slots for K3.1's 768 programs at 1 token)
+    cap, want = (80, 6) if gated else (config.DOWN_CAPPED_REGISTERS, config.DOWN_CAPPED_PROGRAMS_AN_SM)
+    consts = dict(GATED=gated, ACT=1, LINEAR_TANH=True, BN=64, BK=256, OUT_BK=256, NUM_WARPS=4, PDL=False, SWAP=True,
+                  BM=8)
+    built = _sm90_compile("gluon_decode", "_fragment_gemm_kernel", "*u8", consts, dict(num_warps=4, maxnreg=cap),
+                          div16)
+    assert hopper_programs_an_sm(resource_usage(built)["reg"], 4, built.metadata.shared) == want
+
+
+@pytest.mark.parametrize("registers,warps,shared_kb,programs", [
+    (126, 4, 8, 4), (128, 4, 8, 4), (96, 4, 8, 5), (88, 4, 8, 5), (84, 4, 8, 5), (81, 4, 8, 5), (80, 4, 8, 6),
+    (72, 4, 8, 7), (128, 8, 147, 1), (128, 16, 147, 1), (40, 1, 0, 32), (64, 4, 100, 2), (255, 4, 0, 2)])
+def test_hopper_programs_an_sm(registers, warps, shared_kb, programs):
+    """Occupancy by registers (a warp's share in units of 256), warps, programs and shared memory (1 KB reserved a
+    program), as the CUDA occupancy calculator counts it for compute capability 9.0."""
+    assert hopper_programs_an_sm(registers, warps, shared_kb * 1024) == programs
+
+
+def test_hopper_programs_an_sm_refuses_nonsense():
+    with pytest.raises(ValueError, match="registers and num_warps must be >= 1"):
+        hopper_programs_an_sm(0, 4)

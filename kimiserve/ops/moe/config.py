@@ -16,19 +16,36 @@ from kimiserve.ops.moe.fragment_order import FRAGMENT_BLOCK_M, SWAPPED_BLOCK_M
 DECODE_MAX_ROWS = 8  # mean routed rows per expert up to which `default_config` takes its decode tiles
 SWAPPED_DECODE_MAX_ROWS = 5  # ... and up to which the decode fragment GEMMs swap operands (blocks of 8 pairs)
 WGMMA_MIN_ROWS = 16  # above this many, the prefill (wgmma) fragment GEMMs
+
+
+def hopper_programs_an_sm(registers: int, num_warps: int, shared_bytes: int = 0) -> int:
+    """Programs of a kernel resident at once on one sm_90 SM: registers are handed out a warp at a time in units of
+    256 (a thread's count rounded up to a multiple of 8: 84 takes what 88 does), 65536 an SM; at most 64 warps and
+    32 programs; 228 KB of shared memory, of which each program's share also takes 1 KB the hardware reserves."""
+    if registers < 1 or num_warps < 1 or shared_bytes < 0:
+        raise ValueError(f"registers and num_warps must be >= 1 and shared_bytes >= 0; got {registers}, {num_warps}, "
+                         f"{shared_bytes}")
+    warp_registers = -(-registers * 32 // 256) * 256
+    by_registers = 65536 // warp_registers // num_warps
+    by_shared = 228 * 1024 // (shared_bytes + 1024)
+    return min(by_registers, 64 // num_warps, 32, by_shared)
+
+
 # The decode down GEMM (`ops.moe.gluon_decode`, 64 x 256 tiles, 4 warps) builds to 94 registers (96 swapped), 5
 # programs an SM; capped at 72 (a few spill) 7 fit. Where its grid fits one wave of 7 but not of 5 the cap pays: K3.1
 # at 1 token, 896 programs on the H200's 132 SMs, 0.041 -> 0.038 ms (session 18; swapped, 0.105 -> 0.101 ms a layer,
 # session 21); over several waves the spills cost more (16 and 64 tokens 5-6% slower; session 18).
-DOWN_PROGRAMS_AN_SM = 5
-DOWN_CAPPED_PROGRAMS_AN_SM, DOWN_CAPPED_REGISTERS = 7, 72
+DOWN_REGISTERS, DOWN_CAPPED_REGISTERS = 96, 72
+DOWN_PROGRAMS_AN_SM = hopper_programs_an_sm(DOWN_REGISTERS, 4)  # 5
+DOWN_CAPPED_PROGRAMS_AN_SM = hopper_programs_an_sm(DOWN_CAPPED_REGISTERS, 4)  # 7
 # The swapped decode gate/up GEMM builds to 126 registers, 4 programs an SM. A grid of over one wave and under two
 # (K3.1 at 1 token: 768 programs, 1.45 waves on 132 SMs) is split along K in two (`GemmTiles.split_k`), so that its
 # last wave is about as full as its first: on the H200 the same program streams its weights at 92% of the copy rate
 # at 16 tokens (20 waves) and at 68% at 1 token (session 21); split, 0.1245 -> 0.1143-0.1180 ms a layer in graphs of
 # 8 on an H100 (session 22). At one wave or under (all programs resident at once) splitting did not pay: the `small`
 # preset's MoE at 1 and 2 tokens (192 and 384 programs) -1 to -3%, at 8 tokens (864) +6%.
-UP_PROGRAMS_AN_SM = 4
+UP_PROGRAMS_AN_SM = hopper_programs_an_sm(126, 4)  # 4
+
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's CPU interpreter: no Gluon, no inline PTX
 
 
@@ -221,4 +238,4 @@ def _gluon_kernels(module: str) -> bool:
 
 
 __all__ = ["DECODE_MAX_ROWS", "SWAPPED_DECODE_MAX_ROWS", "WGMMA_MIN_ROWS", "GemmTiles", "MoEConfig", "WgmmaTail",
-           "default_config", "max_blocks"]
+           "default_config", "hopper_programs_an_sm", "max_blocks"]
