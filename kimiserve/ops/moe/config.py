@@ -44,7 +44,8 @@ DOWN_CAPPED_PROGRAMS_AN_SM = hopper_programs_an_sm(DOWN_CAPPED_REGISTERS, 4)  # 
 # at 16 tokens (20 waves) and at 68% at 1 token (session 21); split, 0.1245 -> 0.1143-0.1180 ms a layer in graphs of
 # 8 on an H100 (session 22). At one wave or under (all programs resident at once) splitting did not pay: the `small`
 # preset's MoE at 1 and 2 tokens (192 and 384 programs) -1 to -3%, at 8 tokens (864) +6%.
-UP_PROGRAMS_AN_SM = hopper_programs_an_sm(126, 4)  # 4
+UP_REGISTERS = 126
+UP_PROGRAMS_AN_SM = hopper_programs_an_sm(UP_REGISTERS, 4)  # 4
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's CPU interpreter: no Gluon, no inline PTX
 
