@@ -59,7 +59,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from kimiserve.bench.contexts import check_seeded, seed_contexts  # noqa: E402
+from kimiserve.bench.contexts import PoolTooSmall, check_seeded, seed_contexts  # noqa: E402
 from kimiserve.engine.args import EngineArgs  # noqa: E402
 from kimiserve.engine.engine import LLMEngine  # noqa: E402
 from kimiserve.model.expert_layout import moe_layouts  # noqa: E402
@@ -422,7 +422,13 @@ def main() -> int:
         print(f"ops {result['ops']}: MXFP4 expert layouts {result['moe_layouts']}", flush=True)
         label = "".join(f"[{x}] " for x in (layout, projection, overlap, tile) if x)
         for batch, context in plan:
-            row = decode_row(engine, batch, context, copy, args.steps, args.source_tokens, count_steps)
+            try:
+                row = decode_row(engine, batch, context, copy, args.steps, args.source_tokens, count_steps)
+            except PoolTooSmall as e:  # a row the card's memory cannot hold: note it, go on with the rest
+                result.setdefault("skipped", []).append({"batch": batch, "context": context, "reason": str(e)})
+                save()
+                print(f"{label}decode batch {batch:4d} context {context:8d}: skipped ({e})", flush=True)
+                continue
             row["ops"], row["moe_layouts"] = result["ops"], result["moe_layouts"]
             if tile is not None:
                 row["moe_decode_tile"] = tile

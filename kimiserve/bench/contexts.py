@@ -35,6 +35,10 @@ PAGES_PER_COPY = 64
 """Pages moved by one indexed copy (bounds the temporary of the gather)."""
 
 
+class PoolTooSmall(ValueError):
+    """The cache pool has fewer free pages than the seeded contexts take."""
+
+
 def run_source(engine, prompt: list[int], request_id: str = "seed-source") -> None:
     """Prefill `prompt` for real (one sampled token) so that its prompt snapshot is in the prefix cache."""
     engine.add_request(request_id, prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
@@ -79,8 +83,8 @@ def seed_contexts(engine, source: list[int], prompts: list[list[int]], seed: int
     try:
         need = pages_to_seed(engine, prompts)
         if alloc.num_free < need:
-            raise ValueError(f"seeding {len(prompts)} contexts takes {need} pages, the pool has {alloc.num_free} "
-                             f"free: raise the cache memory or shorten the contexts")
+            raise PoolTooSmall(f"seeding {len(prompts)} contexts takes {need} pages, the pool has "
+                               f"{alloc.num_free} free: raise the cache memory or shorten the contexts")
         gen = torch.Generator(device=pool.data.device).manual_seed(seed)
         for prompt in prompts:
             n = len(prompt) - 1
