@@ -225,8 +225,8 @@ def stage_fns(x, w, ids, weights, cfg: tt.MoEConfig) -> dict:
 
     up()
     fns = dict(align=lambda: tt.align_blocks(ids, E, cfg.block_m, dependent_launch=cfg.dependent_launch), up=up)
-    if cfg.down.split_k > 1 or cfg.last_pair_combines:  # the combine is the partials' reduce, or the down GEMM's
-        return dict(fns, down_combine=down_combine)  # (with its counts zeroed by a memset each call): timed together
+    if cfg.down.split_k > 1:  # the combine is the partials' reduce: timed together
+        return dict(fns, down_combine=down_combine)
     down()
     return dict(fns, down=down, combine=combine)
 
@@ -339,7 +339,7 @@ def matmul_tflops(device, n: int, dtype, timer) -> float:
 _GEMM_INTS = ["N_OUT", "K", "A_ROW_DIV", "s_am", "s_we", "s_wn", "s_se", "s_sn", "s_om"]
 
 
-def sass_report(specs: list[str], h: int, inter: int, top_k: int = 16) -> int:
+def sass_report(specs: list[str], h: int, inter: int) -> int:
     """Compile both GEMMs of each variant for sm_90 (Triton's bundled ptxas) at the given shape and print
     registers, stack (spills), shared memory and the instructions of the K loop per weight per thread."""
     import re
@@ -388,12 +388,9 @@ def sass_report(specs: list[str], h: int, inter: int, top_k: int = 16) -> int:
                 fn = gluon_decode._fragment_gemm_kernel
                 consts = dict(GATED=gated, ACT=1, LINEAR_TANH=True, BN=tiles.block_n, BK=tiles.block_k,
                               OUT_BK=cfg.down.block_k, NUM_WARPS=tiles.num_warps, PDL=cfg.dependent_launch,
-                              SWAP=tiles.swap, BM=cfg.block_m, SPLIT=tiles.split_k,
-                              LAST_REDUCES=gated and cfg.last_split_reduces,
-                              COMBINE_K=top_k if not gated and cfg.last_pair_combines else 0)
+                              SWAP=tiles.swap, BM=cfg.block_m, SPLIT=tiles.split_k)
                 launches = [(name, consts, gluon_decode.compile_options(tiles), tiles.num_warps)]
-                types.update(s_we="i64", s_se="i64", s_ps="i32", act_ptr="*bf16", s_actm="i32", count_ptr="*i32",
-                             rw_ptr="*fp32", s_rwt="i32", s_rwj="i32")
+                types.update(s_we="i64", s_se="i64", s_ps="i32")
                 if tiles.split_k > 1:
                     types.update(out_ptr="*fp32")
             for label, consts, options, warps in launches:
@@ -492,13 +489,13 @@ def _main(argv: list[str] | None, clocks: ClockLog) -> int:
         parser.error(f"--align-pairs must be a power of two >= 16, got {args.align_pairs}")
     moe_align.ALIGN_SMALL_PAIRS = args.align_pairs
     if args.sass:
-        _, top_k, h, inter = (int(v) for v in args.shape.split(","))
+        _, _, h, inter = (int(v) for v in args.shape.split(","))
         defaults = [config_spec(tt.default_config(n, 16, 896, torch.bfloat16, True, layout, dims=(h, inter)))
                     for layout in ("checkpoint", "shift") for n in (1, 1024, 8192)]
         specs = [config_spec(default_with_options(v, "default-shift", lambda: tt.default_config(
             1, 16, 896, torch.bfloat16, True, "shift", dims=(h, inter)))) if v.startswith("default-shift+") else v
             for v in variants_for(args.variants, False)]  # options onto the 1-token default
-        return sass_report(list(dict.fromkeys(defaults + specs)), h, inter, top_k)
+        return sass_report(list(dict.fromkeys(defaults + specs)), h, inter)
 
     dry = args.dry_run
     if dry:

@@ -16,16 +16,15 @@ TAILS = {"t64": (_T(),), "t32": (_T(), _T(32, 4, 128)), "t64r": (_T(64, 3, 128),
 
 
 def parse_variant(spec: str) -> tt.MoEConfig:
-    """DEQUANT-mBM-nBN-kBK-wW-sS[-dnBN][-dkBK][-dwW][-dsS][-rR][-drR][-skS][-dskS][-tNAME][-swap][-frag][-pdl][-lsr]
-    [-lpc] -> MoEConfig (frag: MoEConfig.fragments, the Gluon fragment GEMMs; pdl: MoEConfig.dependent_launch; sk /
-    dsk: GemmTiles.split_k of gate/up / down; lsr / lpc: MoEConfig.last_split_reduces / last_pair_combines; -tNAME:
-    MoEConfig.wgmma_tails, one of TAILS)."""
+    """DEQUANT-mBM-nBN-kBK-wW-sS[-dnBN][-dkBK][-dwW][-dsS][-rR][-drR][-skS][-dskS][-tNAME][-swap][-frag][-pdl]
+    -> MoEConfig (frag: MoEConfig.fragments, the Gluon fragment GEMMs; pdl: MoEConfig.dependent_launch; sk / dsk:
+    GemmTiles.split_k of gate/up / down; -tNAME: MoEConfig.wgmma_tails, one of TAILS)."""
     dequant, *parts = spec.split("-")
     if dequant not in tt._DEQUANT:
         raise ValueError(f"variant {spec!r}: dequant must be one of {list(tt._DEQUANT)}")
     vals, flags = {}, set()
     for p in parts:
-        if p in ("swap", "frag", "pdl", "lsr", "lpc"):
+        if p in ("swap", "frag", "pdl"):
             flags.add(p)
             continue
         if p in TAILS:
@@ -46,9 +45,7 @@ def parse_variant(spec: str) -> tt.MoEConfig:
                         num_warps=vals.get("dw", vals["w"]), num_stages=vals.get("ds", vals["s"]), swap=swap,
                         split_k=vals.get("dsk", 1), max_registers=vals.get("dr"))
     return tt.MoEConfig(block_m=vals["m"], up=up, down=down, dequant=dequant, fragments="frag" in flags,
-                        dependent_launch="pdl" in flags, last_split_reduces="lsr" in flags,
-                        last_pair_combines="lpc" in flags,
-                        wgmma_tails=TAILS[vals.get("t", "t64")])
+                        dependent_launch="pdl" in flags, wgmma_tails=TAILS[vals.get("t", "t64")])
 
 
 def config_spec(cfg: tt.MoEConfig) -> str:
@@ -67,26 +64,22 @@ def config_spec(cfg: tt.MoEConfig) -> str:
                                      for t in cfg.wgmma_tails)
         spec += "-" + next((name for name, tails in TAILS.items() if tails == cfg.wgmma_tails), unnamed)
     return spec + ("-swap" if u.swap else "") + ("-frag" if cfg.fragments else "") + \
-        ("-pdl" if cfg.dependent_launch else "") + ("-lsr" if cfg.last_split_reduces else "") + \
-        ("-lpc" if cfg.last_pair_combines else "")
+        ("-pdl" if cfg.dependent_launch else "")
 
 
 def with_options(cfg: tt.MoEConfig, options: list[str]) -> tt.MoEConfig:
-    """cfg with SPEC-style options: pdl (MoEConfig.dependent_launch), lsr / lpc (MoEConfig.last_split_reduces /
-    last_pair_combines), skS / dskS (GemmTiles.split_k of the gate/up / down GEMM), a name of TAILS
-    (MoEConfig.wgmma_tails): "default+pdl+sk2" applies them to a default config."""
+    """cfg with SPEC-style options: pdl (MoEConfig.dependent_launch), skS / dskS (GemmTiles.split_k of the gate/up /
+    down GEMM), a name of TAILS (MoEConfig.wgmma_tails): "default+pdl+sk2" applies them to a default config."""
     for opt in options:
         if opt in TAILS:
             cfg = dataclasses.replace(cfg, wgmma_tails=TAILS[opt])
             continue
-        key = next((pre for pre in ("pdl", "lsr", "lpc", "dsk", "sk") if opt.startswith(pre)), None)
+        key = next((pre for pre in ("pdl", "dsk", "sk") if opt.startswith(pre)), None)
         value = opt[len(key):] if key else ""
-        if key is None or (key in ("pdl", "lsr", "lpc")) != (value == "") or (value and not value.isdigit()):
-            raise ValueError(f"option {opt!r}: one of pdl, lsr, lpc, skS, dskS, {', '.join(TAILS)}")
+        if key is None or (key == "pdl") != (value == "") or (value and not value.isdigit()):
+            raise ValueError(f"option {opt!r}: one of pdl, skS, dskS, {', '.join(TAILS)}")
         if key == "pdl":
             cfg = dataclasses.replace(cfg, dependent_launch=True)
-        elif key in ("lsr", "lpc"):
-            cfg = dataclasses.replace(cfg, **{"last_split_reduces" if key == "lsr" else "last_pair_combines": True})
         else:
             gemm = "up" if key == "sk" else "down"
             cfg = dataclasses.replace(cfg, **{gemm: dataclasses.replace(getattr(cfg, gemm), split_k=int(value))})

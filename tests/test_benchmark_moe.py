@@ -73,8 +73,7 @@ def test_moe_layer_dry_run(tmp_path):
 
 def test_variant_specs_carry_the_down_gemm_and_register_caps():
     """moe_layer.py SPECs: dn/dk/dw/ds set the down GEMM's tile, warps and stages apart, r/dr cap the registers
-    (GemmTiles.max_registers), sk/dsk GemmTiles.split_k, lsr/lpc MoEConfig.last_split_reduces /
-    last_pair_combines, pdl
+    (GemmTiles.max_registers), sk/dsk GemmTiles.split_k, pdl
     MoEConfig.dependent_launch, tNAME MoEConfig.wgmma_tails by moe_specs.TAILS' names; config_spec writes back the
     same SPEC; unknown parts are refused; the two defaults' names add no variant (both are always timed)."""
     sys.path.insert(0, str(REPO / "benchmarks"))
@@ -93,16 +92,15 @@ def test_variant_specs_carry_the_down_gemm_and_register_caps():
     pdl = parse_variant("shift-m16-n64-k256-w4-s2-dr72-frag-pdl")
     assert pdl.dependent_launch and pdl.fragments and config_spec(pdl) == "shift-m16-n64-k256-w4-s2-dr72-frag-pdl"
     assert not cfg.dependent_launch
-    split = parse_variant("shift-m8-n64-k256-w4-s2-dr72-sk2-dsk3-swap-frag-pdl-lsr-lpc")
-    assert (split.up.split_k, split.down.split_k, split.last_split_reduces, split.last_pair_combines) == \
-        (2, 3, True, True)
-    assert config_spec(split) == "shift-m8-n64-k256-w4-s2-dr72-sk2-dsk3-swap-frag-pdl-lsr-lpc"
-    base = parse_variant("shift-m8-n64-k256-w4-s2-dr72-swap-frag")  # "default+sk2+dsk3+pdl+lsr+lpc" onto a default
-    assert with_options(base, ["sk2", "dsk3", "pdl", "lsr", "lpc"]) == split
-    for bad in ("pdl1", "lsr2", "lpc1", "sk", "skx", "pa2", "pf4"):
+    split = parse_variant("shift-m8-n64-k256-w4-s2-dr72-sk2-dsk3-swap-frag-pdl")
+    assert (split.up.split_k, split.down.split_k) == (2, 3)
+    assert config_spec(split) == "shift-m8-n64-k256-w4-s2-dr72-sk2-dsk3-swap-frag-pdl"
+    base = parse_variant("shift-m8-n64-k256-w4-s2-dr72-swap-frag")  # "default+sk2+dsk3+pdl" onto a default
+    assert with_options(base, ["sk2", "dsk3", "pdl"]) == split
+    for bad in ("pdl1", "lsr", "lpc", "sk", "skx", "pa2", "pf4"):
         with pytest.raises(ValueError, match=f"option {bad!r}"):
             with_options(base, [bad])
-    for bad in ("pa2", "pf4"):
+    for bad in ("pa2", "pf4", "lsr", "lpc"):  # options removed after they lost on the GPU
         with pytest.raises(ValueError, match="cannot read"):
             parse_variant(f"shift-m16-n64-k256-w4-s2-{bad}-frag")
     prefill = parse_variant("shift-m128-n128-k128-w8-s3-frag")

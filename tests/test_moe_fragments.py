@@ -224,12 +224,11 @@ def _sm90_compile(module: str, kernel: str, scale_type: str, consts: dict, optio
     types = dict(a_ptr="*bf16", w_ptr="*i32", ws_ptr=scale_type, v_ptr="*i32", vs_ptr=scale_type, out_ptr=out_type,
                  sorted_ptr="*i32", bexp_ptr="*i32", brows_ptr="*i32", nblk_ptr="*i32", N_OUT="i32", K="i32",
                  A_ROW_DIV="i32", s_am="i32", s_we="i64", s_wn="i32", s_se="i64", s_sn="i32", s_om="i32",
-                 beta="fp32", linear_beta="fp32", s_ps="i32", act_ptr="*bf16", s_actm="i32", count_ptr="*i32",
-                 rw_ptr="*fp32", s_rwt="i32", s_rwj="i32")
+                 beta="fp32", linear_beta="fp32", s_ps="i32")
     fn = getattr(importlib.import_module(f"kimiserve.ops.moe.{module}"), kernel)
     types = {n: t for n, t in types.items() if n in fn.arg_names}
     if "SPLIT" in fn.arg_names:  # gluon_decode's split-K, off unless a test sets it
-        consts = {"SPLIT": 1, "LAST_REDUCES": False, "COMBINE_K": 0, **consts}
+        consts = {"SPLIT": 1, **consts}
     return compile_sm90(fn, types, consts, options, div16)
 
 
@@ -432,60 +431,10 @@ def test_sm90_build_with_dependent_launch(gated, split):
     assert not {"ACQBULK", "PREEXIT"} & set(_sass_ops(sass))
 
 
-def test_sm90_build_where_the_last_split_reduces():
-    """MoEConfig.last_split_reduces (offline sm_90 build of the split swapped gate/up kernel): the K loop of the
-    split without it within a few instructions, no spills; after the sums' stores a GPU-scope fence in every thread
-    (MEMBAR.ALL.GPU), a barrier, one thread's acquire-release add to the tile's count (ATOMG.E.ADD.STRONG.GPU), a
-    barrier that hands its result to all, and only then the loads of the other splits' sums, which skip L1
-    (LDG.E.STRONG.GPU)."""
-    consts = dict(GATED=True, ACT=1, LINEAR_TANH=True, BN=64, BK=256, OUT_BK=256, NUM_WARPS=4, PDL=True, SWAP=True,
-                  BM=8, SPLIT=2)
-    div16 = ["K", "s_am", "s_we", "s_wn", "s_se", "s_sn", "s_om"]
-    plain, plain_loop, _ = _sm90_build("gluon_decode", "_fragment_gemm_kernel", "*u8", consts, 4, div16, "*fp32")
-    sass, loop, _ = _sm90_build("gluon_decode", "_fragment_gemm_kernel", "*u8", dict(consts, LAST_REDUCES=True), 4,
-                                div16, "*fp32")
-    count = collections.Counter
-    assert abs(len(loop) - len(plain_loop)) <= 8 and count(loop)["HMMA.16816.F32.BF16"] == \
-        count(plain_loop)["HMMA.16816.F32.BF16"]  # built apart, the same loop within a few instructions
-    ops = _sass_ops(sass)
-    atomics = [i for i, op in enumerate(ops) if "ATOM" in op or op.split()[-1].startswith("RED")]
-    assert len(atomics) == 1 and ops[atomics[0]].startswith("@") and "ATOMG.E.ADD.STRONG.GPU" in ops[atomics[0]]
-    at = atomics[0]
-    fence = max(i for i, op in enumerate(ops[:at]) if op == "MEMBAR.ALL.GPU")
-    assert any(op.startswith("BAR.SYNC") for op in ops[fence:at])
-    assert any(op.startswith("BAR.SYNC") for op in ops[at:])
-    strong = [i for i, op in enumerate(ops) if "LDG.E.STRONG.GPU" in op]
-    assert len(strong) >= 4 and min(strong) > at
-    assert not any("ATOM" in op or "STRONG.GPU" in op for op in _sass_ops(plain))
-
-
-def test_sm90_build_where_the_last_pair_combines():
-    """MoEConfig.last_pair_combines (offline sm_90 build of the swapped down kernel, top-16): the K loop of the
-    kernel without it within a few instructions, no spills; after the rows' stores a GPU-scope fence in every thread
-    and a barrier, then the counts' acquire-release adds (ATOMG.E.ADD.STRONG.GPU, branched around where masked: one
-    a row), a barrier,
-    and only then the loads of the other pairs' rows, past L1 (LDG.E.U16.STRONG.GPU): 16 slots."""
-    consts = dict(GATED=False, ACT=1, LINEAR_TANH=True, BN=64, BK=256, OUT_BK=256, NUM_WARPS=4, PDL=True, SWAP=True,
-                  BM=8)
-    div16 = ["K", "s_am", "s_we", "s_wn", "s_se", "s_sn", "s_om"]
-    _, plain_loop, _ = _sm90_build("gluon_decode", "_fragment_gemm_kernel", "*u8", consts, 4, div16)
-    sass, loop, _ = _sm90_build("gluon_decode", "_fragment_gemm_kernel", "*u8", dict(consts, COMBINE_K=16), 4, div16)
-    assert abs(len(loop) - len(plain_loop)) <= 8
-    ops = _sass_ops(sass)
-    atomics = [i for i, op in enumerate(ops) if "ATOM" in op or op.split()[-1].startswith("RED")]
-    assert atomics and all(op == "ATOMG.E.ADD.STRONG.GPU" for op in (ops[i] for i in atomics))
-    assert all(any(op.startswith("@") and op.endswith("BRA") for op in ops[i - 6:i]) for i in atomics)  # masked
-    bar = max(i for i, op in enumerate(ops[:atomics[0]]) if op.startswith("BAR.SYNC"))
-    assert "MEMBAR.ALL.GPU" in ops[bar - 6:bar]  # every thread's fence, then the barrier
-    strong = [i for i, op in enumerate(ops) if "STRONG.GPU" in op and "LDG" in op]
-    assert len(strong) >= 16 and min(strong) > max(atomics)
-    assert any(op.startswith("BAR.SYNC") for op in ops[max(atomics):min(strong)])
-
-
 def test_sm90_builds_of_the_chain_wait_before_reading_what_the_last_launch_wrote():
     """The chain's Triton kernels with PDL (offline sm_90 builds): the align and the combine wait before any load;
-    x's MMA-k copy loads x (the MoE's input) first and waits before its stores (its own and the counts' zeros); the
-    split gate/up's reduce triggers the next launch, then waits, and loads and stores nothing before."""
+    x's MMA-k copy loads x (the MoE's input) first and waits before its store; the split gate/up's reduce triggers
+    the next launch, then waits, and loads and stores nothing before."""
     _benchmark_helpers()
     import triton.language as tl
     from sass_report import compile_sm90, sass_of
@@ -505,22 +454,20 @@ def test_sm90_builds_of_the_chain_wait_before_reading_what_the_last_launch_wrote
     for ops, name in chain:
         loads = [i for i, op in enumerate(ops) if "LDG" in op]
         assert ops.count("ACQBULK") == 1 and loads and ops.index("ACQBULK") < loads[0], name
-    ops = build(mma_order._mma_order_kernel, dict(x_ptr="*bf16", out_ptr="*bf16", count_ptr="*i32"),
-                dict(BK=256, CH=2048, PDL=True, COUNTS=True))
+    ops = build(mma_order._mma_order_kernel, dict(x_ptr="*bf16", out_ptr="*bf16"), dict(BK=256, CH=2048, PDL=True))
     wait = ops.index("ACQBULK")
     assert any("LDG" in op for op in ops[:wait]) and not any("STG" in op for op in ops[:wait])
+    assert any("STG" in op for op in ops[wait:])
     reduce = build(epilogue._reduce_act_kernel, dict(part_ptr="*fp32", out_ptr="*bf16", beta="fp32",
                                                      linear_beta="fp32"),
                    dict(SPLIT=2, ACT=1, LINEAR_TANH=True, DTYPE=tl.bfloat16, BR=1024, OUT_BK=256, PDL=True))
     wait = reduce.index("ACQBULK")  # the split gate/up's reduce lets the down GEMM launch, then waits, then loads
     assert reduce.index("PREEXIT") < wait and not any("LDG" in op or "STG" in op for op in reduce[:wait])
-    assert any("STG" in op for op in ops[wait:])
 
 
 def test_decode_chain_options_are_checked():
     """MoEConfig.dependent_launch on the CPU (or under the interpreter) is a ValueError that says to leave it off;
-    last_split_reduces / last_pair_combines off a split / an unsplit decode fragment GEMM and wgmma_tails off the
-    wgmma GEMMs, a ValueError that says what they take."""
+    wgmma_tails off the wgmma GEMMs, a ValueError that says what they take."""
     pytest.importorskip("triton")
     import dataclasses
 
@@ -533,12 +480,6 @@ def test_decode_chain_options_are_checked():
     x, ids, weights = torch.randn(2, h, generator=gen), torch.tensor([[0, 1], [2, 0]]), torch.rand(2, 2)
     config = dataclasses.replace(tt.default_config(2, 2, E, torch.float32, False), dependent_launch=True)
     with pytest.raises(ValueError, match="dependent_launch.*leave it off"):
-        tt.fused_moe(x, w1, w2, w3, ids, weights, config=config)
-    config = dataclasses.replace(tt.default_config(2, 2, E, torch.float32, False), last_split_reduces=True)
-    with pytest.raises(ValueError, match="last_split_reduces applies to a split gate/up GEMM of the decode fragment"):
-        tt.fused_moe(x, w1, w2, w3, ids, weights, config=config)
-    config = dataclasses.replace(tt.default_config(2, 2, E, torch.float32, False), last_pair_combines=True)
-    with pytest.raises(ValueError, match="last_pair_combines applies to an unsplit down GEMM of the decode fragment"):
         tt.fused_moe(x, w1, w2, w3, ids, weights, config=config)
     config = dataclasses.replace(tt.default_config(2, 2, E, torch.float32, False),
                                  wgmma_tails=(tt.WgmmaTail(), tt.WgmmaTail(32)))  # off the wgmma GEMMs

@@ -362,33 +362,29 @@ def test_mma_order_kernel(N, K, block_k):
 
 
 def test_decode_chain_launch_and_split_options(tt):
-    """The decode chain launched with PDL (MoEConfig.dependent_launch), the fragment GEMMs split along K (split_k:
-    gate/up in 2 of 2 K steps, down in 3 of 3 or 2 of 3; fp32 partials reduced by the combine, and for gate/up by a
-    reduce launch or by each tile's last split, last_split_reduces) and the combine done by the last of each token's
-    pairs (last_pair_combines): every size regime of the align (pairwise, one program, chunks) against the reference;
-    PDL alone bit for bit the same as without it, the others bit for bit the same run to run; three MoE calls back to
-    back in one CUDA graph (each call's kernels may start before the last one's finish) replay other routings as
-    eager calls compute them."""
+    """The decode chain launched with PDL (MoEConfig.dependent_launch) and the fragment GEMMs split along K
+    (GemmTiles.split_k: gate/up in 2 of its 2 K steps, down in 3 of 3, then 2 of 3, fp32 partials reduced by the
+    activation's reduce and by the combine): every size regime of the align (pairwise, one program, chunks), unswapped
+    and swapped, against the reference; PDL alone bit for bit the same as without it, a split config bit for bit the
+    same run to run; three MoE calls back to back in one CUDA graph (each call's kernels may start before the last
+    one's finish) replay other routings as eager calls compute them."""
     import dataclasses
 
     from kimiserve.utils.cuda_timing import capture_graph
 
-    def split(config, up, down, **options):
+    def split(config, up, down):
         return dataclasses.replace(config, up=dataclasses.replace(config.up, split_k=up),
-                                   down=dataclasses.replace(config.down, split_k=down), **options)
+                                   down=dataclasses.replace(config.down, split_k=down))
 
     off = fragment_config(tt, 64, 4, 256, 256)
     pdl = dataclasses.replace(off, dependent_launch=True)
-    on = split(pdl, 2, 3, last_split_reduces=True)
-    last = split(pdl, 2, 1, last_split_reduces=True, last_pair_combines=True)
+    on = split(pdl, 2, 3)
     swapped_on = split(dataclasses.replace(fragment_config(tt, 64, 4, 256, 256, 8, swap=True), dependent_launch=True),
                        2, 2)
     # 1-135 pairs: the pairwise align; 900: one program; 2100: chunks
     for N, routing in ((1, "random"), (7, "same"), (45, "subset"), (300, "zipf"), (700, "random")):
-        for config in (on, last):
-            check_case(tt, N, 512, 768, 9, 3, torch.bfloat16, True, "situ", routing, "cuda", config, seed=N)
-    for N, act, config in ((1, "situ", swapped_on), (45, "situ", swapped_on), (45, "silu", split(swapped_on, 2, 1)),
-                           (45, "situ", split(swapped_on, 2, 1, last_pair_combines=True))):
+        check_case(tt, N, 512, 768, 9, 3, torch.bfloat16, True, "situ", routing, "cuda", on, seed=N)
+    for N, act, config in ((1, "situ", swapped_on), (45, "situ", swapped_on), (45, "silu", split(swapped_on, 2, 1))):
         check_case(tt, N, 512, 768, 9, 3, torch.bfloat16, True, act, "random", "cuda", config, seed=N)
     gen = torch.Generator().manual_seed(5)
     w = shift_layout({n: t.cuda() for n, t in expert_weights(9, 512, 768, True, torch.bfloat16, gen).items()})
@@ -405,14 +401,14 @@ def test_decode_chain_launch_and_split_options(tt):
     for N in (1, 45, 700):
         x, ids, weights = inputs(N, N)
         assert torch.equal(call(x, ids, weights, pdl), call(x, ids, weights, off))
-        for config in (on, last, swapped_on):
+        for config in (on, swapped_on):
             assert torch.equal(call(x, ids, weights, config), call(x, ids, weights, config))
     layers = [inputs(seed) for seed in range(3)]
 
     def chain():  # each layer's input is the last one's output, as in a model
         h = layers[0][0]
         for _, ids, weights in layers:
-            h = call(h, ids, weights, last)
+            h = call(h, ids, weights, on)
         return h
 
     graph_out = torch.empty_like(layers[0][0])

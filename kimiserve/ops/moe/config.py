@@ -107,13 +107,7 @@ class MoEConfig:
     (align, x's MMA-k copy, the fragment GEMMs, combine) launched with programmatic dependent launch (CUDA, sm_90+):
     each kernel may start while the one before it finishes, and waits for it (`griddepcontrol.wait`) only before it
     reads that kernel's output; the fragment GEMMs load their first weights before the wait (see
-    `ops.moe.gluon_decode`); last_split_reduces: with the decode fragment GEMMs and a split gate/up GEMM, the last
-    split of each (block, column tile) to finish reduces the tile's partials (a count a tile, atomically; the sums
-    still in a fixed order) instead of a reduce launch after the GEMM (opt-in, built in session 22 without a GPU:
-    untimed, and its GPU tests not yet run); last_pair_combines: with the decode fragment GEMMs and an unsplit down
-    GEMM, the last of a token's k pairs to be stored at a column tile combines the token there (a count a (token,
-    column tile); the slots still added in order) instead of the combine launch (opt-in, session 22, as untried as
-    last_split_reduces); wgmma_tails: with the wgmma fragment GEMMs on
+    `ops.moe.gluon_decode`); wgmma_tails: with the wgmma fragment GEMMs on
     128-row blocks, the launches (`WgmmaTail`) that take each expert's last block where it holds few rows, largest
     tile first, each the blocks of more rows than the next one's tile holds (the 128-token launch: more than the
     first one's): by default those of at most 64 rows as 64-token tiles (`ops.moe.gluon_prefill.wgmma_gemm_tails`)."""
@@ -125,8 +119,6 @@ class MoEConfig:
     combine_block: int = 512
     fragments: bool = False
     dependent_launch: bool = False
-    last_split_reduces: bool = False
-    last_pair_combines: bool = False
     wgmma_tails: tuple[WgmmaTail, ...] = (WgmmaTail(),)
 
 

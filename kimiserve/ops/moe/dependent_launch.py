@@ -12,8 +12,7 @@ predecessor passed that predecessor's own wait: the weights, the MoE's inputs (w
 predecessor finished), and the align's outputs in kernels two or more launches after the align. Since every kernel
 of the chain lets the next launch only after its own wait, the kernel two launches back has finished by then.
 - the align and the combine: wait first;
-- x's MMA-k copy: loads x, then waits, then stores (and zeroes the counts of the last-arriver options,
-  `ops.moe.triton.chain_counts`, which the fragment GEMMs touch only after their own waits);
+- x's MMA-k copy: loads x, then waits, then stores;
 - the fragment GEMMs (`ops.moe.gluon_decode`): the block's expert, rows and pair ids and the first K step's weights
   before the wait, the activations after it;
 - the reduce of a split-K gate/up GEMM's partials (`ops.moe.epilogue._reduce_act_kernel`), between the fragment

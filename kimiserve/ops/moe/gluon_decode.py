@@ -28,12 +28,6 @@ tail tile's extra weight rows read the last row (clamped) and are not stored; a 
 (their loads masked off) and not stored. Split along K (`GemmTiles.split_k`, up to one split a K step), each
 program stores its fp32 sums and a reduce finishes the GEMM (`ops.moe.epilogue`): `default_config` splits the gate/up
 GEMM in two where its grid makes over one wave and under two, so that its last wave is about as full as its first.
-With `MoEConfig.last_split_reduces` (opt-in, session 22, not yet run on a GPU) the last split of each tile to finish
-(a count a tile, zeroed by x's MMA-k copy, added to with acquire-release semantics after a GPU-scope fence in every
-thread) adds the tile's sums in split order and stores its act rows itself: one launch fewer in the decode chain.
-With `MoEConfig.last_pair_combines` (as untried) the unsplit down GEMM counts each stored row's token at its column
-tile, and the program that stores a token's last pair there combines the token's k rows itself (slots in order, as
-the combine launch does), so that the down GEMM ends the chain.
 
 Measured and removed (session 17, H200, K3.1 shape; BENCHMARKS.md "Session 17"): the weight words through a
 cp.async ring of 3-4 slots (12-35% slower at 1-256 tokens), the weights two steps ahead in registers (11-34%
@@ -54,6 +48,12 @@ loads its block's expert, rows and pair ids and its first K step's weights befor
 wrote its activations), prefetching into L2 lost at 1 token: each gate/up program prefetching the first 4 K steps of
 its share of its expert's down weights (0.1183 ms a layer against 0.1103), and each program prefetching its own
 weight lines 2 K steps ahead of its loads (0.1133).
+
+Measured and removed (session 24, H100, K3.1 at 1 token in graphs of 8 layers; BENCHMARKS.md "Session 24 on an
+H100"): the split gate/up GEMM's last split of each tile reducing the tile's sums itself, and the down GEMM's program
+that stores a token's last pair combining the token (counts zeroed by x's MMA-k copy, a GPU-scope fence, an
+acquire-release add), which took the reduce and the combine launches out of the chain: the GEMMs were 4 us slower
+and the layer made 79.2-79.4% of the bytes roofline against the default's 80.3-81.6%.
 
 Swapped operands (`GemmTiles.swap`; `default_config`'s form up to 5 rows an expert since session 21): the decoded
 weights as mma.sync's A operand (16 weight rows a warp: block_n = 16 num_warps; the loads put row (BN / 2) rep +
@@ -129,42 +129,6 @@ def _load_weights(w_e, ws_e, v_e, vs_e, w_off, s_off, step, BK: gl.constexpr, GA
 
 
 @gluon.jit
-def _release_fence(like):
-    """fence.acq_rel.gpu in every thread (`like`: any scalar; the asm needs an operand)."""
-    gl.inline_asm_elementwise("fence.acq_rel.gpu;\n\tmov.u32 $0, 0;", "=r,r", [like], dtype=gl.int32, is_pure=False,
-                              pack=1)
-
-
-@gluon.jit
-def _last_pair_combines(y_ptr, s_ym, out_ptr, s_om, rw_ptr, s_rwt, s_rwj, counts, n_tiles, po, row_ok, cols, N_OUT,
-                        like, BN: gl.constexpr, TOP_K: gl.constexpr):
-    """The down GEMM's stored rows (pairs po, columns cols of its tile) counted at counts[token n_tiles] (the tile's
-    column of the counts), and each token whose TOP_K pairs are all stored once its count is in: out[token, cols] =
-    sum_j w[token, j] y[token TOP_K + j, cols] in fp32, j in order, cast once (`ops.moe.epilogue._combine_kernel`). The
-    count is added by one thread a row (at the tile's first column), acquire-release, after a GPU-scope fence in every
-    thread; the other pairs' rows are read past L1."""
-    tok = po // TOP_K
-    row = gl.expand_dims(row_ok, 1)
-    col = gl.expand_dims(cols, 0)
-    one = row & (col % BN == 0)  # one element a row, held by one thread
-    _release_fence(like)
-    gl.thread_barrier()
-    ptrs = counts + gl.expand_dims(tok * n_tiles, 1) + col * 0
-    old = gl.atomic_add(ptrs, gl.full(ptrs.type.shape, 1, gl.int32, ptrs.type.layout), mask=one, sem="acq_rel",
-                        scope="gpu")
-    last = gl.max(gl.where(one & (old == TOP_K - 1), 1, 0), axis=1) > 0
-    gl.thread_barrier()
-    mask = gl.expand_dims(last, 1) & (col < N_OUT)
-    acc = gl.full(ptrs.type.shape, 0.0, gl.float32, ptrs.type.layout)
-    for j in gl.static_range(TOP_K):
-        wj = gl.load(rw_ptr + tok * s_rwt + j * s_rwj, mask=last, other=0.0).to(gl.float32)
-        yj = gl.load(y_ptr + gl.expand_dims((tok * TOP_K + j) * s_ym, 1) + col, mask=mask, other=0.0,
-                     cache_modifier=".cg")
-        acc += gl.expand_dims(wj, 1) * yj.to(gl.float32)
-    gl.store(out_ptr + gl.expand_dims(tok * s_om, 1) + col, acc.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@gluon.jit
 def _mma_step(a_buf, w, s, v, t, acc, acc2, BN: gl.constexpr, BK: gl.constexpr, LA: gl.constexpr,
               LB: gl.constexpr, GATED: gl.constexpr, SWAP: gl.constexpr):
     """acc (+ acc2) += the activation tile in shared memory times one K step of W (and V); SWAP: the weights as the
@@ -211,11 +175,10 @@ def _register_loop(a_smem, g_ptrs, g_mask, w_e, ws_e, v_e, vs_e, w_off, s_off, s
 @gluon.jit
 def _fragment_gemm_kernel(
     a_ptr, w_ptr, ws_ptr, v_ptr, vs_ptr, out_ptr, sorted_ptr, bexp_ptr, brows_ptr, nblk_ptr,
-    N_OUT, K, A_ROW_DIV, s_am, s_we, s_wn, s_se, s_sn, s_om, beta, linear_beta, s_ps, act_ptr, s_actm, count_ptr,
-    rw_ptr, s_rwt, s_rwj,
+    N_OUT, K, A_ROW_DIV, s_am, s_we, s_wn, s_se, s_sn, s_om, beta, linear_beta, s_ps,
     GATED: gl.constexpr, ACT: gl.constexpr, LINEAR_TANH: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
     OUT_BK: gl.constexpr, NUM_WARPS: gl.constexpr, PDL: gl.constexpr, SWAP: gl.constexpr = False,
-    BM: gl.constexpr = 16, SPLIT: gl.constexpr = 1, LAST_REDUCES: gl.constexpr = False, COMBINE_K: gl.constexpr = 0,
+    BM: gl.constexpr = 16, SPLIT: gl.constexpr = 1,
 ):
     """One (block of BM pairs, BN output columns): out[pair, cols] = act(A W^T, A V^T) (GATED, stored at the
     columns' MMA-k positions for a down GEMM of OUT_BK-wide steps) or A W^T (stored in place), rounded to bf16.
@@ -224,15 +187,7 @@ def _fragment_gemm_kernel(
     (8 or 16) pairs as N, the accumulators [BN, BM]: half the registers of the activation fragments at BM 8.
     SPLIT > 1 (`GemmTiles.split_k`): SPLIT programs a (block, column tile), split s running K steps
     [s steps / SPLIT, (s + 1) steps / SPLIT), each storing its fp32 sums unrounded at the physical columns: W's at
-    out_ptr + s s_ps (an fp32 buffer), V's at out_ptr + (s + SPLIT) s_ps. LAST_REDUCES (GATED, SPLIT > 1;
-    `MoEConfig.last_split_reduces`): the tile's last split to finish (count_ptr: a count a tile, zeroed by x's MMA-k
-    copy) adds the SPLIT sums in order, applies the activation and stores the act rows (act_ptr, row stride s_actm)
-    at the down GEMM's MMA-k positions, as `ops.moe.epilogue._reduce_act_kernel` does in a launch of its own.
-    COMBINE_K > 0 (the down GEMM unsplit, `MoEConfig.last_pair_combines`): after storing its rows the program counts
-    each row's token at this column tile (count_ptr: [tokens, column tiles], zeroed by x's MMA-k copy), and for each
-    token whose COMBINE_K pairs are then all stored it combines the token's columns itself, as
-    `ops.moe.epilogue._combine_kernel` does (act_ptr: the MoE's output, row stride s_actm; rw_ptr: the routing
-    weights [tokens, COMBINE_K], strides s_rwt, s_rwj)."""
+    out_ptr + s s_ps (an fp32 buffer), V's at out_ptr + (s + SPLIT) s_ps."""
     G: gl.constexpr = BK // 128
     WPC: gl.constexpr = [NUM_WARPS, 1] if SWAP else [1, NUM_WARPS]
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=WPC, instr_shape=[16, 8])
@@ -313,19 +268,6 @@ def _fragment_gemm_kernel(
         gl.store(ptrs, acc, mask=mask)
         if GATED:
             gl.store(ptrs + SPLIT * s_ps, acc2, mask=mask)
-        if LAST_REDUCES:
-            _release_fence(pid)  # every thread's sums visible GPU-wide before the count says they are there
-            gl.thread_barrier()
-            if gl.atomic_add(count_ptr + pid, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:
-                rows = out_ptr + gl.expand_dims(po * s_om, 1) + gl.expand_dims(cols, 0)
-                g = gl.load(rows, mask=mask, other=0.0, cache_modifier=".cg")
-                u = gl.load(rows + SPLIT * s_ps, mask=mask, other=0.0, cache_modifier=".cg")
-                for t in gl.static_range(1, SPLIT):
-                    g += gl.load(rows + t * s_ps, mask=mask, other=0.0, cache_modifier=".cg")
-                    u += gl.load(rows + (t + SPLIT) * s_ps, mask=mask, other=0.0, cache_modifier=".cg")
-                y = _activate(g, u, beta, linear_beta, ACT, LINEAR_TANH, gl.bfloat16)
-                gl.store(act_ptr + gl.expand_dims(po * s_actm, 1) + gl.expand_dims(mma_k_position(cols, OUT_BK), 0),
-                         y.to(gl.bfloat16), mask=mask)
     else:
         if GATED:  # gate and up rounded to bf16, the activation in fp32 (the Triton kernels' epilogue)
             y = _activate(acc, acc2, beta, linear_beta, ACT, LINEAR_TANH, gl.bfloat16)
@@ -335,23 +277,15 @@ def _fragment_gemm_kernel(
             dst = cols
         ptrs = out_ptr + gl.expand_dims(po * s_om, 1) + gl.expand_dims(dst, 0)
         gl.store(ptrs, y.to(gl.bfloat16), mask=gl.expand_dims(row_ok, 1) & gl.expand_dims(cols < N_OUT, 0))
-        if COMBINE_K > 0:
-            _last_pair_combines(out_ptr, s_om, act_ptr, s_actm, rw_ptr, s_rwt, s_rwj, count_ptr + nt, n_tiles, po,
-                                row_ok, cols, N_OUT, pid, BN, COMBINE_K)
 
 
 def fragment_gemm(a, w, w_scale, v, v_scale, out, align, a_row_div: int, tiles, act: str, beta: float,
-                  linear_beta: float | None, out_block_k: int = 128, dependent_launch: bool = False,
-                  last_reduces: tuple | None = None, last_combines: tuple | None = None):
+                  linear_beta: float | None, out_block_k: int = 128, dependent_launch: bool = False):
     """One grouped GEMM (see the module doc): a [rows, K] bf16 in the MMA-k order of tiles.block_k; w, v uint8
     [E, N, K/2] in the shift layout with ue8m0 scales [E, N, K/32] (v None: the down GEMM); out [N k, N] bf16 (the
     gate/up GEMM: its columns in the MMA-k order of out_block_k, the down GEMM's step), or with tiles.split_k = S > 1
     fp32 partials at the physical columns, [2 S, N k, N] gated (gate's, then up's) and [S, N k, N] not.
-    dependent_launch: launched with PDL, a is read only after the wait (`ops.moe.dependent_launch`). last_reduces:
-    (act [N k, N] bf16, counts int32 [blocks x column tiles], zero) for a split gate/up GEMM: the last split of each
-    tile reduces the partials into act (`MoEConfig.last_split_reduces`). last_combines: (out [N, h], routing
-    weights [N, k], counts int32 [N x column tiles], zero) for the unsplit down GEMM: the last of a token's k pairs
-    to be stored at a column tile combines the token there (`MoEConfig.last_pair_combines`)."""
+    dependent_launch: launched with PDL, a is read only after the wait (`ops.moe.dependent_launch`)."""
     split = tiles.split_k
     gated = v is not None
     if split > 1:
@@ -361,25 +295,13 @@ def fragment_gemm(a, w, w_scale, v, v_scale, out, align, a_row_div: int, tiles, 
                              f"{tuple(out.shape)}")
         if split > a.shape[1] // tiles.block_k:
             raise ValueError(f"split-K {split} needs at least one K step of {tiles.block_k} a split; K = {a.shape[1]}")
-    n_tiles = triton.cdiv(w.shape[1], tiles.block_n)
-    if last_reduces is not None and (split == 1 or not gated or last_reduces[1].numel() < align[1].numel() * n_tiles):
-        raise ValueError("last_reduces takes a split gate/up GEMM and a count for each of its (block, column tile)")
-    if last_combines is not None and (split > 1 or gated
-                                      or last_combines[2].numel() < last_combines[0].shape[0] * n_tiles):
-        raise ValueError("last_combines takes an unsplit down GEMM and a count for each (token, column tile)")
     args, gated = grouped_gemm_args(a, w, w_scale, v, v_scale, out if split == 1 else out[0], align, a_row_div, beta,
                                     linear_beta, False)
-    act_out, counts = last_reduces or (out, out)
-    weights = out
-    if last_combines is not None:
-        act_out, weights, counts = last_combines
+    n_tiles = triton.cdiv(w.shape[1], tiles.block_n)
     _fragment_gemm_kernel[(align[1].numel() * n_tiles * split,)](
-        *args, out.stride(0) if split > 1 else 0, act_out, act_out.stride(0), counts, weights, weights.stride(0),
-        weights.stride(-1), GATED=gated, ACT=_ACT[act],
-        LINEAR_TANH=linear_beta is not None, BN=tiles.block_n, BK=tiles.block_k, OUT_BK=out_block_k,
-        NUM_WARPS=tiles.num_warps, PDL=dependent_launch, SWAP=tiles.swap, BM=align[0].numel() // align[1].numel(),
-        SPLIT=split, LAST_REDUCES=last_reduces is not None,
-        COMBINE_K=last_combines[1].shape[1] if last_combines is not None else 0, **compile_options(tiles),
+        *args, out.stride(0) if split > 1 else 0, GATED=gated, ACT=_ACT[act], LINEAR_TANH=linear_beta is not None,
+        BN=tiles.block_n, BK=tiles.block_k, OUT_BK=out_block_k, NUM_WARPS=tiles.num_warps, PDL=dependent_launch,
+        SWAP=tiles.swap, BM=align[0].numel() // align[1].numel(), SPLIT=split, **compile_options(tiles),
         **launch_options(dependent_launch))
 
 

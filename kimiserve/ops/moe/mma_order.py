@@ -23,30 +23,19 @@ def mma_k_position(k, BK: tl.constexpr):
 
 
 @triton.jit
-def _mma_order_kernel(x_ptr, out_ptr, K, s_x, s_o, count_ptr, num_counts, BK: tl.constexpr, CH: tl.constexpr,
-                      PDL: tl.constexpr, COUNTS: tl.constexpr = False):
+def _mma_order_kernel(x_ptr, out_ptr, K, s_x, s_o, BK: tl.constexpr, CH: tl.constexpr, PDL: tl.constexpr):
     """Row program_id(0), columns program_id(1) CH onwards: physical k of each BK-wide step to its MMA position
-    (`fragment_order.mma_position`). x is the MoE's input: loaded before the wait (see `ops.moe.dependent_launch`).
-    COUNTS: the programs also zero the num_counts int32 at count_ptr, after the wait (the counts of the decode chain's
-    last-arriver options, `ops.moe.triton.chain_counts`)."""
+    (`fragment_order.mma_position`). x is the MoE's input: loaded before the wait (see `ops.moe.dependent_launch`)."""
     n = tl.program_id(0).to(tl.int64)
     k = tl.program_id(1) * CH + tl.arange(0, CH)
     ok = k < K
     v = tl.load(x_ptr + n * s_x + k, mask=ok)
     wait_prior_grid(PDL)
     tl.store(out_ptr + n * s_o + mma_k_position(k, BK), v, mask=ok)
-    if COUNTS:
-        programs = tl.num_programs(0) * tl.num_programs(1)
-        for start in range((tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * CH, num_counts,
-                           programs * CH):
-            i = start + tl.arange(0, CH)
-            tl.store(count_ptr + i, tl.zeros((CH,), tl.int32), mask=i < num_counts)
 
 
-def mma_order(x: torch.Tensor, block_k: int, dependent_launch: bool = False,
-              counts: torch.Tensor | None = None) -> torch.Tensor:
-    """x [N, K] (last dim contiguous) -> a new contiguous [N, K]: `fragment_order(x, block_k)`. counts: an int32
-    tensor the same launch zeroes."""
+def mma_order(x: torch.Tensor, block_k: int, dependent_launch: bool = False) -> torch.Tensor:
+    """x [N, K] (last dim contiguous) -> a new contiguous [N, K]: `fragment_order(x, block_k)`."""
     N, K = x.shape
     _check_block_k(K, block_k)
     if x.stride(-1) != 1:
@@ -55,9 +44,8 @@ def mma_order(x: torch.Tensor, block_k: int, dependent_launch: bool = False,
     if N == 0:
         return out
     CH = min(triton.next_power_of_2(K), COLUMNS_A_PROGRAM)
-    count_args = (counts, counts.numel()) if counts is not None else (out, 0)
-    _mma_order_kernel[(N, triton.cdiv(K, CH))](x, out, K, x.stride(0), out.stride(0), *count_args, BK=block_k, CH=CH,
-                                                 PDL=dependent_launch, COUNTS=counts is not None, num_warps=4,
+    _mma_order_kernel[(N, triton.cdiv(K, CH))](x, out, K, x.stride(0), out.stride(0), BK=block_k, CH=CH,
+                                                 PDL=dependent_launch, num_warps=4,
                                                  **launch_options(dependent_launch))
     return out
 

@@ -574,14 +574,6 @@ def _check(x, w1, w2, w3, w1_scale, w2_scale, w3_scale, ids, weights, config: Mo
         why = check_fragment_shapes(h, inter, config.block_m, config.up, config.down, config.wgmma_tails)
         if why:
             raise ValueError(f"MoEConfig.fragments: {why}")
-    if config.last_split_reduces and not (config.fragments and config.block_m <= 16 and config.up.split_k > 1):
-        raise ValueError("MoEConfig.last_split_reduces applies to a split gate/up GEMM of the decode fragment GEMMs "
-                         f"(fragments, block_m 8 or 16, up.split_k > 1); got block_m {config.block_m}, fragments "
-                         f"{config.fragments}, up.split_k {config.up.split_k}")
-    if config.last_pair_combines and not (config.fragments and config.block_m <= 16 and config.down.split_k == 1):
-        raise ValueError("MoEConfig.last_pair_combines applies to an unsplit down GEMM of the decode fragment GEMMs "
-                         f"(fragments, block_m 8 or 16, down.split_k 1); got block_m {config.block_m}, fragments "
-                         f"{config.fragments}, down.split_k {config.down.split_k}")
     if config.wgmma_tails != MoEConfig.wgmma_tails and not (config.fragments and config.block_m == 128):
         raise ValueError(f"MoEConfig.wgmma_tails applies to the wgmma fragment GEMMs on 128-row blocks (fragments, "
                          f"block_m 128); leave it at its default for block_m {config.block_m}")
@@ -627,26 +619,15 @@ def fused_moe(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Ten
     else:
         act, y = workspace
     align = align_blocks(ids, E, config.block_m, dependent_launch=config.dependent_launch)
-    counts = chain_counts(config, align, N, h, inter, x.device)
-    gate_up(x, w1, w1_scale, w3, w3_scale, act, align, config, activation, situ_beta, situ_linear_beta, counts)
-    down_combine(act, w2, w2_scale, y, weights, out, align, config, counts)
+    gate_up(x, w1, w1_scale, w3, w3_scale, act, align, config, activation, situ_beta, situ_linear_beta)
+    down_combine(act, w2, w2_scale, y, weights, out, align, config)
     return out
 
 
-def chain_counts(config: MoEConfig, align, N: int, h: int, inter: int, device) -> torch.Tensor | None:
-    """The int32 counts the decode chain's last-arriver options take (None without them): one a (block, gate/up
-    column tile) for `MoEConfig.last_split_reduces`, then one a (token, down column tile) for `last_pair_combines`.
-    gate_up's x copy zeroes them."""
-    up = align[1].numel() * triton.cdiv(inter, config.up.block_n) if config.last_split_reduces else 0
-    down = N * triton.cdiv(h, config.down.block_n) if config.last_pair_combines else 0
-    return torch.empty(up + down, dtype=torch.int32, device=device) if up + down else None
-
-
 def gate_up(x, w1, w1_scale, w3, w3_scale, act, align, config: MoEConfig, activation: str, beta: float,
-            linear_beta: float | None, counts: torch.Tensor | None = None):
+            linear_beta: float | None):
     """fused_moe's gate/up stage: act [N k, I] (split-K: fp32 partials, then their reduce with the activation;
-    config.fragments: act's columns in `ops.moe.fragment_order`'s MMA-k order, as the down GEMM reads them).
-    counts: `chain_counts`, which this stage zeroes (allocated here where the config takes them and none is given)."""
+    config.fragments: act's columns in `ops.moe.fragment_order`'s MMA-k order, as the down GEMM reads them)."""
     k = act.shape[0] // x.shape[0]
     split, inter = config.up.split_k, act.shape[1]
     if config.fragments and config.block_m > 16:
@@ -658,14 +639,11 @@ def gate_up(x, w1, w1_scale, w3, w3_scale, act, align, config: MoEConfig, activa
     if config.fragments:
         from kimiserve.ops.moe import gluon_decode
         from kimiserve.ops.moe.mma_order import mma_order
-        if counts is None:
-            counts = chain_counts(config, align, x.shape[0], x.shape[1], inter, x.device)
-        last = (act, counts) if config.last_split_reduces else None  # its counts first
-        x = mma_order(x, config.up.block_k, config.dependent_launch, counts)
+        x = mma_order(x, config.up.block_k, config.dependent_launch)
         out = act if split == 1 else torch.empty(2 * split, act.shape[0], inter, dtype=torch.float32, device=x.device)
         gluon_decode.fragment_gemm(x, w1, w1_scale, w3, w3_scale, out, align, k, config.up, activation, beta,
-                                   linear_beta, config.down.block_k, config.dependent_launch, last)
-        if split > 1 and last is None:
+                                   linear_beta, config.down.block_k, config.dependent_launch)
+        if split > 1:
             _reduce_act(out, act, activation, beta, linear_beta, config.down.block_k, config.dependent_launch)
         return
     if split == 1:
@@ -706,21 +684,13 @@ def down_gemm(act, w2, w2_scale, y, align, config: MoEConfig):
               None)
 
 
-def down_combine(act, w2, w2_scale, y, weights, out, align, config: MoEConfig, counts: torch.Tensor | None = None):
+def down_combine(act, w2, w2_scale, y, weights, out, align, config: MoEConfig):
     """fused_moe's down stage and combine: out [N, h] (split-K: fp32 partials summed inside the combine;
-    y is then not written). counts: `chain_counts` as gate_up zeroed them (`MoEConfig.last_pair_combines`: the last
-    N x column tiles are the combine's; zeroed here if none is given)."""
+    y is then not written)."""
     N, k, h = out.shape[0], weights.shape[1], out.shape[1]
     split = config.down.split_k
     if split > 1:
         y = torch.empty(split, N * k, h, dtype=torch.float32, device=out.device)
-    if config.last_pair_combines:
-        from kimiserve.ops.moe import gluon_decode
-        tiles = N * triton.cdiv(h, config.down.block_n)
-        counts = torch.zeros(tiles, dtype=torch.int32, device=out.device) if counts is None else counts[-tiles:]
-        gluon_decode.fragment_gemm(act, w2, w2_scale, None, None, y, align, 1, config.down, "silu", 1.0, None,
-                                   dependent_launch=config.dependent_launch, last_combines=(out, weights, counts))
-        return
     down_gemm(act, w2, w2_scale, y, align, config)
     BH = min(config.combine_block, triton.next_power_of_2(h))
     _combine_kernel[(N, triton.cdiv(h, BH))](y, weights, out, h, y.stride(-2), *weights.stride(), out.stride(0),
@@ -730,6 +700,5 @@ def down_combine(act, w2, w2_scale, y, weights, out, align, config: MoEConfig, c
 
 
 __all__ = ["DECODE_MAX_ROWS", "GemmTiles", "MoEConfig", "WgmmaTail", "align_blocks", "runs_dependent_launch",
-           "chain_counts", "default_config", "device_default_config", "dequantize_weights", "down_combine", "down_gemm",
-           "fused_moe", "gate_up", "max_blocks",
-           "sm_count"]
+           "default_config", "device_default_config", "dequantize_weights", "down_combine", "down_gemm", "fused_moe",
+           "gate_up", "max_blocks", "sm_count"]
