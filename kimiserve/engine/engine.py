@@ -400,17 +400,37 @@ class LLMEngine:
                     if out is not None]
         self._isolated_failures = 0
         touched = dict.fromkeys(done.failed)
-        touched.update(self._postprocess(done.sched, results))
-        alive = [c for c in later.chunks if not c.request.finished] if later is not None else []
+        touched.update(self._postprocess_decodes(done.sched, results))
         if failed_launch is not None:
+            alive = [c for c in later.chunks if not c.request.finished]
             for chunk in later.chunks:
                 chunk.request.fed_ahead = False
             if alive:
                 touched.update(dict.fromkeys(self._after_failed_forward(SchedulerOutput(alive),
                                                                         failed_launch.__cause__)))
-        elif alive:
+        elif following is not None and any(not c.request.finished for c in following.sched.chunks):
             self._in_flight = following  # its rows of requests that ended now are skipped by its postprocess
         return [out for out in map(self._output, touched) if out is not None]
+
+    def _postprocess_decodes(self, sched, tokens: list[int]) -> dict[str, None]:
+        """`_postprocess` of a launched step: one token per chunk, each a plain decode (no prompt logprobs,
+        drafts, prompt snapshot or sampling error), so only its decode branch."""
+        touched: dict[str, None] = {}
+        for chunk, token in zip(sched.chunks, tokens):
+            request = chunk.request
+            if request.finished:  # ended since the launch (aborted, or another sample of its request failed)
+                self.scheduler.drop_prompt_snapshot(chunk)
+                continue
+            request.num_computed += 1
+            self.num_computed_tokens += 1
+            try:
+                self._append_token(request, token, None)
+            except Exception as exc:  # noqa: BLE001 - this request fails alone
+                if is_fatal_error(exc):
+                    raise
+                self._fail(request.request_id, exc)
+            touched[request.request_id] = None
+        return touched
 
     def _launch_following(self, done: "InFlightStep") -> "InFlightStep | None":
         """Launch the step after `done` (still running) when it would be the same plain decodes: every

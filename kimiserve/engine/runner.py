@@ -83,11 +83,11 @@ class LaunchedStep:
     host: torch.Tensor
     copied: "torch.cuda.Event | None" = None
 
-    def results(self) -> list[ChunkResult]:
-        """Wait for the tokens (this step's work only, not the steps queued after it)."""
+    def results(self) -> list[int]:
+        """Wait for the tokens (this step's work only, not the steps queued after it): one per chunk."""
         if self.copied is not None:
             self.copied.synchronize()
-        return [ChunkResult(samples=[(t, None)]) for t in self.host.tolist()]
+        return self.host.tolist()
 
 
 class ModelRunner:
