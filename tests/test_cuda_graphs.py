@@ -152,9 +152,7 @@ def test_persistent_graph_inputs_equal_a_rebuild():
         return cuda_graphs.DecodeGraphs(None, pool, None, 16, 64, 96, pad_states, forward=lambda *a: None)
 
     persistent = graphs()
-    persistent._mirrors.append(torch.zeros_like(persistent._mirrors[0]))  # two mirrors in turn, as on CUDA
-    persistent._mirror_events.append(None)
-    persistent._written.append(None)
+    persistent._add_mirror()  # two mirrors in turn, as on CUDA
     next_page = iter(range(1000))
 
     def new_chunk():

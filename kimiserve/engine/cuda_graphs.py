@@ -147,20 +147,37 @@ class DecodeGraphs(GraphSet):
         self.pad_state_pages = pad_state_pages.to(dev)
         self._pad_states_host = pad_state_pages.cpu().numpy()
         self._pad_fields = np.array([[0], [0], [pad_page], [0], [1], [0]], dtype=np.int64)
-        pin = dev.type == "cuda"
-        self._mirrors = [torch.zeros(self.inputs.shape, dtype=torch.int64, pin_memory=pin) for _ in range(2 if pin else 1)]
-        self._mirror_events: list = [None] * len(self._mirrors)
+        self._on_cuda = dev.type == "cuda"
+        self._mirrors: list[torch.Tensor] = []
         """Two mirrors on CUDA, used in turn: one can still be copying while the next step fills the other."""
-        self._written: list = [None] * len(self._mirrors)
+        self._mirror_events: list = []
+        self._mirror_arrays: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        """Per mirror, views made once (not per step): its numpy array, the per-row fields [FIELDS, B] and the
+        state pages [B, num_state] in it."""
+        self._written: list = []
         """Per mirror: ((rows, table width) of its layout, per row the (block table, state pages) it holds,
         or _PAD_ROW, or None when unknown), so that `_fill_pages` writes only the rows that changed."""
+        for _ in range(2 if self._on_cuda else 1):
+            self._add_mirror()
         self._turn = 0
+        self._row_index = np.arange(B)
         self.rows = torch.arange(B, **long)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.memory_pool = None  # one private pool shared by every graph (never replayed concurrently)
         self.disabled: str | None = None
         """Why graphs are off (a capture failed), else None."""
         self.replays = 0
+
+    def _add_mirror(self) -> None:
+        """One more host mirror of `inputs` (pinned on CUDA), used in turn with the others."""
+        B = self.max_batch
+        mirror = torch.zeros(self.inputs.shape, dtype=torch.int64, pin_memory=self._on_cuda)
+        host = mirror.numpy()
+        self._mirrors.append(mirror)
+        self._mirror_events.append(None)
+        self._mirror_arrays.append((host, host[: FIELDS * B].reshape(FIELDS, B),
+                                    host[FIELDS * B : self._head].reshape(B, self.state_pages.shape[1])))
+        self._written.append(None)
 
     def run(self, input_ids, chunks, lora_slots: list[int] | None = None) -> torch.Tensor | None:
         """Logits [n, vocab] of a decode-only step (one token per chunk), or None when no graph can
@@ -194,23 +211,22 @@ class DecodeGraphs(GraphSet):
 
     def _fill(self, input_ids, chunks, size: int, bucket: int, lora_slots: list[int] | None = None) -> None:
         """Real rows from the chunks, padding rows on the reserved pages; one host-to-device copy."""
-        n, bs, B = len(chunks), self.pool.block_size, self.max_batch
+        n, bs = len(chunks), self.pool.block_size
         cols = self._cols(bucket)
         turn = self._turn
         self._turn = (turn + 1) % len(self._mirrors)
         if self._mirror_events[turn] is not None:
             self._mirror_events[turn].synchronize()  # its previous copy is done (at once, in practice)
-        host = self._mirrors[turn].numpy()
-        fields = host[: FIELDS * B].reshape(FIELDS, B)[:, :size]
+        host, all_fields, states = self._mirror_arrays[turn]
+        fields = all_fields[:, :size]
         ids, positions, write_pages, write_offsets, context_lens, slots = fields
-        states = host[FIELDS * B : self._head].reshape(B, -1)
         tables = host[self._head : self._head + size * cols].reshape(size, cols)
         self._fill_pages(turn, chunks, tables, states[:size])
         fields[:, n:] = self._pad_fields  # ids 0, position 0, the pad page, offset 0, context 1, LoRA slot 0
         if n:
             pos = positions[:n]
             pos[:] = np.fromiter((c.context_start for c in chunks), dtype=np.int64, count=n)
-            write_pages[:n] = tables[np.arange(n), pos // bs]
+            write_pages[:n] = tables[self._row_index[:n], pos // bs]
             np.remainder(pos, bs, out=write_offsets[:n])
             np.add(pos, 1, out=context_lens[:n])
             slots[:n] = 0 if lora_slots is None else lora_slots
@@ -219,7 +235,7 @@ class DecodeGraphs(GraphSet):
             ids[:n] = np.asarray(input_ids, dtype=np.int64).reshape(n)
         end = self._head + size * cols
         self.inputs[:end].copy_(self._mirrors[turn][:end], non_blocking=True)
-        if self.inputs.device.type == "cuda":
+        if self._on_cuda:
             event = torch.cuda.Event()
             event.record()
             self._mirror_events[turn] = event
