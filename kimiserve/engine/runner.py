@@ -387,6 +387,9 @@ class ModelRunner:
 
     def sample(self, sched: SchedulerOutput, plans: list[tuple], logits: torch.Tensor) -> list[ChunkResult]:
         """The driver's part: prompt logprobs and one token per sample, per chunk."""
+        tokens = self._sample_plain_decodes(sched, plans, logits)
+        if tokens is not None:
+            return [ChunkResult([(t, None)]) for t in tokens]
         results, sample_rows, sample_reqs, owners = [], [], [], []
         for chunk, (first, lo, n_prompt, samples) in zip(sched.chunks, plans):
             r, res = chunk.request, ChunkResult()
@@ -418,6 +421,23 @@ class ModelRunner:
                 else:
                     res.samples.append(sample)
         return results
+
+    def _sample_plain_decodes(self, sched: SchedulerOutput, plans: list[tuple], logits: torch.Tensor) -> list[int] | None:
+        """The tokens of a step of decodes only (logits row i: chunk i's one sample) whose rows are all plain, sampled
+        on their `plain_sample_requests` rows (kept from the step before when the same requests ran it); else
+        None, as when sampling raises: `sample` then builds each chunk's rows and attributes a failure to its row."""
+        for chunk, (_, _, n_prompt, samples) in zip(sched.chunks, plans):
+            if n_prompt or not samples or chunk.draft_token_ids or not chunk.request.output_ids:
+                return None
+        rows = self.plain_sample_requests([c.request for c in sched.chunks], 0)
+        if rows is None:
+            return None
+        try:
+            return self.sampler.sample_plain(logits, rows, checked=True).tolist()
+        except Exception as exc:  # noqa: BLE001 - sampled again row by row, each failure attributed to its row
+            if is_fatal_error(exc):
+                raise
+            return None
 
     def _sample(self, logits: torch.Tensor, rows: list[int], requests: list[SampleRequest]) -> list:
         """One (token, logprobs) per row, batched; if the batch raises, row by row, so a row that
