@@ -120,7 +120,10 @@ class PageAllocator:
     def shared(self, pages: list[int]) -> list[int]:
         """Indices into `pages` (pages this allocator handed out) of those with more than one reference."""
         ref = self._ref
-        return [i for i, p in enumerate(pages) if ref[p] > 1]
+        for p in pages:  # a plain scan first: pages are rarely shared (this runs per request per step)
+            if ref[p] > 1:
+                return [i for i, q in enumerate(pages) if ref[q] > 1]
+        return []
 
     def can_allocate(self, n: int) -> bool:
         """Whether `allocate(n)` would succeed (possibly by evicting snapshots)."""

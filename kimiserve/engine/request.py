@@ -110,7 +110,7 @@ class Request:
     @property
     def num_pending(self) -> int:
         """Tokens not yet in the cache (the last sampled token counts: it is fed next)."""
-        return self.num_tokens - self.num_computed
+        return len(self.prompt_ids) + len(self.output_ids) - self.num_computed  # (num_tokens inlined: per request per step)
 
     @property
     def is_decode(self) -> bool:

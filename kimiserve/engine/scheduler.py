@@ -79,7 +79,7 @@ class Scheduler:
                 break
             if request.status is not Status.RUNNING:
                 continue  # preempted earlier in this step
-            drafts = request.spec_token_ids[: budget - 1] if request.is_decode else []
+            drafts = request.spec_token_ids[: budget - 1] if request.spec_token_ids and request.is_decode else []
             n = min(request.num_pending + len(drafts), budget)
             chunk = self._reserve(request, n)
             if chunk is None and drafts:  # no pages for the drafts: decode without them before preempting
@@ -90,8 +90,9 @@ class Scheduler:
                 if victim is request:
                     break
             if chunk is not None:
-                chunk.draft_token_ids = list(drafts)
-                chunk.draft_row = request.spec_draft_row if drafts else None
+                if drafts:  # (else the chunk keeps its own empty draft list and no draft row)
+                    chunk.draft_token_ids = list(drafts)
+                    chunk.draft_row = request.spec_draft_row
                 out.chunks.append(chunk)
                 budget -= n
         compiling: list[Request] = []  # waiting for their grammar: the requests behind them go first
