@@ -423,14 +423,18 @@ class LLMEngine:
                 continue
             request.num_computed += 1
             self.num_computed_tokens += 1
-            try:
-                self._append_token(request, token, None)
-            except Exception as exc:  # noqa: BLE001 - this request fails alone
-                if is_fatal_error(exc):
-                    raise
-                self._fail(request.request_id, exc)
+            self._append_or_fail(request, token, None)
             touched[request.request_id] = None
         return touched
+
+    def _append_or_fail(self, request: Request, token: int, logprobs) -> None:
+        """`_append_token`; an error it raises (a grammar rejecting the token, a detokenizer) fails this request alone."""
+        try:
+            self._append_token(request, token, logprobs)
+        except Exception as exc:  # noqa: BLE001 - this request fails alone
+            if is_fatal_error(exc):
+                raise
+            self._fail(request.request_id, exc)
 
     def _launch_following(self, done: "InFlightStep") -> "InFlightStep | None":
         """Launch the step after `done` (still running) when it would be the same plain decodes: every
@@ -555,12 +559,7 @@ class LLMEngine:
             if not result.samples:
                 continue
             if len(result.samples) == 1:  # a decode (the common case): one token for the chunk's sample
-                try:
-                    self._append_token(request, *result.samples[0])
-                except Exception as exc:  # noqa: BLE001 - this request fails alone
-                    if is_fatal_error(exc):
-                        raise
-                    self._fail(request.request_id, exc)
+                self._append_or_fail(request, *result.samples[0])
                 touched[request.request_id] = None
                 continue
             group = self.groups[request.request_id]
