@@ -55,7 +55,8 @@ def table(result: dict, commit: str | None = None) -> str:
              f" TFLOP/s; `{result.get('command', '?')}`", ""]
     decode = [r for r in result.get("rows", []) if r.get("kind") == "decode"]
     prefill = [r for r in result.get("rows", []) if r.get("kind") == "prefill"]
-    if decode:
+    skipped = result.get("skipped", [])  # decode rows the card could not hold
+    if decode or skipped:
         lines += ["| decode case | step | tok/s (per user) | experts hit | bytes | roofline | share | target |",
                   "|---|---:|---:|---:|---:|---:|---:|---|"]
         for r in decode:
@@ -64,6 +65,9 @@ def table(result: dict, commit: str | None = None) -> str:
                 f"{r['tokens_per_s']:.0f} ({r['tokens_per_s_per_user']:.1f}) | {r['experts_hit_per_step']:.0f} | "
                 f"{r['bytes'] / 1e9:.2f} GB | {r['roofline_ms']:.3f} ms | {_share(r['roofline_fraction'])} | "
                 f"{_against(r['roofline_fraction'], DECODE_TARGETS.get(r['batch']))} |")
+        for r in skipped:
+            lines.append(f"| batch {r['batch']}, {_context(r['context'])} context | - | - | - | - | - | - | "
+                         f"skipped: {r['reason']} |")
         lines.append("")
     if prefill:
         lines += ["| prefill | TTFT | tok/s | TFLOP | share of matmul | target |", "|---|---:|---:|---:|---:|---|"]

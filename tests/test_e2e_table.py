@@ -45,6 +45,13 @@ def test_rows_against_their_targets():
     assert "| one 128K prompt | 4.650 s | 28187 | 1800.0 | n/a | >= 40%: not measured |" in lines
 
 
+def test_skipped_rows_are_listed_with_their_reason():
+    result = _result([_decode(1, 4096, 0.8)])
+    result["skipped"] = [dict(batch=256, context=131072, reason="seeding 256 contexts takes 12544 pages")]
+    lines = e2e_table.table(result).splitlines()
+    assert "| batch 256, 128K context | - | - | - | - | - | - | skipped: seeding 256 contexts takes 12544 pages |" in lines
+
+
 def test_commit_correction_is_stated_and_written(tmp_path, capsys):
     src, dst = tmp_path / "run.json", tmp_path / "e2e_step.json"
     src.write_text(json.dumps(_result([_decode(1, 4096, 0.7)])))
