@@ -12,6 +12,7 @@ import torch
 from engine_utils import random_prompts
 from kimiserve.engine.args import EngineArgs
 from kimiserve.engine.engine import LLMEngine
+from kimiserve.engine.outputs import RequestOutputKind
 from kimiserve.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.fixed_threads  # each test compares the overlapped loop with the synchronous one in one
@@ -240,3 +241,38 @@ def test_reused_sampling_rows_equal_rebuilt_ones(num_pages):
     got = drive(e, prompts, params, EVENTS)
     assert any(reused) and not all(reused)
     assert got == drive(engine(False, num_pages=num_pages, max_num_seqs=6), prompts, params, EVENTS)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_final_only_reports_once_what_cumulative_ends_with(async_scheduling):
+    """RequestOutputKind.FINAL_ONLY (`LLM.generate`'s kind): no output while a request runs, then one holding
+    what a CUMULATIVE request's last output holds: the same text, tokens, logprobs and reasons, for n > 1,
+    stop strings and logprobs too, and no output at all for a request aborted on the way."""
+    params = MIXED + [SamplingParams(max_tokens=16, temperature=0, logprobs=2),
+                      SamplingParams(max_tokens=40, temperature=0, stop=["e", "a"], ignore_eos=True)]
+    prompts = random_prompts([9 + 5 * i for i in range(len(params))], seed=11)
+
+    def run(kind: RequestOutputKind) -> tuple[dict, dict]:
+        e = engine(async_scheduling)
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            e.add_request(f"r{i}", prompt, p, kind)
+        last, counts, steps = {}, {}, 0
+        while e.has_unfinished_requests() and steps < 2000:
+            steps += 1
+            if steps == 4:
+                e.abort_request("r1")
+            for out in e.step():
+                counts[out.request_id] = counts.get(out.request_id, 0) + 1
+                last[out.request_id] = out
+        e.check_idle()
+        if async_scheduling:
+            assert e.stats()["overlapped_steps"] >= 10
+        return {k: (o.finished, [(c.text, c.token_ids, c.logprobs, c.finish_reason, c.stop_reason)
+                                 for c in o.outputs]) for k, o in last.items()}, counts
+
+    cumulative, cumulative_counts = run(RequestOutputKind.CUMULATIVE)
+    final, final_counts = run(RequestOutputKind.FINAL_ONLY)
+    assert "r1" not in final and set(final) == set(cumulative) - {"r1"}
+    assert all(count == 1 for count in final_counts.values()) and max(cumulative_counts.values()) > 10
+    assert final == {k: v for k, v in cumulative.items() if k != "r1"}
+    assert all(done and any(text for text, *_ in samples) for done, samples in final.values())

@@ -145,6 +145,23 @@ def test_stream_deltas_add_up(llm):
     assert sorted(texts(final.values())) == sorted(o.outputs[0].text for o in last.values())
 
 
+def test_generate_with_async_scheduling_ends_as_a_stream_does():
+    """generate() asks for one output a request, at its end. With async scheduling, a step that reads a launched
+    step's tokens and cannot launch the next (here: no page for it without preempting) reports nothing and
+    schedules nothing, and must not read as a stalled engine."""
+    llm = LLM("tiny", max_model_len=512, num_pages=30, async_scheduling=True)
+    prompts = [[1 + i] * (60 + 30 * i) for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    generated = llm.generate(prompts, params, use_tqdm=False)
+    assert llm.engine.stats()["preemptions"] >= 1 and llm.engine.stats()["overlapped_steps"] >= 20
+    streamed = {}
+    for out in llm.stream(prompts, params):
+        streamed[tuple(out.prompt_token_ids)] = out.outputs[0].token_ids
+    assert [o.outputs[0].token_ids for o in generated] == [streamed[tuple(p)] for p in prompts]
+    assert all(len(o.outputs[0].token_ids) == 60 and o.outputs[0].text for o in generated)
+    llm.engine.check_idle()
+
+
 def test_closing_a_stream_early_aborts(llm):
     stream = llm.stream(["Hello", "again"], SamplingParams(temperature=0, max_tokens=200))
     first = next(stream)

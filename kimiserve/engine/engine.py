@@ -171,7 +171,8 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE, lora_name: str | None = None) -> None:
         """Queue a request; every check runs before anything is allocated (ValueError on bad input).
-        `output_kind`: whether its outputs hold everything so far or only what is new (DELTA).
+        `output_kind`: whether its outputs hold everything so far, only what is new (DELTA), or come once, at
+        the end (FINAL_ONLY).
         `lora_name`: a loaded LoRA adapter to run it with (None: the base model)."""
         lora_id = self._lora_id(lora_name)
         params = params or SamplingParams()
@@ -312,6 +313,11 @@ class LLMEngine:
     def num_compiling(self) -> int:
         """Requests waiting for their grammar to compile (a step may then schedule nothing)."""
         return len(self._compiling)
+
+    @property
+    def step_in_flight(self) -> bool:
+        """A launched step's tokens are still to be read: the next `step()` postprocesses them (async scheduling)."""
+        return self._in_flight is not None
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work
@@ -687,6 +693,8 @@ class LLMEngine:
             return None
         out = None
         if group.error is None:
+            if group.output_kind is RequestOutputKind.FINAL_ONLY and not group.finished:
+                return None
             try:
                 out = self._progress_output(request_id, group)
             except Exception as exc:  # noqa: BLE001 - detokenising this request failed: it fails alone

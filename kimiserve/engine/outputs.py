@@ -17,6 +17,9 @@ class RequestOutputKind(enum.Enum):
     """Only what is new since the request's previous output: text, token_ids and logprobs are the
     delta, prompt_logprobs come once, in the first output. The engine keeps no copy of what it has
     reported, so a long stream costs memory in proportion to what is unread, not to its square."""
+    FINAL_ONLY = "final_only"
+    """One output, when the request finishes (or fails), holding everything as CUMULATIVE's last would; no
+    output while it runs, so a step does not copy each request's tokens and text (`LLM.generate`'s kind)."""
 
 
 @dataclass

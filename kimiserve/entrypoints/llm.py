@@ -21,7 +21,7 @@ from typing import Any, Union
 
 from kimiserve.engine.args import EngineArgs
 from kimiserve.engine.engine import LLMEngine
-from kimiserve.engine.outputs import RequestOutput
+from kimiserve.engine.outputs import RequestOutput, RequestOutputKind
 from kimiserve.sampling_params import SamplingParams
 from kimiserve.utils.progress import ProgressBar
 
@@ -67,7 +67,7 @@ class LLM:
         """
         prompts = _as_prompts(prompts)
         params = _as_params(sampling_params, len(prompts))
-        return self._run(self._add_all(prompts, params, lora_request), use_tqdm)
+        return self._run(self._add_all(prompts, params, lora_request, RequestOutputKind.FINAL_ONLY), use_tqdm)
 
     def chat(self, messages: Conversation | Sequence[Conversation],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -103,7 +103,8 @@ class LLM:
         ids = self._add_all(prompts, params)
         yield from self._steps(ids)
 
-    def _add_all(self, prompts: list, params: list[SamplingParams], lora_request: str | None = None) -> list[str]:
+    def _add_all(self, prompts: list, params: list[SamplingParams], lora_request: str | None = None,
+                 output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> list[str]:
         """Add every request, or none: if one is refused, abort those already added and re-raise."""
         if self._engine.has_unfinished_requests():
             raise RuntimeError("this LLM is still running requests of an earlier call (an unfinished stream()?): "
@@ -112,7 +113,7 @@ class LLM:
         for i, (prompt, p) in enumerate(zip(prompts, params)):
             request_id = str(next(self._request_ids))
             try:
-                self._engine.add_request(request_id, prompt, p, lora_name=lora_request)
+                self._engine.add_request(request_id, prompt, p, output_kind, lora_name=lora_request)
             except BaseException as e:
                 for added in ids:
                     self._engine.abort_request(added)
@@ -128,9 +129,10 @@ class LLM:
         pending = set(ids)
         try:
             while pending:
-                before = self._engine.num_steps
+                before, in_flight = self._engine.num_steps, self._engine.step_in_flight
                 outputs = self._engine.step()
-                if not outputs and self._engine.num_steps == before and not self._engine.num_compiling:
+                stalled = self._engine.num_steps == before and not in_flight and not self._engine.num_compiling
+                if not outputs and stalled:
                     raise RuntimeError(f"the engine scheduled nothing while {len(pending)} requests wait")
                 for out in outputs:
                     if out.request_id in pending:
