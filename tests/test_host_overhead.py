@@ -59,3 +59,18 @@ def test_host_overhead_runs_another_model(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(out.read_text())
     assert data["model"] == "kimi-demo" and data["rows"][0]["batch"] == 1
+
+
+def test_output_kinds_cpu(tmp_path):
+    """benchmarks/output_kinds.py: every output kind's generation runs to its end, each repeat as many steps."""
+    out = tmp_path / "kinds.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "output_kinds.py"), "--batch", "3",
+                           "--tokens", "20", "--repeats", "2", "--out", str(out)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert set(data["rows"]) == {"cumulative", "delta", "final_only"}
+    steps = {r["steps"] for runs in data["rows"].values() for r in runs}
+    assert len(steps) == 1 and steps.pop() >= 20
+    assert all(r["mean_ms"] > 0 for runs in data["rows"].values() for r in runs)
