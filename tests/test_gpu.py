@@ -161,8 +161,8 @@ def test_small_preset_kernels_teacher_forced_5000_tokens(capsys, kv):
     from kimiserve.sampling_params import SamplingParams
 
     if torch.cuda.get_device_properties(0).total_memory < 100 * 2**30:
-        pytest.skip("the reference engines' 2048-token prefill chunks need more memory than this GPU has (on an "
-                    "80 GB H100 the first one ran out at 78 GiB; it passes on a 141 GB H200)")
+        pytest.skip("the float32 reference engine's 2048-token prefill chunks need more memory than this GPU has "
+                    "(on an 80 GB H100 it ran out at 78 GiB; the test passes on a 141 GB H200)")
     steps = 64
     kw = dict(model="small", device="cuda", max_model_len=8192, num_pages=None, kv_cache_memory_gib=8,
               max_num_batched_tokens=2048, enable_prefix_caching=False)
