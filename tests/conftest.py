@@ -25,9 +25,9 @@ def _seed():
 @pytest.fixture(autouse=True)
 def _free_gpu_memory():
     """After each test on a CUDA machine: collect the engines a test left in reference cycles and hand their
-    cached blocks back, so the next test finds the card empty. Without it the `small` preset's engines of
-    one test (weights + a cache pool sized from free memory) stay until the collector happens to run, and
-    on an 80 GB card the next test's engine ran out of memory (session 24, test_gpu.py)."""
+    cached blocks back, so the next test finds the card empty rather than holding a `small` preset engine
+    (weights + cache pool) until the collector happens to run. (Session 24 blamed the teacher-forced tests'
+    out-of-memory on an 80 GB H100 on this; session 25 found they run out on their own there.)"""
     yield
     if torch.cuda.is_available():
         gc.collect()
