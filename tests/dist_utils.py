@@ -20,15 +20,38 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import random
 import socket
 import traceback
 from datetime import timedelta
 
 
+def _ephemeral_ports() -> range:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(x) for x in f.read().split())
+        return range(low, high + 1)
+    except (OSError, ValueError):
+        return range(32768, 61000)  # Linux's default
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port that is free now and outside the kernel's ephemeral range, drawn at random. A port
+    the kernel hands out (bind to 0) can be handed out again, to a gloo connection or an HTTP client, in the
+    seconds before the test's process binds it (seen in CI: a server's HTTP port taken while its ranks
+    connected); a port below the ephemeral range is never handed out that way, only drawn by another test."""
+    ephemeral = _ephemeral_ports()
+    candidates = range(10000, ephemeral.start) if ephemeral.start > 12000 else range(ephemeral.stop, 65536)
+    draw = random.SystemRandom()
+    for _ in range(100):
+        port = draw.choice(candidates)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free loopback port found in {candidates}")
 
 
 GROUP_TIMEOUT = 600.0

@@ -12,7 +12,6 @@ import contextlib
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -21,15 +20,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+from dist_utils import free_port  # noqa: F401 - the tests import it from here too
 
 ROOT = Path(__file__).resolve().parent.parent
 LIGHT_SERVER = ("--model", "tiny", "--max-model-len", "256", "--num-pages", "3000", "--max-num-seqs", "64")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ServerProcess:
@@ -79,32 +73,43 @@ def _wait_healthy(server: ServerProcess, timeout: float) -> None:
     raise RuntimeError(f"the server did not become healthy in {timeout}s:\n{server.stderr()}")
 
 
+def _start(launcher: tuple[str, ...], args: tuple[str, ...], env: dict[str, str], out: Path,
+           err: Path) -> ServerProcess:
+    port = free_port()
+    with open(out, "wb") as fo, open(err, "wb") as fe:
+        proc = subprocess.Popen([sys.executable, *launcher, "serve", "--host", "127.0.0.1", "--port", str(port),
+                                 "--disable-uvicorn-access-log", *args], cwd=ROOT, env=env, stdout=fo, stderr=fe)
+    return ServerProcess(proc, port, out, err)
+
+
 @contextlib.contextmanager
 def running_server(*args: str, env: dict[str, str] | None = None, check_exit: bool = True,
                    startup_timeout: float = 120.0,
                    launcher: tuple[str, ...] = ("-m", "kimiserve.entrypoints.cli")) -> Iterator[ServerProcess]:
     """Start `python -m kimiserve.entrypoints.cli serve --port FREE ARGS` (or `python LAUNCHER serve ...`),
-    wait for /health, yield it; afterwards SIGTERM it (unless it has exited) and (check_exit) require
+    wait for /health (started again on another port if the drawn one was taken first), yield it; afterwards SIGTERM it (unless it has exited) and (check_exit) require
     exit code 0 and a clean stderr. The model is the random `tiny` preset unless ARGS give --model."""
     if "--model" not in args:
         args = ("--model", "tiny", *args)
-    port = free_port()
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
     with tempfile.TemporaryDirectory() as tmp:
-        out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
-        with open(out, "wb") as fo, open(err, "wb") as fe:
-            proc = subprocess.Popen(
-                [sys.executable, *launcher, "serve", "--host", "127.0.0.1", "--port",
-                 str(port), "--disable-uvicorn-access-log", *args],
-                cwd=ROOT, env=full_env, stdout=fo, stderr=fe)
-        server = ServerProcess(proc, port, out, err)
+        for attempt in range(3):  # another test may draw the same port and bind it first
+            server = _start(launcher, args, full_env, Path(tmp) / f"stdout{attempt}", Path(tmp) / f"stderr{attempt}")
+            try:
+                _wait_healthy(server, startup_timeout)
+                break
+            except RuntimeError:
+                if server.proc.poll() is None:
+                    server.proc.kill()
+                    server.proc.wait()
+                if attempt == 2 or "address already in use" not in server.stderr():
+                    raise
         try:
-            _wait_healthy(server, startup_timeout)
             yield server
         except BaseException:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+            if server.proc.poll() is None:
+                server.proc.kill()
+                server.proc.wait()
             raise
         code = server.terminate()
         if check_exit:
