@@ -192,8 +192,9 @@ def separate_kernel_ops(ops: DecodeOps) -> DecodeOps:
 
 
 def shared_expert_overlap_ops(ops: DecodeOps) -> DecodeOps:
-    """`ops` with `overlap_shared_experts` (opt-in, not yet timed: `benchmarks/e2e_step.py --shared-experts
-    serial,overlap`); `dataclasses.replace(ops, overlap_shared_experts=False)` is the other side of the A/B."""
+    """`ops` with `overlap_shared_experts` (opt-in: on one H100 the `small` preset's decode step gained nothing
+    from it at batch 1 or 64, BENCHMARKS.md session 26, `benchmarks/e2e_step.py --shared-experts serial,overlap`);
+    `dataclasses.replace(ops, overlap_shared_experts=False)` is the other side of the A/B."""
     return dataclasses.replace(ops, name=f"{ops.name}+shared-overlap", overlap_shared_experts=True)
 
 
