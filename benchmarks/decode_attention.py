@@ -26,6 +26,7 @@ import json
 import math
 import os
 import sys
+import tempfile
 import traceback
 from types import SimpleNamespace
 
@@ -263,8 +264,13 @@ def main() -> int:
                         help="skip the naive version above batch * context tokens (it gathers the whole cache)")
     parser.add_argument("--cpu-smoke", action="store_true",
                         help="the reference ops on the tiny preset on the CPU (a plumbing check, no useful figures)")
-    parser.add_argument("--out", default="benchmarks/results/decode_attention.json")
+    parser.add_argument("--out", default=None,
+                        help="the JSON (default benchmarks/results/decode_attention.json; a CPU smoke run's "
+                             "under the temp dir)")
     args = parser.parse_args()
+    if args.out is None:  # a CPU smoke run never writes over the GPU results
+        args.out = (os.path.join(tempfile.gettempdir(), "decode_attention_smoke.json") if args.cpu_smoke
+                    else "benchmarks/results/decode_attention.json")
     if args.cpu_smoke:
         torch.set_num_threads(1)
         device, preset, ops = "cpu", "tiny", reference_ops()

@@ -53,6 +53,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 
 import torch
@@ -370,8 +371,12 @@ def main() -> int:
                         "default)")
     p.add_argument("--quick", action="store_true", help="the same rows, 8 timed steps and 1 expert-count step each")
     p.add_argument("--dry-run", action="store_true", help="tiny preset on the CPU, small sizes")
-    p.add_argument("--out", default="benchmarks/results/e2e_step.json")
+    p.add_argument("--out", default=None,
+                   help="the JSON (default benchmarks/results/e2e_step.json; a CPU smoke run's under the temp dir)")
     args = p.parse_args()
+    if args.out is None:  # a CPU smoke run never writes over the GPU results
+        args.out = (os.path.join(tempfile.gettempdir(), "e2e_step_smoke.json") if args.dry_run
+                    else "benchmarks/results/e2e_step.json")
     if args.moe == "torch":
         os.environ["KIMISERVE_MOE"] = "torch"
     count_steps = 2

@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 
 import torch
 
@@ -69,8 +70,13 @@ def main() -> int:
     p.add_argument("--source-tokens", type=int, default=4096)
     p.add_argument("--cache-gib", type=float, default=30.0)
     p.add_argument("--dry-run", action="store_true", help="tiny widths on the CPU")
-    p.add_argument("--out", default="benchmarks/results/k31_rank_step.json")
+    p.add_argument("--out", default=None,
+                   help="the JSON (default benchmarks/results/k31_rank_step.json; a CPU smoke run's "
+                        "under the temp dir)")
     args = p.parse_args()
+    if args.out is None:  # a CPU smoke run never writes over the GPU results
+        args.out = (os.path.join(tempfile.gettempdir(), "k31_rank_step_smoke.json") if args.dry_run
+                    else "benchmarks/results/k31_rank_step.json")
     preset, base = "kimi-k3.1-pro", {}
     if args.dry_run:  # tiny_parallel_config: every split divides by 4
         preset, args.tp, args.context, args.steps, args.source_tokens = "tiny", 4, 300, 3, 130

@@ -27,6 +27,7 @@ import datetime
 import json
 import os
 import sys
+import tempfile
 from types import SimpleNamespace
 
 import torch
@@ -197,8 +198,12 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="decode batches 1,8 and one 1x512 prefill")
     parser.add_argument("--cpu-smoke", action="store_true",
                         help="the reference ops on the tiny preset on the CPU (a plumbing check, no useful figures)")
-    parser.add_argument("--out", default="benchmarks/results/kda.json")
+    parser.add_argument("--out", default=None,
+                        help="the JSON (default benchmarks/results/kda.json; a CPU smoke run's under the temp dir)")
     args = parser.parse_args()
+    if args.out is None:  # a CPU smoke run never writes over the GPU results
+        args.out = (os.path.join(tempfile.gettempdir(), "kda_smoke.json") if args.cpu_smoke
+                    else "benchmarks/results/kda.json")
     if args.cpu_smoke:
         torch.set_num_threads(1)
         device, config, ops = "cpu", load_preset("tiny"), reference_ops()

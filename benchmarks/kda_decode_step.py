@@ -33,6 +33,7 @@ import functools
 import json
 import os
 import sys
+import tempfile
 
 import torch
 
@@ -108,8 +109,13 @@ def main() -> int:
                         "REV:kimiserve/ops/kda/triton_decode.py > old.py`): each one's single kernel timed beside as "
                         "'fused (<file name>)'")
     parser.add_argument("--cpu-smoke", action="store_true")
-    parser.add_argument("--out", default="benchmarks/results/kda_decode_step.json")
+    parser.add_argument("--out", default=None,
+                        help="the JSON (default benchmarks/results/kda_decode_step.json; a CPU smoke run's "
+                             "under the temp dir)")
     args = parser.parse_args()
+    if args.out is None:  # a CPU smoke run never writes over the GPU results
+        args.out = (os.path.join(tempfile.gettempdir(), "kda_decode_step_smoke.json") if args.cpu_smoke
+                    else "benchmarks/results/kda_decode_step.json")
     K, W = 128, 4
     if args.cpu_smoke:  # the interpreter with the tests' patches (a loop bound from a scalar, float casts)
         sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))

@@ -54,6 +54,7 @@ import datetime
 import json
 import os
 import sys
+import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -483,8 +484,13 @@ def _main(argv: list[str] | None, clocks: ClockLog) -> int:
     parser.add_argument("--align-pairs", type=int, default=moe_align.ALIGN_SMALL_PAIRS,
                         help="pairs up to which the align is one program, and the chunk of its chunked kernels above "
                              "(a power of two; patches ops.moe.align.ALIGN_SMALL_PAIRS in this process: an A/B)")
-    parser.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "moe_layer.json"))
+    parser.add_argument("--out", default=None,
+                        help="the JSON (default benchmarks/results/moe_layer.json; a CPU smoke run's "
+                             "under the temp dir)")
     args = parser.parse_args(argv)
+    if args.out is None:  # a CPU smoke run never writes over the GPU results
+        args.out = (os.path.join(tempfile.gettempdir(), "moe_layer_smoke.json") if args.dry_run
+                    else os.path.join(REPO, "benchmarks", "results", "moe_layer.json"))
     if args.align_pairs < 16 or args.align_pairs & (args.align_pairs - 1):
         parser.error(f"--align-pairs must be a power of two >= 16, got {args.align_pairs}")
     moe_align.ALIGN_SMALL_PAIRS = args.align_pairs

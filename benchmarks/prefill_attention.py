@@ -20,6 +20,7 @@ import datetime
 import json
 import os
 import sys
+import tempfile
 import traceback
 
 import torch
@@ -149,10 +150,15 @@ def main() -> int:
     p.add_argument("--rows", type=int, default=None, help="query rows (default: the engine's step at each context)")
     p.add_argument("--kv-cache-dtype", default="fp8")
     p.add_argument("--repeats", type=int, default=10)
-    p.add_argument("--out", default="benchmarks/results/prefill_attention.json")
+    p.add_argument("--out", default=None,
+                   help="the JSON (default benchmarks/results/prefill_attention.json; a CPU smoke run's "
+                        "under the temp dir)")
     p.add_argument("--cpu-smoke", action="store_true",
                    help="tiny preset, 300 tokens, 7 rows, on the CPU (run under TRITON_INTERPRET=1): the plumbing only")
     args = p.parse_args()
+    if args.out is None:  # a CPU smoke run never writes over the GPU results
+        args.out = (os.path.join(tempfile.gettempdir(), "prefill_attention_smoke.json") if args.cpu_smoke
+                    else "benchmarks/results/prefill_attention.json")
     device = "cpu" if args.cpu_smoke else "cuda"
     if args.cpu_smoke:
         args.preset, args.contexts, args.rows, args.repeats = "tiny", "300", 7, 1

@@ -72,11 +72,15 @@ KDA_ROW_KEYS = {"phase", "batch", "seq_len", "tokens", "paged_ms", "plain_ms", "
 
 def test_kda_cpu_smoke(tmp_path):
     """benchmarks/kda.py --cpu-smoke: the reference ops on tiny sizes, every row complete; the paged and
-    plain paths agree (both are the references here)."""
-    out = tmp_path / "kda.json"
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "kda.py"), "--cpu-smoke", "--out", str(out)],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    plain paths agree (both are the references here). Without --out a smoke run writes under the temp dir,
+    never over the GPU results in benchmarks/results."""
+    out = tmp_path / "kda_smoke.json"
+    results = REPO / "benchmarks" / "results" / "kda.json"
+    before = results.read_bytes() if results.exists() else None
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "kda.py"), "--cpu-smoke"], cwd=REPO,
+                          env={**os.environ, "TMPDIR": str(tmp_path)}, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (results.read_bytes() if results.exists() else None) == before
     assert "paged/plain" in proc.stdout
     data = json.loads(out.read_text())
     assert data["device"] == "cpu" and data["cpu_smoke"] is True and data["commit"] and data["date"]
