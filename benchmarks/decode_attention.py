@@ -26,7 +26,6 @@ import json
 import math
 import os
 import sys
-import tempfile
 import traceback
 from types import SimpleNamespace
 
@@ -42,7 +41,7 @@ from kimiserve.ops.mla import reference as mla_ref  # noqa: E402
 from kimiserve.ops.quant.reference import hadamard  # noqa: E402
 from kimiserve.ops.topk.reference import topk_reference  # noqa: E402
 from kimiserve.utils.cuda_timing import cuda_time, graph_time, wall_time  # noqa: E402
-from kimiserve.utils.run_info import git_commit  # noqa: E402
+from kimiserve.utils.run_info import git_commit, results_path  # noqa: E402
 
 KV_CACHE_DTYPES = ("fp8", "fp4")
 INDEX_BYTES = 132  # fp8 key + fp32 scale per token (fp4: 68, see `read_bytes`); sweep_decode.py imports these
@@ -268,9 +267,7 @@ def main() -> int:
                         help="the JSON (default benchmarks/results/decode_attention.json; a CPU smoke run's "
                              "under the temp dir)")
     args = parser.parse_args()
-    if args.out is None:  # a CPU smoke run never writes over the GPU results
-        args.out = (os.path.join(tempfile.gettempdir(), "decode_attention_smoke.json") if args.cpu_smoke
-                    else "benchmarks/results/decode_attention.json")
+    args.out = args.out or results_path("decode_attention.json", smoke=args.cpu_smoke)
     if args.cpu_smoke:
         torch.set_num_threads(1)
         device, preset, ops = "cpu", "tiny", reference_ops()

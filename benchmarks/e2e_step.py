@@ -53,7 +53,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 import torch
@@ -66,7 +65,7 @@ from kimiserve.engine.engine import LLMEngine  # noqa: E402
 from kimiserve.model.expert_layout import moe_layouts  # noqa: E402
 from kimiserve.model.inspect import count_params, index_key_bytes, kda_state_bytes_per_layer, latent_bytes  # noqa: E402
 from kimiserve.sampling_params import SamplingParams  # noqa: E402
-from kimiserve.utils.run_info import git_commit  # noqa: E402
+from kimiserve.utils.run_info import git_commit, results_path  # noqa: E402
 
 
 def use_moe_config(spec: str | None, regime: str = "decode") -> None:
@@ -374,9 +373,7 @@ def main() -> int:
     p.add_argument("--out", default=None,
                    help="the JSON (default benchmarks/results/e2e_step.json; a CPU smoke run's under the temp dir)")
     args = p.parse_args()
-    if args.out is None:  # a CPU smoke run never writes over the GPU results
-        args.out = (os.path.join(tempfile.gettempdir(), "e2e_step_smoke.json") if args.dry_run
-                    else "benchmarks/results/e2e_step.json")
+    args.out = args.out or results_path("e2e_step.json", smoke=args.dry_run)
     if args.moe == "torch":
         os.environ["KIMISERVE_MOE"] = "torch"
     count_steps = 2

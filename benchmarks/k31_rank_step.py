@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 
 import torch
 
@@ -43,6 +42,7 @@ from e2e_step import copy_gbps, decode_row, ints, matmul_tflops, print_decode, r
 from kimiserve.config import tiny_parallel_config  # noqa: E402
 from kimiserve.engine.args import EngineArgs  # noqa: E402
 from kimiserve.engine.engine import LLMEngine  # noqa: E402
+from kimiserve.utils.run_info import results_path  # noqa: E402
 
 FULL_LAYERS = 93
 
@@ -74,9 +74,7 @@ def main() -> int:
                    help="the JSON (default benchmarks/results/k31_rank_step.json; a CPU smoke run's "
                         "under the temp dir)")
     args = p.parse_args()
-    if args.out is None:  # a CPU smoke run never writes over the GPU results
-        args.out = (os.path.join(tempfile.gettempdir(), "k31_rank_step_smoke.json") if args.dry_run
-                    else "benchmarks/results/k31_rank_step.json")
+    args.out = args.out or results_path("k31_rank_step.json", smoke=args.dry_run)
     preset, base = "kimi-k3.1-pro", {}
     if args.dry_run:  # tiny_parallel_config: every split divides by 4
         preset, args.tp, args.context, args.steps, args.source_tokens = "tiny", 4, 300, 3, 130

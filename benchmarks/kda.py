@@ -27,7 +27,6 @@ import datetime
 import json
 import os
 import sys
-import tempfile
 from types import SimpleNamespace
 
 import torch
@@ -41,7 +40,7 @@ from kimiserve.ops.kda import paged as paged_ref  # noqa: E402
 from kimiserve.ops.kda.reference import chunk_kda, kda_gate, recurrent_kda  # noqa: E402
 from kimiserve.ops.norm.reference import l2_normalize  # noqa: E402
 from kimiserve.utils.cuda_timing import cuda_time, graph_time, wall_time  # noqa: E402
-from kimiserve.utils.run_info import git_commit  # noqa: E402
+from kimiserve.utils.run_info import git_commit, results_path  # noqa: E402
 
 
 def reference_ops() -> SimpleNamespace:
@@ -201,9 +200,7 @@ def main() -> int:
     parser.add_argument("--out", default=None,
                         help="the JSON (default benchmarks/results/kda.json; a CPU smoke run's under the temp dir)")
     args = parser.parse_args()
-    if args.out is None:  # a CPU smoke run never writes over the GPU results
-        args.out = (os.path.join(tempfile.gettempdir(), "kda_smoke.json") if args.cpu_smoke
-                    else "benchmarks/results/kda.json")
+    args.out = args.out or results_path("kda.json", smoke=args.cpu_smoke)
     if args.cpu_smoke:
         torch.set_num_threads(1)
         device, config, ops = "cpu", load_preset("tiny"), reference_ops()

@@ -33,14 +33,13 @@ import functools
 import json
 import os
 import sys
-import tempfile
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kimiserve.ops.kda import paged  # noqa: E402
-from kimiserve.utils.run_info import git_commit  # noqa: E402
+from kimiserve.utils.run_info import git_commit, results_path  # noqa: E402
 
 
 def make_case(B: int, H: int, K: int, W: int, device: str, gen: torch.Generator):
@@ -113,9 +112,7 @@ def main() -> int:
                         help="the JSON (default benchmarks/results/kda_decode_step.json; a CPU smoke run's "
                              "under the temp dir)")
     args = parser.parse_args()
-    if args.out is None:  # a CPU smoke run never writes over the GPU results
-        args.out = (os.path.join(tempfile.gettempdir(), "kda_decode_step_smoke.json") if args.cpu_smoke
-                    else "benchmarks/results/kda_decode_step.json")
+    args.out = args.out or results_path("kda_decode_step.json", smoke=args.cpu_smoke)
     K, W = 128, 4
     if args.cpu_smoke:  # the interpreter with the tests' patches (a loop bound from a scalar, float casts)
         sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))

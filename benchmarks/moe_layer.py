@@ -54,7 +54,6 @@ import datetime
 import json
 import os
 import sys
-import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -74,7 +73,7 @@ from kimiserve.ops.moe import triton as tt  # noqa: E402
 from kimiserve.ops.moe.reference import fused_moe_reference  # noqa: E402
 from kimiserve.ops.quant.reference import dequantize_mxfp4  # noqa: E402
 from kimiserve.utils.cuda_timing import cuda_time, graph_time, wall_time  # noqa: E402
-from kimiserve.utils.run_info import git_commit  # noqa: E402
+from kimiserve.utils.run_info import git_commit, results_path  # noqa: E402
 
 from gpu_clocks import ClockLog, summarize  # noqa: E402  (benchmarks/, on sys.path as the script's folder)
 from moe_specs import config_spec, default_with_options, parse_variant, with_options  # noqa: E402,F401
@@ -488,9 +487,7 @@ def _main(argv: list[str] | None, clocks: ClockLog) -> int:
                         help="the JSON (default benchmarks/results/moe_layer.json; a CPU smoke run's "
                              "under the temp dir)")
     args = parser.parse_args(argv)
-    if args.out is None:  # a CPU smoke run never writes over the GPU results
-        args.out = (os.path.join(tempfile.gettempdir(), "moe_layer_smoke.json") if args.dry_run
-                    else os.path.join(REPO, "benchmarks", "results", "moe_layer.json"))
+    args.out = args.out or results_path("moe_layer.json", smoke=args.dry_run)
     if args.align_pairs < 16 or args.align_pairs & (args.align_pairs - 1):
         parser.error(f"--align-pairs must be a power of two >= 16, got {args.align_pairs}")
     moe_align.ALIGN_SMALL_PAIRS = args.align_pairs

@@ -20,7 +20,6 @@ import datetime
 import json
 import os
 import sys
-import tempfile
 import traceback
 
 import torch
@@ -32,7 +31,7 @@ from decode_attention import build_case  # noqa: E402
 from kimiserve.config import load_preset  # noqa: E402
 from kimiserve.model.mla import PREFILL_SCORE_BYTES  # noqa: E402
 from kimiserve.utils.cuda_timing import cuda_time, wall_time  # noqa: E402
-from kimiserve.utils.run_info import git_commit  # noqa: E402
+from kimiserve.utils.run_info import git_commit, results_path  # noqa: E402
 
 # (block_h, block_n, num_warps, num_stages, reload) tilings of the sparse kernel tried at prefill shapes
 # (128-head blocks on 16 warps do not compile for sm_90: ptxas needs ~158 registers a thread, 16 warps allow 128)
@@ -156,9 +155,7 @@ def main() -> int:
     p.add_argument("--cpu-smoke", action="store_true",
                    help="tiny preset, 300 tokens, 7 rows, on the CPU (run under TRITON_INTERPRET=1): the plumbing only")
     args = p.parse_args()
-    if args.out is None:  # a CPU smoke run never writes over the GPU results
-        args.out = (os.path.join(tempfile.gettempdir(), "prefill_attention_smoke.json") if args.cpu_smoke
-                    else "benchmarks/results/prefill_attention.json")
+    args.out = args.out or results_path("prefill_attention.json", smoke=args.cpu_smoke)
     device = "cpu" if args.cpu_smoke else "cuda"
     if args.cpu_smoke:
         args.preset, args.contexts, args.rows, args.repeats = "tiny", "300", 7, 1

@@ -87,8 +87,9 @@ def running_server(*args: str, env: dict[str, str] | None = None, check_exit: bo
                    startup_timeout: float = 120.0,
                    launcher: tuple[str, ...] = ("-m", "kimiserve.entrypoints.cli")) -> Iterator[ServerProcess]:
     """Start `python -m kimiserve.entrypoints.cli serve --port FREE ARGS` (or `python LAUNCHER serve ...`),
-    wait for /health (started again on another port if the drawn one was taken first), yield it; afterwards SIGTERM it (unless it has exited) and (check_exit) require
-    exit code 0 and a clean stderr. The model is the random `tiny` preset unless ARGS give --model."""
+    wait for /health (started again on another port if the drawn one was taken first), yield it; afterwards
+    SIGTERM it (unless it has exited) and (check_exit) require exit code 0 and a clean stderr. The model is
+    the random `tiny` preset unless ARGS give --model."""
     if "--model" not in args:
         args = ("--model", "tiny", *args)
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}

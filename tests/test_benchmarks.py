@@ -74,7 +74,7 @@ def test_kda_cpu_smoke(tmp_path):
     """benchmarks/kda.py --cpu-smoke: the reference ops on tiny sizes, every row complete; the paged and
     plain paths agree (both are the references here). Without --out a smoke run writes under the temp dir,
     never over the GPU results in benchmarks/results."""
-    out = tmp_path / "kda_smoke.json"
+    out = tmp_path / "smoke_kda.json"
     results = REPO / "benchmarks" / "results" / "kda.json"
     before = results.read_bytes() if results.exists() else None
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "kda.py"), "--cpu-smoke"], cwd=REPO,
